@@ -1,0 +1,16 @@
+# The two set-up commands of the README. Each creates what it needs on a fresh machine.
+.PHONY: demo test venv oracle-venv
+
+PYTEST_ARGS ?=
+
+demo: venv
+	.venv/bin/k3jax demo
+
+test: venv oracle-venv
+	.venv/bin/python -m pytest $(PYTEST_ARGS)
+
+venv:
+	@scripts/ensure-venv jax
+
+oracle-venv:
+	@scripts/ensure-venv oracle

@@ -1,0 +1,172 @@
+"""User-facing model object: compiled full forward, prefill and single-token decode.
+
+    model = k3jax.load(path, dtype="bfloat16")
+    logits = model.logits(token_ids)                      # [B, T, Vocab] fp32
+    logits, state = model.prefill(token_ids)              # [B, Vocab] (last position), DecodeState
+    logits, state = model.decode_step(state, next_ids)    # [B, Vocab], DecodeState
+
+Rows of a batch are LEFT-padded: pass `attention_mask` [B, T] (1 = real token) with padding
+before the real tokens. `decode_step` donates the state it is given (its buffers are reused).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.model import KimiForCausalLM
+from k3jax.state import DecodeState, SeqInfo, init_decode_state
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_CACHE_BUCKET = 128
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+        return jnp.dtype(DTYPES[dtype])
+    dt = jnp.dtype(dtype)
+    if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        raise ValueError(f"unsupported dtype {dt}; expected float32 or bfloat16")
+    return dt
+
+
+def _forward_logits(graphdef, params, tokens, valid):
+    model = nnx.merge(graphdef, params)
+    hidden, _ = model(tokens, SeqInfo.make(valid), None, fresh=True)
+    return model.logits(hidden)
+
+
+def _prefill(graphdef, params, tokens, valid, state, *, fresh: bool, all_logits: bool):
+    model = nnx.merge(graphdef, params)
+    hidden, state = model(tokens, SeqInfo.make(valid, state.lengths), state, fresh=fresh)
+    logits = model.logits(hidden if all_logits else hidden[:, -1])
+    return logits, state
+
+
+def _decode(graphdef, params, state, tokens_B):
+    model = nnx.merge(graphdef, params)
+    seq = SeqInfo.make(jnp.ones((tokens_B.shape[0], 1), bool), state.lengths)
+    hidden, state = model(tokens_B[:, None], seq, state, fresh=False)
+    return model.logits(hidden[:, 0]), state
+
+
+class CausalLM:
+    """A loaded model with compiled entry points. Build with `k3jax.load` or `CausalLM.random`."""
+
+    def __init__(self, module: KimiForCausalLM, config: ModelConfig):
+        self.config = config
+        self.graphdef, self.params = nnx.split(module)
+        self.dtype = self.params["model"]["embed_tokens"]["embedding"][...].dtype
+        self._logits = jax.jit(functools.partial(_forward_logits, self.graphdef))
+        self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), static_argnames=("fresh", "all_logits"))
+        self._decode = jax.jit(functools.partial(_decode, self.graphdef), donate_argnames=("state",))
+
+    @classmethod
+    def random(cls, config: ModelConfig, *, seed: int = 0, dtype="float32") -> "CausalLM":
+        """A model with deterministic random weights (tests, demos, benchmarks)."""
+        module = KimiForCausalLM(config, dtype=resolve_dtype(dtype), rngs=nnx.Rngs(seed))
+        return cls(module, config)
+
+    @property
+    def module(self) -> KimiForCausalLM:
+        return nnx.merge(self.graphdef, self.params)
+
+    # ----- input checks (host side, before anything is dispatched) -----
+    def _check_tokens(self, token_ids, name: str = "token_ids") -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.size == 0:
+            raise ValueError(f"{name} is empty")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:
+            raise ValueError(f"{name} holds id {int(bad.flat[0])} outside the vocabulary [0, {self.config.vocab_size})")
+        return ids.astype(np.int32)
+
+    def _check_batch(self, token_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
+        ids = self._check_tokens(token_ids)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2:
+            raise ValueError(f"token_ids must be [B, T] (or [T]), got shape {ids.shape}")
+        if attention_mask is None:
+            return ids, np.ones(ids.shape, bool)
+        mask = np.asarray(attention_mask)
+        if mask.ndim == 1:
+            mask = mask[None]
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask shape {mask.shape} does not match token_ids shape {ids.shape}")
+        if not np.isin(mask, (0, 1)).all():
+            raise ValueError("attention_mask must contain only 0 and 1")
+        mask = mask.astype(bool)
+        if not mask.any(axis=1).all():
+            raise ValueError(f"attention_mask row {int(np.argmin(mask.any(axis=1)))} has no real token")
+        if (np.diff(mask.astype(np.int8), axis=1) < 0).any():
+            raise ValueError("attention_mask must be left-padded (padding before the real tokens of each row)")
+        return ids, mask
+
+    # ----- public API -----
+    def init_state(self, batch_size: int, max_len: int) -> DecodeState:
+        """A fresh state for `batch_size` rows and up to `max_len` tokens per row."""
+        if max_len > self.config.max_position_embeddings:
+            raise ValueError(f"max_len {max_len} exceeds the model's context limit "
+                             f"{self.config.max_position_embeddings}")
+        return init_decode_state(self.config, batch_size, max_len, self.dtype)
+
+    def logits(self, token_ids, attention_mask=None) -> jax.Array:
+        """Full forward. token_ids [B, T] -> logits [B, T, Vocab] float32."""
+        ids, mask = self._check_batch(token_ids, attention_mask)
+        if ids.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(f"prompt of {ids.shape[1]} tokens exceeds the context limit "
+                             f"{self.config.max_position_embeddings}")
+        return self._logits(self.params, jnp.asarray(ids), jnp.asarray(mask))
+
+    def prefill(self, token_ids, attention_mask=None, *, state: DecodeState | None = None,
+                max_len: int | None = None, all_logits: bool = False):
+        """Runs the prompt and returns (logits, state).
+
+        Args:
+          token_ids: [B, T] ints (left-padded when rows differ in length).
+          attention_mask: [B, T] of 0/1, or None (all real).
+          state: continue from this state instead of starting fresh (chunked prefill).
+          max_len: tokens per row the new state can hold (prompt + generated); default: the
+            prompt rounded up, plus room for 128 tokens. Ignored when `state` is given.
+          all_logits: return [B, T, Vocab] instead of the last position's [B, Vocab].
+        """
+        ids, mask = self._check_batch(token_ids, attention_mask)
+        b, t = ids.shape
+        fresh = state is None
+        if fresh:
+            if max_len is None:
+                max_len = min(-(-(t + _CACHE_BUCKET) // _CACHE_BUCKET) * _CACHE_BUCKET,
+                              self.config.max_position_embeddings)
+            if t > max_len:
+                raise ValueError(f"prompt of {t} tokens exceeds max_len {max_len}")
+            state = self.init_state(b, max_len)
+        else:
+            self._check_room(state, b, mask.sum(axis=1))
+        return self._prefill(self.params, jnp.asarray(ids), jnp.asarray(mask), state,
+                             fresh=fresh, all_logits=all_logits)
+
+    def decode_step(self, state: DecodeState, next_tokens):
+        """Feeds one token per row. next_tokens [B] -> (logits [B, Vocab] fp32, new state)."""
+        ids = self._check_tokens(next_tokens, "next_tokens").reshape(-1)
+        self._check_room(state, ids.shape[0], np.ones(ids.shape[0], np.int64))
+        return self._decode(self.params, state, jnp.asarray(ids))
+
+    def _check_room(self, state: DecodeState, batch: int, new_tokens: np.ndarray) -> None:
+        if state.batch_size != batch:
+            raise ValueError(f"state holds {state.batch_size} rows but {batch} were given")
+        capacity = state.capacity
+        if capacity is not None:
+            used = np.asarray(state.lengths)
+            if (used + new_tokens > capacity).any():
+                raise ValueError(f"the state's cache is full ({capacity} tokens per row); "
+                                 "start from a prefill with a larger max_len")

@@ -1,0 +1,277 @@
+"""Frozen configuration tree for Kimi-Linear and Kimi K3 text models.
+
+Each module receives only its own sub-config. `ModelConfig` holds the per-layer plan (mixer kind
+and FFN kind per layer) and the shared sub-configs. Implementation choices (`impl` fields) live in
+the sub-configs; the pure-JAX reference is always one of the choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+MixerKind = Literal["kda", "mla"]
+FFNKind = Literal["dense", "moe"]
+
+KDA_IMPLS = ("chunked", "recurrent")
+MLA_IMPLS = ("absorbed", "naive")
+MOE_IMPLS = ("ragged", "dense")
+ACTIVATIONS = ("silu", "situ")
+A_LOG_POLICIES = ("per_head", "per_channel")
+
+
+class ConfigError(ValueError):
+    """An invalid or inconsistent configuration; the message names the offending field."""
+
+
+def _require(cond: bool, field: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"invalid config field '{field}': {msg}")
+
+
+def _positive(value, field: str) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, field,
+             f"expected a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Activation:
+    """Gated-MLP activation: `silu(gate) * up`, or K3's SiTU with clipped branches (arch §6.1)."""
+
+    kind: str = "silu"
+    situ_beta: float = 1.0
+    situ_linear_beta: float | None = None
+
+    def __post_init__(self):
+        _require(self.kind in ACTIVATIONS, "hidden_act", f"expected one of {ACTIVATIONS}, got {self.kind!r}")
+        if self.kind == "situ":
+            _require(self.situ_beta > 0, "activation_situ_beta", f"must be > 0, got {self.situ_beta}")
+            _require(self.situ_linear_beta is None or self.situ_linear_beta > 0,
+                     "activation_situ_linear_beta", f"must be > 0 or null, got {self.situ_linear_beta}")
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+    """Kimi Delta Attention layer (arch §4). P = num_heads * head_dim."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    conv_size: int = 4
+    norm_eps: float = 1e-5                 # o_norm epsilon (rms_norm_eps)
+    gate_lower_bound: float | None = None  # None: -exp(A)*softplus gate; K3: lb*sigmoid(exp(A)*u)
+    use_full_rank_gate: bool = False       # K3 g_proj (D->P) instead of g_a_proj/g_b_proj
+    a_log_policy: str = "per_head"         # how an A_log longer than num_heads is read (arch §4.5.3)
+    impl: str = "chunked"                  # multi-token path; single tokens always use the step
+    chunk_size: int = 64
+
+    def __post_init__(self):
+        for f in ("hidden_size", "num_heads", "head_dim", "conv_size", "chunk_size"):
+            _positive(getattr(self, f), f"linear_attn_config.{f}" if f != "hidden_size" else f)
+        _require(self.conv_size >= 2, "linear_attn_config.short_conv_kernel_size",
+                 f"must be >= 2, got {self.conv_size}")
+        _require(self.impl in KDA_IMPLS, "kda.impl", f"expected one of {KDA_IMPLS}, got {self.impl!r}")
+        _require(self.a_log_policy in A_LOG_POLICIES, "kda.a_log_policy",
+                 f"expected one of {A_LOG_POLICIES}, got {self.a_log_policy!r}")
+        if self.gate_lower_bound is not None:
+            _require(self.gate_lower_bound < 0, "linear_attn_config.gate_lower_bound",
+                     f"must be negative, got {self.gate_lower_bound}")
+
+    @property
+    def proj_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """NoPE multi-head latent attention (arch §5)."""
+
+    hidden_size: int
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    use_output_gate: bool = False
+    latent_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (HF default; arch §5.5)
+    decode_impl: str = "absorbed"  # attention over the latent cache: "absorbed" or "naive"
+
+    def __post_init__(self):
+        for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            _positive(getattr(self, f), f if f != "num_heads" else "num_attention_heads")
+        _require(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0,
+                 "qk_rope_head_dim", f"expected an integer >= 0, got {self.qk_rope_head_dim!r}")
+        if self.q_lora_rank is not None:
+            _positive(self.q_lora_rank, "q_lora_rank")
+        _require(self.decode_impl in MLA_IMPLS, "mla.decode_impl",
+                 f"expected one of {MLA_IMPLS}, got {self.decode_impl!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_size(self) -> int:
+        """Width of one cached token: normalised latent plus the un-rotated rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.qk_head_dim ** -0.5
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    """Gated dense MLP (dense layers and shared experts)."""
+
+    hidden_size: int
+    intermediate_size: int
+    activation: Activation = Activation()
+
+    def __post_init__(self):
+        _positive(self.hidden_size, "hidden_size")
+        _positive(self.intermediate_size, "intermediate_size")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts with a sigmoid router and shared experts (arch §6)."""
+
+    hidden_size: int
+    num_experts: int
+    num_experts_per_token: int
+    expert_intermediate_size: int
+    num_shared_experts: int = 1
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    num_expert_group: int = 1
+    topk_group: int = 1
+    score_function: str = "sigmoid"
+    activation: Activation = Activation()
+    impl: str = "ragged"  # "ragged" (sorted tokens + lax.ragged_dot) or "dense" (reference)
+
+    def __post_init__(self):
+        _positive(self.num_experts, "num_experts")
+        _positive(self.num_experts_per_token, "num_experts_per_token")
+        _positive(self.expert_intermediate_size, "moe_intermediate_size")
+        _require(isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0,
+                 "num_shared_experts", f"expected an integer >= 0, got {self.num_shared_experts!r}")
+        _require(self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
+                 f"{self.num_experts_per_token} exceeds num_experts={self.num_experts}")
+        _positive(self.num_expert_group, "num_expert_group")
+        _require(self.num_experts % self.num_expert_group == 0, "num_expert_group",
+                 f"num_experts={self.num_experts} is not divisible by {self.num_expert_group}")
+        _require(1 <= self.topk_group <= self.num_expert_group, "topk_group",
+                 f"must be in [1, num_expert_group={self.num_expert_group}], got {self.topk_group}")
+        if self.num_expert_group > 1:
+            per_group = self.num_experts // self.num_expert_group
+            _require(per_group >= 2, "num_expert_group", "grouped routing needs >= 2 experts per group")
+            _require(self.topk_group * per_group >= self.num_experts_per_token, "topk_group",
+                     "the kept groups hold fewer experts than num_experts_per_token")
+        _require(self.score_function in ("sigmoid", "softmax"), "moe_router_activation_func",
+                 f"expected 'sigmoid' or 'softmax', got {self.score_function!r}")
+        _require(self.impl in MOE_IMPLS, "moe.impl", f"expected one of {MOE_IMPLS}, got {self.impl!r}")
+
+    @property
+    def shared(self) -> MLPConfig | None:
+        """Config of the always-active shared experts (one MLP of the combined width)."""
+        if self.num_shared_experts == 0:
+            return None
+        return MLPConfig(self.hidden_size, self.expert_intermediate_size * self.num_shared_experts,
+                         self.activation)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A whole text model: the per-layer plan plus the sub-config of each layer kind."""
+
+    vocab_size: int
+    hidden_size: int
+    mixers: tuple[str, ...]         # per layer: "kda" or "mla"
+    ffns: tuple[str, ...]           # per layer: "dense" or "moe"
+    rms_norm_eps: float = 1e-5
+    kda: KDAConfig | None = None
+    mla: MLAConfig | None = None
+    mlp: MLPConfig | None = None
+    moe: MoEConfig | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 1 << 20
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    model_type: str = "kimi_linear"
+
+    def __post_init__(self):
+        _positive(self.vocab_size, "vocab_size")
+        _positive(self.hidden_size, "hidden_size")
+        _require(len(self.mixers) > 0, "num_hidden_layers", "the model has no layers")
+        _require(len(self.ffns) == len(self.mixers), "mlp_layer_types",
+                 f"has {len(self.ffns)} entries for {len(self.mixers)} layers")
+        for i, m in enumerate(self.mixers):
+            _require(m in ("kda", "mla"), "layer_types", f"layer {i}: unknown mixer {m!r}")
+        for i, f in enumerate(self.ffns):
+            _require(f in ("dense", "moe"), "mlp_layer_types", f"layer {i}: unknown FFN kind {f!r}")
+        _require(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+        _require(self.tie_word_embeddings is False, "tie_word_embeddings",
+                 "tied embeddings are not used by Kimi models and are not supported")
+        if "kda" in self.mixers:
+            _require(self.kda is not None, "linear_attn_config", "KDA layers need a KDA config")
+        if "mla" in self.mixers:
+            _require(self.mla is not None, "kv_lora_rank", "MLA layers need an MLA config")
+        if "dense" in self.ffns:
+            _require(self.mlp is not None, "intermediate_size", "dense layers need intermediate_size")
+        if "moe" in self.ffns:
+            _require(self.moe is not None, "num_experts", "MoE layers need an MoE config")
+        for name in ("kda", "mla", "mlp", "moe"):
+            sub = getattr(self, name)
+            if sub is not None:
+                _require(sub.hidden_size == self.hidden_size, f"{name}.hidden_size",
+                         f"{sub.hidden_size} != hidden_size {self.hidden_size}")
+        for name in ("bos_token_id", "pad_token_id"):
+            tok = getattr(self, name)
+            _require(tok is None or 0 <= tok < self.vocab_size, name,
+                     f"{tok} is outside the vocabulary [0, {self.vocab_size})")
+        for tok in self.eos_token_id:
+            _require(0 <= tok < self.vocab_size, "eos_token_id",
+                     f"{tok} is outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.mixers)
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def with_impls(self, *, kda: str | None = None, mla: str | None = None,
+                   moe: str | None = None) -> "ModelConfig":
+        """Returns a copy with other implementation choices (the math is unchanged)."""
+        out = self
+        if kda is not None and self.kda is not None:
+            out = out.replace(kda=dataclasses.replace(out.kda, impl=kda))
+        if mla is not None and self.mla is not None:
+            out = out.replace(mla=dataclasses.replace(out.mla, decode_impl=mla))
+        if moe is not None and self.moe is not None:
+            out = out.replace(moe=dataclasses.replace(out.moe, impl=moe))
+        return out
+
+
+def tiny_kimi_linear(*, vocab_size: int = 512, num_layers: int = 4) -> ModelConfig:
+    """A tiny Kimi-Linear-shaped config for tests and the demo (KDA/MLA alternating, layer 0 dense)."""
+    hidden = 64
+    mixers = tuple("mla" if (i % 2 == 1 or i == num_layers - 1) else "kda" for i in range(num_layers))
+    ffns = tuple("dense" if i == 0 else "moe" for i in range(num_layers))
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        mixers=mixers,
+        ffns=ffns,
+        kda=KDAConfig(hidden_size=hidden, num_heads=4, head_dim=16, chunk_size=16),
+        mla=MLAConfig(hidden_size=hidden, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=16,
+                      qk_rope_head_dim=8, v_head_dim=16),
+        mlp=MLPConfig(hidden_size=hidden, intermediate_size=128),
+        moe=MoEConfig(hidden_size=hidden, num_experts=8, num_experts_per_token=2,
+                      expert_intermediate_size=32, num_shared_experts=1, routed_scaling_factor=2.446),
+        bos_token_id=1, eos_token_id=(2,), pad_token_id=0,
+    )

@@ -1,0 +1,220 @@
+"""Hugging Face `config.json` -> `ModelConfig`.
+
+Accepts both forms a Kimi-Linear config takes in the wild (arch §1.4, §8.3):
+  * the released layout: `linear_attn_config` with 1-based `kda_layers` / `full_attn_layers`,
+    `first_k_dense_replace` and `moe_layer_freq`;
+  * what transformers' `save_pretrained` writes: `layer_types` ("linear_attention" /
+    "full_attention") and `mlp_layer_types` ("dense" / "sparse"), plus alias keys.
+A K3 wrapper (`model_type: kimi_k3`) is unwrapped to its nested `text_config`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+from k3jax.config import (Activation, ConfigError, KDAConfig, MLAConfig, MLPConfig, ModelConfig,
+                          MoEConfig)
+
+# Canonical key -> accepted aliases, in order of preference.
+_ALIASES = {
+    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
+    "num_experts_per_token": ("num_experts_per_token", "num_experts_per_tok"),
+    "num_shared_experts": ("num_shared_experts", "n_shared_experts"),
+    "moe_renormalize": ("moe_renormalize", "norm_topk_prob"),
+    "num_expert_group": ("num_expert_group", "n_group"),
+    "max_position_embeddings": ("model_max_length", "max_position_embeddings"),
+}
+
+# K3-only switches that this code base does not implement yet: fail loudly instead of
+# silently running a different model.
+_UNSUPPORTED_WHEN_SET = ("routed_expert_hidden_size", "attn_res_block_size")
+_UNSUPPORTED_WHEN_TRUE = ("mla_use_output_gate", "latent_moe_use_norm", "mla_use_rope")
+
+
+def _get(cfg: Mapping[str, Any], key: str, default: Any = ConfigError) -> Any:
+    for name in _ALIASES.get(key, (key,)):
+        if name in cfg:
+            return cfg[name]
+    if default is ConfigError:
+        raise ConfigError(f"invalid config field '{key}': missing from config.json")
+    return default
+
+
+def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    if "text_config" in cfg:
+        text = cfg["text_config"]
+        if not isinstance(text, Mapping):
+            raise ConfigError("invalid config field 'text_config': expected an object")
+        return text
+    return cfg
+
+
+def _layer_plan(cfg: Mapping[str, Any], num_layers: int, has_moe: bool) -> tuple[tuple, tuple]:
+    """Mixer and FFN kind per layer, following arch §1.4 exactly."""
+    lin = cfg.get("linear_attn_config") or {}
+    from_lists = None
+    if "kda_layers" in lin or "full_attn_layers" in lin:
+        kda = lin.get("kda_layers") or []
+        full = lin.get("full_attn_layers") or []
+        for name, layers in (("kda_layers", kda), ("full_attn_layers", full)):
+            bad = [x for x in layers if not isinstance(x, int) or not 1 <= x <= num_layers]
+            if bad:
+                raise ConfigError(f"invalid config field 'linear_attn_config.{name}': entries {bad} are not "
+                                  f"1-based layer numbers in [1, {num_layers}]")
+        overlap = sorted(set(kda) & set(full))
+        missing = sorted(set(range(1, num_layers + 1)) - set(kda) - set(full))
+        if overlap or missing or len(kda) + len(full) != num_layers:
+            raise ConfigError(
+                "invalid config field 'linear_attn_config.kda_layers': kda_layers and full_attn_layers "
+                f"must partition 1..{num_layers} (both: {overlap}, neither: {missing})")
+        from_lists = tuple("kda" if (i + 1) in set(kda) else "mla" for i in range(num_layers))
+
+    from_types = None
+    if cfg.get("layer_types") is not None:
+        types = cfg["layer_types"]
+        if len(types) != num_layers:
+            raise ConfigError(f"invalid config field 'layer_types': {len(types)} entries for "
+                              f"num_hidden_layers={num_layers}")
+        mapping = {"linear_attention": "kda", "full_attention": "mla"}
+        unknown = sorted({t for t in types if t not in mapping})
+        if unknown:
+            raise ConfigError(f"invalid config field 'layer_types': unknown values {unknown}")
+        from_types = tuple(mapping[t] for t in types)
+
+    if from_types is not None and from_lists is not None and from_types != from_lists:
+        raise ConfigError("invalid config field 'layer_types': disagrees with linear_attn_config.kda_layers")
+    mixers = from_types or from_lists
+    if mixers is None:
+        raise ConfigError("invalid config field 'layer_types': config.json has neither layer_types nor "
+                          "linear_attn_config.kda_layers/full_attn_layers")
+
+    if cfg.get("mlp_layer_types") is not None:
+        types = cfg["mlp_layer_types"]
+        if len(types) != num_layers:
+            raise ConfigError(f"invalid config field 'mlp_layer_types': {len(types)} entries for "
+                              f"num_hidden_layers={num_layers}")
+        mapping = {"dense": "dense", "sparse": "moe"}
+        unknown = sorted({t for t in types if t not in mapping})
+        if unknown:
+            raise ConfigError(f"invalid config field 'mlp_layer_types': unknown values {unknown}")
+        ffns = tuple(mapping[t] for t in types)
+    else:
+        first_dense = cfg.get("first_k_dense_replace", 1)  # transformers' default when absent
+        freq = cfg.get("moe_layer_freq", 1)
+        if not isinstance(first_dense, int) or first_dense < 0:
+            raise ConfigError(f"invalid config field 'first_k_dense_replace': expected an integer >= 0, "
+                              f"got {first_dense!r}")
+        if not isinstance(freq, int) or freq < 1:
+            raise ConfigError(f"invalid config field 'moe_layer_freq': expected an integer >= 1, got {freq!r}")
+        ffns = tuple("moe" if has_moe and i >= first_dense and i % freq == 0 else "dense"
+                     for i in range(num_layers))
+    if "moe" in ffns and not has_moe:
+        raise ConfigError("invalid config field 'num_experts': MoE layers are listed but num_experts is missing")
+    return mixers, ffns
+
+
+def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
+    """Builds a `ModelConfig` from a parsed Hugging Face config.json (Kimi-Linear or K3 wrapper)."""
+    outer_type = cfg.get("model_type")
+    text = _text_config(cfg)
+    model_type = text.get("model_type", outer_type)
+    if model_type not in ("kimi_linear", "kimi_k3"):
+        raise ConfigError(f"invalid config field 'model_type': expected 'kimi_linear' (or a 'kimi_k3' wrapper), "
+                          f"got {model_type!r}")
+    for key in _UNSUPPORTED_WHEN_SET:
+        if text.get(key) is not None:
+            raise ConfigError(f"invalid config field '{key}': this K3 feature is not supported yet")
+    for key in _UNSUPPORTED_WHEN_TRUE:
+        if text.get(key):
+            raise ConfigError(f"invalid config field '{key}': this K3 feature is not supported yet")
+    if text.get("mla_use_nope") is False:
+        raise ConfigError("invalid config field 'mla_use_nope': only NoPE MLA (no rotary embedding) is supported")
+
+    hidden = _get(text, "hidden_size")
+    num_layers = _get(text, "num_hidden_layers")
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ConfigError(f"invalid config field 'num_hidden_layers': expected a positive integer, got {num_layers!r}")
+    eps = _get(text, "rms_norm_eps", 1e-5)
+    act = Activation(kind=_get(text, "hidden_act", "silu"),
+                     situ_beta=text.get("activation_situ_beta", 1.0),
+                     situ_linear_beta=text.get("activation_situ_linear_beta"))
+
+    num_experts = _get(text, "num_experts", None)
+    mixers, ffns = _layer_plan(text, num_layers, num_experts is not None)
+
+    lin = text.get("linear_attn_config") or {}
+    kda = None
+    if "kda" in mixers:
+        kda = KDAConfig(
+            hidden_size=hidden,
+            num_heads=lin.get("num_heads", text.get("linear_num_heads", 32)),
+            head_dim=lin.get("head_dim", text.get("linear_head_dim", 128)),
+            conv_size=lin.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4)),
+            norm_eps=eps,
+            gate_lower_bound=lin.get("gate_lower_bound"),
+            use_full_rank_gate=bool(lin.get("use_full_rank_gate", False)),
+        )
+    mla = None
+    if "mla" in mixers:
+        mla = MLAConfig(
+            hidden_size=hidden,
+            num_heads=_get(text, "num_attention_heads"),
+            kv_lora_rank=_get(text, "kv_lora_rank"),
+            qk_nope_head_dim=_get(text, "qk_nope_head_dim"),
+            qk_rope_head_dim=_get(text, "qk_rope_head_dim"),
+            v_head_dim=_get(text, "v_head_dim"),
+            q_lora_rank=text.get("q_lora_rank"),
+        )
+    mlp = MLPConfig(hidden, _get(text, "intermediate_size"), act) if "dense" in ffns else None
+    moe = None
+    if "moe" in ffns:
+        moe = MoEConfig(
+            hidden_size=hidden,
+            num_experts=num_experts,
+            num_experts_per_token=_get(text, "num_experts_per_token"),
+            expert_intermediate_size=_get(text, "moe_intermediate_size"),
+            num_shared_experts=_get(text, "num_shared_experts", 0),
+            renormalize=bool(_get(text, "moe_renormalize", True)),
+            routed_scaling_factor=float(_get(text, "routed_scaling_factor", 1.0)),
+            num_expert_group=_get(text, "num_expert_group", 1) or 1,
+            topk_group=_get(text, "topk_group", 1) or 1,
+            score_function=text.get("moe_router_activation_func", "sigmoid"),
+            activation=act,
+        )
+
+    eos = _get(text, "eos_token_id", cfg.get("eos_token_id"))
+    eos = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+    return ModelConfig(
+        vocab_size=_get(text, "vocab_size"),
+        hidden_size=hidden,
+        mixers=mixers,
+        ffns=ffns,
+        rms_norm_eps=eps,
+        kda=kda,
+        mla=mla,
+        mlp=mlp,
+        moe=moe,
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        max_position_embeddings=_get(text, "max_position_embeddings", 1 << 20),
+        bos_token_id=_get(text, "bos_token_id", cfg.get("bos_token_id")),
+        eos_token_id=eos,
+        pad_token_id=_get(text, "pad_token_id", cfg.get("pad_token_id")),
+        model_type=outer_type or model_type,
+    )
+
+
+def load_hf_config(path: str | os.PathLike) -> ModelConfig:
+    """Reads `<path>/config.json` (or the file itself) and builds the model config."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"no config.json at {file}")
+    try:
+        with open(file) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{file}: expected a JSON object")
+    return from_hf_config(cfg)

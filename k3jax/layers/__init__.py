@@ -1,0 +1,1 @@
+"""Model building blocks (Flax NNX modules). Dimension letters: see k3jax/glossary.md."""

@@ -1,0 +1,122 @@
+"""Kimi Delta Attention layer (arch §4): projections, short causal conv + SiLU, q/k L2 norm,
+forget gate, beta, the delta-rule recurrence (via `pallas_kernels.kda`), sigmoid-gated output
+norm and o_proj.
+
+Checkpoint names under `self_attn.`: q/k/v_proj, q/k/v_conv1d, f_a_proj, f_b_proj, b_proj, A_log,
+dt_bias, g_a_proj + g_b_proj (Kimi-Linear) or g_proj (K3), o_norm, o_proj.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import KDAConfig
+from k3jax.layers.linear import Linear
+from k3jax.layers.norms import GatedRMSNorm, l2_normalize
+from k3jax.layers.params import normal, param, uniform
+from k3jax.state import KDAState, SeqInfo
+from pallas_kernels.kda import kda
+
+
+def forget_gate(f_BTHK: jax.Array, a_log: jax.Array, dt_bias_HK: jax.Array, cfg: KDAConfig) -> jax.Array:
+    """Log-space per-channel decay g [B, T, H, K] in fp32 (arch §4.5).
+
+    With u = f + dt_bias and a = exp(A_log) (a [H] per head, or [K] per channel):
+      Kimi-Linear: g = -a * softplus(u)            K3: g = lower_bound * sigmoid(a * u)
+    """
+    u = f_BTHK.astype(jnp.float32) + dt_bias_HK.astype(jnp.float32)
+    a = jnp.exp(a_log.astype(jnp.float32))
+    a = a[:, None] if cfg.a_log_policy == "per_head" else a[None, :]
+    if cfg.gate_lower_bound is None:
+        return -a * jax.nn.softplus(u)
+    return cfg.gate_lower_bound * jax.nn.sigmoid(a * u)
+
+
+def short_conv(x_BTC: jax.Array, state_BWC: jax.Array, w_WC: jax.Array, pad_B: jax.Array):
+    """Depthwise causal conv over left-padded rows, continuing from a cached window.
+
+    Tap W-1 multiplies the current token. Row b's history (the cached W-1 inputs) is placed
+    directly before its first real token, so padding never enters a real token's window.
+
+    Args:
+      x_BTC: pre-conv inputs, zero at padding. state_BWC: [B, W-1, C] previous inputs.
+      w_WC: [W, C] fp32 taps. pad_B: [B] left pads.
+    Returns:
+      (y_BTC fp32 before the activation, new state [B, W-1, C] in x's dtype).
+    """
+    b, t, c = x_BTC.shape
+    w = w_WC.shape[0]
+    seq = jnp.concatenate([state_BWC.astype(x_BTC.dtype), x_BTC, jnp.zeros((b, 1, c), x_BTC.dtype)], axis=1)
+    p = jnp.arange(w - 1 + t)[None, :]
+    pad = pad_B[:, None]
+    zero_slot = w - 1 + t
+    src = jnp.where(p >= pad + w - 1, p, jnp.where(p >= pad, p - pad, zero_slot))
+    aligned = jnp.take_along_axis(seq, src[:, :, None], axis=1)            # [B, W-1+T, C]
+    af = aligned.astype(jnp.float32)
+    wf = w_WC.astype(jnp.float32)
+    y = sum(af[:, j:j + t, :] * wf[j] for j in range(w))
+    return y, aligned[:, t:, :]
+
+
+class KimiDeltaAttention(nnx.Module):
+    """KDA mixer. x [B, T, D] (the normed layer input) -> [B, T, D]."""
+
+    def __init__(self, cfg: KDAConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h, k, p, w = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.proj_size, cfg.conv_size
+        lin = lambda i, o, axes: Linear(i, o, dtype=dtype, axes=axes, rngs=rngs)
+        self.q_proj = lin(d, p, ("embed", "kda_proj"))
+        self.k_proj = lin(d, p, ("embed", "kda_proj"))
+        self.v_proj = lin(d, p, ("embed", "kda_proj"))
+        conv = lambda: param(rngs, (w, p), jnp.float32, normal(0.5), ("conv_width", "kda_proj"))
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(), conv(), conv()
+        self.f_a_proj = lin(d, k, ("embed", "head_dim"))
+        self.f_b_proj = lin(k, p, ("head_dim", "kda_proj"))
+        self.b_proj = lin(d, h, ("embed", "kda_heads"))
+        a_len = h if cfg.a_log_policy == "per_head" else k
+        self.A_log = param(rngs, (a_len,), jnp.float32,
+                           lambda key, s, dt: jnp.log(jax.random.uniform(key, s, dt, 1.0, 16.0)), ("a_log",))
+        self.dt_bias = param(rngs, (p,), jnp.float32, uniform(-4.0, -2.0), ("kda_proj",))
+        if cfg.use_full_rank_gate:
+            self.g_proj = lin(d, p, ("embed", "kda_proj"))
+        else:
+            self.g_a_proj = lin(d, k, ("embed", "head_dim"))
+            self.g_b_proj = lin(k, p, ("head_dim", "kda_proj"))
+        self.o_norm = GatedRMSNorm(k, cfg.norm_eps, rngs=rngs)
+        self.o_proj = lin(p, d, ("kda_proj", "embed"))
+
+    def __call__(self, x_BTD: jax.Array, seq: SeqInfo, state: KDAState | None, *, fresh: bool = False):
+        """Returns (out [B, T, D], new KDAState or None when `state` is None).
+
+        `fresh` (no history) needs no special path here: a fresh state is all zeros."""
+        cfg = self.cfg
+        b, t, _ = x_BTD.shape
+        h, k, p = cfg.num_heads, cfg.head_dim, cfg.proj_size
+        dtype = x_BTD.dtype
+        valid = seq.valid[:, :, None]
+
+        mixed = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
+        mixed = jnp.where(valid, mixed, 0).astype(dtype)
+        conv_state = (jnp.zeros((b, cfg.conv_size - 1, 3 * p), dtype) if state is None else state.conv)
+        taps = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
+        pre, new_conv = short_conv(mixed, conv_state, taps, seq.pad)
+        act = jax.nn.silu(pre).astype(dtype)
+        q, kk, v = (act[..., i * p:(i + 1) * p].reshape(b, t, h, k) for i in range(3))
+
+        f = self.f_b_proj(self.f_a_proj(x_BTD)).reshape(b, t, h, k)
+        g = forget_gate(f, self.A_log[...], self.dt_bias[...].reshape(h, k), cfg)
+        g = jnp.where(valid[..., None], g, 0.0)
+        beta = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
+        beta = jnp.where(valid, beta, 0.0)
+
+        impl = "recurrent" if t == 1 else cfg.impl
+        o, s = kda(l2_normalize(q), l2_normalize(kk), v, g, beta, scale=k ** -0.5,
+                   initial_state=None if state is None else state.recurrent,
+                   impl=impl, chunk_size=cfg.chunk_size)
+
+        z = (self.g_proj(x_BTD) if cfg.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x_BTD)))
+        out = self.o_norm(o, z.reshape(b, t, h, k), dtype).reshape(b, t, p)
+        out = self.o_proj(out)
+        return out, (None if state is None else KDAState(conv=new_conv, recurrent=s))

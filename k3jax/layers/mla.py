@@ -1,0 +1,81 @@
+"""NoPE multi-head latent attention layer (arch §5) with a per-row latent cache.
+
+Checkpoint names under `self_attn.`: q_proj (Kimi-Linear) or q_a_proj + q_a_layernorm + q_b_proj
+(K3), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import MLAConfig
+from k3jax.layers.linear import Linear
+from k3jax.layers.mla_attention import ATTENTION_IMPLS, attention_naive
+from k3jax.layers.norms import RMSNorm
+from k3jax.state import MLACache, SeqInfo
+
+
+def write_cache(latent_BSL: jax.Array, new_BTL: jax.Array, seq: SeqInfo) -> jax.Array:
+    """Writes each row's real tokens at slots start + t - pad; padding and overflow are dropped."""
+    b, s, _ = latent_BSL.shape
+    slots = seq.slot_index()
+    slots = jnp.where(slots < 0, s, slots)
+    rows = jnp.arange(b)[:, None]
+    return latent_BSL.at[rows, slots].set(new_BTL.astype(latent_BSL.dtype), mode="drop")
+
+
+class MultiHeadLatentAttention(nnx.Module):
+    """MLA mixer. x [B, T, D] (the normed layer input) -> [B, T, D]."""
+
+    def __init__(self, cfg: MLAConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h = cfg.hidden_size, cfg.num_heads
+        lin = lambda i, o, axes: Linear(i, o, dtype=dtype, axes=axes, rngs=rngs)
+        if cfg.q_lora_rank is None:
+            self.q_proj = lin(d, h * cfg.qk_head_dim, ("embed", "mla_q"))
+        else:
+            self.q_a_proj = lin(d, cfg.q_lora_rank, ("embed", "q_lora"))
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps, dtype=dtype, rngs=rngs)
+            self.q_b_proj = lin(cfg.q_lora_rank, h * cfg.qk_head_dim, ("q_lora", "mla_q"))
+        self.kv_a_proj_with_mqa = lin(d, cfg.latent_size, ("embed", "kv_latent"))
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.latent_norm_eps, dtype=dtype, rngs=rngs)
+        self.kv_b_proj = lin(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora", "mla_kv"))
+        self.o_proj = lin(h * cfg.v_head_dim, d, ("mla_o", "embed"))
+
+    def __call__(self, x_BTD: jax.Array, seq: SeqInfo, cache: MLACache | None, *, fresh: bool):
+        """Returns (out [B, T, D], updated cache or None).
+
+        fresh=True means no row has history: attention runs over this call's tokens (naive form).
+        Otherwise the new latents are written first and attention reads the whole cache with the
+        `decode_impl` form; query token t of row b sits at slot start + t - pad.
+        """
+        cfg = self.cfg
+        b, t, _ = x_BTD.shape
+        h = cfg.num_heads
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q = q.reshape(b, t, h, cfg.qk_head_dim)
+        q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+        kv = self.kv_a_proj_with_mqa(x_BTD)
+        latent = jnp.concatenate([self.kv_a_layernorm(kv[..., :cfg.kv_lora_rank]), kv[..., cfg.kv_lora_rank:]],
+                                 axis=-1)
+        w_kv_b = self.kv_b_proj.kernel[...]
+        kwargs = dict(scale=cfg.scale, v_dim=cfg.v_head_dim)
+
+        if cache is None or fresh:
+            idx = jnp.arange(t)
+            mask = seq.valid[:, None, :] & (idx[None, :, None] >= idx[None, None, :])
+            attn = attention_naive(q_nope, q_pe, latent, w_kv_b, mask, **kwargs)
+            if cache is not None:
+                cache = MLACache(latent=write_cache(cache.latent, latent, seq))
+        else:
+            cache = MLACache(latent=write_cache(cache.latent, latent, seq))
+            slots = jnp.arange(cache.latent.shape[1])
+            mask = slots[None, None, :] <= seq.slot_index()[:, :, None]
+            attn = ATTENTION_IMPLS[cfg.decode_impl](q_nope, q_pe, cache.latent, w_kv_b, mask, **kwargs)
+        out = self.o_proj(attn.reshape(b, t, h * cfg.v_head_dim).astype(x_BTD.dtype))
+        return out, cache

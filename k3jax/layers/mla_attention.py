@@ -1,0 +1,56 @@
+"""NoPE MLA attention math over a set of latent keys (arch §5.2, §5.4).
+
+Both forms take the same inputs: per-head query parts and a latent key set
+latent_BSL = [c_kv (R, after kv_a_layernorm) | k_pe (rope width, never rotated)], plus the
+kv_b_proj kernel [R, H * (nope + v)] (head-major, key part first). Scores use scale
+(nope + rope)^-1/2; the softmax is fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30
+
+
+def _softmax(scores_BHTS: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+    scores = jnp.where(mask_BTS[:, None], scores_BHTS, _MASKED)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def split_kv_b(w_kv_b: jax.Array, num_heads: int, nope: int, v_dim: int) -> tuple[jax.Array, jax.Array]:
+    """kv_b_proj kernel [R, H*(nope+v)] -> (W_UK [R, H, nope], W_UV [R, H, v])."""
+    w = w_kv_b.reshape(w_kv_b.shape[0], num_heads, nope + v_dim)
+    return w[..., :nope], w[..., nope:]
+
+
+def attention_naive(q_nope_BTHN, q_pe_BTHP, latent_BSL, w_kv_b, mask_BTS, *, scale: float, v_dim: int):
+    """Expands per-head keys and values from the latents, then plain attention. -> [B, T, H, V]."""
+    b, t, h, n = q_nope_BTHN.shape
+    r = w_kv_b.shape[0]
+    c_kv, k_pe = latent_BSL[..., :r], latent_BSL[..., r:]
+    w_uk, w_uv = split_kv_b(w_kv_b, h, n, v_dim)
+    k_nope = jnp.einsum("bsr,rhn->bshn", c_kv, w_uk)
+    values = jnp.einsum("bsr,rhv->bshv", c_kv, w_uv)
+    scores = (jnp.einsum("bthn,bshn->bhts", q_nope_BTHN, k_nope, preferred_element_type=jnp.float32)
+              + jnp.einsum("bthp,bsp->bhts", q_pe_BTHP, k_pe, preferred_element_type=jnp.float32))
+    probs = _softmax(scores * scale, mask_BTS).astype(values.dtype)
+    return jnp.einsum("bhts,bshv->bthv", probs, values)
+
+
+def attention_absorbed(q_nope_BTHN, q_pe_BTHP, latent_BSL, w_kv_b, mask_BTS, *, scale: float, v_dim: int):
+    """W_UK folded into the query and W_UV applied after the latent mix (MQA over latents). -> [B, T, H, V]."""
+    b, t, h, n = q_nope_BTHN.shape
+    r = w_kv_b.shape[0]
+    c_kv, k_pe = latent_BSL[..., :r], latent_BSL[..., r:]
+    w_uk, w_uv = split_kv_b(w_kv_b, h, n, v_dim)
+    q_lat = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, w_uk, preferred_element_type=jnp.float32)
+    scores = (jnp.einsum("bthr,bsr->bhts", q_lat, c_kv.astype(jnp.float32))
+              + jnp.einsum("bthp,bsp->bhts", q_pe_BTHP, k_pe, preferred_element_type=jnp.float32))
+    probs = _softmax(scores * scale, mask_BTS)
+    lat = jnp.einsum("bhts,bsr->bthr", probs, c_kv.astype(jnp.float32))
+    return jnp.einsum("bthr,rhv->bthv", lat, w_uv.astype(jnp.float32)).astype(q_nope_BTHN.dtype)
+
+
+ATTENTION_IMPLS = {"naive": attention_naive, "absorbed": attention_absorbed}

@@ -1,0 +1,121 @@
+"""Mixture of experts: sigmoid router with correction bias and grouped top-k, routed experts
+(dense reference or sorted-token ragged GEMM) and shared experts (arch §6.3-6.5).
+
+Checkpoint names under `block_sparse_moe.`: gate.weight, gate.e_score_correction_bias,
+experts.{e}.w1/w3/w2 (gate/up/down), shared_experts.{gate,up,down}_proj.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import Activation, MoEConfig
+from k3jax.layers.linear import Linear
+from k3jax.layers.mlp import MLP, gated_activation
+from k3jax.layers.params import normal, param, zeros
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def route(x_ND: jax.Array, w_DE: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    """Selects experts per token.
+
+    Args:
+      x_ND: normed FFN input. w_DE: router weight (used in fp32). bias_E: e_score_correction_bias,
+        added to the scores for SELECTION only.
+    Returns:
+      (weights_NX fp32, experts_NX int32): unbiased scores of the chosen experts, renormalised
+      (+1e-20) when configured, times routed_scaling_factor.
+    """
+    logits = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), w_DE.astype(jnp.float32), precision=_HIGHEST)
+    if cfg.score_function == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    choice = scores + bias_E.astype(jnp.float32)
+    if cfg.num_expert_group > 1:
+        n, g = choice.shape[0], cfg.num_expert_group
+        grouped = choice.reshape(n, g, cfg.num_experts // g)
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)           # [N, G]
+        _, keep = jax.lax.top_k(group_score, cfg.topk_group)                      # [N, topk_group]
+        keep_mask = jnp.zeros((n, g), bool).at[jnp.arange(n)[:, None], keep].set(True)
+        grouped = jnp.where(keep_mask[:, :, None], grouped, -jnp.inf)
+        choice = grouped.reshape(n, cfg.num_experts)
+    _, experts = jax.lax.top_k(choice, cfg.num_experts_per_token)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+def experts_dense(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation) -> jax.Array:
+    """Reference: every expert on every token, combined with a dense [N, E] weight matrix. -> [N, D] fp32."""
+    n, e = x_ND.shape[0], w1_EDF.shape[0]
+    combine_NE = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts_NX].add(weights_NX)
+    h_ENF = gated_activation(jnp.einsum("nd,edf->enf", x_ND, w1_EDF), jnp.einsum("nd,edf->enf", x_ND, w3_EDF), act)
+    y_END = jnp.einsum("enf,efd->end", h_ENF, w2_EFD)
+    return jnp.einsum("ne,end->nd", combine_NE, y_END.astype(jnp.float32), precision=_HIGHEST)
+
+
+def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation) -> jax.Array:
+    """Token-expert pairs sorted by expert, grouped GEMMs with `lax.ragged_dot`, fp32 scatter-add. -> [N, D]."""
+    n, k = experts_NX.shape
+    e = w1_EDF.shape[0]
+    flat = experts_NX.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = x_ND[token]
+    h = gated_activation(jax.lax.ragged_dot(xs, w1_EDF, group_sizes),
+                         jax.lax.ragged_dot(xs, w3_EDF, group_sizes), act)
+    y = jax.lax.ragged_dot(h, w2_EFD, group_sizes).astype(jnp.float32)
+    y = y * weights_NX.reshape(-1)[order][:, None]
+    return jnp.zeros((n, x_ND.shape[1]), jnp.float32).at[token].add(y)
+
+
+_EXPERT_IMPLS = {"dense": experts_dense, "ragged": experts_ragged}
+
+
+class Router(nnx.Module):
+    """Checkpoint names: gate.weight [E, D] and gate.e_score_correction_bias [E] (fp32)."""
+
+    def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.kernel = param(rngs, (cfg.hidden_size, cfg.num_experts), dtype, normal(), ("embed", "experts_router"))
+        self.e_score_correction_bias = param(rngs, (cfg.num_experts,), jnp.float32, zeros(), ("experts_router",))
+
+    def __call__(self, x_ND):
+        return route(x_ND, self.kernel[...], self.e_score_correction_bias[...], self.cfg)
+
+
+class Experts(nnx.Module):
+    """Stacked routed expert weights: w1/w3 [E, D, F] (gate/up), w2 [E, F, D] (down)."""
+
+    def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+        self.w1 = param(rngs, (e, d, f), dtype, normal(), ("experts", "embed", "expert_mlp"))
+        self.w3 = param(rngs, (e, d, f), dtype, normal(), ("experts", "embed", "expert_mlp"))
+        self.w2 = param(rngs, (e, f, d), dtype, normal(), ("experts", "expert_mlp", "embed"))
+
+
+class MoE(nnx.Module):
+    """Routed experts plus shared experts on the same normed input. x [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.gate = Router(cfg, dtype=dtype, rngs=rngs)
+        self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
+        self.shared_experts = MLP(cfg.shared, dtype=dtype, rngs=rngs) if cfg.shared is not None else None
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        b, t, d = x_BTD.shape
+        x_ND = x_BTD.reshape(b * t, d)
+        weights, experts = self.gate(x_ND)
+        routed = _EXPERT_IMPLS[self.cfg.impl](x_ND, weights, experts, self.experts.w1[...], self.experts.w3[...],
+                                              self.experts.w2[...], self.cfg.activation)
+        out = routed.astype(x_BTD.dtype).reshape(b, t, d)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x_BTD)
+        return out

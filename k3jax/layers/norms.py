@@ -1,0 +1,48 @@
+"""RMS norms: the plain residual-stream norm, the sigmoid-gated KDA output norm and L2 norm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.layers.params import ones, param
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """Weight-less RMS normalisation over the last axis, in fp32: x / sqrt(mean(x^2) + eps)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """x / sqrt(sum(x^2) + eps) over the last axis in fp32 (eps on the SUM, arch §10.11)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis. Normalises in fp32, casts back to the input dtype, then scales
+    by the weight (the Hugging Face order, arch §3.1)."""
+
+    def __init__(self, features: int, eps: float, *, dtype, rngs: nnx.Rngs, axis_name: str = "norm"):
+        self.eps = eps
+        self.weight = param(rngs, (features,), dtype, ones(), (axis_name,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., F] -> [..., F] in x's dtype."""
+        y = rms_normalize(x, self.eps).astype(x.dtype)
+        return (self.weight[...] * y).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """KDA output norm: w * rmsnorm(o) * sigmoid(z), all in fp32; w [K] is shared by all heads."""
+
+    def __init__(self, features: int, eps: float, *, rngs: nnx.Rngs):
+        self.eps = eps
+        self.weight = param(rngs, (features,), jnp.float32, ones(), ("head_dim",))
+
+    def __call__(self, o: jax.Array, z: jax.Array, out_dtype) -> jax.Array:
+        """o, z: [..., K] -> [..., K] in `out_dtype`."""
+        y = rms_normalize(o, self.eps) * self.weight[...].astype(jnp.float32)
+        return (y * jax.nn.sigmoid(z.astype(jnp.float32))).astype(out_dtype)

@@ -1,0 +1,102 @@
+"""Decode state: typed pytrees passed into and returned from every forward, never kept in modules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+
+
+@dataclass
+class KDAState:
+    """One KDA layer's state for B rows.
+
+    conv: [B, W-1, 3P] the last W-1 PRE-conv q|k|v projections (activation dtype).
+    recurrent: [B, H, K, V] fp32 delta-rule state (fla layout: keys on rows).
+    """
+
+    conv: jax.Array
+    recurrent: jax.Array
+
+
+@dataclass
+class MLACache:
+    """One MLA layer's latent cache: [B, S, R + rope] = normalised c_kv | un-rotated k_pe per slot.
+    Row b holds its tokens contiguously in slots [0, lengths[b])."""
+
+    latent: jax.Array
+
+
+LayerState = Union[KDAState, MLACache]
+
+
+@dataclass
+class DecodeState:
+    """Per-layer states (in layer order) plus the number of tokens consumed per row ([B] int32)."""
+
+    layers: tuple
+    lengths: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def capacity(self) -> int | None:
+        """Latent-cache slots per row (None when the model has no MLA layer, i.e. no limit)."""
+        for layer in self.layers:
+            if isinstance(layer, MLACache):
+                return int(layer.latent.shape[1])
+        return None
+
+
+for _cls, _fields in ((KDAState, ("conv", "recurrent")), (MLACache, ("latent",)),
+                      (DecodeState, ("layers", "lengths"))):
+    jax.tree_util.register_dataclass(_cls, data_fields=list(_fields), meta_fields=[])
+
+
+def init_decode_state(cfg: ModelConfig, batch_size: int, max_len: int, dtype) -> DecodeState:
+    """Fresh (all-zero) state for `batch_size` rows and a latent cache of `max_len` slots."""
+    layers = []
+    for mixer in cfg.mixers:
+        if mixer == "kda":
+            k = cfg.kda
+            layers.append(KDAState(
+                conv=jnp.zeros((batch_size, k.conv_size - 1, 3 * k.proj_size), dtype),
+                recurrent=jnp.zeros((batch_size, k.num_heads, k.head_dim, k.head_dim), jnp.float32)))
+        else:
+            layers.append(MLACache(latent=jnp.zeros((batch_size, max_len, cfg.mla.latent_size), dtype)))
+    return DecodeState(layers=tuple(layers), lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+@dataclass
+class SeqInfo:
+    """Where the tokens of one call sit. Rows are LEFT-padded.
+
+    valid: [B, T] bool, real tokens. pad: [B] int32 left pads per row.
+    start: [B] int32 tokens the row had consumed before this call (cache write offset).
+    """
+
+    valid: jax.Array
+    pad: jax.Array
+    start: jax.Array
+
+    @classmethod
+    def make(cls, valid_BT: jax.Array, start_B: jax.Array | None = None) -> "SeqInfo":
+        valid_BT = valid_BT.astype(bool)
+        pad = (valid_BT.shape[1] - jnp.sum(valid_BT, axis=1)).astype(jnp.int32)
+        if start_B is None:
+            start_B = jnp.zeros((valid_BT.shape[0],), jnp.int32)
+        return cls(valid=valid_BT, pad=pad, start=start_B.astype(jnp.int32))
+
+    def slot_index(self) -> jax.Array:
+        """[B, T] int32 cache slot of each real token (start + t - pad); -1 for padding."""
+        t = jnp.arange(self.valid.shape[1], dtype=jnp.int32)
+        return jnp.where(self.valid, self.start[:, None] + t[None, :] - self.pad[:, None], -1)
+
+
+jax.tree_util.register_dataclass(SeqInfo, data_fields=["valid", "pad", "start"], meta_fields=[])

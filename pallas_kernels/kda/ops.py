@@ -1,0 +1,20 @@
+"""The single import site for KDA: dispatches to an implementation by name."""
+
+from __future__ import annotations
+
+from pallas_kernels.kda.reference import kda_chunk_reference, kda_recurrent_reference
+
+KDA_IMPLS = ("chunked", "recurrent")
+
+
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, impl: str = "chunked", chunk_size: int = 64):
+    """KDA over a sequence. Shapes as in `kda_recurrent_reference`; returns (o [B,T,H,V], state [B,H,K,V] fp32).
+
+    impl: "chunked" (WY form, for prefill) or "recurrent" (token loop; the reference).
+    """
+    if impl == "chunked":
+        return kda_chunk_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                   chunk_size=chunk_size)
+    if impl == "recurrent":
+        return kda_recurrent_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state)
+    raise ValueError(f"kda: unknown impl {impl!r}; expected one of {KDA_IMPLS}")
