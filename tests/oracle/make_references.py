@@ -4,8 +4,9 @@
 
 Writes:
   OUT_DIR/hf/<name>/        tiny transformers KimiLinearForCausalLM checkpoints (save_pretrained)
-                            plus reference.npz: full-forward logits, cached step-by-step decode
-                            logits and 16 greedy tokens from HF `generate` with their logits.
+                            plus reference.npz: full-forward logits (fp32, and the same weights
+                            run in bf16), cached step-by-step decode logits and 16 greedy tokens
+                            from HF `generate` with their logits.
   OUT_DIR/fla/kda_cases.npz fla naive_recurrent_kda / naive_chunk_kda inputs and outputs.
 Never import triton here: with it, transformers switches kimi_linear to GPU-only kernels.
 """
@@ -93,8 +94,10 @@ def build_hf(out_dir: str) -> None:
             gen_out = model.generate(ids[:, :prompt_len], attention_mask=torch.ones_like(ids[:, :prompt_len]),
                                      max_new_tokens=GREEDY_TOKENS, min_new_tokens=GREEDY_TOKENS, do_sample=False,
                                      output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+            full_bf16 = KimiLinearForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()(
+                ids, use_cache=False).logits.float().numpy()
         np.savez(os.path.join(path, "reference.npz"),
-                 input_ids=ids.numpy(), prompt_len=prompt_len, full_logits=full,
+                 input_ids=ids.numpy(), prompt_len=prompt_len, full_logits=full, full_logits_bf16=full_bf16,
                  step_logits=np.stack(step_logits, axis=1),
                  greedy_tokens=gen_out.sequences[:, prompt_len:].numpy(),
                  greedy_logits=torch.stack(gen_out.logits, dim=1).float().numpy())

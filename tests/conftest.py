@@ -1,0 +1,71 @@
+"""Test setup: CPU only, 8 fake devices, persistent compilation cache, shared fixtures."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import zlib
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tiny shapes: compile time dominates, and LLVM -O0 roughly halves it on the CPU backend.
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                                  "--xla_backend_optimization_level=0"]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("K3JAX_TEST_CACHE", ROOT / ".cache"))
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_compilation_cache_dir", str(CACHE / "jax-compilation"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+from k3jax.config import tiny_kimi_linear  # noqa: E402
+
+ORACLE_SCRIPT = ROOT / "tests" / "oracle" / "make_references.py"
+
+
+def oracle_python() -> Path:
+    python = Path(os.environ.get("K3JAX_ORACLE_VENV", ROOT / ".venv-oracle")) / "bin" / "python"
+    if not python.exists():
+        raise RuntimeError(f"the oracle venv is missing ({python}); create it with `make oracle-venv` "
+                           "(the README's test command does this)")
+    return python
+
+
+@pytest.fixture(scope="session")
+def oracle_dir() -> Path:
+    """Outside-reference data from the torch oracle venv, built once and cached by script content."""
+    digest = hashlib.sha256(ORACLE_SCRIPT.read_bytes()).hexdigest()[:16]
+    out = CACHE / "oracle" / digest
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # pytest-xdist workers wait for the first builder
+        if not (out / "DONE").exists():
+            tmp = out.with_name(digest + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            proc = subprocess.run([str(oracle_python()), str(ORACLE_SCRIPT), str(tmp)], capture_output=True,
+                                  text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            if proc.returncode != 0:
+                raise RuntimeError(f"oracle script failed:\n{proc.stderr[-4000:]}")
+            (tmp / "DONE").write_text("ok")
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    return tiny_kimi_linear()
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A generator seeded from the test's name: fresh inputs per test, reproducible per run."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

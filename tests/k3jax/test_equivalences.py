@@ -1,0 +1,78 @@
+"""Independent formulations of the same computation on a tiny random model:
+prefill + decode == longer prefill, left-padded batch == rows alone, chunked continuation."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import assert_close
+
+import k3jax
+
+
+@pytest.fixture(scope="module")
+def model(tiny_config):
+    return k3jax.CausalLM.random(tiny_config, seed=3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_then_decode_equals_longer_prefill(tiny_config, dtype, rng):
+    model = k3jax.CausalLM.random(tiny_config, seed=3, dtype=dtype)
+    ids = rng.integers(0, model.config.vocab_size, (2, 29))
+    full = np.asarray(model.logits(ids))
+    logits, state = model.prefill(ids[:, :21])
+    assert_close("prefill", logits, full[:, 20], dtype=model.dtype)
+    for t in range(21, 29):
+        logits, state = model.decode_step(state, ids[:, t])
+        assert_close(f"step {t}", logits, full[:, t], dtype=model.dtype)
+    np.testing.assert_array_equal(state.lengths, [29, 29])
+    # The state after prefill(21) + 8 steps equals the state of one prefill(29).
+    _, direct = model.prefill(ids, max_len=state.capacity)
+    for i, (a, b) in enumerate(zip(state.layers, direct.layers)):
+        for name in a.__dataclass_fields__:
+            assert_close(f"layer {i} {name}", getattr(a, name), getattr(b, name), dtype=model.dtype)
+
+
+def test_left_padded_batch_equals_rows_alone(model, rng):
+    lengths = [9, 14, 9]
+    rows = [rng.integers(0, model.config.vocab_size, n) for n in lengths]
+    width = max(lengths)
+    ids = np.zeros((3, width), np.int32)
+    mask = np.zeros((3, width), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        ids[i, :width - len(r)] = rng.integers(0, model.config.vocab_size, width - len(r))  # garbage padding
+        mask[i, width - len(r):] = 1
+    steps = rng.integers(0, model.config.vocab_size, (3, 4))
+    logits, state = model.prefill(ids, mask)
+    batch = [np.asarray(logits)]
+    for s in range(steps.shape[1]):
+        logits, state = model.decode_step(state, steps[:, s])
+        batch.append(np.asarray(logits))
+    np.testing.assert_array_equal(state.lengths, np.array(lengths) + steps.shape[1])
+    for i, r in enumerate(rows):
+        logits, st = model.prefill(r[None])
+        alone = [np.asarray(logits)]
+        for s in range(steps.shape[1]):
+            logits, st = model.decode_step(st, steps[i:i + 1, s])
+            alone.append(np.asarray(logits))
+        assert_close(f"row {i}", np.stack([b[i] for b in batch]), np.concatenate(alone), dtype=model.dtype)
+    full_masked = np.asarray(model.logits(ids, mask))
+    assert_close("logits() row 0", full_masked[0, width - lengths[0]:], model.logits(rows[0][None])[0],
+                 dtype=model.dtype)
+
+
+def test_chunked_prefill_continuation_with_uneven_rows(model, rng):
+    """Row 0 continues with 6 tokens, row 1 with 3 (left-padded): each equals one long prefill."""
+    vocab = model.config.vocab_size
+    first = rng.integers(0, vocab, (2, 17))
+    more = [rng.integers(0, vocab, 6), rng.integers(0, vocab, 3)]
+    _, state = model.prefill(first, max_len=64)
+    ids = np.stack([more[0], np.concatenate([[0, 0, 0], more[1]])])
+    mask = np.array([[1] * 6, [0, 0, 0, 1, 1, 1]])
+    logits, state = model.prefill(ids, mask, state=state)
+    np.testing.assert_array_equal(state.lengths, [23, 20])
+    for i in range(2):
+        alone, _ = model.prefill(np.concatenate([first[i], more[i]])[None])
+        assert_close(f"row {i}", logits[i], alone[0], dtype=model.dtype)

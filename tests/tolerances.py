@@ -1,0 +1,37 @@
+"""The one closeness check used by every test."""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Relative error ||actual - expected|| / ||expected|| allowed by default, per dtype.
+TOLERANCES = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3, "float64": 1e-12}
+
+
+def error_ratio(actual, expected) -> float:
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    return float(np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30))
+
+
+def assert_close(name: str, actual, expected, *, dtype=None, tol: float | None = None) -> float:
+    """Asserts `actual` matches `expected`; returns the relative error.
+
+    NaN/Inf in either input fails first. The tolerance is `tol` or the table entry for `dtype`
+    (default: actual's dtype). The failure message reports the error ratio and the worst element.
+    """
+    a_arr, e_arr = np.asarray(actual), np.asarray(expected)
+    dtype = str(np.dtype(dtype if dtype is not None else a_arr.dtype))
+    a = a_arr.astype(np.float64)
+    e = e_arr.astype(np.float64)
+    assert a.shape == e.shape, f"{name}: shape {a.shape} != expected {e.shape}"
+    for label, arr in (("actual", a), ("expected", e)):
+        bad = ~np.isfinite(arr)
+        assert not bad.any(), f"{name}: {label} has {int(bad.sum())} non-finite values (first at {np.argwhere(bad)[0]})"
+    limit = tol if tol is not None else TOLERANCES[dtype]
+    err = error_ratio(a, e)
+    if not err <= limit:
+        i = np.unravel_index(np.argmax(np.abs(a - e)), a.shape)
+        raise AssertionError(f"{name}: relative error {err:.3e} > {limit:.1e} ({err / limit:.1f}x the tolerance); "
+                             f"worst element {i}: {a[i]:.6g} vs expected {e[i]:.6g}")
+    return err
