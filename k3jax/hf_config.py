@@ -51,6 +51,20 @@ def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     return cfg
 
 
+def _typed_list(cfg: Mapping[str, Any], key: str, mapping: dict, num_layers: int) -> tuple | None:
+    """Reads a per-layer list of type names (transformers' form) through `mapping`, or None if absent."""
+    types = cfg.get(key)
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ConfigError(f"invalid config field '{key}': expected a list of {num_layers} entries "
+                          f"(num_hidden_layers), got {types!r}")
+    unknown = sorted({str(t) for t in types if t not in mapping})
+    if unknown:
+        raise ConfigError(f"invalid config field '{key}': unknown values {unknown}")
+    return tuple(mapping[t] for t in types)
+
+
 def _layer_plan(cfg: Mapping[str, Any], num_layers: int, has_moe: bool) -> tuple[tuple, tuple]:
     """Mixer and FFN kind per layer, following arch §1.4 exactly."""
     lin = cfg.get("linear_attn_config") or {}
@@ -71,17 +85,7 @@ def _layer_plan(cfg: Mapping[str, Any], num_layers: int, has_moe: bool) -> tuple
                 f"must partition 1..{num_layers} (both: {overlap}, neither: {missing})")
         from_lists = tuple("kda" if (i + 1) in set(kda) else "mla" for i in range(num_layers))
 
-    from_types = None
-    if cfg.get("layer_types") is not None:
-        types = cfg["layer_types"]
-        if len(types) != num_layers:
-            raise ConfigError(f"invalid config field 'layer_types': {len(types)} entries for "
-                              f"num_hidden_layers={num_layers}")
-        mapping = {"linear_attention": "kda", "full_attention": "mla"}
-        unknown = sorted({t for t in types if t not in mapping})
-        if unknown:
-            raise ConfigError(f"invalid config field 'layer_types': unknown values {unknown}")
-        from_types = tuple(mapping[t] for t in types)
+    from_types = _typed_list(cfg, "layer_types", {"linear_attention": "kda", "full_attention": "mla"}, num_layers)
 
     if from_types is not None and from_lists is not None and from_types != from_lists:
         raise ConfigError("invalid config field 'layer_types': disagrees with linear_attn_config.kda_layers")
@@ -90,17 +94,8 @@ def _layer_plan(cfg: Mapping[str, Any], num_layers: int, has_moe: bool) -> tuple
         raise ConfigError("invalid config field 'layer_types': config.json has neither layer_types nor "
                           "linear_attn_config.kda_layers/full_attn_layers")
 
-    if cfg.get("mlp_layer_types") is not None:
-        types = cfg["mlp_layer_types"]
-        if len(types) != num_layers:
-            raise ConfigError(f"invalid config field 'mlp_layer_types': {len(types)} entries for "
-                              f"num_hidden_layers={num_layers}")
-        mapping = {"dense": "dense", "sparse": "moe"}
-        unknown = sorted({t for t in types if t not in mapping})
-        if unknown:
-            raise ConfigError(f"invalid config field 'mlp_layer_types': unknown values {unknown}")
-        ffns = tuple(mapping[t] for t in types)
-    else:
+    ffns = _typed_list(cfg, "mlp_layer_types", {"dense": "dense", "sparse": "moe"}, num_layers)
+    if ffns is None:
         first_dense = cfg.get("first_k_dense_replace", 1)  # transformers' default when absent
         freq = cfg.get("moe_layer_freq", 1)
         if not isinstance(first_dense, int) or first_dense < 0:
