@@ -43,6 +43,18 @@ def _forward_logits(graphdef, params, tokens, valid):
     return model.logits(hidden)
 
 
+def _forward_hidden(graphdef, params, tokens, valid):
+    model = nnx.merge(graphdef, params)
+    return model(tokens, SeqInfo.make(valid), None, fresh=True)[0]
+
+
+def _mtp(graphdef, params, hidden, tokens, positions, valid, *, layer: int):
+    model = nnx.merge(graphdef, params)
+    mtp = model.mtp[layer]
+    h, _ = mtp.draft(hidden, tokens, positions, model.mtp_embedding(), SeqInfo.make(valid), None, fresh=True)
+    return h, mtp.shared_head(h)
+
+
 def _prefill(graphdef, params, tokens, valid, state, *, fresh: bool, all_logits: bool):
     model = nnx.merge(graphdef, params)
     hidden, state = model(tokens, SeqInfo.make(valid, state.lengths), state, fresh=fresh)
@@ -64,7 +76,10 @@ class CausalLM:
         self.config = config
         self.graphdef, self.params = nnx.split(module)
         self.dtype = self.params["model"]["embed_tokens"]["embedding"][...].dtype
+        self.load_report = None  # set by k3jax.load
         self._logits = jax.jit(functools.partial(_forward_logits, self.graphdef))
+        self._hidden = jax.jit(functools.partial(_forward_hidden, self.graphdef))
+        self._mtp = jax.jit(functools.partial(_mtp, self.graphdef), static_argnames=("layer",))
         self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), static_argnames=("fresh", "all_logits"))
         self._decode = jax.jit(functools.partial(_decode, self.graphdef), donate_argnames=("state",))
 
@@ -127,6 +142,32 @@ class CausalLM:
             raise ValueError(f"prompt of {ids.shape[1]} tokens exceeds the context limit "
                              f"{self.config.max_position_embeddings}")
         return self._logits(self.params, jnp.asarray(ids), jnp.asarray(mask))
+
+    def hidden_states(self, token_ids, attention_mask=None) -> jax.Array:
+        """Pre-norm final hidden state [B, T, D] (after K3's output AttnRes mix): the MTP input."""
+        ids, mask = self._check_batch(token_ids, attention_mask)
+        return self._hidden(self.params, jnp.asarray(ids), jnp.asarray(mask))
+
+    def mtp(self, hidden, next_tokens, *, positions=None, attention_mask=None, layer: int = 0):
+        """One MTP draft layer over a window (arch §7).
+
+        Args:
+          hidden: [B, T, D] target pre-norm hidden states (or the previous MTP layer's output).
+          next_tokens: [B, T] the token following each position.
+          positions: [B, T] absolute positions (the embedding is zeroed at position 0); default 0..T-1.
+        Returns:
+          (MTP pre-norm hidden [B, T, D], draft logits [B, T, Vocab] fp32).
+        """
+        if not 0 <= layer < self.config.num_mtp_layers:
+            raise ValueError(f"MTP layer {layer} requested but the model has {self.config.num_mtp_layers}")
+        ids, mask = self._check_batch(next_tokens, attention_mask)
+        hidden = jnp.asarray(hidden)
+        if hidden.shape != ids.shape + (self.config.hidden_size,):
+            raise ValueError(f"hidden shape {hidden.shape} does not match next_tokens {ids.shape}")
+        if positions is None:
+            positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+        return self._mtp(self.params, hidden, jnp.asarray(ids), jnp.asarray(positions, jnp.int32),
+                         jnp.asarray(mask), layer=layer)
 
     def prefill(self, token_ids, attention_mask=None, *, state: DecodeState | None = None,
                 max_len: int | None = None, all_logits: bool = False):

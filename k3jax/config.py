@@ -17,6 +17,8 @@ FFNKind = Literal["dense", "moe"]
 KDA_IMPLS = ("chunked", "recurrent")
 MLA_IMPLS = ("absorbed", "naive")
 MOE_IMPLS = ("ragged", "dense")
+ATTN_RES_IMPLS = ("buffer", "list")
+QUANTIZATIONS = (None, "mxfp4")
 ACTIVATIONS = ("silu", "situ")
 A_LOG_POLICIES = ("per_head", "per_channel")
 
@@ -150,10 +152,15 @@ class MoEConfig:
     topk_group: int = 1
     score_function: str = "sigmoid"
     activation: Activation = Activation()
+    latent_size: int | None = None  # K3: routed experts run in this width (routed_expert_hidden_size)
+    latent_use_norm: bool = False   # K3: RMSNorm on the combined latent routed output
+    norm_eps: float = 1e-5
     impl: str = "ragged"  # "ragged" (sorted tokens + lax.ragged_dot) or "dense" (reference)
 
     def __post_init__(self):
         _positive(self.num_experts, "num_experts")
+        if self.latent_size is not None:
+            _positive(self.latent_size, "routed_expert_hidden_size")
         _positive(self.num_experts_per_token, "num_experts_per_token")
         _positive(self.expert_intermediate_size, "moe_intermediate_size")
         _require(isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0,
@@ -175,12 +182,35 @@ class MoEConfig:
         _require(self.impl in MOE_IMPLS, "moe.impl", f"expected one of {MOE_IMPLS}, got {self.impl!r}")
 
     @property
+    def expert_input_size(self) -> int:
+        """Width the routed experts see: the latent width (K3) or the hidden size."""
+        return self.hidden_size if self.latent_size is None else self.latent_size
+
+    @property
     def shared(self) -> MLPConfig | None:
         """Config of the always-active shared experts (one MLP of the combined width)."""
         if self.num_shared_experts == 0:
             return None
         return MLPConfig(self.hidden_size, self.expert_intermediate_size * self.num_shared_experts,
                          self.activation)
+
+
+@dataclass(frozen=True)
+class AttnResConfig:
+    """Attention residuals over depth (K3, arch §3). Blocks of `block_size` decoder layers."""
+
+    block_size: int
+    eps: float = 1e-5
+    impl: str = "buffer"  # "buffer": fixed-size block buffer with masks (jit form); "list": reference
+
+    def __post_init__(self):
+        _positive(self.block_size, "attn_res_block_size")
+        _require(self.impl in ATTN_RES_IMPLS, "attn_res.impl",
+                 f"expected one of {ATTN_RES_IMPLS}, got {self.impl!r}")
+
+    def num_blocks(self, num_layers: int) -> int:
+        """Stored blocks: the embedding plus one per completed block = ceil(L / block_size)."""
+        return -(-num_layers // self.block_size)
 
 
 @dataclass(frozen=True)
@@ -196,6 +226,11 @@ class ModelConfig:
     mla: MLAConfig | None = None
     mlp: MLPConfig | None = None
     moe: MoEConfig | None = None
+    attn_res: AttnResConfig | None = None
+    mtp_mixers: tuple[str, ...] = ()  # per MTP draft layer (global index L + j): "kda" or "mla"
+    mtp_ffns: tuple[str, ...] = ()
+    mtp_own_embedding: bool = False   # the checkpoint stores an embedding under the first MTP layer
+    quantization: str | None = None   # routed experts stored as "mxfp4" (compressed-tensors)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 1 << 20
     bos_token_id: int | None = None
@@ -213,16 +248,25 @@ class ModelConfig:
             _require(m in ("kda", "mla"), "layer_types", f"layer {i}: unknown mixer {m!r}")
         for i, f in enumerate(self.ffns):
             _require(f in ("dense", "moe"), "mlp_layer_types", f"layer {i}: unknown FFN kind {f!r}")
+        _require(len(self.mtp_ffns) == len(self.mtp_mixers), "num_nextn_predict_layers",
+                 "mtp_mixers and mtp_ffns differ in length")
+        _require(self.quantization in QUANTIZATIONS, "quantization_config",
+                 f"unsupported quantization {self.quantization!r}; supported: mxfp4 (compressed-tensors)")
+        if self.quantization == "mxfp4" and self.moe is not None:
+            for name, size in (("moe_intermediate_size", self.moe.expert_intermediate_size),
+                               ("routed_expert_hidden_size", self.moe.expert_input_size)):
+                _require(size % 32 == 0, name, f"{size} is not a multiple of the MXFP4 group size 32")
+        mixers, ffns = self.mixers + self.mtp_mixers, self.ffns + self.mtp_ffns
         _require(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
         _require(self.tie_word_embeddings is False, "tie_word_embeddings",
                  "tied embeddings are not used by Kimi models and are not supported")
-        if "kda" in self.mixers:
+        if "kda" in mixers:
             _require(self.kda is not None, "linear_attn_config", "KDA layers need a KDA config")
-        if "mla" in self.mixers:
+        if "mla" in mixers:
             _require(self.mla is not None, "kv_lora_rank", "MLA layers need an MLA config")
-        if "dense" in self.ffns:
+        if "dense" in ffns:
             _require(self.mlp is not None, "intermediate_size", "dense layers need intermediate_size")
-        if "moe" in self.ffns:
+        if "moe" in ffns:
             _require(self.moe is not None, "num_experts", "MoE layers need an MoE config")
         for name in ("kda", "mla", "mlp", "moe"):
             sub = getattr(self, name)
@@ -241,13 +285,19 @@ class ModelConfig:
     def num_layers(self) -> int:
         return len(self.mixers)
 
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp_mixers)
+
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
-    def with_impls(self, *, kda: str | None = None, mla: str | None = None,
-                   moe: str | None = None) -> "ModelConfig":
+    def with_impls(self, *, kda: str | None = None, mla: str | None = None, moe: str | None = None,
+                   attn_res: str | None = None) -> "ModelConfig":
         """Returns a copy with other implementation choices (the math is unchanged)."""
         out = self
+        if attn_res is not None and self.attn_res is not None:
+            out = out.replace(attn_res=dataclasses.replace(out.attn_res, impl=attn_res))
         if kda is not None and self.kda is not None:
             out = out.replace(kda=dataclasses.replace(out.kda, impl=kda))
         if mla is not None and self.mla is not None:
@@ -274,4 +324,31 @@ def tiny_kimi_linear(*, vocab_size: int = 512, num_layers: int = 4) -> ModelConf
         moe=MoEConfig(hidden_size=hidden, num_experts=8, num_experts_per_token=2,
                       expert_intermediate_size=32, num_shared_experts=1, routed_scaling_factor=2.446),
         bos_token_id=1, eos_token_id=(2,), pad_token_id=0,
+    )
+
+
+def tiny_k3(*, vocab_size: int = 512, num_layers: int = 13, attn_res_block_size: int = 3,
+            num_mtp_layers: int = 1) -> ModelConfig:
+    """A tiny K3-shaped config: AttnRes, latent MoE with SiTU, bounded KDA gate with a full-rank
+    output gate, MLA with q_lora and an output gate, MLA every 4th layer and last, an MTP layer."""
+    hidden = 64
+    act = Activation("situ", 4.0, 25.0)
+    mixers = tuple("mla" if (i % 4 == 3 or i == num_layers - 1) else "kda" for i in range(num_layers))
+    ffns = tuple("dense" if i == 0 else "moe" for i in range(num_layers))
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        mixers=mixers,
+        ffns=ffns,
+        kda=KDAConfig(hidden_size=hidden, num_heads=4, head_dim=16, chunk_size=16, gate_lower_bound=-5.0,
+                      use_full_rank_gate=True),
+        mla=MLAConfig(hidden_size=hidden, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                      v_head_dim=16, q_lora_rank=32, use_output_gate=True),
+        mlp=MLPConfig(hidden_size=hidden, intermediate_size=128, activation=act),
+        moe=MoEConfig(hidden_size=hidden, num_experts=8, num_experts_per_token=2, expert_intermediate_size=32,
+                      num_shared_experts=2, activation=act, latent_size=32, latent_use_norm=True),
+        attn_res=AttnResConfig(block_size=attn_res_block_size),
+        mtp_mixers=("mla",) * num_mtp_layers,
+        mtp_ffns=("moe",) * num_mtp_layers,
+        bos_token_id=1, eos_token_id=(2,), pad_token_id=0, model_type="kimi_k3",
     )

@@ -2,30 +2,42 @@
 
 All names, shapes and dtypes are checked against the model config from the headers alone; any
 mismatch raises one `CheckpointError` listing every missing, unexpected and mis-shaped tensor.
-Parameters are then filled one at a time (stacked experts included), so host memory holds at
-most one parameter beyond what is already on the device.
+Parameters are then filled one at a time (stacked experts included, MXFP4 experts dequantised),
+so host memory holds at most one parameter beyond what is already on the device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from k3jax.causal_lm import CausalLM, resolve_dtype
-from k3jax.checkpoint.name_map import TensorRule, tensor_aliases, tensor_rules
-from k3jax.checkpoint.safetensors_reader import CheckpointError, SafetensorsCheckpoint
+from k3jax.checkpoint.mxfp4 import dequantize_mxfp4
+from k3jax.checkpoint.name_map import (TensorRule, is_skipped, mtp_embedding_name, tensor_aliases,
+                                       tensor_rules)
+from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from k3jax.checkpoint.transforms import HOOKS
 from k3jax.config import ModelConfig
 from k3jax.hf_config import load_hf_config
 from k3jax.model import KimiForCausalLM
 
-_FLOAT_KINDS = ("F32", "F16", "BF16", "F64")
 _SHOW = 8
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load consumed: tensors used, tensors deliberately skipped (vision tower, ...), bytes read."""
+
+    tensors: int
+    skipped: int
+    bytes_read: int
 
 
 def _listing(items: list[str]) -> str:
@@ -34,37 +46,43 @@ def _listing(items: list[str]) -> str:
 
 
 def plan_tensors(cfg: ModelConfig, ckpt: SafetensorsCheckpoint, param_shapes: dict[tuple, tuple]
-                 ) -> dict[tuple, list[tuple[str, TensorRule]]]:
-    """Matches stored tensors to parameters. Returns parameter path -> [(stored name, rule)].
+                 ) -> tuple[dict[tuple, list[tuple[str, TensorRule]]], int]:
+    """Matches stored tensors to parameters.
 
-    Raises CheckpointError naming every missing, unexpected, duplicated, mis-shaped or
-    non-float tensor.
+    Returns (parameter path -> [(stored name, rule)], number of skipped tensors). Raises
+    CheckpointError naming every missing, unexpected, duplicated, mis-shaped or mis-typed tensor.
     """
     rules = tensor_rules(cfg)
     aliases = tensor_aliases(cfg)
     seen: dict[str, str] = {}
     unexpected, bad_shape, bad_dtype, duplicate = [], [], [], []
+    skipped = 0
     plan: dict[tuple, list] = defaultdict(list)
     for name in ckpt.names():
         canon = aliases.get(name, name)
         rule = rules.get(canon)
         if rule is None:
-            unexpected.append(name)
+            if is_skipped(cfg, name):
+                skipped += 1
+            else:
+                unexpected.append(name)
             continue
         if canon in seen:
             duplicate.append(f"{name} (same tensor as {seen[canon]})")
             continue
         seen[canon] = name
         info = ckpt.info(name)
-        shape = param_shapes[rule.path]
-        if rule.expert is not None:
-            shape = shape[1:]
-        accepted = HOOKS[rule.hook].source_shapes(shape)
-        if info.shape not in accepted:
-            bad_shape.append(f"{name} {list(info.shape)} (expected {list(accepted[0])})")
-        elif not np.issubdtype(info.dtype, np.floating):
+        hook = HOOKS[rule.hook]
+        shape = param_shapes[rule.path][1:] if rule.expert is not None else param_shapes[rule.path]
+        if not hook.accepts(info.shape, shape):
+            note = f" {hook.note}" if hook.note else ""
+            bad_shape.append(f"{name} {list(info.shape)} (expected {list(hook.expected(shape))}{note})")
+        elif hook.stored == "uint8" and info.dtype != np.uint8:
+            bad_dtype.append(f"{name} {info.dtype} (expected uint8)")
+        elif hook.stored == "float" and not np.issubdtype(info.dtype, np.floating):
             bad_dtype.append(f"{name} {info.dtype} (expected a float dtype)")
-        plan[rule.path].append((name, rule))
+        if hook.name != "mxfp4_scale":  # scales are read together with their packed codes
+            plan[rule.path].append((name, rule))
     missing = [n for n in rules if n not in seen]
     problems = []
     for label, items in (("missing", missing), ("unexpected", unexpected), ("duplicated", duplicate),
@@ -73,54 +91,70 @@ def plan_tensors(cfg: ModelConfig, ckpt: SafetensorsCheckpoint, param_shapes: di
             problems.append(f"{len(items)} {label}: {_listing(items)}")
     if problems:
         raise CheckpointError(f"checkpoint {ckpt.path} does not match its config: " + "; ".join(problems))
-    return plan
+    return plan, skipped
+
+
+def _read(ckpt: SafetensorsCheckpoint, name: str, rule: TensorRule, shape: tuple) -> np.ndarray:
+    """One stored tensor (or MXFP4 pair) transformed to its parameter (slice) layout."""
+    if rule.hook == "mxfp4_packed":
+        try:
+            return dequantize_mxfp4(ckpt.read(name), ckpt.read(rule.partner)).T
+        except ValueError as e:
+            raise CheckpointError(f"{ckpt.info(name).file}: tensor '{name}': {e}") from None
+    return HOOKS[rule.hook].apply(ckpt.read(name), shape)
 
 
 def _progress(total_bytes: int, show: bool | None):
     if show is None:
         show = sys.stderr.isatty() and total_bytes > (1 << 28)
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm ships with transformers
-        return None
+    from tqdm.auto import tqdm
     return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading", disable=not show)
 
 
 def load_causal_lm(path: str | os.PathLike, dtype="float32", *, kda_impl: str | None = None,
-                   mla_impl: str | None = None, moe_impl: str | None = None,
-                   progress: bool | None = None) -> CausalLM:
+                   mla_impl: str | None = None, moe_impl: str | None = None, attn_res_impl: str | None = None,
+                   a_log_policy: str | None = None, progress: bool | None = None) -> CausalLM:
     """Loads `path` (config.json + *.safetensors [+ index]) as a `CausalLM`.
 
     dtype: "float32" or "bfloat16" for the weights and activations; A_log, dt_bias, conv taps,
     o_norm and the router correction bias always stay fp32.
-    kda_impl / mla_impl / moe_impl: implementation choices (see the sub-configs).
+    kda_impl / mla_impl / moe_impl / attn_res_impl: implementation choices (see the sub-configs).
+    a_log_policy: how a K3 A_log longer than the head count is read ("per_head" or "per_channel").
     """
     dt = resolve_dtype(dtype)
-    cfg = load_hf_config(path).with_impls(kda=kda_impl, mla=mla_impl, moe=moe_impl)
+    cfg = load_hf_config(path).with_impls(kda=kda_impl, mla=mla_impl, moe=moe_impl, attn_res=attn_res_impl)
+    if a_log_policy is not None and cfg.kda is not None:
+        cfg = cfg.replace(kda=dataclasses.replace(cfg.kda, a_log_policy=a_log_policy))
     ckpt = SafetensorsCheckpoint(path)
+    if cfg.num_mtp_layers and mtp_embedding_name(cfg, cfg.num_mtp_layers) in ckpt.tensors:
+        cfg = cfg.replace(mtp_own_embedding=True)
     abstract = nnx.eval_shape(lambda: KimiForCausalLM(cfg, dtype=dt, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = list(nnx.to_flat_state(state))
     shapes = {p: tuple(v.get_value().shape) for p, v in flat}
-    plan = plan_tensors(cfg, ckpt, shapes)
+    plan, skipped = plan_tensors(cfg, ckpt, shapes)
 
-    bar = _progress(ckpt.total_bytes, progress)
-    loaded = []
+    def nbytes(name, rule):
+        return ckpt.info(name).nbytes + (ckpt.info(rule.partner).nbytes if rule.partner else 0)
+
+    bar = _progress(sum(nbytes(n, r) for entries in plan.values() for n, r in entries), progress)
+    loaded, read = [], 0
     for p, var in flat:
-        abstract_value = var.get_value()
-        np_dtype = np.dtype(abstract_value.dtype)
+        np_dtype = np.dtype(var.get_value().dtype)
         entries = plan[p]
         if entries[0][1].expert is None:
             (name, rule), = entries
-            value = HOOKS[rule.hook].apply(ckpt.read(name), shapes[p]).astype(np_dtype)
+            value = _read(ckpt, name, rule, shapes[p]).astype(np_dtype)
         else:
             value = np.empty(shapes[p], np_dtype)
             for name, rule in entries:
-                value[rule.expert] = HOOKS[rule.hook].apply(ckpt.read(name), shapes[p][1:])
-        if bar is not None:
-            bar.update(sum(ckpt.info(n).nbytes for n, _ in entries))
+                value[rule.expert] = _read(ckpt, name, rule, shapes[p][1:])
+        step = sum(nbytes(n, r) for n, r in entries)
+        read += step
+        bar.update(step)
         loaded.append((p, var.replace(jnp.asarray(value))))
-    if bar is not None:
-        bar.close()
+    bar.close()
     module = nnx.merge(graphdef, nnx.from_flat_state(loaded))
-    return CausalLM(module, cfg)
+    model = CausalLM(module, cfg)
+    model.load_report = LoadReport(tensors=sum(len(v) for v in plan.values()), skipped=skipped, bytes_read=read)
+    return model

@@ -1,7 +1,8 @@
 """Per-tensor transforms from a checkpoint tensor to (a slice of) a k3jax parameter.
 
-Each hook knows which stored shapes it accepts for a given parameter shape, so shape errors are
-found from the headers alone, before any data is read.
+Each hook knows which stored shapes and dtypes it accepts for a given parameter shape, so shape
+errors are found from the headers alone, before any data is read, and can invert itself to write
+a checkpoint.
 """
 
 from __future__ import annotations
@@ -11,40 +12,54 @@ from typing import Callable
 
 import numpy as np
 
+from k3jax.checkpoint.mxfp4 import GROUP
+
 
 @dataclass(frozen=True)
 class Hook:
     name: str
-    source_shapes: Callable[[tuple], list[tuple]]  # accepted stored shapes for a parameter shape
+    expected: Callable[[tuple], tuple]           # the stored shape written for a parameter shape
+    accepts: Callable[[tuple, tuple], bool]      # (stored shape, parameter shape) -> ok?
     apply: Callable[[np.ndarray, tuple], np.ndarray]
+    invert: Callable[[np.ndarray], np.ndarray]   # parameter -> stored tensor
+    stored: str = "float"                        # "float" or "uint8" (MXFP4 parts)
+    note: str = ""
 
 
-def _copy_shapes(shape):
-    return [tuple(shape)]
+def _exact(expected):
+    return lambda stored, shape: tuple(stored) == tuple(expected(shape))
 
 
-def _transpose_shapes(shape):
-    return [tuple(shape[::-1])]
-
-
-def _conv_shapes(shape):  # param [W, C]; stored [C, 1, W] (HF) or [C, W] (vLLM)
+def _conv_accepts(stored, shape):  # param [W, C]; stored [C, 1, W] (HF) or [C, W] (vLLM)
     w, c = shape
-    return [(c, 1, w), (c, w)]
+    return tuple(stored) in ((c, 1, w), (c, w))
 
 
-def _conv_apply(arr, shape):
-    w, c = shape
-    return arr.reshape(c, w).T
-
-
-def _a_log_shapes(shape):  # param [H]; Kimi-Linear stores [1, 1, H, 1]
+def _a_log_head_accepts(stored, shape):  # param [H]; Kimi-Linear [1, 1, H, 1]; K3 [128] with H = 96
     (h,) = shape
-    return [(1, 1, h, 1), (h,)]
+    return tuple(stored) == (1, 1, h, 1) or (len(stored) == 1 and stored[0] >= h)
+
+
+def _mxfp4_packed_shape(shape):  # param slice [in, out] -> packed [out, in / 2]
+    return (shape[1], shape[0] // 2)
+
+
+def _mxfp4_scale_shape(shape):
+    return (shape[1], shape[0] // GROUP)
 
 
 HOOKS = {
-    "copy": Hook("copy", _copy_shapes, lambda a, s: a),
-    "transpose": Hook("transpose", _transpose_shapes, lambda a, s: a.T),
-    "conv": Hook("conv", _conv_shapes, _conv_apply),
-    "a_log": Hook("a_log", _a_log_shapes, lambda a, s: a.reshape(s)),
+    "copy": Hook("copy", tuple, _exact(tuple), lambda a, s: a, lambda p: p),
+    "transpose": Hook("transpose", lambda s: tuple(s[::-1]), _exact(lambda s: tuple(s[::-1])),
+                      lambda a, s: a.T, lambda p: p.T),
+    "conv": Hook("conv", lambda s: (s[1], 1, s[0]), _conv_accepts, lambda a, s: a.reshape(s[1], s[0]).T,
+                 lambda p: p.T[:, None, :]),
+    "a_log_per_head": Hook("a_log_per_head", lambda s: (1, 1, s[0], 1), _a_log_head_accepts,
+                           lambda a, s: a.reshape(-1)[:s[0]], lambda p: p.reshape(1, 1, -1, 1),
+                           note="or longer (per_head A_log policy uses the first H entries)"),
+    "a_log_per_channel": Hook("a_log_per_channel", tuple, _exact(tuple), lambda a, s: a.reshape(s),
+                              lambda p: p, note="(per_channel A_log policy: one entry per key channel)"),
+    # MXFP4 experts: the packed codes carry the transform; the scales are read alongside them.
+    "mxfp4_packed": Hook("mxfp4_packed", _mxfp4_packed_shape, _exact(_mxfp4_packed_shape), None, None, "uint8"),
+    "mxfp4_scale": Hook("mxfp4_scale", _mxfp4_scale_shape, _exact(_mxfp4_scale_shape), None, None, "uint8"),
 }

@@ -1,7 +1,7 @@
 """NoPE multi-head latent attention layer (arch §5) with a per-row latent cache.
 
 Checkpoint names under `self_attn.`: q_proj (Kimi-Linear) or q_a_proj + q_a_layernorm + q_b_proj
-(K3), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj.
+(K3), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, g_proj (K3 output gate), o_proj.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class MultiHeadLatentAttention(nnx.Module):
         self.kv_a_proj_with_mqa = lin(d, cfg.latent_size, ("embed", "kv_latent"))
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.latent_norm_eps, dtype=dtype, rngs=rngs)
         self.kv_b_proj = lin(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), ("kv_lora", "mla_kv"))
+        if cfg.use_output_gate:
+            self.g_proj = lin(d, h * cfg.v_head_dim, ("embed", "mla_o"))
         self.o_proj = lin(h * cfg.v_head_dim, d, ("mla_o", "embed"))
 
     def __call__(self, x_BTD: jax.Array, seq: SeqInfo, cache: MLACache | None, *, fresh: bool):
@@ -77,5 +79,8 @@ class MultiHeadLatentAttention(nnx.Module):
             slots = jnp.arange(cache.latent.shape[1])
             mask = slots[None, None, :] <= seq.slot_index()[:, :, None]
             attn = ATTENTION_IMPLS[cfg.decode_impl](q_nope, q_pe, cache.latent, w_kv_b, mask, **kwargs)
-        out = self.o_proj(attn.reshape(b, t, h * cfg.v_head_dim).astype(x_BTD.dtype))
-        return out, cache
+        attn = attn.reshape(b, t, h * cfg.v_head_dim)
+        if cfg.use_output_gate:  # K3: sigmoid gate from the layer input on the concatenated heads
+            gate = jax.nn.sigmoid(self.g_proj(x_BTD).astype(jnp.float32))
+            attn = attn.astype(jnp.float32) * gate
+        return self.o_proj(attn.astype(x_BTD.dtype)), cache

@@ -2,7 +2,8 @@
 (dense reference or sorted-token ragged GEMM) and shared experts (arch §6.3-6.5).
 
 Checkpoint names under `block_sparse_moe.`: gate.weight, gate.e_score_correction_bias,
-experts.{e}.w1/w3/w2 (gate/up/down), shared_experts.{gate,up,down}_proj.
+experts.{e}.w1/w3/w2 (gate/up/down), shared_experts.{gate,up,down}_proj, and for K3's latent MoE
+routed_expert_down_proj, routed_expert_norm, routed_expert_up_proj.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from flax import nnx
 from k3jax.config import Activation, MoEConfig
 from k3jax.layers.linear import Linear
 from k3jax.layers.mlp import MLP, gated_activation
+from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import normal, param, zeros
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -94,28 +96,45 @@ class Experts(nnx.Module):
     """Stacked routed expert weights: w1/w3 [E, D, F] (gate/up), w2 [E, F, D] (down)."""
 
     def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
-        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+        e, d, f = cfg.num_experts, cfg.expert_input_size, cfg.expert_intermediate_size
         self.w1 = param(rngs, (e, d, f), dtype, normal(), ("experts", "embed", "expert_mlp"))
         self.w3 = param(rngs, (e, d, f), dtype, normal(), ("experts", "embed", "expert_mlp"))
         self.w2 = param(rngs, (e, f, d), dtype, normal(), ("experts", "expert_mlp", "embed"))
 
 
 class MoE(nnx.Module):
-    """Routed experts plus shared experts on the same normed input. x [B, T, D] -> [B, T, D]."""
+    """Routed experts plus shared experts on the same normed input. x [B, T, D] -> [B, T, D].
+
+    Latent MoE (K3, arch §6.4): the router and shared experts see x at full width; the routed
+    experts run on routed_expert_down_proj(x) [.., Dl]; their fp32 weighted sum is normed
+    (routed_expert_norm) and projected back by routed_expert_up_proj.
+    """
 
     def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         self.gate = Router(cfg, dtype=dtype, rngs=rngs)
         self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
         self.shared_experts = MLP(cfg.shared, dtype=dtype, rngs=rngs) if cfg.shared is not None else None
+        if cfg.latent_size is not None:
+            d, dl = cfg.hidden_size, cfg.latent_size
+            self.routed_expert_down_proj = Linear(d, dl, dtype=dtype, axes=("embed", "moe_latent"), rngs=rngs)
+            self.routed_expert_up_proj = Linear(dl, d, dtype=dtype, axes=("moe_latent", "embed"), rngs=rngs)
+            if cfg.latent_use_norm:
+                self.routed_expert_norm = RMSNorm(dl, cfg.norm_eps, dtype=dtype, rngs=rngs, axis_name="moe_latent")
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        cfg = self.cfg
         b, t, d = x_BTD.shape
         x_ND = x_BTD.reshape(b * t, d)
         weights, experts = self.gate(x_ND)
-        routed = _EXPERT_IMPLS[self.cfg.impl](x_ND, weights, experts, self.experts.w1[...], self.experts.w3[...],
-                                              self.experts.w2[...], self.cfg.activation)
-        out = routed.astype(x_BTD.dtype).reshape(b, t, d)
+        expert_in = x_ND if cfg.latent_size is None else self.routed_expert_down_proj(x_ND)
+        routed = _EXPERT_IMPLS[cfg.impl](expert_in, weights, experts, self.experts.w1[...], self.experts.w3[...],
+                                         self.experts.w2[...], cfg.activation).astype(x_BTD.dtype)
+        if cfg.latent_size is not None:
+            if cfg.latent_use_norm:
+                routed = self.routed_expert_norm(routed)
+            routed = self.routed_expert_up_proj(routed)
+        out = routed.reshape(b, t, d)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_BTD)
         return out

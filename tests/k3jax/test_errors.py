@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import k3jax
-from k3jax.checkpoint.safetensors_reader import CheckpointError
+from k3jax.checkpoint.safetensors_io import CheckpointError
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Lazy, validating reader for safetensors checkpoints (single file or sharded with an index).
+"""safetensors files: a lazy, validating reader for checkpoints (single file or sharded with an
+index) and a writer.
 
 Headers are parsed up front (names, dtypes, shapes, byte ranges checked against the file size);
 tensor data is read one tensor at a time on request.
@@ -23,6 +24,9 @@ _DTYPES = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
     "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),
 }
+
+
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 class CheckpointError(ValueError):
@@ -137,3 +141,28 @@ class SafetensorsCheckpoint:
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+
+def write_safetensors(file: str | os.PathLike, tensors: dict[str, np.ndarray],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Writes `tensors` (any dtype the reader knows, bf16 included) to `file` atomically."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        if arr.dtype not in _NAMES:
+            raise ValueError(f"cannot write tensor '{name}' of dtype {arr.dtype} to safetensors")
+        header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+        arrays.append(arr)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = f"{os.fspath(file)}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for arr in arrays:
+            f.write(arr.tobytes())
+    os.replace(tmp, file)
