@@ -3,7 +3,6 @@ prefill + decode == longer prefill, left-padded batch == rows alone, chunked con
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from tolerances import assert_close

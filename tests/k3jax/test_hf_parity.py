@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import ml_dtypes
 import numpy as np

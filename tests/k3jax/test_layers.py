@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from tolerances import assert_close
 
-from k3jax.config import Activation, KDAConfig, MLAConfig, MoEConfig
+from k3jax.config import Activation, KDAConfig, MoEConfig
 from k3jax.layers.kda import KimiDeltaAttention, forget_gate, short_conv
 from k3jax.layers.mla_attention import attention_absorbed, attention_naive
 from k3jax.layers.mlp import gated_activation
