@@ -4,7 +4,7 @@
 PYTEST_ARGS ?=
 
 demo: venv
-	.venv/bin/k3jax demo
+	.venv/bin/k3jax generate --model tiny-k3 --prompt "The quick brown fox" --max-new-tokens 24 --stream
 
 test: venv oracle-venv
 	.venv/bin/python -m pytest $(PYTEST_ARGS)

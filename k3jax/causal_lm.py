@@ -77,6 +77,7 @@ class CausalLM:
         self.graphdef, self.params = nnx.split(module)
         self.dtype = self.params["model"]["embed_tokens"]["embedding"][...].dtype
         self.load_report = None  # set by k3jax.load
+        self.tokenizer = None     # set by k3jax.load_model when the checkpoint has one
         self._logits = jax.jit(functools.partial(_forward_logits, self.graphdef))
         self._hidden = jax.jit(functools.partial(_forward_hidden, self.graphdef))
         self._mtp = jax.jit(functools.partial(_mtp, self.graphdef), static_argnames=("layer",))

@@ -16,7 +16,7 @@ FFNKind = Literal["dense", "moe"]
 
 KDA_IMPLS = ("chunked", "recurrent")
 MLA_IMPLS = ("absorbed", "naive")
-MOE_IMPLS = ("ragged", "dense")
+MOE_IMPLS = ("ragged", "dense", "gather")
 ATTN_RES_IMPLS = ("buffer", "list")
 QUANTIZATIONS = (None, "mxfp4")
 ACTIVATIONS = ("silu", "situ")
@@ -155,7 +155,9 @@ class MoEConfig:
     latent_size: int | None = None  # K3: routed experts run in this width (routed_expert_hidden_size)
     latent_use_norm: bool = False   # K3: RMSNorm on the combined latent routed output
     norm_eps: float = 1e-5
-    impl: str = "ragged"  # "ragged" (sorted tokens + lax.ragged_dot) or "dense" (reference)
+    # "ragged": sorted tokens + lax.ragged_dot; "gather": per-token gathered expert weights (small
+    # batches); "dense": every expert on every token (the reference)
+    impl: str = "ragged"
 
     def __post_init__(self):
         _positive(self.num_experts, "num_experts")
@@ -305,6 +307,25 @@ class ModelConfig:
         if moe is not None and self.moe is not None:
             out = out.replace(moe=dataclasses.replace(out.moe, impl=moe))
         return out
+
+
+def kimi_linear_48b_a3b() -> ModelConfig:
+    """The released Kimi-Linear-48B-A3B text model (arch §1.2-1.4): 27 layers, MLA at 1-based
+    layers 4, 8, ..., 24, 27, layer 0 dense, 256 experts top-8."""
+    hidden = 2304
+    full = {4, 8, 12, 16, 20, 24, 27}
+    return ModelConfig(
+        vocab_size=163840, hidden_size=hidden,
+        mixers=tuple("mla" if i + 1 in full else "kda" for i in range(27)),
+        ffns=("dense",) + ("moe",) * 26,
+        kda=KDAConfig(hidden_size=hidden, num_heads=32, head_dim=128),
+        mla=MLAConfig(hidden_size=hidden, num_heads=32, kv_lora_rank=512, qk_nope_head_dim=128,
+                      qk_rope_head_dim=64, v_head_dim=128),
+        mlp=MLPConfig(hidden_size=hidden, intermediate_size=9216),
+        moe=MoEConfig(hidden_size=hidden, num_experts=256, num_experts_per_token=8, expert_intermediate_size=1024,
+                      num_shared_experts=1, routed_scaling_factor=2.446),
+        bos_token_id=163584, eos_token_id=(163586,), pad_token_id=163839,
+    )
 
 
 def tiny_kimi_linear(*, vocab_size: int = 512, num_layers: int = 4) -> ModelConfig:

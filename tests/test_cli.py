@@ -1,20 +1,21 @@
-"""The README's main command."""
+"""The README's main command and the CLI's errors."""
 
 from __future__ import annotations
-
-import pytest
 
 from k3jax.cli import main
 
 
-def test_demo_runs_forward_and_greedy(capsys):
-    assert main(["demo", "--prompt-len", "5", "--new-tokens", "3"]) == 0
+def test_generate_on_the_builtin_model(capsys):
+    assert main(["generate", "--model", "tiny-kimi-linear", "--prompt", "Hello", "--prompt", "Hi there",
+                 "--max-new-tokens", "5", "--chat"]) == 0
     out = capsys.readouterr().out
-    assert "logits (1, 5, 512) float32" in out
-    greedy = out.split("greedy ids: ")[1].splitlines()[0]
-    assert len(eval(greedy)) == 3
+    assert "--- prompt 0 (" in out and "--- prompt 1 (" in out
+    assert "tok/s" in out
 
 
-def test_demo_rejects_bad_lengths():
-    with pytest.raises(SystemExit):
-        main(["demo", "--new-tokens", "0"])
+def test_generate_errors_are_one_line(capsys):
+    assert main(["generate", "--model", "tiny-gpt", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("k3jax generate: error: unknown model 'tiny-gpt'") and "\n" not in err
+    assert main(["generate", "--model", "tiny-k3", "--prompt", "x", "--top-p", "0"]) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err

@@ -77,7 +77,15 @@ def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
     return jnp.zeros((n, x_ND.shape[1]), jnp.float32).at[token].add(y)
 
 
-_EXPERT_IMPLS = {"dense": experts_dense, "ragged": experts_ragged}
+def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation) -> jax.Array:
+    """Gathers each token's chosen expert weights (reads only the touched experts: for decode). -> [N, D]."""
+    h = gated_activation(jnp.einsum("nd,nxdf->nxf", x_ND, w1_EDF[experts_NX]),
+                         jnp.einsum("nd,nxdf->nxf", x_ND, w3_EDF[experts_NX]), act)
+    y = jnp.einsum("nxf,nxfd->nxd", h, w2_EFD[experts_NX]).astype(jnp.float32)
+    return jnp.einsum("nx,nxd->nd", weights_NX, y, precision=_HIGHEST)
+
+
+_EXPERT_IMPLS = {"dense": experts_dense, "ragged": experts_ragged, "gather": experts_gather}
 
 
 class Router(nnx.Module):

@@ -41,6 +41,11 @@ def test_released_kimi_linear_layer_typing():
     assert cfg.max_position_embeddings == 1048576
 
 
+def test_preset_matches_the_released_config():
+    from k3jax.config import kimi_linear_48b_a3b
+    assert kimi_linear_48b_a3b() == from_hf_config(RELEASED_KIMI_LINEAR)
+
+
 def test_saved_pretrained_form_gives_the_same_model():
     """transformers writes layer_types / mlp_layer_types and alias keys instead (arch §8.3)."""
     saved = {k: v for k, v in RELEASED_KIMI_LINEAR.items()

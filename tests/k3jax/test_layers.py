@@ -14,7 +14,7 @@ from k3jax.config import Activation, KDAConfig, MoEConfig
 from k3jax.layers.kda import KimiDeltaAttention, forget_gate, short_conv
 from k3jax.layers.mla_attention import attention_absorbed, attention_naive
 from k3jax.layers.mlp import gated_activation
-from k3jax.layers.moe import experts_dense, experts_ragged, route
+from k3jax.layers.moe import experts_dense, experts_gather, experts_ragged, route
 from k3jax.state import KDAState, SeqInfo
 
 
@@ -171,8 +171,8 @@ def test_ragged_experts_equal_dense_reference(rng, act):
     weights = jnp.asarray(rng.uniform(0.1, 1, (n, k)), jnp.float32)
     ws = [jnp.asarray(rng.standard_normal(s) / 4, jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
     dense = experts_dense(x, weights, experts, *ws, act)
-    ragged = experts_ragged(x, weights, experts, *ws, act)
-    assert_close("ragged vs dense", ragged, dense)
+    assert_close("ragged vs dense", experts_ragged(x, weights, experts, *ws, act), dense)
+    assert_close("gather vs dense", experts_gather(x, weights, experts, *ws, act), dense)
     # Independent loop over tokens.
     ref = np.zeros((n, d))
     for i in range(n):

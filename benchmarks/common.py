@@ -1,0 +1,63 @@
+"""Shared benchmark plumbing: environment record, timing, JSON + markdown output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+from typing import Callable
+
+import jax
+
+HBM_ACHIEVABLE = 4.3e12   # measured device copy on the H200 (performance.md)
+HBM_DATASHEET = 4.8e12
+BF16_ACHIEVABLE = 790e12
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+            "jax": jax.__version__, "commit": os.environ.get("K3JAX_COMMIT", commit)}
+
+
+def median_time(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20) -> tuple[float, list[float]]:
+    """Median seconds of `fn()` (its result blocked on) after warm-up calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), times
+
+
+def write(name: str, record: dict, out_dir: str | None = None) -> str:
+    out_dir = out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    return path
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

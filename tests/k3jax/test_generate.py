@@ -1,0 +1,134 @@
+"""The generate API and the compiled decode loop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import assert_greedy_matches
+
+import k3jax
+from k3jax.sampling import SamplerInputs, sample
+
+
+@pytest.fixture(scope="module")
+def model(tiny_config):
+    return k3jax.CausalLM.random(tiny_config, seed=11)
+
+
+@pytest.fixture(scope="module")
+def generator(model):
+    return k3jax.Generator(model)
+
+
+def python_loop(model, prompt, sp: k3jax.SamplingParams, steps):
+    """Reference: prefill, then one decode_step per token from Python, same sampler and positions."""
+    logits, state = model.prefill(np.array([prompt]), max_len=len(prompt) + steps + 1)
+    inputs = SamplerInputs(jnp.array([sp.temperature], jnp.float32), jnp.array([sp.top_k], jnp.int32),
+                           jnp.array([sp.top_p], jnp.float32), jnp.array([sp.seed], jnp.uint32))
+    out = []
+    for i in range(steps):
+        tok = int(sample(logits, inputs, jnp.array([len(prompt) + i]), filters=sp.filters)[0])
+        out.append(tok)
+        if tok in sp.stop_token_ids:
+            break
+        logits, state = model.decode_step(state, [tok])
+    return out
+
+
+@pytest.mark.parametrize("sp", [k3jax.SamplingParams(max_new_tokens=12),
+                                k3jax.SamplingParams(max_new_tokens=12, temperature=0.9, top_k=20, top_p=0.8, seed=4)])
+def test_compiled_loop_equals_python_steps(generator, model, rng, sp):
+    prompt = rng.integers(3, 512, 9).tolist()
+    out = generator.generate(prompt, sp)
+    assert out[0].token_ids == python_loop(model, prompt, sp, sp.max_new_tokens)
+    assert out[0].finish_reason == "length" and len(out[0].token_ids) == 12
+
+
+def test_batch_equals_rows_alone(generator, rng):
+    prompts = [rng.integers(3, 512, n).tolist() for n in (5, 13, 8)]
+    params = [k3jax.SamplingParams(max_new_tokens=10),
+              k3jax.SamplingParams(max_new_tokens=7, temperature=1.0, seed=1),
+              k3jax.SamplingParams(max_new_tokens=10, temperature=0.7, top_p=0.5, seed=2)]
+    batch = generator.generate(prompts, params)
+    assert batch.buckets["rows"] == 4  # three prompts in a four-row bucket
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        alone = generator.generate(p, sp)
+        assert batch[i].token_ids == alone[0].token_ids, f"row {i}"
+    assert [len(r.token_ids) for r in batch] == [10, 7, 10]
+
+
+def test_no_recompilation_within_a_bucket(generator, model, rng):
+    sp = k3jax.SamplingParams(max_new_tokens=9)
+    generator.generate([rng.integers(3, 512, 6).tolist(), rng.integers(3, 512, 11).tolist()], sp)
+    sizes = (model._prefill._cache_size(), generator._loop._cache_size())
+    out = generator.generate([rng.integers(3, 512, 14).tolist(), rng.integers(3, 512, 3).tolist()],
+                             k3jax.SamplingParams(max_new_tokens=13, seed=9))
+    assert (model._prefill._cache_size(), generator._loop._cache_size()) == sizes
+    assert out.buckets == {"rows": 2, "prompt": 16, "steps": 16}
+
+
+def test_stop_tokens_and_eos(generator, model, rng):
+    prompt = rng.integers(3, 512, 7).tolist()
+    free = generator.generate(prompt, k3jax.SamplingParams(max_new_tokens=12))[0].token_ids
+    stop = free[4]
+    first = free.index(stop)
+    out = generator.generate(prompt, k3jax.SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)))[0]
+    assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
+    eos_model = k3jax.CausalLM(model.module, dataclasses.replace(model.config, eos_token_id=(stop,)))
+    out = k3jax.Generator(eos_model).generate(prompt, k3jax.SamplingParams(max_new_tokens=12))[0]
+    assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
+    ignored = k3jax.Generator(eos_model).generate(prompt, k3jax.SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert ignored[0].token_ids == free
+
+
+def test_seeds(generator, rng):
+    prompt = rng.integers(3, 512, 6).tolist()
+    run = lambda seed: generator.generate(prompt, k3jax.SamplingParams(max_new_tokens=16, temperature=1.0,
+                                                                         seed=seed))[0].token_ids
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+
+
+def test_streaming_chunks_add_up(rng):
+    model = k3jax.load_model("tiny-kimi-linear")
+    chunks = []
+    out = k3jax.generate(model, ["Hello, world!", "你好"], k3jax.SamplingParams(max_new_tokens=20, ignore_eos=True),
+                         stream=chunks.append, stream_every=8)
+    for i in range(2):
+        mine = [c for c in chunks if c.index == i]
+        assert len([c for c in mine if c.token_ids]) == 3  # steps 8, 16 and the end (+ a UTF-8 tail flush)
+        assert sum((c.token_ids for c in mine), []) == out[i].token_ids
+        assert "".join(c.text for c in mine) == out[i].text
+
+
+def test_greedy_matches_hf_generate(oracle_dir):
+    ref = np.load(oracle_dir / "hf" / "kl_alt" / "reference.npz")
+    model = k3jax.load(oracle_dir / "hf" / "kl_alt")
+    prompts = ref["input_ids"][:, :int(ref["prompt_len"])].tolist()
+    n = ref["greedy_tokens"].shape[1]
+    out = k3jax.generate(model, prompts, k3jax.SamplingParams(max_new_tokens=n, ignore_eos=True))
+    assert_greedy_matches(np.array([r.token_ids for r in out]), ref["greedy_tokens"], ref["greedy_logits"])
+
+
+def test_bad_input(generator, model):
+    with pytest.raises(ValueError, match="no prompts given"):
+        generator.generate([], k3jax.SamplingParams())
+    with pytest.raises(ValueError, match="empty prompt"):
+        generator.generate([[1, 2], []])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generator.generate([1, 2, 9999])
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        generator.generate("text without a tokenizer")
+    short = k3jax.Generator(k3jax.CausalLM(model.module, dataclasses.replace(model.config, max_position_embeddings=32)))
+    with pytest.raises(ValueError, match="exceeds the context limit 32"):
+        short.generate(list(range(3, 30)), k3jax.SamplingParams(max_new_tokens=8))
+    for bad in (dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(top_p=0.0), dict(top_p=1.5),
+                dict(temperature=-1.0), dict(top_k=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            k3jax.SamplingParams(**bad)
+    with pytest.raises(ValueError, match="unknown model 'tiny-gpt'"):
+        k3jax.load_model("tiny-gpt")
