@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     else:
         model = k3jax.load_model(args.model, dtype=args.dtype)
         if args.moe_impl:
-            model = k3jax.CausalLM(model.module, model.config.with_impls(moe=args.moe_impl))
+            model = model.with_impls(moe=args.moe_impl)
         cfg = model.config
     gen = k3jax.Generator(model)
     rng = np.random.default_rng(0)

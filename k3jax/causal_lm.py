@@ -72,8 +72,11 @@ def _decode(graphdef, params, state, tokens_B):
 class CausalLM:
     """A loaded model with compiled entry points. Build with `k3jax.load` or `CausalLM.random`."""
 
-    def __init__(self, module: KimiForCausalLM, config: ModelConfig):
-        self.config = config
+    def __init__(self, module: KimiForCausalLM, config: ModelConfig | None = None):
+        if config is not None and config != module.config:
+            raise ValueError("CausalLM: the config differs from the one the module was built with; "
+                             "use model.with_config(...) to change it")
+        self.config = module.config
         self.graphdef, self.params = nnx.split(module)
         self.dtype = self.params["model"]["embed_tokens"]["embedding"][...].dtype
         self.load_report = None  # set by k3jax.load
@@ -93,6 +96,22 @@ class CausalLM:
     @property
     def module(self) -> KimiForCausalLM:
         return nnx.merge(self.graphdef, self.params)
+
+    def with_config(self, config: ModelConfig) -> "CausalLM":
+        """The same weights under another config (implementation choices, stop ids, limits, ...).
+        The parameter tree must be unchanged."""
+        abstract = nnx.eval_shape(lambda: KimiForCausalLM(config, dtype=self.dtype, rngs=nnx.Rngs(0)))
+        graphdef, abstract_params = nnx.split(abstract)
+        shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+        if shapes(abstract_params) != shapes(self.params):
+            raise ValueError("with_config: the new config changes the parameter tree; load or build a new model")
+        out = CausalLM(nnx.merge(graphdef, self.params))
+        out.tokenizer = self.tokenizer
+        return out
+
+    def with_impls(self, **impls) -> "CausalLM":
+        """Same weights, other implementation choices (kda=, kda_decode=, mla=, moe=, attn_res=)."""
+        return self.with_config(self.config.with_impls(**impls))
 
     # ----- input checks (host side, before anything is dispatched) -----
     def _check_tokens(self, token_ids, name: str = "token_ids") -> np.ndarray:

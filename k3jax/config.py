@@ -14,7 +14,8 @@ from typing import Literal
 MixerKind = Literal["kda", "mla"]
 FFNKind = Literal["dense", "moe"]
 
-KDA_IMPLS = ("chunked", "recurrent")
+KDA_IMPLS = ("chunked", "recurrent", "pallas")
+KDA_DECODE_IMPLS = ("reference", "pallas")
 MLA_IMPLS = ("absorbed", "naive")
 MOE_IMPLS = ("ragged", "dense", "gather")
 ATTN_RES_IMPLS = ("buffer", "list")
@@ -65,7 +66,8 @@ class KDAConfig:
     gate_lower_bound: float | None = None  # None: -exp(A)*softplus gate; K3: lb*sigmoid(exp(A)*u)
     use_full_rank_gate: bool = False       # K3 g_proj (D->P) instead of g_a_proj/g_b_proj
     a_log_policy: str = "per_head"         # how an A_log longer than num_heads is read (arch §4.5.3)
-    impl: str = "chunked"                  # multi-token path; single tokens always use the step
+    impl: str = "chunked"                  # multi-token path: "chunked" / "recurrent" (pure JAX) or "pallas"
+    decode_impl: str = "reference"         # single-token steps: "reference" (pure JAX) or "pallas" (fused)
     chunk_size: int = 64
 
     def __post_init__(self):
@@ -74,6 +76,8 @@ class KDAConfig:
         _require(self.conv_size >= 2, "linear_attn_config.short_conv_kernel_size",
                  f"must be >= 2, got {self.conv_size}")
         _require(self.impl in KDA_IMPLS, "kda.impl", f"expected one of {KDA_IMPLS}, got {self.impl!r}")
+        _require(self.decode_impl in KDA_DECODE_IMPLS, "kda.decode_impl",
+                 f"expected one of {KDA_DECODE_IMPLS}, got {self.decode_impl!r}")
         _require(self.a_log_policy in A_LOG_POLICIES, "kda.a_log_policy",
                  f"expected one of {A_LOG_POLICIES}, got {self.a_log_policy!r}")
         if self.gate_lower_bound is not None:
@@ -294,10 +298,12 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
-    def with_impls(self, *, kda: str | None = None, mla: str | None = None, moe: str | None = None,
-                   attn_res: str | None = None) -> "ModelConfig":
+    def with_impls(self, *, kda: str | None = None, kda_decode: str | None = None, mla: str | None = None,
+                   moe: str | None = None, attn_res: str | None = None) -> "ModelConfig":
         """Returns a copy with other implementation choices (the math is unchanged)."""
         out = self
+        if kda_decode is not None and self.kda is not None:
+            out = out.replace(kda=dataclasses.replace(out.kda, decode_impl=kda_decode))
         if attn_res is not None and self.attn_res is not None:
             out = out.replace(attn_res=dataclasses.replace(out.attn_res, impl=attn_res))
         if kda is not None and self.kda is not None:

@@ -138,6 +138,7 @@ class KimiForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         from k3jax.mtp import MTPLayer
 
+        self.config = cfg
         self.model = KimiModel(cfg, dtype=dtype, rngs=rngs)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, axes=("embed", "vocab"), rngs=rngs)
         self.mtp = nnx.List([MTPLayer(cfg, j, dtype=dtype, rngs=rngs) for j in range(cfg.num_mtp_layers)])

@@ -155,6 +155,6 @@ def load_causal_lm(path: str | os.PathLike, dtype="float32", *, kda_impl: str | 
         loaded.append((p, var.replace(jnp.asarray(value))))
     bar.close()
     module = nnx.merge(graphdef, nnx.from_flat_state(loaded))
-    model = CausalLM(module, cfg)
+    model = CausalLM(module)
     model.load_report = LoadReport(tensors=sum(len(v) for v in plan.values()), skipped=skipped, bytes_read=read)
     return model

@@ -17,7 +17,7 @@ from k3jax.layers.linear import Linear
 from k3jax.layers.norms import GatedRMSNorm, l2_normalize
 from k3jax.layers.params import normal, param, uniform
 from k3jax.state import KDAState, SeqInfo
-from pallas_kernels.kda import kda
+from pallas_kernels.kda import kda, kda_decode
 
 
 def forget_gate(f_BTHK: jax.Array, a_log: jax.Array, dt_bias_HK: jax.Array, cfg: KDAConfig) -> jax.Array:
@@ -101,6 +101,8 @@ class KimiDeltaAttention(nnx.Module):
         mixed = jnp.where(valid, mixed, 0).astype(dtype)
         conv_state = (jnp.zeros((b, cfg.conv_size - 1, 3 * p), dtype) if state is None else state.conv)
         taps = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
+        if t == 1 and state is not None and cfg.decode_impl == "pallas":
+            return self._fused_step(x_BTD, mixed, taps, state)
         pre, new_conv = short_conv(mixed, conv_state, taps, seq.pad)
         act = jax.nn.silu(pre).astype(dtype)
         q, kk, v = (act[..., i * p:(i + 1) * p].reshape(b, t, h, k) for i in range(3))
@@ -116,7 +118,23 @@ class KimiDeltaAttention(nnx.Module):
                    initial_state=None if state is None else state.recurrent,
                    impl=impl, chunk_size=cfg.chunk_size)
 
-        z = (self.g_proj(x_BTD) if cfg.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x_BTD)))
-        out = self.o_norm(o, z.reshape(b, t, h, k), dtype).reshape(b, t, p)
+        out = self.o_norm(o, self._gate_logits(x_BTD).reshape(b, t, h, k), dtype).reshape(b, t, p)
         out = self.o_proj(out)
         return out, (None if state is None else KDAState(conv=new_conv, recurrent=s))
+
+    def _gate_logits(self, x_BTD):
+        return self.g_proj(x_BTD) if self.cfg.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x_BTD))
+
+    def _fused_step(self, x_BTD, mixed_BTC, taps_WC, state: KDAState):
+        """One decode token through the fused Pallas kernel (conv .. gated norm in one launch)."""
+        cfg = self.cfg
+        b, h, k, w = x_BTD.shape[0], cfg.num_heads, cfg.head_dim, cfg.conv_size
+        a = jnp.exp(self.A_log[...].astype(jnp.float32))
+        a_HK = jnp.broadcast_to(a[:, None] if cfg.a_log_policy == "per_head" else a[None, :], (h, k))
+        out, conv, s = kda_decode(
+            mixed_BTC[:, 0].reshape(b, 3, h, k), state.conv.reshape(b, w - 1, 3, h, k), taps_WC.reshape(w, 3, h, k),
+            self.f_b_proj(self.f_a_proj(x_BTD))[:, 0].reshape(b, h, k), self.dt_bias[...].reshape(h, k), a_HK,
+            self.b_proj(x_BTD)[:, 0], self._gate_logits(x_BTD)[:, 0].reshape(b, h, k), self.o_norm.weight[...],
+            state.recurrent, lower_bound=cfg.gate_lower_bound, norm_eps=cfg.norm_eps, scale=k ** -0.5)
+        out = self.o_proj(out.reshape(b, 1, h * k))
+        return out, KDAState(conv=conv.reshape(b, w - 1, 3 * h * k), recurrent=s)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from pallas_kernels.kda.reference import kda_chunk_reference, kda_recurrent_reference
+from pallas_kernels.kda.decode import kda_decode
+from pallas_kernels.kda.reference import kda_chunk_reference, kda_decode_reference, kda_recurrent_reference
 
-KDA_IMPLS = ("chunked", "recurrent")
+KDA_IMPLS = ("chunked", "recurrent", "pallas")
+
+__all__ = ["KDA_IMPLS", "kda", "kda_decode", "kda_decode_reference"]
 
 
 def kda(q, k, v, g, beta, *, scale=None, initial_state=None, impl: str = "chunked", chunk_size: int = 64):

@@ -122,3 +122,44 @@ def kda_chunk_reference(q, k, v, g, beta, *, scale=None, initial_state=None, chu
     o = jnp.moveaxis(o, 0, 1)                               # [B, N, H, C, V]
     o = jnp.moveaxis(o, 3, 2).reshape(b, n * c, h, v.shape[-1])[:, :t]
     return o.astype(v.dtype), state
+
+
+def kda_decode_reference(x_qkv, conv_state, conv_w, f, dt_bias, a, beta_logit, z, o_norm_w, state, *,
+                         lower_bound=None, norm_eps=1e-5, scale=None):
+    """One fused KDA decode step for a batch (arch §4.7): conv update + SiLU, q/k L2 norm, forget
+    gate, beta, delta rule, sigmoid-gated RMSNorm. Same contract as `kda_decode` (the kernel).
+
+    Args:
+      x_qkv: [B, 3, H, K] this token's pre-conv q|k|v projections (activation dtype).
+      conv_state: [B, W-1, 3, H, K] previous pre-conv inputs. conv_w: [W, 3, H, K] taps (fp32).
+      f: [B, H, K] forget-gate logits before dt_bias. dt_bias: [H, K]. a: [H, K] = exp(A_log)
+        broadcast to channels. beta_logit: [B, H]. z: [B, H, K] output-gate logits.
+      o_norm_w: [K]. state: [B, H, K, V] fp32 (K == V).
+      lower_bound: None for -a*softplus(f + dt_bias); else lower_bound * sigmoid(a * (f + dt_bias)).
+    Returns:
+      (out [B, H, K] in x_qkv's dtype, new conv_state, new state fp32)
+    """
+    dtype = x_qkv.dtype
+    kd = x_qkv.shape[-1]
+    scale = kd ** -0.5 if scale is None else scale
+    window = jnp.concatenate([conv_state.astype(jnp.float32), x_qkv[:, None].astype(jnp.float32)], axis=1)
+    pre = jnp.einsum("bwihk,wihk->bihk", window, conv_w.astype(jnp.float32), precision=_HIGHEST)
+    act = jax.nn.silu(pre).astype(dtype).astype(jnp.float32)
+    q, k, v = act[:, 0], act[:, 1], act[:, 2]
+    q = q * jax.lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6) * scale
+    k = k * jax.lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
+    u = f.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    if lower_bound is None:
+        g = -a * jax.nn.softplus(u)
+    else:
+        g = lower_bound * jax.nn.sigmoid(a * u)
+    beta = jax.nn.sigmoid(beta_logit.astype(jnp.float32))
+    s = state.astype(jnp.float32) * jnp.exp(g)[..., None]
+    pred = jnp.einsum("bhk,bhkv->bhv", k, s, precision=_HIGHEST)
+    nu = beta[..., None] * (v - pred)
+    s = s + k[..., :, None] * nu[..., None, :]
+    o = jnp.einsum("bhk,bhkv->bhv", q, s, precision=_HIGHEST).astype(dtype).astype(jnp.float32)
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, -1, keepdims=True) + norm_eps) * o_norm_w.astype(jnp.float32)
+    out = (o * jax.nn.sigmoid(z.astype(jnp.float32))).astype(dtype)
+    new_conv = jnp.concatenate([conv_state[:, 1:], x_qkv[:, None].astype(conv_state.dtype)], axis=1)
+    return out, new_conv, s

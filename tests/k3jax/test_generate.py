@@ -78,7 +78,7 @@ def test_stop_tokens_and_eos(generator, model, rng):
     first = free.index(stop)
     out = generator.generate(prompt, k3jax.SamplingParams(max_new_tokens=12, stop_token_ids=(stop,)))[0]
     assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
-    eos_model = k3jax.CausalLM(model.module, dataclasses.replace(model.config, eos_token_id=(stop,)))
+    eos_model = model.with_config(dataclasses.replace(model.config, eos_token_id=(stop,)))
     out = k3jax.Generator(eos_model).generate(prompt, k3jax.SamplingParams(max_new_tokens=12))[0]
     assert out.token_ids == free[:first + 1] and out.finish_reason == "stop"
     ignored = k3jax.Generator(eos_model).generate(prompt, k3jax.SamplingParams(max_new_tokens=12, ignore_eos=True))
@@ -123,7 +123,7 @@ def test_bad_input(generator, model):
         generator.generate([1, 2, 9999])
     with pytest.raises(ValueError, match="need a tokenizer"):
         generator.generate("text without a tokenizer")
-    short = k3jax.Generator(k3jax.CausalLM(model.module, dataclasses.replace(model.config, max_position_embeddings=32)))
+    short = k3jax.Generator(model.with_config(dataclasses.replace(model.config, max_position_embeddings=32)))
     with pytest.raises(ValueError, match="exceeds the context limit 32"):
         short.generate(list(range(3, 30)), k3jax.SamplingParams(max_new_tokens=8))
     for bad in (dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(top_p=0.0), dict(top_p=1.5),

@@ -96,7 +96,7 @@ def k3_model():
 
 def test_block_buffer_equals_list_reference(k3_model, rng):
     ids = rng.integers(0, 512, (2, 11))
-    listed = k3jax.CausalLM(k3_model.module, k3_model.config.with_impls(attn_res="list"))
+    listed = k3_model.with_impls(attn_res="list")
     assert_close("buffer vs list", k3_model.logits(ids), listed.logits(ids))
     # AttnRes really mixes: uniform depth weights (zero projection) give different logits.
     flat = [(p, v.replace(jnp.zeros_like(v.get_value())) if p[-2:] == ("proj", "kernel") else v)

@@ -1,0 +1,17 @@
+"""Block sizes and launch settings of the KDA kernels (small frozen dataclasses, static args)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecodeBlocks:
+    num_warps: int = 8
+
+
+@dataclass(frozen=True)
+class ChunkBlocks:
+    chunk: int = 64        # tokens per chunk (WY form)
+    num_warps: int = 4
+    num_stages: int = 1
