@@ -16,7 +16,7 @@ FFNKind = Literal["dense", "moe"]
 
 KDA_IMPLS = ("chunked", "recurrent", "pallas")
 KDA_DECODE_IMPLS = ("reference", "pallas")
-MLA_IMPLS = ("absorbed", "naive")
+MLA_IMPLS = ("absorbed", "naive", "pallas")
 MOE_IMPLS = ("ragged", "dense", "gather")
 ATTN_RES_IMPLS = ("buffer", "list")
 QUANTIZATIONS = (None, "mxfp4")
@@ -102,7 +102,7 @@ class MLAConfig:
     q_lora_rank: int | None = None
     use_output_gate: bool = False
     latent_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (HF default; arch §5.5)
-    decode_impl: str = "absorbed"  # attention over the latent cache: "absorbed" or "naive"
+    decode_impl: str = "absorbed"  # attention over the latent cache: "absorbed", "naive" or "pallas"
 
     def __post_init__(self):
         for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):

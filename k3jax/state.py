@@ -59,8 +59,13 @@ for _cls, _fields in ((KDAState, ("conv", "recurrent")), (MLACache, ("latent",))
     jax.tree_util.register_dataclass(_cls, data_fields=list(_fields), meta_fields=[])
 
 
+CACHE_ALIGN = 64  # latent-cache slots are allocated in multiples of this (kernel block size)
+
+
 def init_decode_state(cfg: ModelConfig, batch_size: int, max_len: int, dtype) -> DecodeState:
-    """Fresh (all-zero) state for `batch_size` rows and a latent cache of `max_len` slots."""
+    """Fresh (all-zero) state for `batch_size` rows and a latent cache of at least `max_len` slots
+    (rounded up to a multiple of CACHE_ALIGN)."""
+    max_len = -(-max_len // CACHE_ALIGN) * CACHE_ALIGN
     layers = []
     for mixer in cfg.mixers:
         if mixer == "kda":

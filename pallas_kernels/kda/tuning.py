@@ -12,6 +12,8 @@ class DecodeBlocks:
 
 @dataclass(frozen=True)
 class ChunkBlocks:
-    chunk: int = 64        # tokens per chunk (WY form)
-    num_warps: int = 4
+    chunk: int = 64          # tokens per chunk (WY form)
+    value_block: int = 64    # state columns per program of the sequential kernel
+    num_warps: int = 8       # intra-chunk kernel
+    inter_num_warps: int = 4
     num_stages: int = 1

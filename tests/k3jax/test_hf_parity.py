@@ -110,3 +110,10 @@ def test_released_layout_sharded_with_index(oracle_dir, tmp_path):
     assert "mlp.gate_proj" in (tmp_path / "release" / "model.safetensors.index.json").read_text()
     model = k3jax.load(tmp_path / "release")
     assert_close("release layout", model.logits(ref["input_ids"]), ref["full_logits"], tol=PARITY)
+
+
+def test_pallas_kernels_match_hf(oracle_dir):
+    """The model with every Pallas kernel switched on (interpret mode on CPU) is the HF oracle too."""
+    path, ref = reference(oracle_dir, "kl_release")
+    model = k3jax.load(path).with_impls(kda="pallas", kda_decode="pallas", mla="pallas")
+    check_prefill_and_steps(model, ref)

@@ -105,7 +105,9 @@ def test_block_buffer_equals_list_reference(k3_model, rng):
     assert np.abs(np.asarray(uniform.logits(ids)) - np.asarray(k3_model.logits(ids))).max() > 1e-3
 
 
-def test_k3_prefill_decode_equals_longer_prefill(k3_model, rng):
+@pytest.mark.parametrize("impls", [{}, {"kda": "pallas", "kda_decode": "pallas", "mla": "pallas"}])
+def test_k3_prefill_decode_equals_longer_prefill(k3_model, rng, impls):
+    k3_model = k3_model.with_impls(**impls)
     ids = rng.integers(0, 512, (2, 24))
     full = np.asarray(k3_model.logits(ids))
     logits, state = k3_model.prefill(ids[:, :19])
