@@ -1,0 +1,174 @@
+"""KDA kernels on the GPU: chunked prefill and fused decode, beside fla-core and the XLA reference.
+
+    python benchmarks/kda.py                 # on the H200 (fla-core importable for the peer columns)
+    python benchmarks/kda.py --small         # CPU smoke run (interpret mode, tiny shapes)
+
+Prefill: B=1, T=8192, H=32 and 96, K=V=128, bf16 q/k/v, fp32 state; ours = q/k L2 norm + the two
+Pallas kernels, fla = chunk_kda(use_qk_l2norm_in_kernel=True). Decode: one fused step per layer
+for 20 layers inside one jitted scan (launch gaps included, host dispatch excluded), B = 1, 8,
+64, 256, H=32; GB/s counts the fp32 state read + write. Outputs are checked against the pure-JAX
+reference in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, write  # noqa: E402
+from pallas_kernels.kda import kda_decode, kda_decode_reference  # noqa: E402
+from pallas_kernels.kda.chunk import kda_chunk_pallas  # noqa: E402
+from pallas_kernels.kda.reference import kda_chunk_reference  # noqa: E402
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def l2(x):
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
+
+
+def fla_functions():
+    try:
+        import torch
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+        return torch, chunk_kda, fused_recurrent_kda
+    except Exception as e:  # noqa: BLE001 - report why the peer column is empty
+        print(f"fla not available: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
+def torch_time(torch, fn, warmup=5, iters=50) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def prefill_rows(shapes, fla, iters):
+    rows = []
+    for (b, t, h, kd) in shapes:
+        key = jax.random.key(h)
+        ks = jax.random.split(key, 6)
+        q = jax.random.normal(ks[0], (b, t, h, kd), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (b, t, h, kd), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (b, t, h, kd), jnp.bfloat16)
+        g = -jnp.exp(jax.random.normal(ks[3], (b, t, h, kd), jnp.float32) - 2.0)   # log decay < 0
+        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h), jnp.float32))
+        s0 = jax.random.normal(ks[5], (b, h, kd, kd), jnp.float32) * 0.1
+        ours = jax.jit(lambda q, k, v, g, beta, s0: kda_chunk_pallas(l2(q), l2(k), v, g, beta, initial_state=s0))
+        ref = jax.jit(lambda q, k, v, g, beta, s0: kda_chunk_reference(l2(q), l2(k), v, g, beta, initial_state=s0))
+        t_ours, _ = median_time(lambda: ours(q, k, v, g, beta, s0), iters=iters)
+        o, s = ours(q, k, v, g, beta, s0)
+        o_ref, s_ref = ref(q, k, v, g, beta, s0)
+        t_ref, _ = median_time(lambda: ref(q, k, v, g, beta, s0), warmup=1, iters=max(3, iters // 10))
+        row = {"B": b, "T": t, "H": h, "K": kd, "ours_ms": t_ours * 1e3, "xla_ref_ms": t_ref * 1e3,
+               "err_o_vs_ref": rel(o, o_ref), "err_state_vs_ref": rel(s, s_ref)}
+        if fla is not None:
+            torch, chunk_kda, _ = fla
+            tt = lambda x: torch.from_dlpack(x)
+            tq, tk, tv, tg, tb, ts = (tt(q), tt(k), tt(v), tt(g), tt(beta), tt(s0))
+            t0 = time.perf_counter()
+            fo, fs = chunk_kda(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+            torch.cuda.synchronize()
+            row["fla_first_call_s"] = time.perf_counter() - t0
+            t_fla = torch_time(torch, lambda: chunk_kda(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
+                                                         use_qk_l2norm_in_kernel=True), iters=iters)
+            row.update(fla_ms=t_fla * 1e3, speedup_vs_fla=t_fla / t_ours,
+                       err_fla_vs_ref=rel(fo.float().cpu().numpy(), o_ref))
+        rows.append(row)
+        print("prefill", {k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+    return rows
+
+
+def decode_rows(batches, h, kd, layers, fla, iters):
+    rows = []
+    for b in batches:
+        ks = jax.random.split(jax.random.key(b), 10)
+        n = lambda i, shape, dt=jnp.float32, s=1.0: (s * jax.random.normal(ks[i], shape, jnp.float32)).astype(dt)
+        x = n(0, (layers, b, 3, h, kd), jnp.bfloat16)
+        conv = n(1, (layers, b, 3, 3, h, kd), jnp.bfloat16)
+        w = n(2, (4, 3, h, kd), s=0.5)
+        f = n(3, (layers, b, h, kd), jnp.bfloat16)
+        dt_b, a = n(4, (h, kd)), jnp.exp(n(5, (h, kd)))
+        bl, z = n(6, (layers, b, h), jnp.bfloat16), n(7, (layers, b, h, kd), jnp.bfloat16)
+        nw, states = n(8, (kd,)), n(9, (layers, b, h, kd, kd), s=0.1)
+
+        def run(step):
+            def body(carry, xs):
+                xi, ci, fi, bi, zi, si = xs
+                out, c2, s2 = step(xi, ci, w, fi, dt_b, a, bi, zi, nw, si)
+                return carry + out[0, 0, 0].astype(jnp.float32), (c2, s2)
+            return jax.jit(lambda *xs: jax.lax.scan(body, jnp.zeros(()), xs))
+
+        ours = run(lambda *args: kda_decode(*args, lower_bound=None))
+        ref = run(lambda *args: kda_decode_reference(*args, lower_bound=None))
+        t_ours, _ = median_time(lambda: ours(x, conv, f, bl, z, states), iters=iters)
+        t_ref, _ = median_time(lambda: ref(x, conv, f, bl, z, states), iters=iters)
+        _, (c_o, s_o) = ours(x, conv, f, bl, z, states)
+        _, (c_r, s_r) = ref(x, conv, f, bl, z, states)
+        bytes_layer = 2 * b * h * kd * kd * 4
+        per_layer = t_ours / layers
+        row = {"B": b, "H": h, "layers": layers, "us_per_layer": per_layer * 1e6,
+               "TB_s": bytes_layer / per_layer / 1e12, "pct_4.3TB_s": bytes_layer / per_layer / HBM_ACHIEVABLE * 100,
+               "xla_ref_us_per_layer": t_ref / layers * 1e6, "err_state_vs_ref": rel(s_o, s_r)}
+        if fla is not None:
+            torch, _, fused_recurrent_kda = fla
+            tq = torch.randn(b, 1, h, kd, device="cuda", dtype=torch.bfloat16)
+            tk, tv = torch.randn_like(tq), torch.randn_like(tq)
+            tg = -torch.rand(b, 1, h, kd, device="cuda")
+            tb = torch.rand(b, 1, h, device="cuda")
+            ts = torch.randn(b, h, kd, kd, device="cuda")
+            t_fla = torch_time(torch, lambda: fused_recurrent_kda(tq, tk, tv, tg, tb, initial_state=ts,
+                                                                  output_final_state=True,
+                                                                  use_qk_l2norm_in_kernel=True), iters=iters)
+            row.update(fla_us=t_fla * 1e6, fla_TB_s=bytes_layer / t_fla / 1e12)
+        rows.append(row)
+        print("decode", {k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args(argv)
+    fla = None if args.small else fla_functions()
+    if args.small:
+        pre = prefill_rows([(1, 96, 2, 16)], None, 3)
+        dec = decode_rows([1, 2], 2, 16, 3, None, 3)
+    else:
+        pre = prefill_rows([(1, 8192, 32, 128), (1, 8192, 96, 128)], fla, args.iters)
+        dec = decode_rows([1, 8, 64, 256], 32, 128, 20, fla, args.iters)
+    record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
+    path = write("kda" + ("_small" if args.small else ""), record)
+    print(table(pre, ["B", "T", "H", "ours_ms", "fla_ms", "speedup_vs_fla", "xla_ref_ms", "err_o_vs_ref"]))
+    print(table(dec, ["B", "H", "us_per_layer", "TB_s", "pct_4.3TB_s", "fla_us", "fla_TB_s", "xla_ref_us_per_layer",
+                      "err_state_vs_ref"]))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
