@@ -59,19 +59,19 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--moe-impl", default=None, choices=["ragged", "gather", "dense"])
+    ap.add_argument("--kernels", choices=["reference", "pallas"], default="reference",
+                    help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
 
+    impls = {"moe": args.moe_impl}
+    if args.kernels == "pallas":
+        impls.update(kda="pallas", kda_decode="pallas", mla="pallas")
     if args.model == "kimi-linear-48b":
-        cfg = kimi_linear_48b_a3b()
-        if args.moe_impl:
-            cfg = cfg.with_impls(moe=args.moe_impl)
-        model = k3jax.CausalLM.random(cfg, seed=0, dtype=args.dtype)
+        model = k3jax.CausalLM.random(kimi_linear_48b_a3b().with_impls(**impls), seed=0, dtype=args.dtype)
     else:
-        model = k3jax.load_model(args.model, dtype=args.dtype)
-        if args.moe_impl:
-            model = model.with_impls(moe=args.moe_impl)
-        cfg = model.config
+        model = k3jax.load_model(args.model, dtype=args.dtype).with_impls(**impls)
+    cfg = model.config
     gen = k3jax.Generator(model)
     rng = np.random.default_rng(0)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
@@ -98,8 +98,9 @@ def main(argv=None) -> int:
         print(f"batch {b}: TPOT {tpot * 1e3:.2f} ms, {b / tpot:.1f} tok/s, MBU {rows[-1]['mbu_achievable']:.1%}",
               flush=True)
     record = {"benchmark": "decode", "model": args.model, "dtype": args.dtype, "moe_impl": cfg.moe.impl,
-              "kda_impl": cfg.kda.impl, "env": environment(), "rows": rows}
-    path = write(args.name or f"decode_{args.model}_{args.dtype}", record)
+              "kda_impl": cfg.kda.impl, "kda_decode_impl": cfg.kda.decode_impl, "mla_impl": cfg.mla.decode_impl,
+              "env": environment(), "rows": rows}
+    path = write(args.name or f"decode_{args.model}_{args.dtype}_{args.kernels}_{cfg.moe.impl}", record)
     print(table(rows, ["batch", "prompt_len", "new_tokens", "tpot_ms", "tok_per_s", "prefill_ms",
                        "bytes_per_step_gb", "floor_ms", "mbu_achievable"]))
     print(f"wrote {path}")

@@ -26,7 +26,9 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, write  # noqa: E402
 from pallas_kernels.kda import kda_decode, kda_decode_reference  # noqa: E402
-from pallas_kernels.kda.chunk import kda_chunk_pallas  # noqa: E402
+from pallas_kernels.kda.chunk import chunk_inter, chunk_intra, kda_chunk_pallas, to_chunks  # noqa: E402
+from pallas_kernels._util import default_interpret  # noqa: E402
+from pallas_kernels.kda.tuning import ChunkBlocks  # noqa: E402
 from pallas_kernels.kda.reference import kda_chunk_reference  # noqa: E402
 
 
@@ -65,6 +67,14 @@ def torch_time(torch, fn, warmup=5, iters=50) -> float:
     return statistics.median(times)
 
 
+VARIANTS = {
+    "column/v64": ChunkBlocks(intra="column", value_block=64),
+    "blocked/v64": ChunkBlocks(intra="blocked", value_block=64),
+    "blocked/v32": ChunkBlocks(intra="blocked", value_block=32),
+    "blocked/v32/w4": ChunkBlocks(intra="blocked", value_block=32, num_warps=4),
+}
+
+
 def prefill_rows(shapes, fla, iters):
     rows = []
     for (b, t, h, kd) in shapes:
@@ -76,14 +86,31 @@ def prefill_rows(shapes, fla, iters):
         g = -jnp.exp(jax.random.normal(ks[3], (b, t, h, kd), jnp.float32) - 2.0)   # log decay < 0
         beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h), jnp.float32))
         s0 = jax.random.normal(ks[5], (b, h, kd, kd), jnp.float32) * 0.1
-        ours = jax.jit(lambda q, k, v, g, beta, s0: kda_chunk_pallas(l2(q), l2(k), v, g, beta, initial_state=s0))
         ref = jax.jit(lambda q, k, v, g, beta, s0: kda_chunk_reference(l2(q), l2(k), v, g, beta, initial_state=s0))
-        t_ours, _ = median_time(lambda: ours(q, k, v, g, beta, s0), iters=iters)
-        o, s = ours(q, k, v, g, beta, s0)
         o_ref, s_ref = ref(q, k, v, g, beta, s0)
         t_ref, _ = median_time(lambda: ref(q, k, v, g, beta, s0), warmup=1, iters=max(3, iters // 10))
-        row = {"B": b, "T": t, "H": h, "K": kd, "ours_ms": t_ours * 1e3, "xla_ref_ms": t_ref * 1e3,
-               "err_o_vs_ref": rel(o, o_ref), "err_state_vs_ref": rel(s, s_ref)}
+        variants = {}
+        for name, blocks in VARIANTS.items():
+            ours = jax.jit(lambda q, k, v, g, beta, s0, blocks=blocks: kda_chunk_pallas(
+                l2(q), l2(k), v, g, beta, initial_state=s0, blocks=blocks))
+            t_v, _ = median_time(lambda: ours(q, k, v, g, beta, s0), iters=iters)
+            o, s = ours(q, k, v, g, beta, s0)
+            parts = jax.jit(lambda *xs: [to_chunks(x, blocks.chunk) for x in xs])(l2(q), l2(k), v, g, beta)
+            intra = jax.jit(lambda *p_, blocks=blocks: chunk_intra(*p_, scale=kd ** -0.5, blocks=blocks,
+                                                                   interpret=default_interpret()))
+            t_intra, _ = median_time(lambda: intra(*parts), iters=iters)
+            factors = intra(*parts)
+            inter = jax.jit(lambda *f_, blocks=blocks: chunk_inter(*f_, out_dtype=v.dtype, blocks=blocks,
+                                                                   interpret=default_interpret()))
+            t_inter, _ = median_time(lambda: inter(*factors, s0), iters=iters)
+            variants[name] = {"ms": t_v * 1e3, "intra_ms": t_intra * 1e3, "inter_ms": t_inter * 1e3,
+                              "err_o": rel(o, o_ref), "err_state": rel(s, s_ref)}
+            print(f"  {name}: {variants[name]}", flush=True)
+        best = min(variants, key=lambda n_: variants[n_]["ms"])
+        t_ours = variants[best]["ms"] / 1e3
+        row = {"B": b, "T": t, "H": h, "K": kd, "ours_ms": t_ours * 1e3, "variant": best, "xla_ref_ms": t_ref * 1e3,
+               "err_o_vs_ref": variants[best]["err_o"], "err_state_vs_ref": variants[best]["err_state"],
+               "variants": variants}
         if fla is not None:
             torch, chunk_kda, _ = fla
             tt = lambda x: torch.from_dlpack(x)
@@ -116,18 +143,30 @@ def decode_rows(batches, h, kd, layers, fla, iters):
         nw, states = n(8, (kd,)), n(9, (layers, b, h, kd, kd), s=0.1)
 
         def run(step):
-            def body(carry, xs):
-                xi, ci, fi, bi, zi, si = xs
-                out, c2, s2 = step(xi, ci, w, fi, dt_b, a, bi, zi, nw, si)
-                return carry + out[0, 0, 0].astype(jnp.float32), (c2, s2)
-            return jax.jit(lambda *xs: jax.lax.scan(body, jnp.zeros(()), xs))
+            def layers_fn(states, x, conv, f, bl, z):
+                outs = []
+                for i in range(layers):  # one launch per layer, back to back, states updated in place
+                    _, _, s_i = step(x[i], conv[i], w, f[i], dt_b, a, bl[i], z[i], nw, states[i])
+                    outs.append(s_i)
+                return tuple(outs)
+            return jax.jit(layers_fn, donate_argnums=0)
+
+        def timed(fn):
+            st = tuple(states[i] + 0 for i in range(layers))
+            for _ in range(3):
+                st = jax.block_until_ready(fn(st, x, conv, f, bl, z))
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                st = jax.block_until_ready(fn(st, x, conv, f, bl, z))
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
 
         ours = run(lambda *args: kda_decode(*args, lower_bound=None))
         ref = run(lambda *args: kda_decode_reference(*args, lower_bound=None))
-        t_ours, _ = median_time(lambda: ours(x, conv, f, bl, z, states), iters=iters)
-        t_ref, _ = median_time(lambda: ref(x, conv, f, bl, z, states), iters=iters)
-        _, (c_o, s_o) = ours(x, conv, f, bl, z, states)
-        _, (c_r, s_r) = ref(x, conv, f, bl, z, states)
+        t_ours, t_ref = timed(ours), timed(ref)
+        s_o = ours(tuple(states[i] + 0 for i in range(layers)), x, conv, f, bl, z)[-1]
+        s_r = ref(tuple(states[i] + 0 for i in range(layers)), x, conv, f, bl, z)[-1]
         bytes_layer = 2 * b * h * kd * kd * 4
         per_layer = t_ours / layers
         row = {"B": b, "H": h, "layers": layers, "us_per_layer": per_layer * 1e6,
@@ -153,8 +192,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--no-fla", action="store_true", help="skip the fla columns (its autotune takes ~90 s a shape)")
     args = ap.parse_args(argv)
-    fla = None if args.small else fla_functions()
+    fla = None if (args.small or args.no_fla) else fla_functions()
     if args.small:
         pre = prefill_rows([(1, 96, 2, 16)], None, 3)
         dec = decode_rows([1, 2], 2, 16, 3, None, 3)

@@ -24,6 +24,32 @@ from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, w
 from pallas_kernels.mla_decode import MLADecodeBlocks, mla_decode, mla_decode_reference  # noqa: E402
 
 
+def sweep(iters):
+    """Times launch settings at 64 x 4K (H=32) and returns the fastest (block_h, block_k, warps, stages)."""
+    b, ctx, h = 64, 4096, 32
+    ks = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(ks[0], (b, 1, h, 512), jnp.bfloat16)
+    qp = jax.random.normal(ks[1], (b, 1, h, 64), jnp.bfloat16)
+    cache = jax.random.normal(ks[2], (b, ctx, 576), jnp.bfloat16)
+    lengths = jnp.full((b,), ctx, jnp.int32)
+    results = {}
+    for bh in (16, 32):
+        for bk in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    blocks = MLADecodeBlocks(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages)
+                    try:
+                        fn = jax.jit(lambda q, qp, c, n, blocks=blocks: mla_decode(q, qp, c, n, scale=0.07, blocks=blocks))
+                        t, _ = median_time(lambda: fn(q, qp, cache, lengths), iters=iters)
+                    except Exception as e:  # noqa: BLE001 - a setting the compiler rejects
+                        print(f"sweep {bh, bk, warps, stages}: failed {type(e).__name__}", flush=True)
+                        continue
+                    results[(bh, bk, warps, stages)] = t
+                    print(f"sweep {bh, bk, warps, stages}: {t * 1e3:.3f} ms, "
+                          f"{b * ctx * 576 * 2 / t / 1e12:.2f} TB/s", flush=True)
+    return min(results, key=results.get)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true")
@@ -32,7 +58,11 @@ def main(argv=None) -> int:
     ap.add_argument("--block-k", type=int, default=64)
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
+    ap.add_argument("--sweep", action="store_true", help="try launch settings at B x ctx = 64 x 4K first")
     args = ap.parse_args(argv)
+    if args.sweep:
+        best = sweep(args.iters)
+        args.block_h, args.block_k, args.num_warps, args.num_stages = best
     r, p = (32, 16) if args.small else (512, 64)
     grid = ([(2, 16, 128), (1, 4, 256)] if args.small else
             [(h, b, ctx) for h in (32, 96) for b, ctx in

@@ -68,6 +68,91 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, aqk_ref, qg_r
     dec_ref[...] = jnp.exp(last)
 
 
+def _inv_unit_lower(strict_lower, rows):
+    """(I + L)^-1 for a small strictly lower-triangular L, by forward substitution (row by row)."""
+    def row(i, t):
+        pick = (rows == i)[:, None]
+        l_i = jnp.sum(jnp.where(pick, strict_lower, 0.0), axis=0)
+        t_i = jnp.where(rows == i, 1.0, 0.0) - jnp.sum(l_i[:, None] * t, axis=0)
+        return jnp.where(pick, t_i[None, :], t)
+    n = strict_lower.shape[0]
+    return jax.lax.fori_loop(0, n, row, jnp.zeros((n, n), jnp.float32))
+
+
+def _intra_blocked_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, *,
+                          scale, sub):
+    """Same outputs as `_intra_kernel`, with the chunk split into sub-blocks of `sub` rows:
+    off-diagonal blocks of A_kk / A_qk are matrix products against a reference point at the
+    start of the row block (G_r - G_ref <= 0 and G_ref - G_j <= 0, so both factors are <= 1);
+    only the diagonal blocks use pairwise exponent differences. (I + L)^-1 is assembled from
+    the inverted diagonal blocks by block forward substitution."""
+    f32 = jnp.float32
+    c, kdim = q_ref.shape
+    nb = c // sub
+    rows = jnp.arange(sub)
+    dot = lambda a, b: jnp.dot(a, b, preferred_element_type=f32)
+    blk = lambda i: pl.ds(i * sub, sub)
+
+    cums, refs = [], []
+    prev = jnp.zeros((kdim,), f32)
+    for i in range(nb):
+        cum = jnp.cumsum(g_ref[blk(i), :].astype(f32), axis=0) + prev[None, :]
+        cums.append(cum)
+        refs.append(prev)
+        prev = jnp.sum(jnp.where((rows == sub - 1)[:, None], cum, 0.0), axis=0)
+    last = prev
+
+    akk = [[None] * nb for _ in range(nb)]
+    for i in range(nb):
+        k_i = k_ref[blk(i), :].astype(f32)
+        q_i = q_ref[blk(i), :].astype(f32) * scale
+        b_i = b_ref[blk(i)].astype(f32)
+        down = jnp.exp(cums[i] - refs[i][None, :])
+        for j in range(i):
+            k_j = k_ref[blk(j), :].astype(f32) * jnp.exp(refs[i][None, :] - cums[j])
+            akk[i][j] = dot(k_i * down, k_j.T) * b_i[:, None]
+            aqk_ref[blk(i), blk(j)] = dot(q_i * down, k_j.T)
+
+        def column(jj, carry, k_i=k_i, q_i=q_i, cum=cums[i]):
+            dkk, dqk = carry
+            pick = (rows == jj)[:, None]
+            k_j = jnp.sum(jnp.where(pick, k_i, 0.0), axis=0)
+            g_j = jnp.sum(jnp.where(pick, cum, 0.0), axis=0)
+            kd = k_j[None, :] * jnp.exp(jnp.where(rows[:, None] >= jj, cum - g_j[None, :], -jnp.inf))
+            put = (rows == jj)[None, :]
+            return (jnp.where(put, jnp.sum(k_i * kd, axis=1)[:, None], dkk),
+                    jnp.where(put, jnp.sum(q_i * kd, axis=1)[:, None], dqk))
+
+        zero = jnp.zeros((sub, sub), f32)
+        dkk, dqk = jax.lax.fori_loop(0, sub, column, (zero, zero))
+        akk[i][i] = jnp.where(rows[:, None] > rows[None, :], dkk * b_i[:, None], 0.0)
+        aqk_ref[blk(i), blk(i)] = jnp.where(rows[:, None] >= rows[None, :], dqk, 0.0)
+        for j in range(i + 1, nb):
+            aqk_ref[blk(i), blk(j)] = zero
+        qg_ref[blk(i), :] = q_i * jnp.exp(cums[i])
+        kt_ref[blk(i), :] = k_i * jnp.exp(last[None, :] - cums[i])
+
+    inv = [[None] * nb for _ in range(nb)]
+    for i in range(nb):
+        inv[i][i] = _inv_unit_lower(akk[i][i], rows)
+        for j in range(i):
+            acc = dot(akk[i][j], inv[j][j])
+            for m in range(j + 1, i):
+                acc += dot(akk[i][m], inv[m][j])
+            inv[i][j] = -dot(inv[i][i], acc)
+    for i in range(nb):
+        w_i = u_i = None
+        for j in range(i + 1):
+            b_j = b_ref[blk(j)].astype(f32)[:, None]
+            x_j = b_j * jnp.exp(cums[j]) * k_ref[blk(j), :].astype(f32)
+            y_j = b_j * v_ref[blk(j), :].astype(f32)
+            w_i = dot(inv[i][j], x_j) if w_i is None else w_i + dot(inv[i][j], x_j)
+            u_i = dot(inv[i][j], y_j) if u_i is None else u_i + dot(inv[i][j], y_j)
+        w_ref[blk(i), :] = w_i
+        u_ref[blk(i), :] = u_i
+    dec_ref[...] = jnp.exp(last)
+
+
 def _inter_kernel(w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, s0_ref, o_ref, s_ref, *, n_chunks):
     f32 = jnp.float32
 
@@ -81,32 +166,16 @@ def _inter_kernel(w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, s0_ref, o_ref,
     s_ref[...] = jax.lax.fori_loop(0, n_chunks, step, s0_ref[...].astype(f32))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
-def kda_chunk_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, blocks: ChunkBlocks = ChunkBlocks(),
-                     interpret: bool | None = None):
-    """Chunked KDA prefill; same contract as `kda_chunk_reference` (q, k L2-normalised)."""
-    validate_inputs(q, k, v, g, beta, initial_state)
-    b, t, h, kd = q.shape
-    vd = v.shape[-1]
-    c = blocks.chunk
-    if not (is_pow2(kd) and is_pow2(vd) and is_pow2(c)):
-        raise ValueError(f"kda_chunk_pallas: K={kd}, V={vd} and the chunk {c} must be powers of two")
-    scale = kd ** -0.5 if scale is None else scale
-    interpret = default_interpret() if interpret is None else interpret
-    n = -(-t // c)
-    pad = n * c - t
-
-    def chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...]; the tail pads with g = beta = 0 (a no-op)
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = x.reshape(b, n, c, h, *x.shape[3:])
-        return jnp.moveaxis(x, 3, 1)
-
-    qc, kc, vc, gc, bc = chunks(q), chunks(k), chunks(v), chunks(g.astype(jnp.float32)), chunks(beta.astype(jnp.float32))
-    s0 = jnp.zeros((b, h, kd, vd), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool):
+    """Kernel 1 on chunked inputs [B, H, N, C, ...] -> (W, U, A_qk, q e^G, k e^(G_C - G), e^(G_C))."""
+    b, h, n, c, kd = qc.shape
+    vd = vc.shape[-1]
     f32 = jnp.float32
+    intra = (functools.partial(_intra_blocked_kernel, scale=scale, sub=blocks.sub_chunk)
+             if blocks.intra == "blocked" else functools.partial(_intra_kernel, scale=scale))
     blk = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda i, j, m: (i, j, m) + (0,) * len(tail))
-    w, u, aqk, qg, kt, dec = pl.pallas_call(
-        functools.partial(_intra_kernel, scale=scale),
+    return pl.pallas_call(
+        intra,
         grid=(b, h, n),
         in_specs=[blk(c, kd), blk(c, kd), blk(c, vd), blk(c, kd), blk(c)],
         out_specs=[blk(c, kd), blk(c, vd), blk(c, c), blk(c, kd), blk(c, kd), blk(kd)],
@@ -118,20 +187,52 @@ def kda_chunk_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, blocks
         name="kda_chunk_intra",
     )(qc, kc, vc, gc, bc)
 
+
+def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, interpret: bool):
+    """Kernel 2: the sequential pass over chunks -> (o [B, H, N, C, V], final state [B, H, K, V])."""
+    b, h, n, c, kd = w.shape
+    vd = u.shape[-1]
     vb = min(vd, blocks.value_block)
     whole = lambda *tail: pl.BlockSpec((None, None) + tail, lambda i, j, m: (i, j) + (0,) * len(tail))
     by_value = lambda *tail: pl.BlockSpec((None, None) + tail[:-1] + (vb,),
                                           lambda i, j, m: (i, j) + (0,) * (len(tail) - 1) + (m,))
-    o, s = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_inter_kernel, n_chunks=n),
         grid=(b, h, vd // vb),
         in_specs=[whole(n, c, kd), by_value(n, c, vd), whole(n, c, c), whole(n, c, kd), whole(n, c, kd),
                   whole(n, kd), by_value(kd, vd)],
         out_specs=[by_value(n, c, vd), by_value(kd, vd)],
-        out_shape=[jax.ShapeDtypeStruct((b, h, n, c, vd), v.dtype), jax.ShapeDtypeStruct((b, h, kd, vd), f32)],
+        out_shape=[jax.ShapeDtypeStruct((b, h, n, c, vd), out_dtype), jax.ShapeDtypeStruct((b, h, kd, vd), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=blocks.inter_num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="kda_chunk_inter",
     )(w, u, aqk, qg, kt, dec, s0)
-    o = jnp.moveaxis(o.reshape(b, h, n * c, vd), 1, 2)[:, :t]
-    return o, s
+
+
+def to_chunks(x, chunk: int):
+    """[B, T, H, ...] -> [B, H, N, C, ...], the tail padded with zeros (g = beta = 0 there: a no-op)."""
+    b, t, h = x.shape[:3]
+    n = -(-t // chunk)
+    x = jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(b, n, chunk, h, *x.shape[3:]), 3, 1)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
+def kda_chunk_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, blocks: ChunkBlocks = ChunkBlocks(),
+                     interpret: bool | None = None):
+    """Chunked KDA prefill; same contract as `kda_chunk_reference` (q, k L2-normalised)."""
+    validate_inputs(q, k, v, g, beta, initial_state)
+    b, t, h, kd = q.shape
+    vd = v.shape[-1]
+    c = blocks.chunk
+    if not (is_pow2(kd) and is_pow2(vd) and is_pow2(c)) or (blocks.intra == "blocked" and c % blocks.sub_chunk):
+        raise ValueError(f"kda_chunk_pallas: K={kd}, V={vd} and the chunk {c} must be powers of two "
+                         f"(and the chunk a multiple of sub_chunk={blocks.sub_chunk})")
+    scale = kd ** -0.5 if scale is None else scale
+    interpret = default_interpret() if interpret is None else interpret
+    parts = [to_chunks(x, c) for x in (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32))]
+    s0 = jnp.zeros((b, h, kd, vd), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    factors = chunk_intra(*parts, scale=scale, blocks=blocks, interpret=interpret)
+    o, s = chunk_inter(*factors, s0, out_dtype=v.dtype, blocks=blocks, interpret=interpret)
+    n = o.shape[2]
+    return jnp.moveaxis(o.reshape(b, h, n * c, vd), 1, 2)[:, :t], s

@@ -13,6 +13,8 @@ class DecodeBlocks:
 @dataclass(frozen=True)
 class ChunkBlocks:
     chunk: int = 64          # tokens per chunk (WY form)
+    intra: str = "blocked"   # intra-chunk kernel: "blocked" (sub-block matmuls) or "column" (pairwise loop)
+    sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel
     value_block: int = 64    # state columns per program of the sequential kernel
     num_warps: int = 8       # intra-chunk kernel
     inter_num_warps: int = 4
