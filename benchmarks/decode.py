@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--moe-impl", default=None, choices=["ragged", "gather", "dense"])
+    ap.add_argument("--moe-impl", default=None, choices=["ragged", "gather", "dense", "auto"])
     ap.add_argument("--kernels", choices=["reference", "pallas"], default="reference",
                     help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
     ap.add_argument("--name", default=None)

@@ -17,7 +17,7 @@ FFNKind = Literal["dense", "moe"]
 KDA_IMPLS = ("chunked", "recurrent", "pallas")
 KDA_DECODE_IMPLS = ("reference", "pallas")
 MLA_IMPLS = ("absorbed", "naive", "pallas")
-MOE_IMPLS = ("ragged", "dense", "gather")
+MOE_IMPLS = ("ragged", "dense", "gather", "auto")
 ATTN_RES_IMPLS = ("buffer", "list")
 QUANTIZATIONS = (None, "mxfp4")
 ACTIVATIONS = ("silu", "situ")
@@ -160,7 +160,8 @@ class MoEConfig:
     latent_use_norm: bool = False   # K3: RMSNorm on the combined latent routed output
     norm_eps: float = 1e-5
     # "ragged": sorted tokens + lax.ragged_dot; "gather": per-token gathered expert weights (small
-    # batches); "dense": every expert on every token (the reference)
+    # batches); "auto": gather up to 256 tokens, ragged beyond; "dense": every expert on every
+    # token (the reference)
     impl: str = "ragged"
 
     def __post_init__(self):

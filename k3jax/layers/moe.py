@@ -85,7 +85,16 @@ def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
     return jnp.einsum("nx,nxd->nd", weights_NX, y, precision=_HIGHEST)
 
 
-_EXPERT_IMPLS = {"dense": experts_dense, "ragged": experts_ragged, "gather": experts_gather}
+GATHER_MAX_TOKENS = 256  # "auto": gathered weights for decode-sized batches, grouped GEMM beyond
+
+
+def experts_auto(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation) -> jax.Array:
+    """Gather for few tokens (reads only the touched experts), ragged grouped GEMM for many."""
+    impl = experts_gather if x_ND.shape[0] <= GATHER_MAX_TOKENS else experts_ragged
+    return impl(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
+
+
+_EXPERT_IMPLS = {"dense": experts_dense, "ragged": experts_ragged, "gather": experts_gather, "auto": experts_auto}
 
 
 class Router(nnx.Module):
