@@ -46,9 +46,10 @@ def test_bad_attention_mask_and_lengths(model):
         model.prefill([[1, 2]], [[1, 1, 1]])
     with pytest.raises(ValueError, match="exceeds max_len 4"):
         model.prefill([[1, 2, 3, 4, 5]], max_len=4)
-    _, state = model.prefill([[1, 2, 3]], max_len=4)
+    _, state = model.prefill([list(range(3, 66))], max_len=64)   # capacity is allocated in 64-slot steps
+    assert state.capacity == 64
     _, state = model.decode_step(state, [4])
-    with pytest.raises(ValueError, match="cache is full"):
+    with pytest.raises(ValueError, match=r"cache is full \(64 tokens per row\)"):
         model.decode_step(state, [5])
     with pytest.raises(ValueError, match="unsupported dtype"):
         k3jax.CausalLM.random(model.config, dtype="float16")
