@@ -11,6 +11,7 @@ before the real tokens. `decode_step` donates the state it is given (its buffers
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -72,12 +73,16 @@ def _decode(graphdef, params, state, tokens_B):
 class CausalLM:
     """A loaded model with compiled entry points. Build with `k3jax.load` or `CausalLM.random`."""
 
-    def __init__(self, module: KimiForCausalLM, config: ModelConfig | None = None):
+    def __init__(self, module: KimiForCausalLM, config: ModelConfig | None = None, *, mesh=None):
         if config is not None and config != module.config:
             raise ValueError("CausalLM: the config differs from the one the module was built with; "
                              "use model.with_config(...) to change it")
         self.config = module.config
+        self.mesh = mesh
         self.graphdef, self.params = nnx.split(module)
+        if mesh is not None:
+            from k3jax.sharding import param_shardings
+            self.params = jax.device_put(self.params, param_shardings(self.params, mesh))
         self.dtype = self.params["model"]["embed_tokens"]["embedding"][...].dtype
         self.load_report = None  # set by k3jax.load
         self.tokenizer = None     # set by k3jax.load_model when the checkpoint has one
@@ -88,10 +93,36 @@ class CausalLM:
         self._decode = jax.jit(functools.partial(_decode, self.graphdef), donate_argnames=("state",))
 
     @classmethod
-    def random(cls, config: ModelConfig, *, seed: int = 0, dtype="float32") -> "CausalLM":
-        """A model with deterministic random weights (tests, demos, benchmarks)."""
-        module = KimiForCausalLM(config, dtype=resolve_dtype(dtype), rngs=nnx.Rngs(seed))
-        return cls(module, config)
+    def random(cls, config: ModelConfig, *, seed: int = 0, dtype="float32", mesh=None) -> "CausalLM":
+        """A model with deterministic random weights (tests, demos, benchmarks); with `mesh`, the
+        parameters are created directly in their shardings (k3jax.sharding rules)."""
+        dt = resolve_dtype(dtype)
+        if mesh is None:
+            return cls(KimiForCausalLM(config, dtype=dt, rngs=nnx.Rngs(seed)))
+        from k3jax.sharding import param_shardings
+        build = lambda: KimiForCausalLM(config, dtype=dt, rngs=nnx.Rngs(seed))
+        graphdef, abstract = nnx.split(nnx.eval_shape(build))
+        with jax.set_mesh(mesh):
+            params = jax.jit(lambda: nnx.split(build())[1], out_shardings=param_shardings(abstract, mesh))()
+        return cls(nnx.merge(graphdef, params), mesh=mesh)
+
+    def shard(self, mesh) -> "CausalLM":
+        """The same model with its parameters resharded onto `mesh` (k3jax.sharding rules)."""
+        out = CausalLM(self.module, mesh=mesh)
+        out.tokenizer = self.tokenizer
+        return out
+
+    def mesh_context(self):
+        """Context for running this model's compiled functions (the mesh, when sharded)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _put(self, array, *, rows: bool = True):
+        """Host input -> device, rows over the data axis when sharded."""
+        if self.mesh is None:
+            return jnp.asarray(array)
+        from k3jax.sharding import batch_sharding
+        array = np.asarray(array)
+        return jax.device_put(array, batch_sharding(self.mesh, array.ndim, array.shape[0]))
 
     @property
     def module(self) -> KimiForCausalLM:
@@ -105,7 +136,7 @@ class CausalLM:
         shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
         if shapes(abstract_params) != shapes(self.params):
             raise ValueError("with_config: the new config changes the parameter tree; load or build a new model")
-        out = CausalLM(nnx.merge(graphdef, self.params))
+        out = CausalLM(nnx.merge(graphdef, self.params), mesh=self.mesh)
         out.tokenizer = self.tokenizer
         return out
 
@@ -153,7 +184,11 @@ class CausalLM:
         if max_len > self.config.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds the model's context limit "
                              f"{self.config.max_position_embeddings}")
-        return init_decode_state(self.config, batch_size, max_len, self.dtype)
+        state = init_decode_state(self.config, batch_size, max_len, self.dtype)
+        if self.mesh is not None:
+            from k3jax.sharding import state_shardings
+            state = jax.device_put(state, state_shardings(state, self.mesh))
+        return state
 
     def logits(self, token_ids, attention_mask=None) -> jax.Array:
         """Full forward. token_ids [B, T] -> logits [B, T, Vocab] float32."""
@@ -161,12 +196,14 @@ class CausalLM:
         if ids.shape[1] > self.config.max_position_embeddings:
             raise ValueError(f"prompt of {ids.shape[1]} tokens exceeds the context limit "
                              f"{self.config.max_position_embeddings}")
-        return self._logits(self.params, jnp.asarray(ids), jnp.asarray(mask))
+        with self.mesh_context():
+            return self._logits(self.params, self._put(ids), self._put(mask))
 
     def hidden_states(self, token_ids, attention_mask=None) -> jax.Array:
         """Pre-norm final hidden state [B, T, D] (after K3's output AttnRes mix): the MTP input."""
         ids, mask = self._check_batch(token_ids, attention_mask)
-        return self._hidden(self.params, jnp.asarray(ids), jnp.asarray(mask))
+        with self.mesh_context():
+            return self._hidden(self.params, self._put(ids), self._put(mask))
 
     def mtp(self, hidden, next_tokens, *, positions=None, attention_mask=None, layer: int = 0):
         """One MTP draft layer over a window (arch §7).
@@ -186,8 +223,9 @@ class CausalLM:
             raise ValueError(f"hidden shape {hidden.shape} does not match next_tokens {ids.shape}")
         if positions is None:
             positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
-        return self._mtp(self.params, hidden, jnp.asarray(ids), jnp.asarray(positions, jnp.int32),
-                         jnp.asarray(mask), layer=layer)
+        with self.mesh_context():
+            return self._mtp(self.params, hidden, self._put(ids), self._put(np.asarray(positions, np.int32)),
+                             self._put(mask), layer=layer)
 
     def prefill(self, token_ids, attention_mask=None, *, state: DecodeState | None = None,
                 max_len: int | None = None, all_logits: bool = False):
@@ -213,14 +251,16 @@ class CausalLM:
             state = self.init_state(b, max_len)
         else:
             self._check_room(state, b, mask.sum(axis=1))
-        return self._prefill(self.params, jnp.asarray(ids), jnp.asarray(mask), state,
-                             fresh=fresh, all_logits=all_logits)
+        with self.mesh_context():
+            return self._prefill(self.params, self._put(ids), self._put(mask), state, fresh=fresh,
+                                 all_logits=all_logits)
 
     def decode_step(self, state: DecodeState, next_tokens):
         """Feeds one token per row. next_tokens [B] -> (logits [B, Vocab] fp32, new state)."""
         ids = self._check_tokens(next_tokens, "next_tokens").reshape(-1)
         self._check_room(state, ids.shape[0], np.ones(ids.shape[0], np.int64))
-        return self._decode(self.params, state, jnp.asarray(ids))
+        with self.mesh_context():
+            return self._decode(self.params, state, self._put(ids))
 
     def _check_room(self, state: DecodeState, batch: int, new_tokens: np.ndarray) -> None:
         if state.batch_size != batch:

@@ -163,9 +163,11 @@ class MoEConfig:
     # batches); "auto": gather up to 256 tokens, ragged beyond; "dense": every expert on every
     # token (the reference)
     impl: str = "ragged"
+    gmm_impl: str = "xla"  # grouped matmul of the ragged path: "xla" (lax.ragged_dot) or "mgpu" (Hopper kernel)
 
     def __post_init__(self):
         _positive(self.num_experts, "num_experts")
+        _require(self.gmm_impl in ("xla", "mgpu"), "moe.gmm_impl", f"expected 'xla' or 'mgpu', got {self.gmm_impl!r}")
         if self.latent_size is not None:
             _positive(self.latent_size, "routed_expert_hidden_size")
         _positive(self.num_experts_per_token, "num_experts_per_token")
@@ -300,9 +302,11 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def with_impls(self, *, kda: str | None = None, kda_decode: str | None = None, mla: str | None = None,
-                   moe: str | None = None, attn_res: str | None = None) -> "ModelConfig":
+                   moe: str | None = None, gmm: str | None = None, attn_res: str | None = None) -> "ModelConfig":
         """Returns a copy with other implementation choices (the math is unchanged)."""
         out = self
+        if gmm is not None and self.moe is not None:
+            out = out.replace(moe=dataclasses.replace(out.moe, gmm_impl=gmm))
         if kda_decode is not None and self.kda is not None:
             out = out.replace(kda=dataclasses.replace(out.kda, decode_impl=kda_decode))
         if attn_res is not None and self.attn_res is not None:

@@ -174,10 +174,10 @@ class Generator:
         for i, s in enumerate(stops):
             stop_ids[i, :len(s)] = s
         pick = lambda f, default, dt: np.array([f(p) for p in params] + [default] * (rows - n), dt)
-        sampler = SamplerInputs(temperature=jnp.asarray(pick(lambda p: p.temperature, 0.0, np.float32)),
-                                top_k=jnp.asarray(pick(lambda p: p.top_k, 0, np.int32)),
-                                top_p=jnp.asarray(pick(lambda p: p.top_p, 1.0, np.float32)),
-                                seed=jnp.asarray(pick(lambda p: p.seed, 0, np.uint32)))
+        sampler = SamplerInputs(temperature=pick(lambda p: p.temperature, 0.0, np.float32),
+                                top_k=pick(lambda p: p.top_k, 0, np.int32),
+                                top_p=pick(lambda p: p.top_p, 1.0, np.float32),
+                                seed=pick(lambda p: p.seed, 0, np.uint32))
         max_new = pick(lambda p: p.max_new_tokens, 1, np.int32)
         prompt_len = np.array([len(e) for e in encoded] + [1] * (rows - n), np.int32)
         done = np.arange(rows) >= n
@@ -188,10 +188,12 @@ class Generator:
         t1 = time.perf_counter()
         self._active_stream = None if stream is None else _StreamAdapter(
             stream, n, self.tokenizer, [p.skip_special_tokens for p in params])
-        out = self._loop(self.model.params, state, logits, sampler, jnp.asarray(stop_ids), jnp.asarray(max_new),
-                         jnp.asarray(prompt_len), jnp.asarray(done), max_steps=steps,
-                         filters=any(p.filters for p in params), stream_every=stream_every if stream else 0,
-                         stream=self._on_stream if stream else None, pad_id=pad_id)
+        put = self.model._put
+        with self.model.mesh_context():
+            out = self._loop(self.model.params, state, logits, jax.tree.map(put, sampler), put(stop_ids),
+                             put(max_new), put(prompt_len), put(done), max_steps=steps,
+                             filters=any(p.filters for p in params), stream_every=stream_every if stream else 0,
+                             stream=self._on_stream if stream else None, pad_id=pad_id)
         tokens, count, finish = jax.device_get((out.tokens, out.count, out.finish))
         if self._active_stream is not None:
             jax.effects_barrier()  # every chunk delivered before the last flush

@@ -14,6 +14,7 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -113,13 +114,14 @@ def _progress(total_bytes: int, show: bool | None):
 
 def load_causal_lm(path: str | os.PathLike, dtype="float32", *, kda_impl: str | None = None,
                    mla_impl: str | None = None, moe_impl: str | None = None, attn_res_impl: str | None = None,
-                   a_log_policy: str | None = None, progress: bool | None = None) -> CausalLM:
+                   a_log_policy: str | None = None, progress: bool | None = None, mesh=None) -> CausalLM:
     """Loads `path` (config.json + *.safetensors [+ index]) as a `CausalLM`.
 
     dtype: "float32" or "bfloat16" for the weights and activations; A_log, dt_bias, conv taps,
     o_norm and the router correction bias always stay fp32.
     kda_impl / mla_impl / moe_impl / attn_res_impl: implementation choices (see the sub-configs).
     a_log_policy: how a K3 A_log longer than the head count is read ("per_head" or "per_channel").
+    mesh: place every parameter directly in its sharding (k3jax.sharding rules) as it is read.
     """
     dt = resolve_dtype(dtype)
     cfg = load_hf_config(path).with_impls(kda=kda_impl, mla=mla_impl, moe=moe_impl, attn_res=attn_res_impl)
@@ -133,6 +135,9 @@ def load_causal_lm(path: str | os.PathLike, dtype="float32", *, kda_impl: str | 
     flat = list(nnx.to_flat_state(state))
     shapes = {p: tuple(v.get_value().shape) for p, v in flat}
     plan, skipped = plan_tensors(cfg, ckpt, shapes)
+    if mesh is not None:
+        from k3jax.sharding import param_shardings
+        shardings = dict(nnx.to_flat_state(param_shardings(state, mesh)))
 
     def nbytes(name, rule):
         return ckpt.info(name).nbytes + (ckpt.info(rule.partner).nbytes if rule.partner else 0)
@@ -152,9 +157,10 @@ def load_causal_lm(path: str | os.PathLike, dtype="float32", *, kda_impl: str | 
         step = sum(nbytes(n, r) for n, r in entries)
         read += step
         bar.update(step)
-        loaded.append((p, var.replace(jnp.asarray(value))))
+        value = jax.device_put(value, shardings[p]) if mesh is not None else jnp.asarray(value)
+        loaded.append((p, var.replace(value)))
     bar.close()
     module = nnx.merge(graphdef, nnx.from_flat_state(loaded))
-    model = CausalLM(module)
+    model = CausalLM(module, mesh=mesh)
     model.load_report = LoadReport(tensors=sum(len(v) for v in plan.values()), skipped=skipped, bytes_read=read)
     return model

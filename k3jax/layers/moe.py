@@ -17,6 +17,7 @@ from k3jax.layers.linear import Linear
 from k3jax.layers.mlp import MLP, gated_activation
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import normal, param, zeros
+from pallas_kernels.moe_gmm import grouped_matmul
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -61,19 +62,33 @@ def experts_dense(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Act
     return jnp.einsum("ne,end->nd", combine_NE, y_END.astype(jnp.float32), precision=_HIGHEST)
 
 
-def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation) -> jax.Array:
-    """Token-expert pairs sorted by expert, grouped GEMMs with `lax.ragged_dot`, fp32 scatter-add. -> [N, D]."""
+def sort_by_expert(experts_NX: jax.Array, num_local: int, offset=0):
+    """Orders token-expert pairs by expert. Pairs whose expert lies outside [offset, offset +
+    num_local) (another shard's) sort last and are excluded from the group sizes.
+    Returns (order [N*X], group_sizes [num_local] int32, local [N*X] bool in sorted order)."""
+    flat = experts_NX.reshape(-1) - offset
+    local = (flat >= 0) & (flat < num_local)
+    key = jnp.where(local, flat, num_local)
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.sum(jax.nn.one_hot(key, num_local, dtype=jnp.int32), axis=0)
+    return order, sizes, local[order]
+
+
+def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *, gmm: str = "xla",
+                   expert_offset=0) -> jax.Array:
+    """Token-expert pairs sorted by expert, grouped GEMMs, fp32 scatter-add. -> [N, D].
+
+    With expert_offset (expert parallelism), the weights hold experts [offset, offset + E_local)
+    and pairs routed elsewhere contribute nothing here.
+    """
     n, k = experts_NX.shape
-    e = w1_EDF.shape[0]
-    flat = experts_NX.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    order, sizes, local = sort_by_expert(experts_NX, w1_EDF.shape[0], expert_offset)
     token = order // k
-    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
     xs = x_ND[token]
-    h = gated_activation(jax.lax.ragged_dot(xs, w1_EDF, group_sizes),
-                         jax.lax.ragged_dot(xs, w3_EDF, group_sizes), act)
-    y = jax.lax.ragged_dot(h, w2_EFD, group_sizes).astype(jnp.float32)
-    y = y * weights_NX.reshape(-1)[order][:, None]
+    mm = lambda lhs, rhs: grouped_matmul(lhs, rhs, sizes, impl=gmm)
+    h = gated_activation(mm(xs, w1_EDF), mm(xs, w3_EDF), act)
+    y = mm(h, w2_EFD).astype(jnp.float32) * weights_NX.reshape(-1)[order][:, None]
+    y = jnp.where(local[:, None], y, 0.0)
     return jnp.zeros((n, x_ND.shape[1]), jnp.float32).at[token].add(y)
 
 
@@ -88,13 +103,27 @@ def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
 GATHER_MAX_TOKENS = 256  # "auto": gathered weights for decode-sized batches, grouped GEMM beyond
 
 
-def experts_auto(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation) -> jax.Array:
+def experts_auto(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *, gmm: str = "xla"):
     """Gather for few tokens (reads only the touched experts), ragged grouped GEMM for many."""
-    impl = experts_gather if x_ND.shape[0] <= GATHER_MAX_TOKENS else experts_ragged
-    return impl(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
+    if x_ND.shape[0] <= GATHER_MAX_TOKENS:
+        return experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
+    return experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act, gmm=gmm)
 
 
 _EXPERT_IMPLS = {"dense": experts_dense, "ragged": experts_ragged, "gather": experts_gather, "auto": experts_auto}
+
+
+def routed_experts(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg: MoEConfig) -> jax.Array:
+    """The routed experts' combined output [N, D] fp32: expert-parallel over the mesh's expert
+    axis when there is one (k3jax.layers.moe_parallel), else the configured local path."""
+    from k3jax.layers.moe_parallel import expert_parallel, expert_shards
+
+    if expert_shards() > 1:
+        return expert_parallel(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, gmm=cfg.gmm_impl)
+    impl = _EXPERT_IMPLS[cfg.impl]
+    if cfg.impl in ("ragged", "auto"):
+        return impl(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, gmm=cfg.gmm_impl)
+    return impl(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation)
 
 
 class Router(nnx.Module):
@@ -145,8 +174,8 @@ class MoE(nnx.Module):
         x_ND = x_BTD.reshape(b * t, d)
         weights, experts = self.gate(x_ND)
         expert_in = x_ND if cfg.latent_size is None else self.routed_expert_down_proj(x_ND)
-        routed = _EXPERT_IMPLS[cfg.impl](expert_in, weights, experts, self.experts.w1[...], self.experts.w3[...],
-                                         self.experts.w2[...], cfg.activation).astype(x_BTD.dtype)
+        routed = routed_experts(expert_in, weights, experts, self.experts.w1[...], self.experts.w3[...],
+                                self.experts.w2[...], cfg).astype(x_BTD.dtype)
         if cfg.latent_size is not None:
             if cfg.latent_use_norm:
                 routed = self.routed_expert_norm(routed)
