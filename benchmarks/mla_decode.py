@@ -18,7 +18,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, write  # noqa: E402
 from pallas_kernels.mla_decode import MLADecodeBlocks, mla_decode, mla_decode_reference  # noqa: E402

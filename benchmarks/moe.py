@@ -82,7 +82,6 @@ def main(argv=None) -> int:
                 row["pct_790TF"] = row["TFLOP_s"] * 1e12 / BF16_ACHIEVABLE * 100
             rows.append(row)
             print({kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in row.items()}, flush=True)
-        del rhs
     record = {"benchmark": "moe_gmm", "env": environment(), "rows": rows}
     path = write("moe" + ("_small" if args.small else ""), record)
     print(table(rows, ["model", "phase", "tokens", "experts_touched", "xla_ms", "mgpu_ms", "TB_s",

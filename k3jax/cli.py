@@ -60,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.set_defaults(func=_generate)
+    sub.add_parser("convert", add_help=False,
+                   help="convert a Hugging Face checkpoint to a k3jax (Orbax) checkpoint (see k3jax convert -h)")
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "convert":
+        from k3jax.checkpoint.convert import main as convert_main
+        return convert_main(argv[1:], prog="k3jax convert")
     args = parser.parse_args(argv)
     return args.func(args)
 

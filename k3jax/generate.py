@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from k3jax.causal_lm import CausalLM

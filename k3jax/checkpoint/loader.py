@@ -23,10 +23,11 @@ from k3jax.causal_lm import CausalLM, resolve_dtype
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4
 from k3jax.checkpoint.name_map import (TensorRule, is_skipped, mtp_embedding_name, tensor_aliases,
                                        tensor_rules)
-from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
+from k3jax.checkpoint.orbax_format import is_k3jax_checkpoint, read_manifest, restore_params
+from k3jax.checkpoint.safetensors_io import FLOAT_DTYPES, CheckpointError, SafetensorsCheckpoint
 from k3jax.checkpoint.transforms import HOOKS
 from k3jax.config import ModelConfig
-from k3jax.hf_config import load_hf_config
+from k3jax.hf_config import from_hf_config, load_hf_config
 from k3jax.model import KimiForCausalLM
 
 _SHOW = 8
@@ -80,7 +81,7 @@ def plan_tensors(cfg: ModelConfig, ckpt: SafetensorsCheckpoint, param_shapes: di
             bad_shape.append(f"{name} {list(info.shape)} (expected {list(hook.expected(shape))}{note})")
         elif hook.stored == "uint8" and info.dtype != np.uint8:
             bad_dtype.append(f"{name} {info.dtype} (expected uint8)")
-        elif hook.stored == "float" and not np.issubdtype(info.dtype, np.floating):
+        elif hook.stored == "float" and info.dtype not in FLOAT_DTYPES:
             bad_dtype.append(f"{name} {info.dtype} (expected a float dtype)")
         if hook.name != "mxfp4_scale":  # scales are read together with their packed codes
             plan[rule.path].append((name, rule))
@@ -124,7 +125,10 @@ def load_causal_lm(path: str | os.PathLike, dtype="float32", *, kda_impl: str | 
     mesh: place every parameter directly in its sharding (k3jax.sharding rules) as it is read.
     """
     dt = resolve_dtype(dtype)
-    cfg = load_hf_config(path).with_impls(kda=kda_impl, mla=mla_impl, moe=moe_impl, attn_res=attn_res_impl)
+    impls = dict(kda=kda_impl, mla=mla_impl, moe=moe_impl, attn_res=attn_res_impl)
+    if is_k3jax_checkpoint(path):
+        return _load_converted(path, dt, impls, a_log_policy, mesh)
+    cfg = load_hf_config(path).with_impls(**impls)
     if a_log_policy is not None and cfg.kda is not None:
         cfg = cfg.replace(kda=dataclasses.replace(cfg.kda, a_log_policy=a_log_policy))
     ckpt = SafetensorsCheckpoint(path)
@@ -163,4 +167,33 @@ def load_causal_lm(path: str | os.PathLike, dtype="float32", *, kda_impl: str | 
     module = nnx.merge(graphdef, nnx.from_flat_state(loaded))
     model = CausalLM(module, mesh=mesh)
     model.load_report = LoadReport(tensors=sum(len(v) for v in plan.values()), skipped=skipped, bytes_read=read)
+    return model
+
+
+def _load_converted(path, dt, impls: dict, a_log_policy, mesh) -> CausalLM:
+    """A k3jax (Orbax) checkpoint written by `convert`, restored with Orbax into the shardings."""
+    manifest = read_manifest(path)
+    cfg = from_hf_config(manifest["hf_config"]).with_impls(**impls)
+    cfg = cfg.replace(mtp_own_embedding=bool(manifest.get("mtp_own_embedding", False)))
+    if a_log_policy is not None and cfg.kda is not None and a_log_policy != cfg.kda.a_log_policy:
+        raise CheckpointError(f"{path}: converted with a_log_policy={cfg.kda.a_log_policy!r}; convert again to "
+                              f"use {a_log_policy!r}")
+    abstract = nnx.eval_shape(lambda: KimiForCausalLM(cfg, dtype=dt, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    if mesh is not None:
+        from k3jax.sharding import param_shardings
+        shardings = param_shardings(state, mesh)
+    else:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda v: device, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    expected = {".".join(str(k) for k in p): list(v.get_value().shape) for p, v in nnx.to_flat_state(state)}
+    stored = {name: meta["shape"] for name, meta in manifest["params"].items()}
+    if expected != stored:
+        diff = sorted(n for n in set(expected) | set(stored) if expected.get(n) != stored.get(n))
+        raise CheckpointError(f"{path}: parameters do not match the config: {_listing(diff)}")
+    values = restore_params(path, state, shardings)
+    loaded = [(p, var.replace(values[p])) for p, var in nnx.to_flat_state(state)]
+    model = CausalLM(nnx.merge(graphdef, nnx.from_flat_state(loaded)), mesh=mesh)
+    model.load_report = LoadReport(tensors=len(loaded), skipped=int(manifest.get("skipped_tensors", 0)),
+                                   bytes_read=0)
     return model

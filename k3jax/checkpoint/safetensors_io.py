@@ -27,6 +27,7 @@ _DTYPES = {
 
 
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+FLOAT_DTYPES = frozenset(_DTYPES[n] for n in ("F64", "F32", "F16", "BF16"))  # bf16 is not np.floating
 
 
 class CheckpointError(ValueError):

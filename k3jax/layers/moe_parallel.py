@@ -17,7 +17,6 @@ GPU-scale next step; XLA:CPU cannot run it (environment.md fact 5), so it is not
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import Activation

@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from checkpoints import snap_experts_to_mxfp4
 from tolerances import assert_close
 
 import k3jax
@@ -72,18 +73,6 @@ def test_mxfp4_matches_ml_dtypes_decoder(rng):
     np.testing.assert_array_equal(dequantize_mxfp4(again_packed, again_scale), ours)
     with pytest.raises(ValueError, match="E8M0 NaN"):
         dequantize_mxfp4(packed, np.full_like(scale, 255))
-
-
-def snap_experts_to_mxfp4(model: k3jax.CausalLM) -> k3jax.CausalLM:
-    """Replaces routed expert weights by MXFP4-representable values, so a round trip is exact."""
-    def snap(path, var):
-        if "experts" in path and path[-1] in ("w1", "w2", "w3"):
-            w = np.asarray(var.get_value(), np.float32)
-            snapped = np.stack([dequantize_mxfp4(*quantize_mxfp4(e.T)).T for e in w])
-            return var.replace(jnp.asarray(snapped, var.get_value().dtype))
-        return var
-    flat = [(p, snap(p, v)) for p, v in nnx.to_flat_state(model.params)]
-    return k3jax.CausalLM(nnx.merge(model.graphdef, nnx.from_flat_state(flat)), model.config)
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +151,10 @@ def test_real_k3_layout_round_trip(tmp_path, rng, quantization):
     assert_close("mtp", loaded.mtp(h, ids)[1], model.mtp(h, ids)[1], tol=1e-6)
 
     bf16 = k3jax.load(tmp_path / "k3", dtype="bfloat16")
+    stored_bf16 = k3jax.CausalLM.random(cfg, seed=2, dtype="bfloat16")  # and a checkpoint stored in bf16
+    save_checkpoint(stored_bf16, tmp_path / "k3_bf16")
+    assert_close("bf16 checkpoint", k3jax.load(tmp_path / "k3_bf16", dtype="bfloat16").logits(ids),
+                 stored_bf16.logits(ids), tol=0.0)
     kda = bf16.module.model.layers[0].self_attn
     assert kda.A_log[...].dtype == jnp.float32 and kda.dt_bias[...].dtype == jnp.float32
     assert kda.q_conv1d[...].dtype == jnp.float32 and kda.o_norm.weight[...].dtype == jnp.float32
