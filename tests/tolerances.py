@@ -32,7 +32,8 @@ def assert_close(name: str, actual, expected, *, dtype=None, tol: float | None =
     err = error_ratio(a, e)
     if not err <= limit:
         i = np.unravel_index(np.argmax(np.abs(a - e)), a.shape)
-        raise AssertionError(f"{name}: relative error {err:.3e} > {limit:.1e} ({err / limit:.1f}x the tolerance); "
+        ratio = f"{err / limit:.1f}x the tolerance" if limit > 0 else "exact equality required"
+        raise AssertionError(f"{name}: relative error {err:.3e} > {limit:.1e} ({ratio}); "
                              f"worst element {i}: {a[i]:.6g} vs expected {e[i]:.6g}")
     return err
 
