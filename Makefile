@@ -7,7 +7,7 @@ demo: venv
 	.venv/bin/k3jax generate --model tiny-k3 --prompt "The quick brown fox" --max-new-tokens 24 --stream
 
 test: venv oracle-venv
-	.venv/bin/python -m pytest $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -n 2 $(PYTEST_ARGS)
 
 venv:
 	@scripts/ensure-venv jax

@@ -163,11 +163,14 @@ class MoEConfig:
     # batches); "auto": gather up to 256 tokens, ragged beyond; "dense": every expert on every
     # token (the reference)
     impl: str = "ragged"
-    gmm_impl: str = "xla"  # grouped matmul of the ragged path: "xla" (lax.ragged_dot) or "mgpu" (Hopper kernel)
+    # grouped matmul of the ragged path: "auto" (Hopper kernel on GPU, lax.ragged_dot elsewhere),
+    # "xla" (lax.ragged_dot, the reference) or "mgpu" (JAX's Hopper Mosaic GPU kernel)
+    gmm_impl: str = "auto"
 
     def __post_init__(self):
         _positive(self.num_experts, "num_experts")
-        _require(self.gmm_impl in ("xla", "mgpu"), "moe.gmm_impl", f"expected 'xla' or 'mgpu', got {self.gmm_impl!r}")
+        _require(self.gmm_impl in ("auto", "xla", "mgpu"), "moe.gmm_impl",
+                 f"expected 'auto', 'xla' or 'mgpu', got {self.gmm_impl!r}")
         if self.latent_size is not None:
             _positive(self.latent_size, "routed_expert_hidden_size")
         _positive(self.num_experts_per_token, "num_experts_per_token")

@@ -74,7 +74,7 @@ def sort_by_expert(experts_NX: jax.Array, num_local: int, offset=0):
     return order, sizes, local[order]
 
 
-def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *, gmm: str = "xla",
+def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *, gmm: str = "auto",
                    expert_offset=0) -> jax.Array:
     """Token-expert pairs sorted by expert, grouped GEMMs, fp32 scatter-add. -> [N, D].
 
@@ -103,7 +103,7 @@ def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
 GATHER_MAX_TOKENS = 256  # "auto": gathered weights for decode-sized batches, grouped GEMM beyond
 
 
-def experts_auto(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *, gmm: str = "xla"):
+def experts_auto(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *, gmm: str = "auto"):
     """Gather for few tokens (reads only the touched experts), ragged grouped GEMM for many."""
     if x_ND.shape[0] <= GATHER_MAX_TOKENS:
         return experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)

@@ -37,7 +37,7 @@ def expert_shards() -> int:
 
 
 def expert_parallel(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
-                    gmm: str = "xla") -> jax.Array:
+                    gmm: str = "auto") -> jax.Array:
     """Routed-expert output [N, D] fp32 with experts sharded over the expert axis."""
     from k3jax.layers.moe import experts_ragged
 

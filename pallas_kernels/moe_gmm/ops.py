@@ -2,6 +2,7 @@
 
 impl "xla": `jax.lax.ragged_dot` (the reference; exact on CPU, a padded dense fallback on GPU).
 impl "mgpu": JAX's Hopper Mosaic GPU kernel `ragged_dot_mgpu` (GPU-interpret mode on the CPU).
+impl "auto": "mgpu" on a GPU backend, "xla" elsewhere.
 Rows past sum(group_sizes) are zero in both.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-GMM_IMPLS = ("xla", "mgpu")
+GMM_IMPLS = ("auto", "xla", "mgpu")
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,12 @@ def _mgpu(lhs, rhs, group_sizes, blocks: GmmBlocks):
     return jnp.where(rows, out, 0)[:m].astype(lhs.dtype)  # rows past the groups are undefined in the kernel
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, impl: str = "xla", blocks: GmmBlocks = GmmBlocks()):
+def grouped_matmul(lhs, rhs, group_sizes, *, impl: str = "auto", blocks: GmmBlocks = GmmBlocks()):
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] or group_sizes.shape != (rhs.shape[0],):
         raise ValueError(f"grouped_matmul: expected lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
                          f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}")
+    if impl == "auto":
+        impl = "mgpu" if jax.default_backend() == "gpu" else "xla"
     if impl == "xla":
         return grouped_matmul_reference(lhs, rhs, group_sizes)
     if impl == "mgpu":
