@@ -10,7 +10,6 @@ setting, and reports the child's peak RSS and MB/s next to the largest single te
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import subprocess
 import sys
@@ -26,12 +25,7 @@ def build(path: str, experts: int) -> None:
     import k3jax
     from k3jax.checkpoint.writer import save_checkpoint
 
-    cfg = k3jax.tiny_kimi_linear()
-    d = 512
-    cfg = dataclasses.replace(
-        cfg, hidden_size=d, kda=dataclasses.replace(cfg.kda, hidden_size=d), mla=dataclasses.replace(cfg.mla, hidden_size=d),
-        mlp=dataclasses.replace(cfg.mlp, hidden_size=d),
-        moe=dataclasses.replace(cfg.moe, hidden_size=d, num_experts=experts, expert_intermediate_size=1024))
+    cfg = k3jax.tiny_kimi_linear(hidden=512, num_experts=experts, expert_intermediate_size=1024)
     save_checkpoint(k3jax.CausalLM.random(cfg, seed=0, dtype="bfloat16"), path, shards=4)
 
 

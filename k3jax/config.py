@@ -342,9 +342,9 @@ def kimi_linear_48b_a3b() -> ModelConfig:
     )
 
 
-def tiny_kimi_linear(*, vocab_size: int = 512, num_layers: int = 4) -> ModelConfig:
+def tiny_kimi_linear(*, vocab_size: int = 512, num_layers: int = 4, hidden: int = 64, num_experts: int = 8,
+                     expert_intermediate_size: int = 32) -> ModelConfig:
     """A tiny Kimi-Linear-shaped config for tests and the demo (KDA/MLA alternating, layer 0 dense)."""
-    hidden = 64
     mixers = tuple("mla" if (i % 2 == 1 or i == num_layers - 1) else "kda" for i in range(num_layers))
     ffns = tuple("dense" if i == 0 else "moe" for i in range(num_layers))
     return ModelConfig(
@@ -356,8 +356,9 @@ def tiny_kimi_linear(*, vocab_size: int = 512, num_layers: int = 4) -> ModelConf
         mla=MLAConfig(hidden_size=hidden, num_heads=4, kv_lora_rank=16, qk_nope_head_dim=16,
                       qk_rope_head_dim=8, v_head_dim=16),
         mlp=MLPConfig(hidden_size=hidden, intermediate_size=128),
-        moe=MoEConfig(hidden_size=hidden, num_experts=8, num_experts_per_token=2,
-                      expert_intermediate_size=32, num_shared_experts=1, routed_scaling_factor=2.446),
+        moe=MoEConfig(hidden_size=hidden, num_experts=num_experts, num_experts_per_token=2,
+                      expert_intermediate_size=expert_intermediate_size, num_shared_experts=1,
+                      routed_scaling_factor=2.446),
         bos_token_id=1, eos_token_id=(2,), pad_token_id=0,
     )
 

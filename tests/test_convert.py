@@ -65,12 +65,7 @@ def test_restores_directly_into_a_mesh(oracle_dir, tmp_path):
 
 
 def _big_checkpoint(path: Path, experts: int = 48) -> None:
-    cfg = k3jax.tiny_kimi_linear()
-    cfg = dataclasses.replace(
-        cfg, hidden_size=128, kda=dataclasses.replace(cfg.kda, hidden_size=128),
-        mla=dataclasses.replace(cfg.mla, hidden_size=128),
-        mlp=dataclasses.replace(cfg.mlp, hidden_size=128),
-        moe=dataclasses.replace(cfg.moe, hidden_size=128, num_experts=experts, expert_intermediate_size=256))
+    cfg = k3jax.tiny_kimi_linear(hidden=128, num_experts=experts, expert_intermediate_size=256)
     save_checkpoint(k3jax.CausalLM.random(cfg, seed=0, dtype="bfloat16"), path, shards=3)  # real checkpoints are bf16
 
 
