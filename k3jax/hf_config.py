@@ -63,6 +63,19 @@ def _typed_list(cfg: Mapping[str, Any], key: str, mapping: dict, num_layers: int
     return tuple(mapping[t] for t in types)
 
 
+def _moe_by_rule(cfg: Mapping[str, Any], layers, has_moe: bool) -> tuple:
+    """FFN kind of each global layer index by arch §1.4: MoE when num_experts is set, the index is
+    >= first_k_dense_replace (transformers' default 1 when absent) and on the moe_layer_freq grid."""
+    first_dense = cfg.get("first_k_dense_replace", 1)
+    freq = cfg.get("moe_layer_freq", 1)
+    if not isinstance(first_dense, int) or first_dense < 0:
+        raise ConfigError(f"invalid config field 'first_k_dense_replace': expected an integer >= 0, "
+                          f"got {first_dense!r}")
+    if not isinstance(freq, int) or freq < 1:
+        raise ConfigError(f"invalid config field 'moe_layer_freq': expected an integer >= 1, got {freq!r}")
+    return tuple("moe" if has_moe and i >= first_dense and i % freq == 0 else "dense" for i in layers)
+
+
 def _layer_plan(cfg: Mapping[str, Any], num_layers: int, has_moe: bool) -> tuple[tuple, tuple]:
     """Mixer and FFN kind per layer, following arch §1.4 exactly."""
     lin = cfg.get("linear_attn_config") or {}
@@ -94,15 +107,7 @@ def _layer_plan(cfg: Mapping[str, Any], num_layers: int, has_moe: bool) -> tuple
 
     ffns = _typed_list(cfg, "mlp_layer_types", {"dense": "dense", "sparse": "moe"}, num_layers)
     if ffns is None:
-        first_dense = cfg.get("first_k_dense_replace", 1)  # transformers' default when absent
-        freq = cfg.get("moe_layer_freq", 1)
-        if not isinstance(first_dense, int) or first_dense < 0:
-            raise ConfigError(f"invalid config field 'first_k_dense_replace': expected an integer >= 0, "
-                              f"got {first_dense!r}")
-        if not isinstance(freq, int) or freq < 1:
-            raise ConfigError(f"invalid config field 'moe_layer_freq': expected an integer >= 1, got {freq!r}")
-        ffns = tuple("moe" if has_moe and i >= first_dense and i % freq == 0 else "dense"
-                     for i in range(num_layers))
+        ffns = _moe_by_rule(cfg, range(num_layers), has_moe)
     if "moe" in ffns and not has_moe:
         raise ConfigError("invalid config field 'num_experts': MoE layers are listed but num_experts is missing")
     return mixers, ffns
@@ -114,10 +119,7 @@ def _mtp_plan(cfg: Mapping[str, Any], num_layers: int, has_moe: bool) -> tuple[t
     n = cfg.get("num_nextn_predict_layers") or 0
     if not isinstance(n, int) or n < 0:
         raise ConfigError(f"invalid config field 'num_nextn_predict_layers': expected an integer >= 0, got {n!r}")
-    first_dense = cfg.get("first_k_dense_replace", 1)
-    freq = cfg.get("moe_layer_freq", 1)
-    ffns = tuple("moe" if has_moe and i >= first_dense and i % freq == 0 else "dense"
-                 for i in range(num_layers, num_layers + n))
+    ffns = _moe_by_rule(cfg, range(num_layers, num_layers + n), has_moe)
     return ("mla",) * n, ffns
 
 

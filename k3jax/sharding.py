@@ -128,10 +128,11 @@ def state_shardings(state, mesh: Mesh):
     layers = []
     for layer in state.layers:
         if isinstance(layer, KDAState):
-            h = layer.recurrent.shape[1]
-            spec = list(rows(layer.recurrent).spec) + [None] * (4 - len(rows(layer.recurrent).spec))
-            spec[1] = "tensor" if mesh.shape["tensor"] > 1 and h % mesh.shape["tensor"] == 0 else None
-            layers.append(KDAState(conv=rows(layer.conv), recurrent=NamedSharding(mesh, P(*spec))))
+            batch, heads = layer.recurrent.shape[:2]
+            row_axis = rows(layer.recurrent).spec[0]
+            head_axis = "tensor" if mesh.shape["tensor"] > 1 and heads % mesh.shape["tensor"] == 0 else None
+            recurrent = NamedSharding(mesh, P(row_axis, head_axis, None, None))
+            layers.append(KDAState(conv=rows(layer.conv), recurrent=recurrent))
         else:
             layers.append(MLACache(latent=rows(layer.latent)))
     return DecodeState(layers=tuple(layers), lengths=rows(state.lengths))
