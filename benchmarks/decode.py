@@ -22,16 +22,15 @@ import numpy as np  # noqa: E402
 
 import k3jax  # noqa: E402
 from benchmarks.common import HBM_ACHIEVABLE, HBM_DATASHEET, environment, table, write  # noqa: E402
+from flax import nnx  # noqa: E402
+
 from k3jax.config import kimi_linear_48b_a3b  # noqa: E402
+from k3jax.model import abstract_model  # noqa: E402
 
 
 def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int) -> dict:
     """Bytes that must move in one decode step (performance.md §5.1)."""
-    from flax import nnx
-
-    from k3jax.model import KimiForCausalLM
-
-    abstract = nnx.eval_shape(lambda: KimiForCausalLM(cfg, dtype=np.float32, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg, np.float32)
     counts = {"routed": 0, "other": 0}
     for path, var in nnx.to_flat_state(nnx.state(abstract)):
         n = int(np.prod(var.get_value().shape))

@@ -12,9 +12,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels.kda import kda_decode, kda_decode_reference, kda_recurrent_reference  # noqa: E402
-from pallas_kernels.kda.chunk import kda_chunk_pallas  # noqa: E402
-from pallas_kernels.mla_decode import mla_decode, mla_decode_reference  # noqa: E402
+from pallas_kernels.kda import (KDADecodeInputs, KDADecodeWeights, kda_chunk_pallas, kda_decode_pallas,  # noqa: E402
+                                kda_decode_xla, kda_recurrent_reference)
+from pallas_kernels.mla_decode import mla_decode_pallas, mla_decode_reference  # noqa: E402
 
 
 def rel(a, b):
@@ -43,12 +43,13 @@ def main():
     for (b, h, kd) in [(1, 2, 16), (8, 32, 128)]:
         try:
             r = lambda *sh, dt=jnp.float32, sc=1.0: jnp.asarray(sc * rng.standard_normal(sh), dt)
-            args = (r(b, 3, h, kd, dt=jnp.bfloat16), r(b, 3, 3, h, kd, dt=jnp.bfloat16), r(4, 3, h, kd, sc=0.5),
-                    r(b, h, kd, dt=jnp.bfloat16), r(h, kd), jnp.exp(r(h, kd)), r(b, h, dt=jnp.bfloat16),
-                    r(b, h, kd, dt=jnp.bfloat16), r(kd), r(b, h, kd, kd))
+            inputs = KDADecodeInputs(r(b, 3, h, kd, dt=jnp.bfloat16), r(b, h, kd, dt=jnp.bfloat16),
+                                     r(b, h, dt=jnp.bfloat16), r(b, h, kd, dt=jnp.bfloat16))
+            conv, state = r(b, 3, 3, h, kd, dt=jnp.bfloat16), r(b, h, kd, kd)
             for lb in (None, -5.0):
-                out = kda_decode(*args, lower_bound=lb)
-                ref = jax.jit(lambda *a: kda_decode_reference(*a, lower_bound=lb))(*args)
+                weights = KDADecodeWeights(r(4, 3, h, kd, sc=0.5), r(h, kd), jnp.exp(r(h, kd)), r(kd), lower_bound=lb)
+                ref = jax.jit(kda_decode_xla)(inputs, weights, conv, state)
+                out = kda_decode_pallas(inputs, weights, conv, state + 0)
                 print(f"kda_decode b{b} h{h} k{kd} lb={lb}: err out {rel(out[0], ref[0]):.2e} "
                       f"conv {rel(out[1], ref[1]):.2e} state {rel(out[2], ref[2]):.2e}", flush=True)
         except Exception as e:  # noqa: BLE001
@@ -60,7 +61,7 @@ def main():
             qp = jnp.asarray(rng.standard_normal((b, sq, h, 64)), jnp.bfloat16)
             c = jnp.asarray(rng.standard_normal((b, s, 576)), jnp.bfloat16)
             n = jnp.asarray(rng.integers(sq, s + 1, b), jnp.int32)
-            out = mla_decode(q, qp, c, n, scale=0.07)
+            out = mla_decode_pallas(q, qp, c, n, scale=0.07)
             ref = jax.jit(lambda *a: mla_decode_reference(*a, scale=0.07))(q, qp, c, n)
             print(f"mla_decode b{b} sq{sq} h{h} s{s}: err {rel(out, ref):.2e}", flush=True)
         except Exception as e:  # noqa: BLE001

@@ -25,11 +25,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, write  # noqa: E402
-from pallas_kernels.kda import kda_decode, kda_decode_reference  # noqa: E402
-from pallas_kernels.kda.chunk import chunk_inter, chunk_intra, kda_chunk_pallas, to_chunks  # noqa: E402
 from pallas_kernels._util import default_interpret  # noqa: E402
-from pallas_kernels.kda.tuning import ChunkBlocks, DecodeBlocks  # noqa: E402
-from pallas_kernels.kda.reference import kda_chunk_reference  # noqa: E402
+from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_chunk_xla,  # noqa: E402
+                                kda_decode_pallas, kda_decode_xla)
+from pallas_kernels.kda.chunk import chunk_inter, chunk_intra, kda_chunk_pallas, to_chunks  # noqa: E402
 
 
 def rel(a, b) -> float:
@@ -86,7 +85,7 @@ def prefill_rows(shapes, fla, iters):
         g = -jnp.exp(jax.random.normal(ks[3], (b, t, h, kd), jnp.float32) - 2.0)   # log decay < 0
         beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h), jnp.float32))
         s0 = jax.random.normal(ks[5], (b, h, kd, kd), jnp.float32) * 0.1
-        ref = jax.jit(lambda q, k, v, g, beta, s0: kda_chunk_reference(l2(q), l2(k), v, g, beta, initial_state=s0))
+        ref = jax.jit(lambda q, k, v, g, beta, s0: kda_chunk_xla(l2(q), l2(k), v, g, beta, initial_state=s0))
         o_ref, s_ref = ref(q, k, v, g, beta, s0)
         t_ref, _ = median_time(lambda: ref(q, k, v, g, beta, s0), warmup=1, iters=max(3, iters // 10))
         variants = {}
@@ -145,9 +144,11 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,)):
         nw = n(8, (kd,))
         states = per_layer(9, (b, h, kd, kd), s=0.1)
 
+        weights = KDADecodeWeights(conv_w=w, dt_bias=dt_b, a=a, o_norm_w=nw)
+
         def run(step):
             def layers_fn(states, x, conv, f, bl, z):
-                return tuple(step(x[i], conv[i], w, f[i], dt_b, a, bl[i], z[i], nw, states[i])[2]
+                return tuple(step(KDADecodeInputs(x[i], f[i], bl[i], z[i]), weights, conv[i], states[i])[2]
                              for i in range(layers))  # one launch per layer, states updated in place
             return jax.jit(layers_fn, donate_argnums=0)
 
@@ -162,13 +163,12 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,)):
                 times.append(time.perf_counter() - t0)
             return statistics.median(times)
 
-        ref = run(lambda *args: kda_decode_reference(*args, lower_bound=None))
+        ref = run(kda_decode_xla)
         t_ref = timed(ref)
         s_r = ref(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1]
         by_warps = {}
         for nwarps in warps:
-            ours = run(lambda *args, nwarps=nwarps: kda_decode(*args, lower_bound=None,
-                                                               blocks=DecodeBlocks(num_warps=nwarps)))
+            ours = run(lambda *args, nwarps=nwarps: kda_decode_pallas(*args, blocks=DecodeBlocks(num_warps=nwarps)))
             by_warps[nwarps] = timed(ours)
             s_o = ours(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1]
         best = min(by_warps, key=by_warps.get)

@@ -20,7 +20,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, write  # noqa: E402
-from pallas_kernels.mla_decode import MLADecodeBlocks, mla_decode, mla_decode_reference  # noqa: E402
+from pallas_kernels.mla_decode import MLADecodeBlocks, mla_decode_pallas, mla_decode_reference  # noqa: E402
 
 
 def sweep(iters):
@@ -38,7 +38,7 @@ def sweep(iters):
                 for stages in (2, 3):
                     blocks = MLADecodeBlocks(block_h=bh, block_k=bk, num_warps=warps, num_stages=stages)
                     try:
-                        fn = jax.jit(lambda q, qp, c, n, blocks=blocks: mla_decode(q, qp, c, n, scale=0.07, blocks=blocks))
+                        fn = jax.jit(lambda q, qp, c, n, blocks=blocks: mla_decode_pallas(q, qp, c, n, scale=0.07, blocks=blocks))
                         t, _ = median_time(lambda: fn(q, qp, cache, lengths), iters=iters)
                     except Exception as e:  # noqa: BLE001 - a setting the compiler rejects
                         print(f"sweep {bh, bk, warps, stages}: failed {type(e).__name__}", flush=True)
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         cache = jax.random.normal(ks[2], (b, ctx, r + p), jnp.bfloat16)
         lengths = jnp.full((b,), ctx, jnp.int32)
         scale = 192 ** -0.5
-        ours = jax.jit(lambda q, qp, c, n: mla_decode(q, qp, c, n, scale=scale, blocks=blocks))
+        ours = jax.jit(lambda q, qp, c, n: mla_decode_pallas(q, qp, c, n, scale=scale, blocks=blocks))
         ref = jax.jit(lambda q, qp, c, n: mla_decode_reference(q, qp, c, n, scale=scale))
         t_ours, _ = median_time(lambda: ours(q, qp, cache, lengths), iters=args.iters)
         t_ref, _ = median_time(lambda: ref(q, qp, cache, lengths), iters=max(5, args.iters // 5))

@@ -1,12 +1,17 @@
 """k3jax: Kimi K3 and Kimi-Linear inference in JAX/Flax."""
 
+import os
+
 from k3jax.causal_lm import CausalLM
-from k3jax.config import (Activation, AttnResConfig, ConfigError, KDAConfig, MLAConfig, MLPConfig, ModelConfig,
-                          MoEConfig, tiny_k3, tiny_kimi_linear)
+from k3jax.checkpoint.loader import load_causal_lm
+from k3jax.config import (IMPL_OPTIONS, RENAMED_IMPL_OPTIONS, Activation, AttnResConfig, ConfigError, KDAConfig,
+                          MLAConfig, MLPConfig, ModelConfig, MoEConfig, tiny_k3, tiny_kimi_linear)
+from k3jax.generate import (GenerationInterrupted, GenerationOutput, GenerationResult, Generator, StreamChunk,
+                            generate)
 from k3jax.hf_config import from_hf_config, load_hf_config, to_hf_config
-from k3jax.generate import GenerationOutput, GenerationResult, Generator, StreamChunk, generate
 from k3jax.sampling import SamplingParams
 from k3jax.state import DecodeState, KDAState, MLACache, init_decode_state
+from k3jax.tiny import BUILTIN, builtin_config
 from k3jax.tokenizer import KimiTokenizer
 
 __all__ = [
@@ -14,6 +19,7 @@ __all__ = [
     "CausalLM", "load", "load_model",
     # Generation
     "generate", "Generator", "SamplingParams", "GenerationOutput", "GenerationResult", "StreamChunk",
+    "GenerationInterrupted",
     "KimiTokenizer",
     # Configuration
     "ModelConfig", "KDAConfig", "MLAConfig", "MLPConfig", "MoEConfig", "AttnResConfig", "Activation",
@@ -23,32 +29,29 @@ __all__ = [
 ]
 
 
-def load(path, dtype="float32", **kwargs) -> CausalLM:
-    """Loads a Hugging Face Kimi-Linear or K3 checkpoint directory (config.json + safetensors
-    [+ index]). Keyword options: see `k3jax.checkpoint.loader.load_causal_lm`."""
-    from k3jax.checkpoint.loader import load_causal_lm
-    return load_causal_lm(path, dtype=dtype, **kwargs)
+def load(path, dtype="float32", **options) -> CausalLM:
+    """Loads a checkpoint directory: Hugging Face (config.json + safetensors [+ index]) or a k3jax
+    checkpoint written by `k3jax convert`. Options: see `k3jax.checkpoint.loader.load_causal_lm`
+    (a_log_policy=, progress=, mesh=, and implementation choices kda=, kda_decode=, mla=, moe=,
+    gmm=, attn_res=). The model carries the directory's tokenizer when it holds tiktoken.model."""
+    model = load_causal_lm(path, dtype=dtype, **options)
+    if os.path.exists(os.path.join(os.fspath(path), "tiktoken.model")):
+        model = CausalLM(model.module, mesh=model.mesh, load_report=model.load_report,
+                         tokenizer=KimiTokenizer.from_pretrained(path))
+    return model
 
 
-def load_model(name_or_path, dtype="float32", *, seed: int = 0, **kwargs) -> CausalLM:
-    """A built-in tiny model by name ("tiny-k3", "tiny-kimi-linear") or a checkpoint directory.
-
-    The returned model carries its tokenizer as `model.tokenizer` when one exists (built-in models
-    always; directories when they hold tiktoken.model).
-    """
-    import os
-
-    from k3jax.tiny import BUILTIN, builtin_config
-
+def load_model(name_or_path, dtype="float32", *, seed: int = 0, **options) -> CausalLM:
+    """A built-in tiny model by name ("tiny-k3", "tiny-kimi-linear") or a checkpoint directory
+    (`load`). Built-in models carry their tokenizer (`model.tokenizer`)."""
     if name_or_path in BUILTIN:
         cfg, tok = builtin_config(name_or_path)
-        model = CausalLM.random(cfg, seed=seed, dtype=dtype)
-    elif os.path.isdir(name_or_path):
-        model = load(name_or_path, dtype=dtype, **kwargs)
-        tok = KimiTokenizer.from_pretrained(name_or_path) if os.path.exists(
-            os.path.join(name_or_path, "tiktoken.model")) else None
-    else:
-        raise ValueError(f"unknown model {name_or_path!r}: not a built-in model ({', '.join(BUILTIN)}) "
-                         "and not a checkpoint directory")
-    model.tokenizer = tok
-    return model
+        model = CausalLM.random(cfg, seed=seed, dtype=dtype, tokenizer=tok)
+        impls = {k: options.pop(k) for k in list(options) if k in IMPL_OPTIONS or k in RENAMED_IMPL_OPTIONS}
+        if options:
+            raise ValueError(f"options {sorted(options)} apply to checkpoint directories, not built-in models")
+        return model.with_impls(**impls) if impls else model
+    if os.path.isdir(os.fspath(name_or_path)):
+        return load(name_or_path, dtype=dtype, **options)
+    raise ValueError(f"unknown model {name_or_path!r}: not a built-in model ({', '.join(BUILTIN)}) "
+                     "and not a checkpoint directory")

@@ -1,4 +1,4 @@
-"""User-facing model object: compiled full forward, prefill and single-token decode.
+"""User-facing model object: a thin facade over the pure step functions (k3jax.steps).
 
     model = k3jax.load(path, dtype="bfloat16")
     logits = model.logits(token_ids)                      # [B, T, Vocab] fp32
@@ -11,8 +11,7 @@ before the real tokens. `decode_step` donates the state it is given (its buffers
 
 from __future__ import annotations
 
-import contextlib
-import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +19,19 @@ import numpy as np
 from flax import nnx
 
 from k3jax.config import ModelConfig
-from k3jax.model import KimiForCausalLM
-from k3jax.state import DecodeState, SeqInfo, init_decode_state
+from k3jax.inputs import check_batch, check_token_ids
+from k3jax.model import KimiForCausalLM, abstract_model
+from k3jax.sharding import Placement, config_for_mesh, param_shardings
+from k3jax.state import DecodeState, init_decode_state
+from k3jax.steps import compile_steps
+from k3jax.tokenizer import KimiTokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _CACHE_BUCKET = 128
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
+    """"float32" / "bfloat16" (or the dtypes) -> jnp.dtype; anything else raises ValueError."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}")
@@ -38,145 +42,78 @@ def resolve_dtype(dtype) -> jnp.dtype:
     return dt
 
 
-def _forward_logits(graphdef, params, tokens, valid):
-    model = nnx.merge(graphdef, params)
-    hidden, _ = model(tokens, SeqInfo.make(valid), None, fresh=True)
-    return model.logits(hidden)
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load consumed: tensors used, tensors deliberately skipped (vision tower, ...), bytes read."""
 
-
-def _forward_hidden(graphdef, params, tokens, valid):
-    model = nnx.merge(graphdef, params)
-    return model(tokens, SeqInfo.make(valid), None, fresh=True)[0]
-
-
-def _mtp(graphdef, params, hidden, tokens, positions, valid, *, layer: int):
-    model = nnx.merge(graphdef, params)
-    mtp = model.mtp[layer]
-    h, _ = mtp.draft(hidden, tokens, positions, model.mtp_embedding(), SeqInfo.make(valid), None, fresh=True)
-    return h, mtp.shared_head(h)
-
-
-def _prefill(graphdef, params, tokens, valid, state, *, fresh: bool, all_logits: bool):
-    model = nnx.merge(graphdef, params)
-    hidden, state = model(tokens, SeqInfo.make(valid, state.lengths), state, fresh=fresh)
-    logits = model.logits(hidden if all_logits else hidden[:, -1])
-    return logits, state
-
-
-def _decode(graphdef, params, state, tokens_B):
-    model = nnx.merge(graphdef, params)
-    seq = SeqInfo.make(jnp.ones((tokens_B.shape[0], 1), bool), state.lengths)
-    hidden, state = model(tokens_B[:, None], seq, state, fresh=False)
-    return model.logits(hidden[:, 0]), state
+    tensors: int
+    skipped: int
+    bytes_read: int
 
 
 class CausalLM:
-    """A loaded model with compiled entry points. Build with `k3jax.load` or `CausalLM.random`."""
+    """A model with compiled entry points. Build with `k3jax.load`, `k3jax.load_model` or
+    `CausalLM.random`.
 
-    def __init__(self, module: KimiForCausalLM, config: ModelConfig | None = None, *, mesh=None):
+    Attributes: config, graphdef / params (nnx.split of the module), dtype, mesh, tokenizer (or
+    None), load_report (what loading read, or None).
+    """
+
+    def __init__(self, module: KimiForCausalLM, config: ModelConfig | None = None, *, mesh=None,
+                 tokenizer: KimiTokenizer | None = None, load_report: LoadReport | None = None):
         if config is not None and config != module.config:
             raise ValueError("CausalLM: the config differs from the one the module was built with; "
                              "use model.with_config(...) to change it")
-        self.config = module.config
+        graphdef, params = nnx.split(module)
+        config = config_for_mesh(module.config, mesh)
+        if config != module.config:  # expert parallelism follows the mesh: the same weights, re-bound
+            graphdef, _ = nnx.split(abstract_model(config, params["model"]["embed_tokens"]["embedding"][...].dtype))
+        self.config = config
         self.mesh = mesh
-        self.graphdef, self.params = nnx.split(module)
-        if mesh is not None:
-            from k3jax.sharding import param_shardings
-            self.params = jax.device_put(self.params, param_shardings(self.params, mesh))
+        self.placement = Placement(mesh)
+        self.graphdef = graphdef
+        self.params = self.placement.put_params(params)
         self.dtype = self.params["model"]["embed_tokens"]["embedding"][...].dtype
-        self.load_report = None  # set by k3jax.load
-        self.tokenizer = None     # set by k3jax.load_model when the checkpoint has one
-        self._logits = jax.jit(functools.partial(_forward_logits, self.graphdef))
-        self._hidden = jax.jit(functools.partial(_forward_hidden, self.graphdef))
-        self._mtp = jax.jit(functools.partial(_mtp, self.graphdef), static_argnames=("layer",))
-        self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), static_argnames=("fresh", "all_logits"))
-        self._decode = jax.jit(functools.partial(_decode, self.graphdef), donate_argnames=("state",))
+        self.tokenizer = tokenizer
+        self.load_report = load_report
+        self.steps = compile_steps(graphdef)
 
     @classmethod
-    def random(cls, config: ModelConfig, *, seed: int = 0, dtype="float32", mesh=None) -> "CausalLM":
+    def random(cls, config: ModelConfig, *, seed: int = 0, dtype="float32", mesh=None,
+               tokenizer: KimiTokenizer | None = None) -> "CausalLM":
         """A model with deterministic random weights (tests, demos, benchmarks); with `mesh`, the
         parameters are created directly in their shardings (k3jax.sharding rules)."""
         dt = resolve_dtype(dtype)
         if mesh is None:
-            return cls(KimiForCausalLM(config, dtype=dt, rngs=nnx.Rngs(seed)))
-        from k3jax.sharding import param_shardings
+            return cls(KimiForCausalLM(config, dtype=dt, rngs=nnx.Rngs(seed)), tokenizer=tokenizer)
+        config = config_for_mesh(config, mesh)
         build = lambda: KimiForCausalLM(config, dtype=dt, rngs=nnx.Rngs(seed))
-        graphdef, abstract = nnx.split(nnx.eval_shape(build))
+        graphdef, abstract = nnx.split(abstract_model(config, dt))
         with jax.set_mesh(mesh):
             params = jax.jit(lambda: nnx.split(build())[1], out_shardings=param_shardings(abstract, mesh))()
-        return cls(nnx.merge(graphdef, params), mesh=mesh)
-
-    def shard(self, mesh) -> "CausalLM":
-        """The same model with its parameters resharded onto `mesh` (k3jax.sharding rules)."""
-        out = CausalLM(self.module, mesh=mesh)
-        out.tokenizer = self.tokenizer
-        return out
-
-    def mesh_context(self):
-        """Context for running this model's compiled functions (the mesh, when sharded)."""
-        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
-
-    def _put(self, array, *, rows: bool = True):
-        """Host input -> device, rows over the data axis when sharded."""
-        if self.mesh is None:
-            return jnp.asarray(array)
-        from k3jax.sharding import batch_sharding
-        array = np.asarray(array)
-        return jax.device_put(array, batch_sharding(self.mesh, array.ndim, array.shape[0]))
+        return cls(nnx.merge(graphdef, params), mesh=mesh, tokenizer=tokenizer)
 
     @property
     def module(self) -> KimiForCausalLM:
         return nnx.merge(self.graphdef, self.params)
 
+    def shard(self, mesh) -> "CausalLM":
+        """The same model with its parameters resharded onto `mesh` (k3jax.sharding rules)."""
+        return CausalLM(self.module, mesh=mesh, tokenizer=self.tokenizer, load_report=self.load_report)
+
     def with_config(self, config: ModelConfig) -> "CausalLM":
         """The same weights under another config (implementation choices, stop ids, limits, ...).
         The parameter tree must be unchanged."""
-        abstract = nnx.eval_shape(lambda: KimiForCausalLM(config, dtype=self.dtype, rngs=nnx.Rngs(0)))
-        graphdef, abstract_params = nnx.split(abstract)
+        graphdef, abstract_params = nnx.split(abstract_model(config, self.dtype))
         shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
         if shapes(abstract_params) != shapes(self.params):
             raise ValueError("with_config: the new config changes the parameter tree; load or build a new model")
-        out = CausalLM(nnx.merge(graphdef, self.params), mesh=self.mesh)
-        out.tokenizer = self.tokenizer
-        return out
+        return CausalLM(nnx.merge(graphdef, self.params), mesh=self.mesh, tokenizer=self.tokenizer,
+                        load_report=self.load_report)
 
-    def with_impls(self, **impls) -> "CausalLM":
-        """Same weights, other implementation choices (kda=, kda_decode=, mla=, moe=, attn_res=)."""
+    def with_impls(self, **impls: str | None) -> "CausalLM":
+        """Same weights, other implementation choices (kda=, kda_decode=, mla=, moe=, gmm=, attn_res=)."""
         return self.with_config(self.config.with_impls(**impls))
-
-    # ----- input checks (host side, before anything is dispatched) -----
-    def _check_tokens(self, token_ids, name: str = "token_ids") -> np.ndarray:
-        ids = np.asarray(token_ids)
-        if ids.size == 0:
-            raise ValueError(f"{name} is empty")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
-        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
-        if bad.size:
-            raise ValueError(f"{name} holds id {int(bad.flat[0])} outside the vocabulary [0, {self.config.vocab_size})")
-        return ids.astype(np.int32)
-
-    def _check_batch(self, token_ids, attention_mask) -> tuple[np.ndarray, np.ndarray]:
-        ids = self._check_tokens(token_ids)
-        if ids.ndim == 1:
-            ids = ids[None]
-        if ids.ndim != 2:
-            raise ValueError(f"token_ids must be [B, T] (or [T]), got shape {ids.shape}")
-        if attention_mask is None:
-            return ids, np.ones(ids.shape, bool)
-        mask = np.asarray(attention_mask)
-        if mask.ndim == 1:
-            mask = mask[None]
-        if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask shape {mask.shape} does not match token_ids shape {ids.shape}")
-        if not np.isin(mask, (0, 1)).all():
-            raise ValueError("attention_mask must contain only 0 and 1")
-        mask = mask.astype(bool)
-        if not mask.any(axis=1).all():
-            raise ValueError(f"attention_mask row {int(np.argmin(mask.any(axis=1)))} has no real token")
-        if (np.diff(mask.astype(np.int8), axis=1) < 0).any():
-            raise ValueError("attention_mask must be left-padded (padding before the real tokens of each row)")
-        return ids, mask
 
     # ----- public API -----
     def init_state(self, batch_size: int, max_len: int) -> DecodeState:
@@ -184,26 +121,24 @@ class CausalLM:
         if max_len > self.config.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds the model's context limit "
                              f"{self.config.max_position_embeddings}")
-        state = init_decode_state(self.config, batch_size, max_len, self.dtype)
-        if self.mesh is not None:
-            from k3jax.sharding import state_shardings
-            state = jax.device_put(state, state_shardings(state, self.mesh))
-        return state
+        return self.placement.put_state(init_decode_state(self.config, batch_size, max_len, self.dtype))
 
     def logits(self, token_ids, attention_mask=None) -> jax.Array:
         """Full forward. token_ids [B, T] -> logits [B, T, Vocab] float32."""
-        ids, mask = self._check_batch(token_ids, attention_mask)
+        ids, mask = check_batch(token_ids, attention_mask, self.config.vocab_size)
         if ids.shape[1] > self.config.max_position_embeddings:
             raise ValueError(f"prompt of {ids.shape[1]} tokens exceeds the context limit "
                              f"{self.config.max_position_embeddings}")
-        with self.mesh_context():
-            return self._logits(self.params, self._put(ids), self._put(mask))
+        put = self.placement.put_rows
+        with self.placement.context():
+            return self.steps.logits(self.params, put(ids), put(mask))
 
     def hidden_states(self, token_ids, attention_mask=None) -> jax.Array:
         """Pre-norm final hidden state [B, T, D] (after K3's output AttnRes mix): the MTP input."""
-        ids, mask = self._check_batch(token_ids, attention_mask)
-        with self.mesh_context():
-            return self._hidden(self.params, self._put(ids), self._put(mask))
+        ids, mask = check_batch(token_ids, attention_mask, self.config.vocab_size)
+        put = self.placement.put_rows
+        with self.placement.context():
+            return self.steps.hidden(self.params, put(ids), put(mask))
 
     def mtp(self, hidden, next_tokens, *, positions=None, attention_mask=None, layer: int = 0):
         """One MTP draft layer over a window (arch §7).
@@ -217,15 +152,16 @@ class CausalLM:
         """
         if not 0 <= layer < self.config.num_mtp_layers:
             raise ValueError(f"MTP layer {layer} requested but the model has {self.config.num_mtp_layers}")
-        ids, mask = self._check_batch(next_tokens, attention_mask)
+        ids, mask = check_batch(next_tokens, attention_mask, self.config.vocab_size)
         hidden = jnp.asarray(hidden)
         if hidden.shape != ids.shape + (self.config.hidden_size,):
             raise ValueError(f"hidden shape {hidden.shape} does not match next_tokens {ids.shape}")
         if positions is None:
             positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
-        with self.mesh_context():
-            return self._mtp(self.params, hidden, self._put(ids), self._put(np.asarray(positions, np.int32)),
-                             self._put(mask), layer=layer)
+        put = self.placement.put_rows
+        with self.placement.context():
+            return self.steps.mtp(self.params, hidden, put(ids), put(np.asarray(positions, np.int32)), put(mask),
+                                  layer=layer)
 
     def prefill(self, token_ids, attention_mask=None, *, state: DecodeState | None = None,
                 max_len: int | None = None, all_logits: bool = False):
@@ -239,7 +175,7 @@ class CausalLM:
             prompt rounded up, plus room for 128 tokens. Ignored when `state` is given.
           all_logits: return [B, T, Vocab] instead of the last position's [B, Vocab].
         """
-        ids, mask = self._check_batch(token_ids, attention_mask)
+        ids, mask = check_batch(token_ids, attention_mask, self.config.vocab_size)
         b, t = ids.shape
         fresh = state is None
         if fresh:
@@ -251,16 +187,16 @@ class CausalLM:
             state = self.init_state(b, max_len)
         else:
             self._check_room(state, b, mask.sum(axis=1))
-        with self.mesh_context():
-            return self._prefill(self.params, self._put(ids), self._put(mask), state, fresh=fresh,
-                                 all_logits=all_logits)
+        put = self.placement.put_rows
+        with self.placement.context():
+            return self.steps.prefill(self.params, put(ids), put(mask), state, fresh=fresh, all_logits=all_logits)
 
     def decode_step(self, state: DecodeState, next_tokens):
         """Feeds one token per row. next_tokens [B] -> (logits [B, Vocab] fp32, new state)."""
-        ids = self._check_tokens(next_tokens, "next_tokens").reshape(-1)
+        ids = check_token_ids(next_tokens, self.config.vocab_size, "next_tokens").reshape(-1)
         self._check_room(state, ids.shape[0], np.ones(ids.shape[0], np.int64))
-        with self.mesh_context():
-            return self._decode(self.params, state, self._put(ids))
+        with self.placement.context():
+            return self.steps.decode(self.params, state, self.placement.put_rows(ids))
 
     def _check_room(self, state: DecodeState, batch: int, new_tokens: np.ndarray) -> None:
         if state.batch_size != batch:

@@ -1,18 +1,41 @@
-"""`k3jax` command line."""
+"""`k3jax` command line: generate text, convert checkpoints."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+import k3jax
+from k3jax.checkpoint.convert import main as convert_main
+from k3jax.config import IMPL_OPTIONS
+from k3jax.generate import GenerationInterrupted
+
+
+def add_impl_arguments(parser: argparse.ArgumentParser) -> None:
+    """--kda, --kda-decode, --mla, --moe, --gmm, --attn-res: the implementation options, named as in
+    `ModelConfig.with_impls` and `k3jax.load`."""
+    group = parser.add_argument_group("implementation choices (default: the model's own)")
+    for name, (_, _, choices) in IMPL_OPTIONS.items():
+        group.add_argument("--" + name.replace("_", "-"), dest=f"impl_{name}", choices=choices, default=None)
+
+
+def impl_choices(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, f"impl_{name}") for name in IMPL_OPTIONS if getattr(args, f"impl_{name}") is not None}
+
+
+def _print_results(out, stream: bool) -> None:
+    for i, r in enumerate(out):
+        print(f"--- prompt {i} ({len(r.prompt_token_ids)} tokens) -> {len(r.token_ids)} tokens, {r.finish_reason}")
+        if not stream:
+            print(r.text)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import k3jax
-
     try:
         sampling = k3jax.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                         top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-        model = k3jax.load_model(args.model, dtype=args.dtype)
+        model = k3jax.load_model(args.model, dtype=args.dtype, **impl_choices(args))
         if model.tokenizer is None:
             raise ValueError(f"{args.model} has no tiktoken.model, so text prompts cannot be encoded")
         prompts = args.prompt
@@ -28,25 +51,40 @@ def _generate(args: argparse.Namespace) -> int:
                 print(prefix + (chunk.text or ""), end="" if len(prompts) == 1 else "\n", flush=True)
         out = k3jax.generate(model, prompts, sampling, stream=stream, chat_options=chat_options)
     except (ValueError, OSError) as e:
+        if isinstance(e, BrokenPipeError):
+            return _broken_pipe()
         print(f"k3jax generate: error: {e}", file=sys.stderr)
         return 2
+    except GenerationInterrupted as e:
+        if args.stream:
+            print()
+        _print_results(e.partial, args.stream)
+        print(f"k3jax generate: interrupted after {e.partial.timings.new_tokens} tokens", file=sys.stderr)
+        return 130
     if args.stream:
         print()
-    for i, r in enumerate(out):
-        header = f"--- prompt {i} ({len(r.prompt_token_ids)} tokens) -> {len(r.token_ids)} tokens, {r.finish_reason}"
-        print(header)
-        if not args.stream:
-            print(r.text)
+    _print_results(out, args.stream)
     t = out.timings
     print(f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_s * 1e3:.0f} ms for {t.new_tokens} tokens "
           f"({t.tokens_per_s:.1f} tok/s; first call includes compilation)")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _broken_pipe() -> int:
+    """stdout was closed by the reader (e.g. `| head`): one line on stderr, no traceback at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    print("k3jax generate: error: output closed while writing (broken pipe)", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3jax", description="Kimi K3 / Kimi-Linear inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen = sub.add_parser("generate", help="generate text from a prompt", formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog="examples:\n  k3jax generate --model tiny-k3 --prompt 'def fibonacci(n):' --stream\n"
+                                "  k3jax generate --model DIR --chat --prompt 'Hi!' --temperature 0.7 --seed 1 "
+                                "--dtype bfloat16 --kda pallas")
     gen.add_argument("--model", required=True, help="checkpoint directory, or a built-in model: tiny-k3, tiny-kimi-linear")
     gen.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
     gen.add_argument("--chat", action="store_true", help="render the prompt as a user chat message")
@@ -59,15 +97,19 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    add_impl_arguments(gen)
     gen.set_defaults(func=_generate)
     sub.add_parser("convert", add_help=False,
                    help="convert a Hugging Face checkpoint to a k3jax (Orbax) checkpoint (see k3jax convert -h)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv and argv[0] == "convert":
-        from k3jax.checkpoint.convert import main as convert_main
         return convert_main(argv[1:], prog="k3jax convert")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

@@ -9,50 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
 
-MixerKind = Literal["kda", "mla"]
-FFNKind = Literal["dense", "moe"]
+from k3jax.errors import ConfigError, require, require_choice, require_positive
+from k3jax.layers.activation import Activation
+from k3jax.layers.attn_res import ATTN_RES_IMPLS, AttnResImpl
+from k3jax.layers.mla_attention import MLA_DECODE_IMPLS, MLADecodeImpl
+from k3jax.layers.moe_experts import EXPERT_IMPLS, ExpertImpl
+from pallas_kernels.kda import KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl
+from pallas_kernels.moe_gmm import GMM_IMPLS, GmmImpl
 
-KDA_IMPLS = ("chunked", "recurrent", "pallas")
-KDA_DECODE_IMPLS = ("reference", "pallas")
-MLA_IMPLS = ("absorbed", "naive", "pallas")
-MOE_IMPLS = ("ragged", "dense", "gather", "auto")
-ATTN_RES_IMPLS = ("buffer", "list")
+__all__ = ["Activation", "AttnResConfig", "ConfigError", "ExpertParallel", "KDAConfig", "MLAConfig", "MLPConfig",
+           "ModelConfig", "MoEConfig", "IMPL_OPTIONS", "kimi_linear_48b_a3b", "tiny_k3", "tiny_kimi_linear"]
+
 QUANTIZATIONS = (None, "mxfp4")
-ACTIVATIONS = ("silu", "situ")
 A_LOG_POLICIES = ("per_head", "per_channel")
-
-
-class ConfigError(ValueError):
-    """An invalid or inconsistent configuration; the message names the offending field."""
-
-
-def _require(cond: bool, field: str, msg: str) -> None:
-    if not cond:
-        raise ConfigError(f"invalid config field '{field}': {msg}")
-
-
-def _positive(value, field: str) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, field,
-             f"expected a positive integer, got {value!r}")
-
-
-@dataclass(frozen=True)
-class Activation:
-    """Gated-MLP activation: `silu(gate) * up`, or K3's SiTU with clipped branches (arch §6.1)."""
-
-    kind: str = "silu"
-    situ_beta: float = 1.0
-    situ_linear_beta: float | None = None
-
-    def __post_init__(self):
-        _require(self.kind in ACTIVATIONS, "hidden_act", f"expected one of {ACTIVATIONS}, got {self.kind!r}")
-        if self.kind == "situ":
-            _require(self.situ_beta > 0, "activation_situ_beta", f"must be > 0, got {self.situ_beta}")
-            _require(self.situ_linear_beta is None or self.situ_linear_beta > 0,
-                     "activation_situ_linear_beta", f"must be > 0 or null, got {self.situ_linear_beta}")
-
 
 @dataclass(frozen=True)
 class KDAConfig:
@@ -66,22 +36,22 @@ class KDAConfig:
     gate_lower_bound: float | None = None  # None: -exp(A)*softplus gate; K3: lb*sigmoid(exp(A)*u)
     use_full_rank_gate: bool = False       # K3 g_proj (D->P) instead of g_a_proj/g_b_proj
     a_log_policy: str = "per_head"         # how an A_log longer than num_heads is read (arch §4.5.3)
-    impl: str = "chunked"                  # multi-token path: "chunked" / "recurrent" (pure JAX) or "pallas"
-    decode_impl: str = "reference"         # single-token steps: "reference" (pure JAX) or "pallas" (fused)
+    impl: KDAImpl = "chunked"              # multi-token path (pallas_kernels.kda.KDA_IMPLS)
+    decode_impl: KDADecodeImpl = "xla"     # single-token steps (pallas_kernels.kda.KDA_DECODE_IMPLS)
     chunk_size: int = 64
 
     def __post_init__(self):
         for f in ("hidden_size", "num_heads", "head_dim", "conv_size", "chunk_size"):
-            _positive(getattr(self, f), f"linear_attn_config.{f}" if f != "hidden_size" else f)
-        _require(self.conv_size >= 2, "linear_attn_config.short_conv_kernel_size",
+            require_positive(getattr(self, f), f"linear_attn_config.{f}" if f != "hidden_size" else f)
+        require(self.conv_size >= 2, "linear_attn_config.short_conv_kernel_size",
                  f"must be >= 2, got {self.conv_size}")
-        _require(self.impl in KDA_IMPLS, "kda.impl", f"expected one of {KDA_IMPLS}, got {self.impl!r}")
-        _require(self.decode_impl in KDA_DECODE_IMPLS, "kda.decode_impl",
-                 f"expected one of {KDA_DECODE_IMPLS}, got {self.decode_impl!r}")
-        _require(self.a_log_policy in A_LOG_POLICIES, "kda.a_log_policy",
+        require_choice(self.impl, KDA_IMPLS, "kda.impl")
+        require(self.decode_impl != "reference", "kda.decode_impl", "'reference' is now called 'xla'")
+        require_choice(self.decode_impl, KDA_DECODE_IMPLS, "kda.decode_impl")
+        require(self.a_log_policy in A_LOG_POLICIES, "kda.a_log_policy",
                  f"expected one of {A_LOG_POLICIES}, got {self.a_log_policy!r}")
         if self.gate_lower_bound is not None:
-            _require(self.gate_lower_bound < 0, "linear_attn_config.gate_lower_bound",
+            require(self.gate_lower_bound < 0, "linear_attn_config.gate_lower_bound",
                      f"must be negative, got {self.gate_lower_bound}")
 
     @property
@@ -102,17 +72,16 @@ class MLAConfig:
     q_lora_rank: int | None = None
     use_output_gate: bool = False
     latent_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (HF default; arch §5.5)
-    decode_impl: str = "absorbed"  # attention over the latent cache: "absorbed", "naive" or "pallas"
+    decode_impl: MLADecodeImpl = "absorbed"  # attention over the latent cache (MLA_DECODE_IMPLS)
 
     def __post_init__(self):
         for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-            _positive(getattr(self, f), f if f != "num_heads" else "num_attention_heads")
-        _require(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0,
+            require_positive(getattr(self, f), f if f != "num_heads" else "num_attention_heads")
+        require(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0,
                  "qk_rope_head_dim", f"expected an integer >= 0, got {self.qk_rope_head_dim!r}")
         if self.q_lora_rank is not None:
-            _positive(self.q_lora_rank, "q_lora_rank")
-        _require(self.decode_impl in MLA_IMPLS, "mla.decode_impl",
-                 f"expected one of {MLA_IMPLS}, got {self.decode_impl!r}")
+            require_positive(self.q_lora_rank, "q_lora_rank")
+        require_choice(self.decode_impl, MLA_DECODE_IMPLS, "mla.decode_impl")
 
     @property
     def qk_head_dim(self) -> int:
@@ -137,8 +106,21 @@ class MLPConfig:
     activation: Activation = Activation()
 
     def __post_init__(self):
-        _positive(self.hidden_size, "hidden_size")
-        _positive(self.intermediate_size, "intermediate_size")
+        require_positive(self.hidden_size, "hidden_size")
+        require_positive(self.intermediate_size, "intermediate_size")
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Routed experts sharded over the mesh's "expert" axis (k3jax.layers.moe_parallel), for a mesh
+    with these axis sizes; the layer checks the mesh it runs under against them."""
+
+    expert_shards: int
+    data_shards: int = 1
+
+    def __post_init__(self):
+        require_positive(self.expert_shards, "expert_parallel.expert_shards")
+        require_positive(self.data_shards, "expert_parallel.data_shards")
 
 
 @dataclass(frozen=True)
@@ -159,39 +141,37 @@ class MoEConfig:
     latent_size: int | None = None  # K3: routed experts run in this width (routed_expert_hidden_size)
     latent_use_norm: bool = False   # K3: RMSNorm on the combined latent routed output
     norm_eps: float = 1e-5
-    # "ragged": sorted tokens + lax.ragged_dot; "gather": per-token gathered expert weights (small
-    # batches); "auto": gather up to 256 tokens, ragged beyond; "dense": every expert on every
-    # token (the reference)
-    impl: str = "ragged"
-    # grouped matmul of the ragged path: "auto" (Hopper kernel on GPU, lax.ragged_dot elsewhere),
-    # "xla" (lax.ragged_dot, the reference) or "mgpu" (JAX's Hopper Mosaic GPU kernel)
-    gmm_impl: str = "auto"
+    impl: ExpertImpl = "ragged"    # routed-expert path (k3jax.layers.moe_experts.EXPERT_IMPLS)
+    gmm_impl: GmmImpl = "auto"     # grouped matmul of the ragged path (pallas_kernels.moe_gmm.GMM_IMPLS)
+    expert_parallel: ExpertParallel | None = None  # set by k3jax.sharding.config_for_mesh
 
     def __post_init__(self):
-        _positive(self.num_experts, "num_experts")
-        _require(self.gmm_impl in ("auto", "xla", "mgpu"), "moe.gmm_impl",
-                 f"expected 'auto', 'xla' or 'mgpu', got {self.gmm_impl!r}")
+        require_positive(self.num_experts, "num_experts")
+        require_choice(self.gmm_impl, GMM_IMPLS, "moe.gmm_impl")
         if self.latent_size is not None:
-            _positive(self.latent_size, "routed_expert_hidden_size")
-        _positive(self.num_experts_per_token, "num_experts_per_token")
-        _positive(self.expert_intermediate_size, "moe_intermediate_size")
-        _require(isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0,
+            require_positive(self.latent_size, "routed_expert_hidden_size")
+        require_positive(self.num_experts_per_token, "num_experts_per_token")
+        require_positive(self.expert_intermediate_size, "moe_intermediate_size")
+        require(isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0,
                  "num_shared_experts", f"expected an integer >= 0, got {self.num_shared_experts!r}")
-        _require(self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
+        require(self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
                  f"{self.num_experts_per_token} exceeds num_experts={self.num_experts}")
-        _positive(self.num_expert_group, "num_expert_group")
-        _require(self.num_experts % self.num_expert_group == 0, "num_expert_group",
+        require_positive(self.num_expert_group, "num_expert_group")
+        require(self.num_experts % self.num_expert_group == 0, "num_expert_group",
                  f"num_experts={self.num_experts} is not divisible by {self.num_expert_group}")
-        _require(1 <= self.topk_group <= self.num_expert_group, "topk_group",
+        require(1 <= self.topk_group <= self.num_expert_group, "topk_group",
                  f"must be in [1, num_expert_group={self.num_expert_group}], got {self.topk_group}")
         if self.num_expert_group > 1:
             per_group = self.num_experts // self.num_expert_group
-            _require(per_group >= 2, "num_expert_group", "grouped routing needs >= 2 experts per group")
-            _require(self.topk_group * per_group >= self.num_experts_per_token, "topk_group",
+            require(per_group >= 2, "num_expert_group", "grouped routing needs >= 2 experts per group")
+            require(self.topk_group * per_group >= self.num_experts_per_token, "topk_group",
                      "the kept groups hold fewer experts than num_experts_per_token")
-        _require(self.score_function in ("sigmoid", "softmax"), "moe_router_activation_func",
+        require(self.score_function in ("sigmoid", "softmax"), "moe_router_activation_func",
                  f"expected 'sigmoid' or 'softmax', got {self.score_function!r}")
-        _require(self.impl in MOE_IMPLS, "moe.impl", f"expected one of {MOE_IMPLS}, got {self.impl!r}")
+        require_choice(self.impl, EXPERT_IMPLS, "moe.impl")
+        if self.expert_parallel is not None:
+            require(self.num_experts % self.expert_parallel.expert_shards == 0, "num_experts",
+                     f"{self.num_experts} experts do not split over {self.expert_parallel.expert_shards} expert shards")
 
     @property
     def expert_input_size(self) -> int:
@@ -213,12 +193,11 @@ class AttnResConfig:
 
     block_size: int
     eps: float = 1e-5
-    impl: str = "buffer"  # "buffer": fixed-size block buffer with masks (jit form); "list": reference
+    impl: AttnResImpl = "buffer"  # k3jax.layers.attn_res.ATTN_RES_IMPLS
 
     def __post_init__(self):
-        _positive(self.block_size, "attn_res_block_size")
-        _require(self.impl in ATTN_RES_IMPLS, "attn_res.impl",
-                 f"expected one of {ATTN_RES_IMPLS}, got {self.impl!r}")
+        require_positive(self.block_size, "attn_res_block_size")
+        require_choice(self.impl, ATTN_RES_IMPLS, "attn_res.impl")
 
     def num_blocks(self, num_layers: int) -> int:
         """Stored blocks: the embedding plus one per completed block = ceil(L / block_size)."""
@@ -251,46 +230,46 @@ class ModelConfig:
     model_type: str = "kimi_linear"
 
     def __post_init__(self):
-        _positive(self.vocab_size, "vocab_size")
-        _positive(self.hidden_size, "hidden_size")
-        _require(len(self.mixers) > 0, "num_hidden_layers", "the model has no layers")
-        _require(len(self.ffns) == len(self.mixers), "mlp_layer_types",
+        require_positive(self.vocab_size, "vocab_size")
+        require_positive(self.hidden_size, "hidden_size")
+        require(len(self.mixers) > 0, "num_hidden_layers", "the model has no layers")
+        require(len(self.ffns) == len(self.mixers), "mlp_layer_types",
                  f"has {len(self.ffns)} entries for {len(self.mixers)} layers")
         for i, m in enumerate(self.mixers):
-            _require(m in ("kda", "mla"), "layer_types", f"layer {i}: unknown mixer {m!r}")
+            require(m in ("kda", "mla"), "layer_types", f"layer {i}: unknown mixer {m!r}")
         for i, f in enumerate(self.ffns):
-            _require(f in ("dense", "moe"), "mlp_layer_types", f"layer {i}: unknown FFN kind {f!r}")
-        _require(len(self.mtp_ffns) == len(self.mtp_mixers), "num_nextn_predict_layers",
+            require(f in ("dense", "moe"), "mlp_layer_types", f"layer {i}: unknown FFN kind {f!r}")
+        require(len(self.mtp_ffns) == len(self.mtp_mixers), "num_nextn_predict_layers",
                  "mtp_mixers and mtp_ffns differ in length")
-        _require(self.quantization in QUANTIZATIONS, "quantization_config",
+        require(self.quantization in QUANTIZATIONS, "quantization_config",
                  f"unsupported quantization {self.quantization!r}; supported: mxfp4 (compressed-tensors)")
         if self.quantization == "mxfp4" and self.moe is not None:
             for name, size in (("moe_intermediate_size", self.moe.expert_intermediate_size),
                                ("routed_expert_hidden_size", self.moe.expert_input_size)):
-                _require(size % 32 == 0, name, f"{size} is not a multiple of the MXFP4 group size 32")
+                require(size % 32 == 0, name, f"{size} is not a multiple of the MXFP4 group size 32")
         mixers, ffns = self.mixers + self.mtp_mixers, self.ffns + self.mtp_ffns
-        _require(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
-        _require(self.tie_word_embeddings is False, "tie_word_embeddings",
+        require(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+        require(self.tie_word_embeddings is False, "tie_word_embeddings",
                  "tied embeddings are not used by Kimi models and are not supported")
         if "kda" in mixers:
-            _require(self.kda is not None, "linear_attn_config", "KDA layers need a KDA config")
+            require(self.kda is not None, "linear_attn_config", "KDA layers need a KDA config")
         if "mla" in mixers:
-            _require(self.mla is not None, "kv_lora_rank", "MLA layers need an MLA config")
+            require(self.mla is not None, "kv_lora_rank", "MLA layers need an MLA config")
         if "dense" in ffns:
-            _require(self.mlp is not None, "intermediate_size", "dense layers need intermediate_size")
+            require(self.mlp is not None, "intermediate_size", "dense layers need intermediate_size")
         if "moe" in ffns:
-            _require(self.moe is not None, "num_experts", "MoE layers need an MoE config")
+            require(self.moe is not None, "num_experts", "MoE layers need an MoE config")
         for name in ("kda", "mla", "mlp", "moe"):
             sub = getattr(self, name)
             if sub is not None:
-                _require(sub.hidden_size == self.hidden_size, f"{name}.hidden_size",
+                require(sub.hidden_size == self.hidden_size, f"{name}.hidden_size",
                          f"{sub.hidden_size} != hidden_size {self.hidden_size}")
         for name in ("bos_token_id", "pad_token_id"):
             tok = getattr(self, name)
-            _require(tok is None or 0 <= tok < self.vocab_size, name,
+            require(tok is None or 0 <= tok < self.vocab_size, name,
                      f"{tok} is outside the vocabulary [0, {self.vocab_size})")
         for tok in self.eos_token_id:
-            _require(0 <= tok < self.vocab_size, "eos_token_id",
+            require(0 <= tok < self.vocab_size, "eos_token_id",
                      f"{tok} is outside the vocabulary [0, {self.vocab_size})")
 
     @property
@@ -301,26 +280,48 @@ class ModelConfig:
     def num_mtp_layers(self) -> int:
         return len(self.mtp_mixers)
 
+    def mixer_config(self, kind: str) -> KDAConfig | MLAConfig:
+        """The sub-config of a mixer kind ("kda" or "mla")."""
+        return self.kda if kind == "kda" else self.mla
+
+    def ffn_config(self, kind: str) -> MLPConfig | MoEConfig:
+        """The sub-config of an FFN kind ("dense" or "moe")."""
+        return self.moe if kind == "moe" else self.mlp
+
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
-    def with_impls(self, *, kda: str | None = None, kda_decode: str | None = None, mla: str | None = None,
-                   moe: str | None = None, gmm: str | None = None, attn_res: str | None = None) -> "ModelConfig":
-        """Returns a copy with other implementation choices (the math is unchanged)."""
+    def with_impls(self, **choices: str | None) -> "ModelConfig":
+        """A copy with other implementation choices (the math is unchanged).
+
+        Options (IMPL_OPTIONS): kda, kda_decode, mla, moe, gmm, attn_res; None leaves a choice
+        as it is, and a choice for a part the model lacks is ignored. The same names are used by
+        `k3jax.load(...)`, `CausalLM.with_impls(...)` and the CLI.
+        """
         out = self
-        if gmm is not None and self.moe is not None:
-            out = out.replace(moe=dataclasses.replace(out.moe, gmm_impl=gmm))
-        if kda_decode is not None and self.kda is not None:
-            out = out.replace(kda=dataclasses.replace(out.kda, decode_impl=kda_decode))
-        if attn_res is not None and self.attn_res is not None:
-            out = out.replace(attn_res=dataclasses.replace(out.attn_res, impl=attn_res))
-        if kda is not None and self.kda is not None:
-            out = out.replace(kda=dataclasses.replace(out.kda, impl=kda))
-        if mla is not None and self.mla is not None:
-            out = out.replace(mla=dataclasses.replace(out.mla, decode_impl=mla))
-        if moe is not None and self.moe is not None:
-            out = out.replace(moe=dataclasses.replace(out.moe, impl=moe))
+        for name, value in choices.items():
+            if name in RENAMED_IMPL_OPTIONS:
+                raise ConfigError(f"implementation option '{name}' is now called '{RENAMED_IMPL_OPTIONS[name]}'")
+            if name not in IMPL_OPTIONS:
+                raise ConfigError(f"unknown implementation option '{name}'; options: {', '.join(IMPL_OPTIONS)}")
+            sub_name, field_name, _ = IMPL_OPTIONS[name]
+            sub = getattr(out, sub_name)
+            if value is not None and sub is not None:
+                out = out.replace(**{sub_name: dataclasses.replace(sub, **{field_name: value})})
         return out
+
+
+# Implementation option -> (sub-config, field, allowed values): the one vocabulary of choices.
+IMPL_OPTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "kda": ("kda", "impl", KDA_IMPLS),
+    "kda_decode": ("kda", "decode_impl", KDA_DECODE_IMPLS),
+    "mla": ("mla", "decode_impl", MLA_DECODE_IMPLS),
+    "moe": ("moe", "impl", EXPERT_IMPLS),
+    "gmm": ("moe", "gmm_impl", GMM_IMPLS),
+    "attn_res": ("attn_res", "impl", ATTN_RES_IMPLS),
+}
+RENAMED_IMPL_OPTIONS = {"kda_impl": "kda", "kda_decode_impl": "kda_decode", "mla_impl": "mla", "moe_impl": "moe",
+                        "gmm_impl": "gmm", "attn_res_impl": "attn_res"}
 
 
 def kimi_linear_48b_a3b() -> ModelConfig:

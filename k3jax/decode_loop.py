@@ -1,26 +1,27 @@
-"""The compiled decode loop: one `lax.while_loop` over decode steps with the state donated.
+"""The compiled decode loop: a `lax.while_loop` over decode steps with the state donated, run in
+chunks of steps.
 
 Stop conditions (eos / stop ids, per-row max_new_tokens) are checked on the device; nothing
-returns to the host per token. With streaming, an ordered `io_callback` hands the token buffer
-to the host every `stream_every` steps while the loop keeps running.
+returns to the host per token. The loop runs until `step_limit` (a traced scalar, so every chunk
+reuses one compiled program) and hands its carry back to the host, which streams the new tokens,
+notices Ctrl-C, and runs the next chunk from the returned carry.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from jax.experimental import io_callback
 
 from k3jax.sampling import SamplerInputs, sample
-from k3jax.state import DecodeState, SeqInfo
+from k3jax.state import DecodeState
+from k3jax.steps import decode_step
 
 RUNNING, STOPPED, LENGTH = 0, 1, 2
 
 
+@jax.tree_util.register_dataclass
 @dataclass
 class LoopState:
     """The while_loop carry.
@@ -39,52 +40,55 @@ class LoopState:
     step: jax.Array
 
 
-jax.tree_util.register_dataclass(
-    LoopState, data_fields=["state", "logits", "tokens", "count", "done", "finish", "step"], meta_fields=[])
+@jax.tree_util.register_dataclass
+@dataclass
+class LoopInputs:
+    """What stays fixed over a generation: sampling settings and stop conditions per row.
 
-
-def decode_loop(graphdef, params, state: DecodeState, logits, sampler: SamplerInputs, stop_ids, max_new,
-                prompt_len, done, *, max_steps: int, filters: bool, stream_every: int = 0,
-                stream: Callable | None = None, pad_id: int = 0) -> LoopState:
-    """Samples up to `max_steps` tokens per row.
-
-    Args:
-      state / logits: after the prompt's prefill (logits [B, Vocab] for the first new token).
-      stop_ids: [B, S] int32 ids that end a row (-1 = unused). max_new: [B] int32 per-row limits.
-      prompt_len: [B] int32 prompt lengths (sampling positions). done: [B] rows to skip (padding).
-      max_steps, filters, stream_every (static): buffer size, top-k/top-p on, streaming interval.
+    sampler: per-row SamplerInputs. stop_ids: [B, S] int32 ids that end a row (-1 = unused).
+    max_new: [B] int32 per-row limits. prompt_len: [B] int32 prompt lengths (sampling positions).
     """
-    model = nnx.merge(graphdef, params)
-    b = logits.shape[0]
 
+    sampler: SamplerInputs
+    stop_ids: jax.Array
+    max_new: jax.Array
+    prompt_len: jax.Array
+
+
+def init_loop_state(state: DecodeState, logits, done, *, max_steps: int, pad_id: int) -> LoopState:
+    """The carry after the prompt's prefill: logits [B, Vocab] for the first new token; done [B]
+    marks rows that never decode (batch padding)."""
+    b = logits.shape[0]
+    return LoopState(state=state, logits=logits.astype(jnp.float32),
+                     tokens=jnp.full((b, max_steps), pad_id, jnp.int32), count=jnp.zeros((b,), jnp.int32),
+                     done=jnp.asarray(done), finish=jnp.full((b,), RUNNING, jnp.int32), step=jnp.zeros((), jnp.int32))
+
+
+def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_limit, *, filters: bool,
+                 pad_id: int = 0) -> LoopState:
+    """Samples tokens until every row is done or `carry.step` reaches `step_limit` (<= the token
+    buffer's width); returns the carry to continue from.
+
+    filters (static): apply top-k / top-p (off compiles them away).
+    """
     def cond(c: LoopState):
-        return (c.step < max_steps) & ~jnp.all(c.done)
+        return (c.step < step_limit) & ~jnp.all(c.done)
 
     def body(c: LoopState) -> LoopState:
-        tok = sample(c.logits, sampler, prompt_len + c.count, filters=filters)
+        tok = sample(c.logits, inputs.sampler, inputs.prompt_len + c.count, filters=filters)
         tok = jnp.where(c.done, pad_id, tok)
         tokens = c.tokens.at[:, c.step].set(tok)
         count = c.count + (~c.done).astype(jnp.int32)
-        stopped = ~c.done & jnp.any(tok[:, None] == stop_ids, axis=1)
-        at_limit = ~c.done & ~stopped & (count >= max_new)
+        stopped = ~c.done & jnp.any(tok[:, None] == inputs.stop_ids, axis=1)
+        at_limit = ~c.done & ~stopped & (count >= inputs.max_new)
         finish = jnp.where(stopped, STOPPED, jnp.where(at_limit, LENGTH, c.finish))
         done = c.done | stopped | at_limit
 
         def forward(args):
             st, t = args
-            seq = SeqInfo.make(jnp.ones((b, 1), bool), st.lengths)
-            hidden, st = model(t[:, None], seq, st, fresh=False)
-            return model.logits(hidden[:, 0]), st
+            return decode_step(graphdef, params, st, t)
 
         logits, state = jax.lax.cond(jnp.all(done), lambda a: (c.logits, a[0]), forward, (c.state, tok))
-        out = LoopState(state, logits, tokens, count, done, finish, c.step + 1)
-        if stream_every:
-            flush = ((out.step % stream_every) == 0) | jnp.all(done) | (out.step == max_steps)
-            jax.lax.cond(flush, lambda o: io_callback(stream, None, o.tokens, o.count, ordered=True),
-                         lambda o: None, out)
-        return out
+        return LoopState(state, logits, tokens, count, done, finish, c.step + 1)
 
-    init = LoopState(state=state, logits=logits.astype(jnp.float32), tokens=jnp.full((b, max_steps), pad_id, jnp.int32),
-                     count=jnp.zeros((b,), jnp.int32), done=done, finish=jnp.full((b,), RUNNING, jnp.int32),
-                     step=jnp.zeros((), jnp.int32))
-    return jax.lax.while_loop(cond, body, init)
+    return jax.lax.while_loop(cond, body, carry)

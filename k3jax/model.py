@@ -10,51 +10,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.config import AttnResConfig, KDAConfig, MLAConfig, MLPConfig, ModelConfig, MoEConfig
+from k3jax.config import ModelConfig
+from k3jax.decoder_layer import DecoderLayer
 from k3jax.layers.attn_res import AttnResPoint
-from k3jax.layers.kda import KimiDeltaAttention
 from k3jax.layers.linear import Embedding, Linear
-from k3jax.layers.mla import MultiHeadLatentAttention
-from k3jax.layers.mlp import MLP
-from k3jax.layers.moe import MoE
 from k3jax.layers.norms import RMSNorm
+from k3jax.mtp import MTPLayer
 from k3jax.state import DecodeState, SeqInfo
-
-
-class DecoderLayer(nnx.Module):
-    """Mixer (KDA or MLA) and FFN (dense or MoE), each behind its pre-norm. With `attn_res`, the
-    layer also owns its two AttnRes mixing points (pre-mixer and pre-FFN)."""
-
-    def __init__(self, mixer: KDAConfig | MLAConfig, ffn: MLPConfig | MoEConfig, *, hidden_size: int,
-                 eps: float, attn_res: AttnResConfig | None = None, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, rngs=rngs)
-        if isinstance(mixer, KDAConfig):
-            self.self_attn = KimiDeltaAttention(mixer, dtype=dtype, rngs=rngs)
-        else:
-            self.self_attn = MultiHeadLatentAttention(mixer, dtype=dtype, rngs=rngs)
-        if isinstance(ffn, MoEConfig):
-            self.block_sparse_moe = MoE(ffn, dtype=dtype, rngs=rngs)
-        else:
-            self.mlp = MLP(ffn, dtype=dtype, rngs=rngs)
-        if attn_res is not None:
-            self.self_attention_res = AttnResPoint(hidden_size, attn_res.eps, dtype=dtype, rngs=rngs)
-            self.mlp_res = AttnResPoint(hidden_size, attn_res.eps, dtype=dtype, rngs=rngs)
-
-    def mixer(self, x_BTD, seq: SeqInfo, layer_state, *, fresh: bool):
-        """Mixer on the normed input: (delta [B, T, D], new layer state)."""
-        return self.self_attn(self.input_layernorm(x_BTD), seq, layer_state, fresh=fresh)
-
-    def ffn(self, y_BTD: jax.Array) -> jax.Array:
-        """FFN on the normed input: delta [B, T, D]."""
-        y_BTD = self.post_attention_layernorm(y_BTD)
-        return self.block_sparse_moe(y_BTD) if hasattr(self, "block_sparse_moe") else self.mlp(y_BTD)
-
-    def __call__(self, h_BTD, seq: SeqInfo, layer_state, *, fresh: bool):
-        """Plain pre-norm residual block (Kimi-Linear; K3's MTP layer)."""
-        a, layer_state = self.mixer(h_BTD, seq, layer_state, fresh=fresh)
-        h_BTD = h_BTD + a
-        return h_BTD + self.ffn(h_BTD), layer_state
 
 
 class KimiModel(nnx.Module):
@@ -65,9 +27,8 @@ class KimiModel(nnx.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         layers = []
         for mixer, ffn in zip(cfg.mixers, cfg.ffns):
-            layers.append(DecoderLayer(cfg.kda if mixer == "kda" else cfg.mla, cfg.moe if ffn == "moe" else cfg.mlp,
-                                       hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, attn_res=cfg.attn_res,
-                                       dtype=dtype, rngs=rngs))
+            layers.append(DecoderLayer(cfg.mixer_config(mixer), cfg.ffn_config(ffn), hidden_size=cfg.hidden_size,
+                                       eps=cfg.rms_norm_eps, attn_res=cfg.attn_res, dtype=dtype, rngs=rngs))
         self.layers = nnx.List(layers)
         if cfg.attn_res is not None:
             self.output_attn_res = AttnResPoint(cfg.hidden_size, cfg.attn_res.eps, dtype=dtype, rngs=rngs)
@@ -136,8 +97,6 @@ class KimiForCausalLM(nnx.Module):
     """`model` + untied `lm_head` (kernel [D, Vocab]) + optional MTP draft layers."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        from k3jax.mtp import MTPLayer
-
         self.config = cfg
         self.model = KimiModel(cfg, dtype=dtype, rngs=rngs)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, axes=("embed", "vocab"), rngs=rngs)
@@ -155,3 +114,9 @@ class KimiForCausalLM(nnx.Module):
         if len(self.mtp) and hasattr(self.mtp[0], "embed_tokens"):
             return self.mtp[0].embed_tokens.embedding[...]
         return self.model.embed_tokens.embedding[...]
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> KimiForCausalLM:
+    """The model's structure with `jax.ShapeDtypeStruct` leaves: no memory, no computation.
+    Split it (`nnx.split`) for the graphdef and the parameter shapes and dtypes."""
+    return nnx.eval_shape(lambda: KimiForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))

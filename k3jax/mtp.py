@@ -19,7 +19,7 @@ from flax import nnx
 from k3jax.config import ModelConfig
 from k3jax.layers.linear import Embedding, Linear
 from k3jax.layers.norms import RMSNorm
-from k3jax.model import DecoderLayer
+from k3jax.decoder_layer import DecoderLayer
 from k3jax.state import SeqInfo
 
 
@@ -36,9 +36,7 @@ class MTPLayer(DecoderLayer):
     """MTP layer j (global layer index L + j)."""
 
     def __init__(self, cfg: ModelConfig, j: int, *, dtype, rngs: nnx.Rngs):
-        mixer = cfg.kda if cfg.mtp_mixers[j] == "kda" else cfg.mla
-        ffn = cfg.moe if cfg.mtp_ffns[j] == "moe" else cfg.mlp
-        super().__init__(mixer, ffn, hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, attn_res=None,
+        super().__init__(cfg.mixer_config(cfg.mtp_mixers[j]), cfg.ffn_config(cfg.mtp_ffns[j]), hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, attn_res=None,
                          dtype=dtype, rngs=rngs)
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)

@@ -42,6 +42,7 @@ class SamplingParams:
         return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
 
 
+@jax.tree_util.register_dataclass
 @dataclass
 class SamplerInputs:
     """Per-row sampling settings as arrays (so one compiled loop serves every setting)."""
@@ -50,10 +51,6 @@ class SamplerInputs:
     top_k: jax.Array         # [B] int32, 0 = off
     top_p: jax.Array         # [B] fp32, 1 = off
     seed: jax.Array          # [B] uint32
-
-
-jax.tree_util.register_dataclass(SamplerInputs, data_fields=["temperature", "top_k", "top_p", "seed"],
-                                 meta_fields=[])
 
 
 def sample(logits_BV: jax.Array, params: SamplerInputs, position_B: jax.Array, *, filters: bool) -> jax.Array:

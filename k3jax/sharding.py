@@ -10,8 +10,8 @@ names to mesh axes. Layout per layer kind (tensor = the "tensor" mesh axis):
 * MLA: q / kv_b projections column-parallel, o_proj row-parallel; the latent projections and the
   latent cache stay whole (576 wide, shared by every head);
 * dense MLP and shared experts: gate/up column-parallel, down row-parallel;
-* routed experts: the expert axis over "expert" (k3jax.layers.moe_parallel); the expert FFN
-  width stays whole;
+* routed experts: the expert axis over "expert" (k3jax.layers.moe_parallel, switched on in the
+  config by `config_for_mesh`); the expert FFN width stays whole;
 * norms, routers, AttnRes vectors and small gate tensors: replicated.
 
 Batch rows of activations and decode state go over "data". XLA's sharding propagation
@@ -20,13 +20,19 @@ Batch rows of activations and decode state go over "data". XLA's sharding propag
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from k3jax.config import ExpertParallel, ModelConfig
+from k3jax.state import DecodeState, KDAState, MLACache
 
 MESH_AXES = ("data", "expert", "tensor")
 
@@ -118,10 +124,34 @@ def batch_sharding(mesh: Mesh, ndim: int, batch: int) -> NamedSharding:
     return NamedSharding(mesh, P(axis, *([None] * (ndim - 1))))
 
 
-def state_shardings(state, mesh: Mesh):
-    """Decode state: rows over data; the KDA recurrent state's heads over tensor."""
-    from k3jax.state import DecodeState, KDAState, MLACache
+@dataclass(frozen=True)
+class Placement:
+    """Where a model's inputs and state live: one device (mesh None) or a mesh, rows over "data"."""
 
+    mesh: Mesh | None = None
+
+    def context(self):
+        """The context the model's compiled functions run under (the mesh, when there is one)."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def put_rows(self, array) -> jax.Array:
+        """A host array [B, ...] on the device(s), rows over the data axis when sharded."""
+        if self.mesh is None:
+            return jnp.asarray(array)
+        array = np.asarray(array)
+        return jax.device_put(array, batch_sharding(self.mesh, array.ndim, array.shape[0]))
+
+    def put_state(self, state: DecodeState) -> DecodeState:
+        """A decode state placed like the model's rows (see `state_shardings`)."""
+        return state if self.mesh is None else jax.device_put(state, state_shardings(state, self.mesh))
+
+    def put_params(self, params: nnx.State) -> nnx.State:
+        """Parameters in their shardings (the rules table), or unchanged without a mesh."""
+        return params if self.mesh is None else jax.device_put(params, param_shardings(params, self.mesh))
+
+
+def state_shardings(state: DecodeState, mesh: Mesh) -> DecodeState:
+    """Decode state: rows over data; the KDA recurrent state's heads over tensor."""
     def rows(x):
         return batch_sharding(mesh, x.ndim, x.shape[0])
 
@@ -136,3 +166,16 @@ def state_shardings(state, mesh: Mesh):
         else:
             layers.append(MLACache(latent=rows(layer.latent)))
     return DecodeState(layers=tuple(layers), lengths=rows(state.lengths))
+
+
+def config_for_mesh(cfg: ModelConfig, mesh: Mesh | None) -> ModelConfig:
+    """The config a model runs with on `mesh`: expert parallelism on when the mesh's expert axis
+    has more than one device and the experts split over it, off otherwise (also for mesh=None)."""
+    if cfg.moe is None:
+        return cfg
+    ep = None
+    if mesh is not None and mesh.shape.get("expert", 1) > 1 and cfg.moe.num_experts % mesh.shape["expert"] == 0:
+        ep = ExpertParallel(expert_shards=int(mesh.shape["expert"]), data_shards=int(mesh.shape.get("data", 1)))
+    if ep == cfg.moe.expert_parallel:
+        return cfg
+    return cfg.replace(moe=dataclasses.replace(cfg.moe, expert_parallel=ep))

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
-
 import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 
 
+@jax.tree_util.register_dataclass
 @dataclass
 class KDAState:
     """One KDA layer's state for B rows.
@@ -23,6 +22,7 @@ class KDAState:
     recurrent: jax.Array
 
 
+@jax.tree_util.register_dataclass
 @dataclass
 class MLACache:
     """One MLA layer's latent cache: [B, S, R + rope] = normalised c_kv | un-rotated k_pe per slot.
@@ -31,9 +31,7 @@ class MLACache:
     latent: jax.Array
 
 
-LayerState = Union[KDAState, MLACache]
-
-
+@jax.tree_util.register_dataclass
 @dataclass
 class DecodeState:
     """Per-layer states (in layer order) plus the number of tokens consumed per row ([B] int32)."""
@@ -52,11 +50,6 @@ class DecodeState:
             if isinstance(layer, MLACache):
                 return int(layer.latent.shape[1])
         return None
-
-
-for _cls, _fields in ((KDAState, ("conv", "recurrent")), (MLACache, ("latent",)),
-                      (DecodeState, ("layers", "lengths"))):
-    jax.tree_util.register_dataclass(_cls, data_fields=list(_fields), meta_fields=[])
 
 
 CACHE_ALIGN = 64  # latent-cache slots are allocated in multiples of this (kernel block size)
@@ -78,6 +71,7 @@ def init_decode_state(cfg: ModelConfig, batch_size: int, max_len: int, dtype) ->
     return DecodeState(layers=tuple(layers), lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
+@jax.tree_util.register_dataclass
 @dataclass
 class SeqInfo:
     """Where the tokens of one call sit. Rows are LEFT-padded.
@@ -103,5 +97,3 @@ class SeqInfo:
         t = jnp.arange(self.valid.shape[1], dtype=jnp.int32)
         return jnp.where(self.valid, self.start[:, None] + t[None, :] - self.pad[:, None], -1)
 
-
-jax.tree_util.register_dataclass(SeqInfo, data_fields=["valid", "pad", "start"], meta_fields=[])

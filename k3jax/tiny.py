@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from tiktoken._educational import bpe_train
+
 from k3jax.config import ModelConfig, tiny_k3, tiny_kimi_linear
 from k3jax.tokenizer import KimiTokenizer
 
@@ -42,8 +44,6 @@ BUILTIN = ("tiny-k3", "tiny-kimi-linear")
 @functools.lru_cache(maxsize=None)
 def tiny_tokenizer(family: str = "kimi_k3", base_vocab: int = 400) -> KimiTokenizer:
     """A byte-level BPE trained on the embedded corpus, with the family's special-token layout."""
-    from tiktoken._educational import bpe_train
-
     # Training uses a GPT-4-style split (the training pattern does not enter the model file);
     # encoding then uses Moonshot's pattern, as the real tokenizer does.
     train_pattern = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*"""

@@ -1,4 +1,9 @@
-"""Test setup: CPU only, 8 fake devices, persistent compilation cache, shared fixtures."""
+"""Test setup: CPU with 8 fake devices (or the GPU with K3JAX_TEST_DEVICE=gpu), persistent
+compilation cache, shared fixtures.
+
+Kernel tests take the `interpret` fixture: interpret mode on the CPU, compiled kernels on a GPU, so
+the same files run both ways (`K3JAX_TEST_DEVICE=gpu pytest tests/pallas_kernels` on the H200).
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,12 @@ import subprocess
 import zlib
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Tiny shapes: compile time dominates, and LLVM -O0 roughly halves it on the CPU backend.
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
-                                                  "--xla_backend_optimization_level=0"]))
+ON_GPU = os.environ.get("K3JAX_TEST_DEVICE") == "gpu"
+if not ON_GPU:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Tiny shapes: compile time dominates, and LLVM -O0 roughly halves it on the CPU backend.
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                                      "--xla_backend_optimization_level=0"]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -58,6 +65,12 @@ def oracle_dir() -> Path:
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def interpret() -> bool:
+    """Pallas kernels in interpret mode off the GPU, compiled on it."""
+    return jax.default_backend() != "gpu"
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from k3jax.cli import main
 
 
@@ -19,3 +21,13 @@ def test_generate_errors_are_one_line(capsys):
     assert err.startswith("k3jax generate: error: unknown model 'tiny-gpt'") and "\n" not in err
     assert main(["generate", "--model", "tiny-k3", "--prompt", "x", "--top-p", "0"]) == 2
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_implementation_flags_use_the_option_names(capsys):
+    assert main(["generate", "--model", "tiny-kimi-linear", "--prompt", "Hi", "--max-new-tokens", "3",
+                 "--kda", "recurrent", "--mla", "naive", "--moe", "dense"]) == 0
+    assert "tok/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", "tiny-k3", "--prompt", "x", "--kda", "fast"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'fast'" in capsys.readouterr().err

@@ -21,13 +21,19 @@ import threading
 import time
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
+import tensorstore as ts
+from flax import nnx
 
+from k3jax.checkpoint.loader import load_causal_lm
 from k3jax.checkpoint.name_map import mtp_embedding_name
 from k3jax.checkpoint.orbax_format import (FORMAT, MANIFEST, PARAMS_DIR, ArrayWriter, chunk_shape, param_name,
                                            read_manifest, write_orbax_metadata)
+from k3jax.checkpoint.plan import plan_tensors, progress_bar, read_param_slice, stored_nbytes
 from k3jax.checkpoint.safetensors_io import FLOAT_DTYPES, CheckpointError, SafetensorsCheckpoint
 from k3jax.hf_config import from_hf_config
+from k3jax.model import abstract_model
 
 DTYPES = ("bfloat16", "float32", "keep")
 COPIED_FILES = ("config.json", "generation_config.json", "tiktoken.model", "tokenizer_config.json",
@@ -64,8 +70,6 @@ def _source_config(src: str) -> dict:
 
 
 def _param_dtype(choice: str, ckpt: SafetensorsCheckpoint):
-    import ml_dtypes
-
     if choice == "bfloat16":
         return np.dtype(ml_dtypes.bfloat16)
     if choice == "float32":
@@ -74,15 +78,10 @@ def _param_dtype(choice: str, ckpt: SafetensorsCheckpoint):
     return np.dtype(floats[0]) if floats else np.dtype(ml_dtypes.bfloat16)
 
 
-def _abstract_params(cfg, dtype):
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from k3jax.model import KimiForCausalLM
-
-    abstract = nnx.eval_shape(lambda: KimiForCausalLM(cfg, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+def _abstract_params(cfg, dtype) -> dict[tuple, tuple[tuple, np.dtype]]:
+    """Parameter path -> (shape, dtype) of the model `cfg` builds in `dtype`."""
     return {p: (tuple(v.get_value().shape), np.dtype(v.get_value().dtype))
-            for p, v in nnx.to_flat_state(nnx.state(abstract))}
+            for p, v in nnx.to_flat_state(nnx.state(abstract_model(cfg, dtype)))}
 
 
 def _digest(value: np.ndarray) -> str:
@@ -93,19 +92,9 @@ def _combined(digests: list[str]) -> str:
     return hashlib.sha256("".join(digests).encode()).hexdigest()
 
 
-def _progress(total: int, units: str, show: bool | None):
-    from tqdm.auto import tqdm
-
-    if show is None:
-        show = sys.stderr.isatty()
-    return tqdm(total=total, unit=units, unit_scale=True, desc="converting", disable=not show)
-
-
 def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool = False,
             progress: bool | None = None) -> ConvertReport:
     """Converts the Hugging Face directory `src` into the k3jax checkpoint `dst` (must not exist)."""
-    from k3jax.checkpoint.loader import _read, plan_tensors
-
     src, dst = os.fspath(src), os.fspath(dst).rstrip("/")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
@@ -136,9 +125,9 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     writers = {p: ArrayWriter(os.path.join(work, PARAMS_DIR), p, shape, dt, stacked=plan[p][0][1].expert is not None)
                for p, (shape, dt) in params.items()}
     tasks = [(p, name, rule) for p in params for name, rule in plan[p] if name not in done]
-    nbytes = lambda name, rule: ckpt.info(name).nbytes + (ckpt.info(rule.partner).nbytes if rule.partner else 0)
+    nbytes = lambda name, rule: stored_nbytes(ckpt, name, rule)
     total = sum(nbytes(n, r) for p in params for n, r in plan[p])
-    bar = _progress(total, "B", progress)
+    bar = progress_bar(total, "converting", progress)
     bar.update(sum(nbytes(n, r) for p in params for n, r in plan[p] if n in done))
     start = time.perf_counter()
 
@@ -146,10 +135,10 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
         p, name, rule = task
         shape, dt = params[p]
         if rule.expert is None:
-            value = _read(ckpt, name, rule, shape).astype(dt)
+            value = read_param_slice(ckpt, name, rule, shape).astype(dt)
             writers[p].write(None, value)
         else:
-            value = _read(ckpt, name, rule, shape[1:]).astype(dt)
+            value = read_param_slice(ckpt, name, rule, shape[1:]).astype(dt)
             writers[p].write(rule.expert, value)
         digest = _digest(value)
         with lock:
@@ -223,8 +212,6 @@ def _resume_journal(work: str, identity: dict) -> dict[str, str]:
 def verify_checkpoint(dst, src=None, *, prompt_len: int = 8) -> None:
     """Re-reads every array and checks its checksum; with `src`, also compares a short logits run
     of the source (loaded directly) and the converted checkpoint. Raises CheckpointError."""
-    import tensorstore as ts
-
     dst = os.fspath(dst)
     manifest = read_manifest(dst)
     for name, meta in manifest["params"].items():
@@ -239,10 +226,9 @@ def verify_checkpoint(dst, src=None, *, prompt_len: int = 8) -> None:
         if _combined(digests) != meta["sha256"]:
             raise CheckpointError(f"{dst}: parameter {name} does not match its checksum")
     if src is not None:
-        import k3jax
-
-        direct = k3jax.load(src, dtype=manifest["dtype"] if manifest["dtype"] in ("bfloat16", "float32") else "float32")
-        converted = k3jax.load(dst, dtype=direct.dtype.name)
+        direct = load_causal_lm(src, dtype=manifest["dtype"] if manifest["dtype"] in ("bfloat16", "float32")
+                                else "float32")
+        converted = load_causal_lm(dst, dtype=direct.dtype.name)
         ids = np.random.default_rng(0).integers(0, direct.config.vocab_size, (1, prompt_len))
         a, b = np.asarray(direct.logits(ids)), np.asarray(converted.logits(ids))
         if not np.array_equal(a, b):

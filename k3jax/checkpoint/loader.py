@@ -10,122 +10,36 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
-from collections import defaultdict
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.causal_lm import CausalLM, resolve_dtype
-from k3jax.checkpoint.mxfp4 import dequantize_mxfp4
-from k3jax.checkpoint.name_map import (TensorRule, is_skipped, mtp_embedding_name, tensor_aliases,
-                                       tensor_rules)
+from k3jax.causal_lm import CausalLM, LoadReport, resolve_dtype
+from k3jax.checkpoint.name_map import mtp_embedding_name
 from k3jax.checkpoint.orbax_format import is_k3jax_checkpoint, read_manifest, restore_params
-from k3jax.checkpoint.safetensors_io import FLOAT_DTYPES, CheckpointError, SafetensorsCheckpoint
-from k3jax.checkpoint.transforms import HOOKS
-from k3jax.config import ModelConfig
+from k3jax.checkpoint.plan import listing, plan_tensors, progress_bar, read_param_slice, stored_nbytes
+from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from k3jax.hf_config import from_hf_config, load_hf_config
-from k3jax.model import KimiForCausalLM
+from k3jax.model import abstract_model
+from k3jax.sharding import param_shardings
 
-_SHOW = 8
+def load_causal_lm(path: str | os.PathLike, dtype="float32", *, a_log_policy: str | None = None,
+                   progress: bool | None = None, mesh=None, **impls) -> CausalLM:
+    """Loads a checkpoint directory as a `CausalLM`: Hugging Face (config.json + *.safetensors
+    [+ index]) tensor by tensor, or a k3jax (Orbax) checkpoint written by `k3jax convert`.
 
-
-@dataclass(frozen=True)
-class LoadReport:
-    """What a load consumed: tensors used, tensors deliberately skipped (vision tower, ...), bytes read."""
-
-    tensors: int
-    skipped: int
-    bytes_read: int
-
-
-def _listing(items: list[str]) -> str:
-    shown = ", ".join(items[:_SHOW])
-    return shown + (f", ... and {len(items) - _SHOW} more" if len(items) > _SHOW else "")
-
-
-def plan_tensors(cfg: ModelConfig, ckpt: SafetensorsCheckpoint, param_shapes: dict[tuple, tuple]
-                 ) -> tuple[dict[tuple, list[tuple[str, TensorRule]]], int]:
-    """Matches stored tensors to parameters.
-
-    Returns (parameter path -> [(stored name, rule)], number of skipped tensors). Raises
-    CheckpointError naming every missing, unexpected, duplicated, mis-shaped or mis-typed tensor.
-    """
-    rules = tensor_rules(cfg)
-    aliases = tensor_aliases(cfg)
-    seen: dict[str, str] = {}
-    unexpected, bad_shape, bad_dtype, duplicate = [], [], [], []
-    skipped = 0
-    plan: dict[tuple, list] = defaultdict(list)
-    for name in ckpt.names():
-        canon = aliases.get(name, name)
-        rule = rules.get(canon)
-        if rule is None:
-            if is_skipped(cfg, name):
-                skipped += 1
-            else:
-                unexpected.append(name)
-            continue
-        if canon in seen:
-            duplicate.append(f"{name} (same tensor as {seen[canon]})")
-            continue
-        seen[canon] = name
-        info = ckpt.info(name)
-        hook = HOOKS[rule.hook]
-        shape = param_shapes[rule.path][1:] if rule.expert is not None else param_shapes[rule.path]
-        if not hook.accepts(info.shape, shape):
-            note = f" {hook.note}" if hook.note else ""
-            bad_shape.append(f"{name} {list(info.shape)} (expected {list(hook.expected(shape))}{note})")
-        elif hook.stored == "uint8" and info.dtype != np.uint8:
-            bad_dtype.append(f"{name} {info.dtype} (expected uint8)")
-        elif hook.stored == "float" and info.dtype not in FLOAT_DTYPES:
-            bad_dtype.append(f"{name} {info.dtype} (expected a float dtype)")
-        if hook.name != "mxfp4_scale":  # scales are read together with their packed codes
-            plan[rule.path].append((name, rule))
-    missing = [n for n in rules if n not in seen]
-    problems = []
-    for label, items in (("missing", missing), ("unexpected", unexpected), ("duplicated", duplicate),
-                         ("wrong shape", bad_shape), ("wrong dtype", bad_dtype)):
-        if items:
-            problems.append(f"{len(items)} {label}: {_listing(items)}")
-    if problems:
-        raise CheckpointError(f"checkpoint {ckpt.path} does not match its config: " + "; ".join(problems))
-    return plan, skipped
-
-
-def _read(ckpt: SafetensorsCheckpoint, name: str, rule: TensorRule, shape: tuple) -> np.ndarray:
-    """One stored tensor (or MXFP4 pair) transformed to its parameter (slice) layout."""
-    if rule.hook == "mxfp4_packed":
-        try:
-            return dequantize_mxfp4(ckpt.read(name), ckpt.read(rule.partner)).T
-        except ValueError as e:
-            raise CheckpointError(f"{ckpt.info(name).file}: tensor '{name}': {e}") from None
-    return HOOKS[rule.hook].apply(ckpt.read(name), shape)
-
-
-def _progress(total_bytes: int, show: bool | None):
-    if show is None:
-        show = sys.stderr.isatty() and total_bytes > (1 << 28)
-    from tqdm.auto import tqdm
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc="loading", disable=not show)
-
-
-def load_causal_lm(path: str | os.PathLike, dtype="float32", *, kda_impl: str | None = None,
-                   mla_impl: str | None = None, moe_impl: str | None = None, attn_res_impl: str | None = None,
-                   a_log_policy: str | None = None, progress: bool | None = None, mesh=None) -> CausalLM:
-    """Loads `path` (config.json + *.safetensors [+ index]) as a `CausalLM`.
-
-    dtype: "float32" or "bfloat16" for the weights and activations; A_log, dt_bias, conv taps,
-    o_norm and the router correction bias always stay fp32.
-    kda_impl / mla_impl / moe_impl / attn_res_impl: implementation choices (see the sub-configs).
-    a_log_policy: how a K3 A_log longer than the head count is read ("per_head" or "per_channel").
-    mesh: place every parameter directly in its sharding (k3jax.sharding rules) as it is read.
+    Args:
+      dtype: "float32" or "bfloat16" for the weights and activations; A_log, dt_bias, conv taps,
+        o_norm and the router correction bias always stay fp32.
+      a_log_policy: how a K3 A_log longer than the head count is read ("per_head" or "per_channel").
+      progress: show a progress bar (default: on a terminal, for checkpoints over 256 MB).
+      mesh: place every parameter directly in its sharding (k3jax.sharding rules) as it is read.
+      **impls: implementation choices by option name (kda=, kda_decode=, mla=, moe=, gmm=,
+        attn_res=), as in `ModelConfig.with_impls`.
     """
     dt = resolve_dtype(dtype)
-    impls = dict(kda=kda_impl, mla=mla_impl, moe=moe_impl, attn_res=attn_res_impl)
     if is_k3jax_checkpoint(path):
         return _load_converted(path, dt, impls, a_log_policy, mesh)
     cfg = load_hf_config(path).with_impls(**impls)
@@ -134,40 +48,33 @@ def load_causal_lm(path: str | os.PathLike, dtype="float32", *, kda_impl: str | 
     ckpt = SafetensorsCheckpoint(path)
     if cfg.num_mtp_layers and mtp_embedding_name(cfg, cfg.num_mtp_layers) in ckpt.tensors:
         cfg = cfg.replace(mtp_own_embedding=True)
-    abstract = nnx.eval_shape(lambda: KimiForCausalLM(cfg, dtype=dt, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(abstract_model(cfg, dt))
     flat = list(nnx.to_flat_state(state))
     shapes = {p: tuple(v.get_value().shape) for p, v in flat}
     plan, skipped = plan_tensors(cfg, ckpt, shapes)
-    if mesh is not None:
-        from k3jax.sharding import param_shardings
-        shardings = dict(nnx.to_flat_state(param_shardings(state, mesh)))
+    shardings = dict(nnx.to_flat_state(param_shardings(state, mesh))) if mesh is not None else None
 
-    def nbytes(name, rule):
-        return ckpt.info(name).nbytes + (ckpt.info(rule.partner).nbytes if rule.partner else 0)
-
-    bar = _progress(sum(nbytes(n, r) for entries in plan.values() for n, r in entries), progress)
+    bar = progress_bar(sum(stored_nbytes(ckpt, n, r) for entries in plan.values() for n, r in entries), "loading",
+                       progress, min_bytes=1 << 28)
     loaded, read = [], 0
     for p, var in flat:
         np_dtype = np.dtype(var.get_value().dtype)
         entries = plan[p]
         if entries[0][1].expert is None:
             (name, rule), = entries
-            value = _read(ckpt, name, rule, shapes[p]).astype(np_dtype)
+            value = read_param_slice(ckpt, name, rule, shapes[p]).astype(np_dtype)
         else:
             value = np.empty(shapes[p], np_dtype)
             for name, rule in entries:
-                value[rule.expert] = _read(ckpt, name, rule, shapes[p][1:])
-        step = sum(nbytes(n, r) for n, r in entries)
+                value[rule.expert] = read_param_slice(ckpt, name, rule, shapes[p][1:])
+        step = sum(stored_nbytes(ckpt, n, r) for n, r in entries)
         read += step
         bar.update(step)
         value = jax.device_put(value, shardings[p]) if mesh is not None else jnp.asarray(value)
         loaded.append((p, var.replace(value)))
     bar.close()
-    module = nnx.merge(graphdef, nnx.from_flat_state(loaded))
-    model = CausalLM(module, mesh=mesh)
-    model.load_report = LoadReport(tensors=sum(len(v) for v in plan.values()), skipped=skipped, bytes_read=read)
-    return model
+    report = LoadReport(tensors=sum(len(v) for v in plan.values()), skipped=skipped, bytes_read=read)
+    return CausalLM(nnx.merge(graphdef, nnx.from_flat_state(loaded)), mesh=mesh, load_report=report)
 
 
 def _load_converted(path, dt, impls: dict, a_log_policy, mesh) -> CausalLM:
@@ -178,10 +85,8 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh) -> CausalLM:
     if a_log_policy is not None and cfg.kda is not None and a_log_policy != cfg.kda.a_log_policy:
         raise CheckpointError(f"{path}: converted with a_log_policy={cfg.kda.a_log_policy!r}; convert again to "
                               f"use {a_log_policy!r}")
-    abstract = nnx.eval_shape(lambda: KimiForCausalLM(cfg, dtype=dt, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(abstract_model(cfg, dt))
     if mesh is not None:
-        from k3jax.sharding import param_shardings
         shardings = param_shardings(state, mesh)
     else:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -190,10 +95,8 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh) -> CausalLM:
     stored = {name: meta["shape"] for name, meta in manifest["params"].items()}
     if expected != stored:
         diff = sorted(n for n in set(expected) | set(stored) if expected.get(n) != stored.get(n))
-        raise CheckpointError(f"{path}: parameters do not match the config: {_listing(diff)}")
+        raise CheckpointError(f"{path}: parameters do not match the config: {listing(diff)}")
     values = restore_params(path, state, shardings)
     loaded = [(p, var.replace(values[p])) for p, var in nnx.to_flat_state(state)]
-    model = CausalLM(nnx.merge(graphdef, nnx.from_flat_state(loaded)), mesh=mesh)
-    model.load_report = LoadReport(tensors=len(loaded), skipped=int(manifest.get("skipped_tensors", 0)),
-                                   bytes_read=0)
-    return model
+    report = LoadReport(tensors=len(loaded), skipped=int(manifest.get("skipped_tensors", 0)), bytes_read=0)
+    return CausalLM(nnx.merge(graphdef, nnx.from_flat_state(loaded)), mesh=mesh, load_report=report)

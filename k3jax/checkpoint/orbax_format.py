@@ -18,7 +18,13 @@ import os
 import time
 from typing import Iterable
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from flax import nnx
+
+from k3jax.checkpoint.safetensors_io import CheckpointError
 
 FORMAT = "k3jax-orbax/1"
 MANIFEST = "k3jax.json"
@@ -53,8 +59,6 @@ class ArrayWriter:
     """Creates (or reopens, when resuming) one parameter's zarr3 array and writes slices of it."""
 
     def __init__(self, params_dir: str, path: tuple, shape: tuple, dtype: np.dtype, stacked: bool):
-        import tensorstore as ts
-
         self.name = param_name(path)
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.chunk = chunk_shape(shape, stacked)
@@ -99,8 +103,6 @@ def is_k3jax_checkpoint(path) -> bool:
 
 
 def read_manifest(path) -> dict:
-    from k3jax.checkpoint.safetensors_io import CheckpointError
-
     file = os.path.join(os.fspath(path), MANIFEST)
     try:
         with open(file) as f:
@@ -118,10 +120,6 @@ def restore_params(path, abstract_params, shardings):
     abstract_params: nnx State of ShapeDtypeStruct leaves; shardings: matching tree of Shardings.
     Returns {path tuple: jax.Array}.
     """
-    import jax
-    import orbax.checkpoint as ocp
-    from flax import nnx
-
     flat = list(nnx.to_flat_state(abstract_params))
     flat_shardings = dict(nnx.to_flat_state(shardings))
     item, restore_args = {}, {}

@@ -8,12 +8,19 @@ No temperature, no 1/sqrt(D), no bias; all in fp32.
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.linear import Linear
 from k3jax.layers.norms import RMSNorm, rms_normalize
+
+# How a decoder stack keeps its blocks (k3jax.model): "buffer" (a fixed-size buffer with validity
+# masks, the jit form) or "list" (a growing Python list: the reference).
+AttnResImpl = Literal["buffer", "list"]
+ATTN_RES_IMPLS: tuple[str, ...] = get_args(AttnResImpl)
 
 
 def attn_res_mix(sources_S: jax.Array, valid_S: jax.Array, gamma_D: jax.Array, w_D: jax.Array, eps: float,

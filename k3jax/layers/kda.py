@@ -14,24 +14,26 @@ from flax import nnx
 
 from k3jax.config import KDAConfig
 from k3jax.layers.linear import Linear
-from k3jax.layers.norms import GatedRMSNorm, l2_normalize
+from k3jax.layers.norms import GatedRMSNorm
 from k3jax.layers.params import normal, param, uniform
 from k3jax.state import KDAState, SeqInfo
-from pallas_kernels.kda import kda, kda_decode
+from pallas_kernels.kda import KDADecodeInputs, KDADecodeWeights, kda, kda_decode
+from pallas_kernels.kda import forget_gate as gate_from_logits
+from pallas_kernels.kda import l2_normalize
+
+
+def decay_rates(a_log: jax.Array, cfg: KDAConfig) -> jax.Array:
+    """a = exp(A_log) shaped to broadcast against [..., H, K]: [H, 1] per head or [1, K] per channel."""
+    a = jnp.exp(a_log.astype(jnp.float32))
+    return a[:, None] if cfg.a_log_policy == "per_head" else a[None, :]
 
 
 def forget_gate(f_BTHK: jax.Array, a_log: jax.Array, dt_bias_HK: jax.Array, cfg: KDAConfig) -> jax.Array:
-    """Log-space per-channel decay g [B, T, H, K] in fp32 (arch §4.5).
-
-    With u = f + dt_bias and a = exp(A_log) (a [H] per head, or [K] per channel):
-      Kimi-Linear: g = -a * softplus(u)            K3: g = lower_bound * sigmoid(a * u)
-    """
+    """Log-space per-channel decay g [B, T, H, K] in fp32 (arch §4.5; formulas in
+    `pallas_kernels.kda.gate`): -a * softplus(f + dt_bias) (Kimi-Linear) or
+    lower_bound * sigmoid(a * (f + dt_bias)) (K3), a = exp(A_log) per head or per channel."""
     u = f_BTHK.astype(jnp.float32) + dt_bias_HK.astype(jnp.float32)
-    a = jnp.exp(a_log.astype(jnp.float32))
-    a = a[:, None] if cfg.a_log_policy == "per_head" else a[None, :]
-    if cfg.gate_lower_bound is None:
-        return -a * jax.nn.softplus(u)
-    return cfg.gate_lower_bound * jax.nn.sigmoid(a * u)
+    return gate_from_logits(u, decay_rates(a_log, cfg), cfg.gate_lower_bound)
 
 
 def short_conv(x_BTC: jax.Array, state_BWC: jax.Array, w_WC: jax.Array, pad_B: jax.Array):
@@ -101,8 +103,8 @@ class KimiDeltaAttention(nnx.Module):
         mixed = jnp.where(valid, mixed, 0).astype(dtype)
         conv_state = (jnp.zeros((b, cfg.conv_size - 1, 3 * p), dtype) if state is None else state.conv)
         taps = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
-        if t == 1 and state is not None and cfg.decode_impl == "pallas":
-            return self._fused_step(x_BTD, mixed, taps, state)
+        if t == 1 and state is not None:
+            return self._decode_step(x_BTD, mixed, taps, state)
         pre, new_conv = short_conv(mixed, conv_state, taps, seq.pad)
         act = jax.nn.silu(pre).astype(dtype)
         q, kk, v = (act[..., i * p:(i + 1) * p].reshape(b, t, h, k) for i in range(3))
@@ -113,10 +115,9 @@ class KimiDeltaAttention(nnx.Module):
         beta = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
         beta = jnp.where(valid, beta, 0.0)
 
-        impl = "recurrent" if t == 1 else cfg.impl
         o, s = kda(l2_normalize(q), l2_normalize(kk), v, g, beta, scale=k ** -0.5,
                    initial_state=None if state is None else state.recurrent,
-                   impl=impl, chunk_size=cfg.chunk_size)
+                   impl=cfg.impl, chunk_size=cfg.chunk_size)
 
         out = self.o_norm(o, self._gate_logits(x_BTD).reshape(b, t, h, k), dtype).reshape(b, t, p)
         out = self.o_proj(out)
@@ -125,16 +126,20 @@ class KimiDeltaAttention(nnx.Module):
     def _gate_logits(self, x_BTD):
         return self.g_proj(x_BTD) if self.cfg.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x_BTD))
 
-    def _fused_step(self, x_BTD, mixed_BTC, taps_WC, state: KDAState):
-        """One decode token through the fused Pallas kernel (conv .. gated norm in one launch)."""
+    def _decode_step(self, x_BTD, mixed_BTC, taps_WC, state: KDAState):
+        """One token per row through the fused decode step (`kda_decode`, impl cfg.decode_impl)."""
         cfg = self.cfg
         b, h, k, w = x_BTD.shape[0], cfg.num_heads, cfg.head_dim, cfg.conv_size
-        a = jnp.exp(self.A_log[...].astype(jnp.float32))
-        a_HK = jnp.broadcast_to(a[:, None] if cfg.a_log_policy == "per_head" else a[None, :], (h, k))
-        out, conv, s = kda_decode(
-            mixed_BTC[:, 0].reshape(b, 3, h, k), state.conv.reshape(b, w - 1, 3, h, k), taps_WC.reshape(w, 3, h, k),
-            self.f_b_proj(self.f_a_proj(x_BTD))[:, 0].reshape(b, h, k), self.dt_bias[...].reshape(h, k), a_HK,
-            self.b_proj(x_BTD)[:, 0], self._gate_logits(x_BTD)[:, 0].reshape(b, h, k), self.o_norm.weight[...],
-            state.recurrent, lower_bound=cfg.gate_lower_bound, norm_eps=cfg.norm_eps, scale=k ** -0.5)
+        inputs = KDADecodeInputs(
+            x_qkv=mixed_BTC[:, 0].reshape(b, 3, h, k),
+            f=self.f_b_proj(self.f_a_proj(x_BTD))[:, 0].reshape(b, h, k),
+            beta_logit=self.b_proj(x_BTD)[:, 0],
+            z=self._gate_logits(x_BTD)[:, 0].reshape(b, h, k))
+        weights = KDADecodeWeights(
+            conv_w=taps_WC.reshape(w, 3, h, k), dt_bias=self.dt_bias[...].reshape(h, k),
+            a=jnp.broadcast_to(decay_rates(self.A_log[...], cfg), (h, k)), o_norm_w=self.o_norm.weight[...],
+            lower_bound=cfg.gate_lower_bound, norm_eps=cfg.norm_eps, scale=k ** -0.5)
+        out, conv, s = kda_decode(inputs, weights, state.conv.reshape(b, w - 1, 3, h, k), state.recurrent,
+                                  impl=cfg.decode_impl)
         out = self.o_proj(out.reshape(b, 1, h * k))
         return out, KDAState(conv=conv.reshape(b, w - 1, 3 * h * k), recurrent=s)

@@ -12,10 +12,9 @@ from flax import nnx
 
 from k3jax.config import MLAConfig
 from k3jax.layers.linear import Linear
-from k3jax.layers.mla_attention import ATTENTION_IMPLS, attention_naive, split_kv_b
+from k3jax.layers.mla_attention import attention_naive, cache_attention
 from k3jax.layers.norms import RMSNorm
 from k3jax.state import MLACache, SeqInfo
-from pallas_kernels.mla_decode import mla_decode
 
 
 def write_cache(latent_BSL: jax.Array, new_BTL: jax.Array, seq: SeqInfo) -> jax.Array:
@@ -75,18 +74,9 @@ class MultiHeadLatentAttention(nnx.Module):
             attn = attention_naive(q_nope, q_pe, latent, w_kv_b, mask, **kwargs)
             if cache is not None:
                 cache = MLACache(latent=write_cache(cache.latent, latent, seq))
-        elif cfg.decode_impl == "pallas":
-            cache = MLACache(latent=write_cache(cache.latent, latent, seq))
-            w_uk, w_uv = split_kv_b(w_kv_b, h, cfg.qk_nope_head_dim, cfg.v_head_dim)
-            q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=jnp.float32)
-            lengths = seq.start + jnp.sum(seq.valid, axis=1, dtype=jnp.int32)
-            lat = mla_decode(q_lat.astype(cache.latent.dtype), q_pe, cache.latent, lengths, scale=cfg.scale)
-            attn = jnp.einsum("bthr,rhv->bthv", lat, w_uv.astype(jnp.float32)).astype(x_BTD.dtype)
         else:
             cache = MLACache(latent=write_cache(cache.latent, latent, seq))
-            slots = jnp.arange(cache.latent.shape[1])
-            mask = slots[None, None, :] <= seq.slot_index()[:, :, None]
-            attn = ATTENTION_IMPLS[cfg.decode_impl](q_nope, q_pe, cache.latent, w_kv_b, mask, **kwargs)
+            attn = cache_attention(cfg.decode_impl, q_nope, q_pe, cache.latent, w_kv_b, seq.slot_index(), **kwargs)
         attn = attn.reshape(b, t, h * cfg.v_head_dim)
         if cfg.use_output_gate:  # K3: sigmoid gate from the layer input on the concatenated heads
             gate = jax.nn.sigmoid(self.g_proj(x_BTD).astype(jnp.float32))

@@ -8,8 +8,18 @@ kv_b_proj kernel [R, H * (nope + v)] (head-major, key part first). Scores use sc
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.mla_decode import mla_decode_pallas
+
+# Attention over the latent cache (steps with history): "absorbed" (pure JAX, W_UK folded into
+# the query), "naive" (keys and values expanded per head: the reference) or "pallas" (the
+# flash-decoding kernel over the cache).
+MLADecodeImpl = Literal["absorbed", "naive", "pallas"]
+MLA_DECODE_IMPLS: tuple[str, ...] = get_args(MLADecodeImpl)
 
 _MASKED = -1e30
 
@@ -53,4 +63,29 @@ def attention_absorbed(q_nope_BTHN, q_pe_BTHP, latent_BSL, w_kv_b, mask_BTS, *, 
     return jnp.einsum("bthr,rhv->bthv", lat, w_uv.astype(jnp.float32)).astype(q_nope_BTHN.dtype)
 
 
-ATTENTION_IMPLS = {"naive": attention_naive, "absorbed": attention_absorbed}
+def cache_attention(impl: MLADecodeImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, *, scale: float,
+                    v_dim: int) -> jax.Array:
+    """Attention of T query tokens per row over a latent cache (the one dispatch site of MLA decode).
+
+    Args:
+      q_nope_BTHN, q_pe_BTHP: per-head query parts. cache_BSL: [B, S, R + P] latents | k_pe.
+      w_kv_b: kv_b_proj kernel [R, H * (nope + v)].
+      last_slot_BT: [B, T] int32 the last slot each query sees (its own slot); the T queries of a
+        row sit at consecutive slots.
+    Returns:
+      [B, T, H, V] in the query dtype.
+    """
+    if impl == "pallas":
+        h, n = q_nope_BTHN.shape[2:]
+        w_uk, w_uv = split_kv_b(w_kv_b, h, n, v_dim)
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, w_uk, preferred_element_type=jnp.float32)
+        lengths = last_slot_BT[:, -1] + 1
+        lat = mla_decode_pallas(q_lat.astype(cache_BSL.dtype), q_pe_BTHP, cache_BSL, lengths, scale=scale)
+        return jnp.einsum("bthr,rhv->bthv", lat, w_uv.astype(jnp.float32)).astype(q_nope_BTHN.dtype)
+    slots = jnp.arange(cache_BSL.shape[1])
+    mask = slots[None, None, :] <= last_slot_BT[:, :, None]
+    if impl == "absorbed":
+        return attention_absorbed(q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, mask, scale=scale, v_dim=v_dim)
+    if impl == "naive":
+        return attention_naive(q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, mask, scale=scale, v_dim=v_dim)
+    raise ValueError(f"MLA decode: unknown impl {impl!r}; expected one of {MLA_DECODE_IMPLS}")

@@ -3,27 +3,11 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.config import Activation, MLPConfig
+from k3jax.config import MLPConfig
+from k3jax.layers.activation import gated_activation
 from k3jax.layers.linear import Linear
-
-
-def gated_activation(gate: jax.Array, up: jax.Array, act: Activation) -> jax.Array:
-    """act(gate, up), returned in gate's dtype.
-
-    silu: silu(gate) * up.
-    situ: [b * tanh(gate / b) * sigmoid(gate)] * [bl * tanh(up / bl)] in fp32 (K3; bl None leaves
-    the up branch unclipped).
-    """
-    if act.kind == "silu":
-        return jax.nn.silu(gate) * up
-    g = gate.astype(jnp.float32)
-    u = up.astype(jnp.float32)
-    left = act.situ_beta * jnp.tanh(g / act.situ_beta) * jax.nn.sigmoid(g)
-    right = u if act.situ_linear_beta is None else act.situ_linear_beta * jnp.tanh(u / act.situ_linear_beta)
-    return (left * right).astype(gate.dtype)
 
 
 class MLP(nnx.Module):

@@ -1,5 +1,6 @@
 """Mixture of experts: sigmoid router with correction bias and grouped top-k, routed experts
-(dense reference or sorted-token ragged GEMM) and shared experts (arch §6.3-6.5).
+(k3jax.layers.moe_experts, expert-parallel through k3jax.layers.moe_parallel) and shared experts
+(arch §6.3-6.5).
 
 Checkpoint names under `block_sparse_moe.`: gate.weight, gate.e_score_correction_bias,
 experts.{e}.w1/w3/w2 (gate/up/down), shared_experts.{gate,up,down}_proj, and for K3's latent MoE
@@ -12,12 +13,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.config import Activation, MoEConfig
+from k3jax.config import MoEConfig
 from k3jax.layers.linear import Linear
-from k3jax.layers.mlp import MLP, gated_activation
+from k3jax.layers.mlp import MLP
+from k3jax.layers.moe_experts import local_experts
+from k3jax.layers.moe_parallel import expert_parallel
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import normal, param, zeros
-from pallas_kernels.moe_gmm import grouped_matmul
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -53,77 +55,13 @@ def route(x_ND: jax.Array, w_DE: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def experts_dense(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation) -> jax.Array:
-    """Reference: every expert on every token, combined with a dense [N, E] weight matrix. -> [N, D] fp32."""
-    n, e = x_ND.shape[0], w1_EDF.shape[0]
-    combine_NE = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], experts_NX].add(weights_NX)
-    h_ENF = gated_activation(jnp.einsum("nd,edf->enf", x_ND, w1_EDF), jnp.einsum("nd,edf->enf", x_ND, w3_EDF), act)
-    y_END = jnp.einsum("enf,efd->end", h_ENF, w2_EFD)
-    return jnp.einsum("ne,end->nd", combine_NE, y_END.astype(jnp.float32), precision=_HIGHEST)
-
-
-def sort_by_expert(experts_NX: jax.Array, num_local: int, offset=0):
-    """Orders token-expert pairs by expert. Pairs whose expert lies outside [offset, offset +
-    num_local) (another shard's) sort last and are excluded from the group sizes.
-    Returns (order [N*X], group_sizes [num_local] int32, local [N*X] bool in sorted order)."""
-    flat = experts_NX.reshape(-1) - offset
-    local = (flat >= 0) & (flat < num_local)
-    key = jnp.where(local, flat, num_local)
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.sum(jax.nn.one_hot(key, num_local, dtype=jnp.int32), axis=0)
-    return order, sizes, local[order]
-
-
-def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *, gmm: str = "auto",
-                   expert_offset=0) -> jax.Array:
-    """Token-expert pairs sorted by expert, grouped GEMMs, fp32 scatter-add. -> [N, D].
-
-    With expert_offset (expert parallelism), the weights hold experts [offset, offset + E_local)
-    and pairs routed elsewhere contribute nothing here.
-    """
-    n, k = experts_NX.shape
-    order, sizes, local = sort_by_expert(experts_NX, w1_EDF.shape[0], expert_offset)
-    token = order // k
-    xs = x_ND[token]
-    mm = lambda lhs, rhs: grouped_matmul(lhs, rhs, sizes, impl=gmm)
-    h = gated_activation(mm(xs, w1_EDF), mm(xs, w3_EDF), act)
-    y = mm(h, w2_EFD).astype(jnp.float32) * weights_NX.reshape(-1)[order][:, None]
-    y = jnp.where(local[:, None], y, 0.0)
-    return jnp.zeros((n, x_ND.shape[1]), jnp.float32).at[token].add(y)
-
-
-def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation) -> jax.Array:
-    """Gathers each token's chosen expert weights (reads only the touched experts: for decode). -> [N, D]."""
-    h = gated_activation(jnp.einsum("nd,nxdf->nxf", x_ND, w1_EDF[experts_NX]),
-                         jnp.einsum("nd,nxdf->nxf", x_ND, w3_EDF[experts_NX]), act)
-    y = jnp.einsum("nxf,nxfd->nxd", h, w2_EFD[experts_NX]).astype(jnp.float32)
-    return jnp.einsum("nx,nxd->nd", weights_NX, y, precision=_HIGHEST)
-
-
-GATHER_MAX_TOKENS = 256  # "auto": gathered weights for decode-sized batches, grouped GEMM beyond
-
-
-def experts_auto(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *, gmm: str = "auto"):
-    """Gather for few tokens (reads only the touched experts), ragged grouped GEMM for many."""
-    if x_ND.shape[0] <= GATHER_MAX_TOKENS:
-        return experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
-    return experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act, gmm=gmm)
-
-
-_EXPERT_IMPLS = {"dense": experts_dense, "ragged": experts_ragged, "gather": experts_gather, "auto": experts_auto}
-
-
 def routed_experts(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg: MoEConfig) -> jax.Array:
-    """The routed experts' combined output [N, D] fp32: expert-parallel over the mesh's expert
-    axis when there is one (k3jax.layers.moe_parallel), else the configured local path."""
-    from k3jax.layers.moe_parallel import expert_parallel, expert_shards
-
-    if expert_shards() > 1:
-        return expert_parallel(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, gmm=cfg.gmm_impl)
-    impl = _EXPERT_IMPLS[cfg.impl]
-    if cfg.impl in ("ragged", "auto"):
-        return impl(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, gmm=cfg.gmm_impl)
-    return impl(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation)
+    """The routed experts' combined output [N, D] fp32: the configured local path, expert-parallel
+    when the model was sharded for it (cfg.expert_parallel)."""
+    if cfg.expert_parallel is not None:
+        return expert_parallel(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, ep=cfg.expert_parallel,
+                               impl=cfg.impl, gmm=cfg.gmm_impl)
+    return local_experts(cfg.impl, x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, gmm=cfg.gmm_impl)
 
 
 class Router(nnx.Module):

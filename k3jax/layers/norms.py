@@ -1,4 +1,4 @@
-"""RMS norms: the plain residual-stream norm, the sigmoid-gated KDA output norm and L2 norm."""
+"""RMS norms: the plain residual-stream norm and the sigmoid-gated KDA output norm."""
 
 from __future__ import annotations
 
@@ -7,18 +7,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.params import ones, param
+from pallas_kernels.kda import gated_rms_norm
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     """Weight-less RMS normalisation over the last axis, in fp32: x / sqrt(mean(x^2) + eps)."""
     x = x.astype(jnp.float32)
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-
-
-def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """x / sqrt(sum(x^2) + eps) over the last axis in fp32 (eps on the SUM, arch §10.11)."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 class RMSNorm(nnx.Module):
@@ -44,5 +39,4 @@ class GatedRMSNorm(nnx.Module):
 
     def __call__(self, o: jax.Array, z: jax.Array, out_dtype) -> jax.Array:
         """o, z: [..., K] -> [..., K] in `out_dtype`."""
-        y = rms_normalize(o, self.eps) * self.weight[...].astype(jnp.float32)
-        return (y * jax.nn.sigmoid(z.astype(jnp.float32))).astype(out_dtype)
+        return gated_rms_norm(o, z, self.weight[...], self.eps).astype(out_dtype)

@@ -1,8 +1,23 @@
-"""Kimi Delta Attention (gated delta rule with per-channel decay)."""
+"""Kimi Delta Attention (gated delta rule with per-channel decay): the reference, the pure-JAX
+forms, the Pallas kernels and the one dispatch site (`ops`)."""
 
-from pallas_kernels.kda.ops import KDA_IMPLS, kda, kda_decode
-from pallas_kernels.kda.reference import (kda_chunk_reference, kda_decode_reference, kda_recurrent_reference,
-                                          validate_inputs)
+from pallas_kernels.kda.chunk import kda_chunk_pallas
+from pallas_kernels.kda.chunk_xla import kda_chunk_xla
+from pallas_kernels.kda.decode import kda_decode_pallas
+from pallas_kernels.kda.decode_xla import kda_decode_xla
+from pallas_kernels.kda.gate import forget_gate, gated_rms_norm, l2_normalize, softplus
+from pallas_kernels.kda.ops import KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl, kda, kda_decode
+from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
+from pallas_kernels.kda.reference import kda_recurrent_reference, validate_inputs
+from pallas_kernels.kda.tuning import ChunkBlocks, DecodeBlocks
 
-__all__ = ["KDA_IMPLS", "kda", "kda_decode", "kda_chunk_reference", "kda_decode_reference",
-           "kda_recurrent_reference", "validate_inputs"]
+__all__ = [
+    # Ops (dispatch by implementation name)
+    "kda", "kda_decode", "KDAImpl", "KDA_IMPLS", "KDADecodeImpl", "KDA_DECODE_IMPLS",
+    # Arguments and launch settings
+    "KDADecodeInputs", "KDADecodeWeights", "ChunkBlocks", "DecodeBlocks",
+    # Implementations
+    "kda_recurrent_reference", "kda_chunk_xla", "kda_chunk_pallas", "kda_decode_xla", "kda_decode_pallas",
+    # Shared scalar math and validation
+    "forget_gate", "gated_rms_norm", "l2_normalize", "softplus", "validate_inputs",
+]

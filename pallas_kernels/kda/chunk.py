@@ -1,4 +1,5 @@
-"""Chunked KDA prefill in two Pallas kernels (Triton lowering); twin: `reference.kda_chunk_reference`.
+"""Chunked KDA prefill in two Pallas kernels (Triton lowering). Twins: `chunk_xla.kda_chunk_xla`
+and `reference.kda_recurrent_reference`.
 
 1. `_intra_kernel`, grid (row, head, chunk), all chunks in parallel: cumulative decay G, the
    pairwise-decayed key-key and query-key matrices (every exponent is G_r - G_j with j <= r, so
@@ -23,49 +24,25 @@ from pallas_kernels.kda.reference import validate_inputs
 from pallas_kernels.kda.tuning import ChunkBlocks
 
 
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, *, scale):
-    f32 = jnp.float32
-    q = q_ref[...].astype(f32) * scale                   # [C, K]
-    k = k_ref[...].astype(f32)
-    v = v_ref[...].astype(f32)                           # [C, V]
-    beta = b_ref[...].astype(f32)                        # [C]
-    cum = jnp.cumsum(g_ref[...].astype(f32), axis=0)     # G_r
-    c = q.shape[0]
-    rows = jnp.arange(c)
+def _pairwise_decayed(k, q, cum, rows):
+    """A_kk[r, j] = sum_d k_r k_j e^(G_r - G_j) and A_qk[r, j] = sum_d q_r k_j e^(G_r - G_j) for j <= r
+    (zero above the diagonal), built one column j at a time so every exponent is <= 0.
 
+    k, q, cum: [C, K] fp32 (cum = inclusive cumulative decay G); rows = arange(C). -> two [C, C].
+    """
     def column(j, carry):
         akk, aqk = carry
         pick = (rows == j)[:, None]
         k_j = jnp.sum(jnp.where(pick, k, 0.0), axis=0)
         g_j = jnp.sum(jnp.where(pick, cum, 0.0), axis=0)
-        decay = jnp.exp(jnp.where(rows[:, None] >= j, cum - g_j[None, :], -jnp.inf))
-        kd = k_j[None, :] * decay
+        kd = k_j[None, :] * jnp.exp(jnp.where(rows[:, None] >= j, cum - g_j[None, :], -jnp.inf))
         put = (rows == j)[None, :]
-        akk = jnp.where(put, jnp.sum(k * kd, axis=1)[:, None], akk)
-        aqk = jnp.where(put, jnp.sum(q * kd, axis=1)[:, None], aqk)
-        return akk, aqk
+        return (jnp.where(put, jnp.sum(k * kd, axis=1)[:, None], akk),
+                jnp.where(put, jnp.sum(q * kd, axis=1)[:, None], aqk))
 
-    zeros = jnp.zeros((c, c), f32)
-    akk, aqk = jax.lax.fori_loop(0, c, column, (zeros, zeros))
-    lower = rows[:, None] > rows[None, :]
-    akk = jnp.where(lower, akk * beta[:, None], 0.0)
-    aqk = jnp.where(rows[:, None] >= rows[None, :], aqk, 0.0)
-
-    def substitute(i, t):  # row i of (I + L)^-1 from the rows above it
-        pick = (rows == i)[:, None]
-        l_i = jnp.sum(jnp.where(pick, akk, 0.0), axis=0)
-        t_i = jnp.where(rows == i, 1.0, 0.0) - jnp.sum(l_i[:, None] * t, axis=0)
-        return jnp.where(pick, t_i[None, :], t)
-
-    tri = jax.lax.fori_loop(0, c, substitute, zeros)
-    e_cum = jnp.exp(cum)
-    last = jnp.sum(jnp.where((rows == c - 1)[:, None], cum, 0.0), axis=0)
-    w_ref[...] = jnp.dot(tri, beta[:, None] * e_cum * k, preferred_element_type=f32)
-    u_ref[...] = jnp.dot(tri, beta[:, None] * v, preferred_element_type=f32)
-    aqk_ref[...] = aqk
-    qg_ref[...] = q * e_cum
-    kt_ref[...] = k * jnp.exp(last[None, :] - cum)
-    dec_ref[...] = jnp.exp(last)
+    c = rows.shape[0]
+    zeros = jnp.zeros((c, c), jnp.float32)
+    return jax.lax.fori_loop(0, c, column, (zeros, zeros))
 
 
 def _inv_unit_lower(strict_lower, rows):
@@ -77,6 +54,28 @@ def _inv_unit_lower(strict_lower, rows):
         return jnp.where(pick, t_i[None, :], t)
     n = strict_lower.shape[0]
     return jax.lax.fori_loop(0, n, row, jnp.zeros((n, n), jnp.float32))
+
+
+def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, *, scale):
+    f32 = jnp.float32
+    q = q_ref[...].astype(f32) * scale                   # [C, K]
+    k = k_ref[...].astype(f32)
+    v = v_ref[...].astype(f32)                           # [C, V]
+    beta = b_ref[...].astype(f32)                        # [C]
+    cum = jnp.cumsum(g_ref[...].astype(f32), axis=0)     # G_r
+    c = q.shape[0]
+    rows = jnp.arange(c)
+    akk, aqk = _pairwise_decayed(k, q, cum, rows)
+    akk = jnp.where(rows[:, None] > rows[None, :], akk * beta[:, None], 0.0)
+    tri = _inv_unit_lower(akk, rows)
+    e_cum = jnp.exp(cum)
+    last = jnp.sum(jnp.where((rows == c - 1)[:, None], cum, 0.0), axis=0)
+    w_ref[...] = jnp.dot(tri, beta[:, None] * e_cum * k, preferred_element_type=f32)
+    u_ref[...] = jnp.dot(tri, beta[:, None] * v, preferred_element_type=f32)
+    aqk_ref[...] = aqk
+    qg_ref[...] = q * e_cum
+    kt_ref[...] = k * jnp.exp(last[None, :] - cum)
+    dec_ref[...] = jnp.exp(last)
 
 
 def _intra_blocked_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, *,
@@ -112,23 +111,11 @@ def _intra_blocked_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, aqk_r
             k_j = k_ref[blk(j), :].astype(f32) * jnp.exp(refs[i][None, :] - cums[j])
             akk[i][j] = dot(k_i * down, k_j.T) * b_i[:, None]
             aqk_ref[blk(i), blk(j)] = dot(q_i * down, k_j.T)
-
-        def column(jj, carry, k_i=k_i, q_i=q_i, cum=cums[i]):
-            dkk, dqk = carry
-            pick = (rows == jj)[:, None]
-            k_j = jnp.sum(jnp.where(pick, k_i, 0.0), axis=0)
-            g_j = jnp.sum(jnp.where(pick, cum, 0.0), axis=0)
-            kd = k_j[None, :] * jnp.exp(jnp.where(rows[:, None] >= jj, cum - g_j[None, :], -jnp.inf))
-            put = (rows == jj)[None, :]
-            return (jnp.where(put, jnp.sum(k_i * kd, axis=1)[:, None], dkk),
-                    jnp.where(put, jnp.sum(q_i * kd, axis=1)[:, None], dqk))
-
-        zero = jnp.zeros((sub, sub), f32)
-        dkk, dqk = jax.lax.fori_loop(0, sub, column, (zero, zero))
+        dkk, dqk = _pairwise_decayed(k_i, q_i, cums[i], rows)
         akk[i][i] = jnp.where(rows[:, None] > rows[None, :], dkk * b_i[:, None], 0.0)
-        aqk_ref[blk(i), blk(i)] = jnp.where(rows[:, None] >= rows[None, :], dqk, 0.0)
+        aqk_ref[blk(i), blk(i)] = dqk
         for j in range(i + 1, nb):
-            aqk_ref[blk(i), blk(j)] = zero
+            aqk_ref[blk(i), blk(j)] = jnp.zeros((sub, sub), f32)
         qg_ref[blk(i), :] = q_i * jnp.exp(cums[i])
         kt_ref[blk(i), :] = k_i * jnp.exp(last[None, :] - cums[i])
 
@@ -220,7 +207,17 @@ def to_chunks(x, chunk: int):
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
 def kda_chunk_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, blocks: ChunkBlocks = ChunkBlocks(),
                      interpret: bool | None = None):
-    """Chunked KDA prefill; same contract as `kda_chunk_reference` (q, k L2-normalised)."""
+    """Chunked KDA prefill in two Pallas kernels; same contract as `kda_recurrent_reference`.
+
+    Args:
+      q, k: [B, T, H, K] L2-normalised. v: [B, T, H, V]. g: [B, T, H, K] log decay (<= 0).
+      beta: [B, T, H] in (0, 1). scale: q multiplier (default K^-1/2).
+      initial_state: [B, H, K, V] or None (zeros).
+      blocks: chunk and launch settings (K, V and the chunk powers of two). interpret: default
+        off the GPU.
+    Returns:
+      o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32.
+    """
     validate_inputs(q, k, v, g, beta, initial_state)
     b, t, h, kd = q.shape
     vd = v.shape[-1]

@@ -1,6 +1,6 @@
 """Fused KDA decode step as one Pallas kernel (Triton lowering): per (row, head) program, the conv
 window update + SiLU, q/k L2 norm, forget gate, beta, delta-rule update of the fp32 [K, V] state
-(in place) and the sigmoid-gated output RMSNorm. Twin: `reference.kda_decode_reference`.
+(in place) and the sigmoid-gated output RMSNorm. Twin: `decode_xla.kda_decode_xla`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2
+from pallas_kernels.kda.decode_xla import validate_decode_inputs
+from pallas_kernels.kda.gate import forget_gate, gated_rms_norm, l2_normalize
+from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
 from pallas_kernels.kda.tuning import DecodeBlocks
 
 
@@ -28,41 +31,41 @@ def _decode_kernel(x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref, z_ref, n
             hist = conv_ref[j, i, :]
             pre += w_ref[j, i, :].astype(f32) * hist.astype(f32)
             conv_out_ref[j, i, :] = conv_ref[j + 1, i, :] if j + 1 < width - 1 else xi
-        act = pre * (1.0 / (1.0 + jnp.exp(-pre)))
-        acts.append(act.astype(dtype).astype(f32))
-    q, k, v = acts
-    q = q * jax.lax.rsqrt(jnp.sum(q * q) + 1e-6) * scale
-    k = k * jax.lax.rsqrt(jnp.sum(k * k) + 1e-6)
-    u = f_ref[...].astype(f32) + dt_ref[...].astype(f32)
-    a = a_ref[...].astype(f32)
-    if lower_bound is None:
-        g = -a * jnp.where(u > 20.0, u, jnp.log(1.0 + jnp.exp(jnp.minimum(u, 20.0))))
-    else:
-        g = lower_bound / (1.0 + jnp.exp(-a * u))
-    beta = 1.0 / (1.0 + jnp.exp(-b_ref[...].astype(f32)))
+        acts.append(jax.nn.silu(pre).astype(dtype))
+    q, k, v = l2_normalize(acts[0]) * scale, l2_normalize(acts[1]), acts[2].astype(f32)
+    g = forget_gate(f_ref[...].astype(f32) + dt_ref[...].astype(f32), a_ref[...].astype(f32), lower_bound)
+    beta = jax.nn.sigmoid(b_ref[...].astype(f32))
     s = s_ref[...] * jnp.exp(g)[:, None]                     # [K, V]
     pred = jnp.sum(s * k[:, None], axis=0)                   # [V]
-    nu = beta * (v - pred)
-    s = s + k[:, None] * nu[None, :]
+    s = s + k[:, None] * (beta * (v - pred))[None, :]
     s_out_ref[...] = s
-    o = jnp.sum(s * q[:, None], axis=0).astype(dtype).astype(f32)
-    o = o * jax.lax.rsqrt(jnp.mean(o * o) + norm_eps) * nw_ref[...].astype(f32)
-    z = z_ref[...].astype(f32)
-    out_ref[...] = (o / (1.0 + jnp.exp(-z))).astype(out_ref.dtype)
+    o = jnp.sum(s * q[:, None], axis=0).astype(dtype)
+    out_ref[...] = gated_rms_norm(o, z_ref[...], nw_ref[...], norm_eps).astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("lower_bound", "norm_eps", "scale", "blocks", "interpret"))
-def kda_decode(x_qkv, conv_state, conv_w, f, dt_bias, a, beta_logit, z, o_norm_w, state, *, lower_bound=None,
-               norm_eps=1e-5, scale=None, blocks: DecodeBlocks = DecodeBlocks(), interpret: bool | None = None):
-    """Fused KDA decode step; same contract as `kda_decode_reference` (the state is updated in place)."""
-    b, _, h, kd = x_qkv.shape
-    width = conv_w.shape[0]
-    if not is_pow2(kd) or state.shape != (b, h, kd, kd):
-        raise ValueError(f"kda_decode: head dim must be a power of two with K == V, got x {x_qkv.shape}, "
-                         f"state {state.shape}")
-    scale = kd ** -0.5 if scale is None else scale
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array, state: jax.Array,
+                      *, blocks: DecodeBlocks = DecodeBlocks(), interpret: bool | None = None):
+    """Fused KDA decode step as one kernel; same contract as `kda_decode_xla`. The fp32 state is
+    updated in place (input/output aliased): donate it to avoid a copy.
+
+    Args:
+      inputs: KDADecodeInputs (x_qkv [B, 3, H, K], f [B, H, K], beta_logit [B, H], z [B, H, K]).
+      weights: KDADecodeWeights of the layer (K a power of two).
+      conv_state: [B, W-1, 3, H, K]. state: [B, H, K, K] fp32.
+      blocks: launch settings. interpret: run in interpret mode (default: off the GPU).
+    Returns:
+      (out [B, H, K], new conv_state, new state fp32)
+    """
+    validate_decode_inputs(inputs, weights, conv_state, state)
+    b, _, h, kd = inputs.x_qkv.shape
+    width = weights.conv_w.shape[0]
+    if not is_pow2(kd):
+        raise ValueError(f"kda_decode_pallas: the head dim must be a power of two, got {kd}")
+    scale = kd ** -0.5 if weights.scale is None else weights.scale
     interpret = default_interpret() if interpret is None else interpret
-    kernel = functools.partial(_decode_kernel, width=width, lower_bound=lower_bound, norm_eps=norm_eps, scale=scale)
+    kernel = functools.partial(_decode_kernel, width=width, lower_bound=weights.lower_bound,
+                               norm_eps=weights.norm_eps, scale=scale)
     row_head = lambda i, j: (i, j, 0)
     out, new_conv, new_state = pl.pallas_call(
         kernel,
@@ -84,12 +87,13 @@ def kda_decode(x_qkv, conv_state, conv_w, f, dt_bias, a, beta_logit, z, o_norm_w
             pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),
             pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((b, h, kd), x_qkv.dtype),
+        out_shape=[jax.ShapeDtypeStruct((b, h, kd), inputs.x_qkv.dtype),
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                    jax.ShapeDtypeStruct(state.shape, jnp.float32)],
         input_output_aliases={9: 2},
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode",
-    )(x_qkv, conv_state, conv_w, f, dt_bias, a, beta_logit, z, o_norm_w, state.astype(jnp.float32))
+    )(inputs.x_qkv, conv_state, weights.conv_w, inputs.f, weights.dt_bias, weights.a, inputs.beta_logit, inputs.z,
+      weights.o_norm_w, state.astype(jnp.float32))
     return out, new_conv, new_state

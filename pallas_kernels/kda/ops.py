@@ -1,29 +1,66 @@
-"""The single import site for KDA: dispatches to an implementation by name."""
+"""The dispatch site of the KDA ops: each implementation choice is named here, once.
+
+    kda(q, k, v, g, beta, impl=...)                 a whole sequence (prefill, chunked prefill)
+    kda_decode(inputs, weights, conv, state, impl=) one fused decode step
+"""
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
+import jax
+
 from pallas_kernels.kda.chunk import kda_chunk_pallas
-from pallas_kernels.kda.decode import kda_decode
-from pallas_kernels.kda.reference import kda_chunk_reference, kda_decode_reference, kda_recurrent_reference
+from pallas_kernels.kda.chunk_xla import kda_chunk_xla
+from pallas_kernels.kda.decode import kda_decode_pallas
+from pallas_kernels.kda.decode_xla import kda_decode_xla
+from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
+from pallas_kernels.kda.reference import kda_recurrent_reference
+from pallas_kernels.kda.tuning import ChunkBlocks, DecodeBlocks
 
-KDA_IMPLS = ("chunked", "recurrent", "pallas")
+# "chunked": pure-JAX WY form; "recurrent": token loop (the reference); "pallas": two-kernel prefill.
+KDAImpl = Literal["chunked", "recurrent", "pallas"]
+KDA_IMPLS: tuple[str, ...] = get_args(KDAImpl)
+# "xla": the fused step in pure JAX (the kernel's twin); "pallas": one fused kernel.
+KDADecodeImpl = Literal["xla", "pallas"]
+KDA_DECODE_IMPLS: tuple[str, ...] = get_args(KDADecodeImpl)
 
-__all__ = ["KDA_IMPLS", "kda", "kda_chunk_pallas", "kda_decode", "kda_decode_reference"]
 
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, impl: KDAImpl = "chunked", chunk_size: int = 64):
+    """KDA over a sequence.
 
-def kda(q, k, v, g, beta, *, scale=None, initial_state=None, impl: str = "chunked", chunk_size: int = 64):
-    """KDA over a sequence. Shapes as in `kda_recurrent_reference`; returns (o [B,T,H,V], state [B,H,K,V] fp32).
-
-    impl: "chunked" (pure-JAX WY form), "recurrent" (token loop; the reference) or "pallas"
-    (the two-kernel chunked prefill; chunk_size is its chunk, a power of two).
+    Args:
+      q, k: [B, T, H, K] L2-normalised. v: [B, T, H, V]. g: [B, T, H, K] log decay (<= 0).
+      beta: [B, T, H] in (0, 1). scale: q multiplier (default K^-1/2).
+      initial_state: [B, H, K, V] or None (zeros).
+      impl: one of KDA_IMPLS. chunk_size: tokens per chunk of the chunked forms (a power of two
+        for "pallas").
+    Returns:
+      (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32)
     """
     if impl == "pallas":
-        from pallas_kernels.kda.tuning import ChunkBlocks
         return kda_chunk_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 blocks=ChunkBlocks(chunk=chunk_size))
     if impl == "chunked":
-        return kda_chunk_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                   chunk_size=chunk_size)
+        return kda_chunk_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
     if impl == "recurrent":
         return kda_recurrent_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     raise ValueError(f"kda: unknown impl {impl!r}; expected one of {KDA_IMPLS}")
+
+
+def kda_decode(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array, state: jax.Array, *,
+               impl: KDADecodeImpl = "xla", blocks: DecodeBlocks = DecodeBlocks(), interpret: bool | None = None):
+    """One KDA decode step per row (conv, gates, delta rule and output norm fused).
+
+    Args:
+      inputs: KDADecodeInputs of this token. weights: the layer's KDADecodeWeights.
+      conv_state: [B, W-1, 3, H, K]. state: [B, H, K, V] fp32.
+      impl: one of KDA_DECODE_IMPLS. blocks / interpret: kernel settings ("pallas" only).
+    Returns:
+      (out [B, H, K], new conv_state, new state fp32)
+    """
+    if impl == "pallas":
+        return kda_decode_pallas(inputs, weights, conv_state, state, blocks=blocks, interpret=interpret)
+    if impl == "xla":
+        return kda_decode_xla(inputs, weights, conv_state, state)
+    raise ValueError(f"kda_decode: unknown impl {impl!r}; expected one of {KDA_DECODE_IMPLS}")

@@ -62,7 +62,17 @@ def _kernel(len_ref, q_ref, qp_ref, c_ref, o_ref, m_ref, l_ref, *, r, p, heads, 
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
 def mla_decode_pallas(q_lat, q_pe, cache, lengths, *, scale: float, blocks: MLADecodeBlocks = MLADecodeBlocks(),
                       interpret: bool | None = None):
-    """Same contract as `mla_decode_reference`; the cache length must be a multiple of block_k."""
+    """Absorbed MLA attention over a latent cache, split over the sequence (flash-decoding).
+
+    Args:
+      q_lat: [B, Sq, H, R] queries folded into the latent space (q_nope @ W_UK).
+      q_pe: [B, Sq, H, P] rope-part queries. cache: [B, S, R + P] latents | k_pe per slot.
+      lengths: [B] int32 valid slots per row; query t of a row sees slots [0, lengths - Sq + t].
+      scale: softmax scale. blocks: launch settings (S a multiple of block_k; R, P powers of two).
+      interpret: run in interpret mode (default: off the GPU).
+    Returns:
+      [B, Sq, H, R] fp32, the attention-weighted latents (W_UV is applied by the caller).
+    """
     validate_inputs(q_lat, q_pe, cache, lengths)
     b, sq, h, r = q_lat.shape
     p = q_pe.shape[3]

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-GMM_IMPLS = ("auto", "xla", "mgpu")
+GmmImpl = Literal["auto", "xla", "mgpu"]
+GMM_IMPLS: tuple[str, ...] = get_args(GmmImpl)
 
 
 @dataclass(frozen=True)
@@ -32,9 +36,6 @@ def grouped_matmul_reference(lhs, rhs, group_sizes):
 
 
 def _mgpu(lhs, rhs, group_sizes, blocks: GmmBlocks):
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
     m = lhs.shape[0]
     pad = -m % blocks.block_m
     padded = jnp.pad(lhs, ((0, pad), (0, 0)))
@@ -48,7 +49,16 @@ def _mgpu(lhs, rhs, group_sizes, blocks: GmmBlocks):
     return jnp.where(rows, out, 0)[:m].astype(lhs.dtype)  # rows past the groups are undefined in the kernel
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, impl: str = "auto", blocks: GmmBlocks = GmmBlocks()):
+def grouped_matmul(lhs, rhs, group_sizes, *, impl: GmmImpl = "auto", blocks: GmmBlocks = GmmBlocks()):
+    """out[r] = lhs[r] @ rhs[g(r)] for rows sorted by group.
+
+    Args:
+      lhs: [M, K] rows sorted by group. rhs: [G, K, N]. group_sizes: [G] int32 rows per group
+        (their sum may be below M: the remaining rows come out zero).
+      impl: one of GMM_IMPLS. blocks: tile sizes of the Mosaic GPU kernel.
+    Returns:
+      [M, N] in lhs's dtype.
+    """
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] or group_sizes.shape != (rhs.shape[0],):
         raise ValueError(f"grouped_matmul: expected lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
                          f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}")

@@ -128,3 +128,20 @@ def test_sub_config_validation():
     cfg = tiny_kimi_linear()
     assert cfg.with_impls(kda="recurrent", mla="naive", moe="dense").kda.impl == "recurrent"
     json.dumps(cfg.mixers)  # plain tuples of strings
+
+
+def test_one_vocabulary_of_implementation_options():
+    cfg = tiny_kimi_linear()
+    changed = cfg.with_impls(kda="pallas", kda_decode="pallas", mla="pallas", moe="gather", gmm="xla")
+    assert (changed.kda.impl, changed.kda.decode_impl, changed.mla.decode_impl, changed.moe.impl,
+            changed.moe.gmm_impl) == ("pallas", "pallas", "pallas", "gather", "xla")
+    assert cfg.with_impls(attn_res="list") == cfg  # a choice for a part the model lacks is ignored
+    for old, new in (("kda_impl", "kda"), ("mla_impl", "mla"), ("moe_impl", "moe"), ("attn_res_impl", "attn_res")):
+        with pytest.raises(ConfigError, match=f"'{old}' is now called '{new}'"):
+            cfg.with_impls(**{old: "x"})
+    with pytest.raises(ConfigError, match="'reference' is now called 'xla'"):
+        cfg.with_impls(kda_decode="reference")
+    with pytest.raises(ConfigError, match="unknown implementation option 'mlp'"):
+        cfg.with_impls(mlp="dense")
+    with pytest.raises(ConfigError, match=r"mla.decode_impl.*expected one of \('absorbed', 'naive', 'pallas'\)"):
+        cfg.with_impls(mla="flash")

@@ -63,10 +63,10 @@ def test_batch_equals_rows_alone(generator, rng):
 def test_no_recompilation_within_a_bucket(generator, model, rng):
     sp = k3jax.SamplingParams(max_new_tokens=9)
     generator.generate([rng.integers(3, 512, 6).tolist(), rng.integers(3, 512, 11).tolist()], sp)
-    sizes = (model._prefill._cache_size(), generator._loop._cache_size())
+    sizes = (model.steps.prefill._cache_size(), generator.compiled_chunk._cache_size())
     out = generator.generate([rng.integers(3, 512, 14).tolist(), rng.integers(3, 512, 3).tolist()],
                              k3jax.SamplingParams(max_new_tokens=13, seed=9))
-    assert (model._prefill._cache_size(), generator._loop._cache_size()) == sizes
+    assert (model.steps.prefill._cache_size(), generator.compiled_chunk._cache_size()) == sizes
     assert out.buckets == {"rows": 2, "prompt": 16, "steps": 16}
 
 

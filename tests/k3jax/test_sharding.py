@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tolerances import assert_close
 
 import k3jax
-from k3jax.config import Activation, MoEConfig
-from k3jax.layers.moe import experts_dense
-from k3jax.layers.moe_parallel import expert_parallel
+from k3jax.config import ExpertParallel
 from k3jax.sharding import MeshSpec, logical_spec, make_mesh
 
 MESHES = [MeshSpec(expert=8), MeshSpec(data=2, expert=4), MeshSpec(tensor=8)]
@@ -23,21 +19,6 @@ def test_eight_devices():
     assert len(jax.devices()) == 8
 
 
-@pytest.mark.parametrize("tokens", [64, 6])  # divisible over data x expert (all_gather/psum_scatter), or not (psum)
-@pytest.mark.parametrize("spec", [MeshSpec(expert=8), MeshSpec(data=2, expert=4)])
-def test_expert_parallel_equals_single_device(rng, tokens, spec):
-    e, d, f, k = 16, 32, 16, 3
-    x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.float32)
-    experts = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)]), jnp.int32)
-    weights = jnp.asarray(rng.uniform(0.1, 1, (tokens, k)), jnp.float32)
-    ws = [jnp.asarray(rng.standard_normal(s) / 4, jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
-    act = Activation("silu")
-    ref = experts_dense(x, weights, experts, *ws, act)
-    mesh = make_mesh(spec)
-    with jax.set_mesh(mesh):
-        ws_sharded = [jax.device_put(w, NamedSharding(mesh, P("expert"))) for w in ws]
-        out = jax.jit(lambda *a: expert_parallel(*a, act=act))(x, weights, experts, *ws_sharded)
-    assert_close("expert parallel", out, ref)
 
 
 @pytest.fixture(scope="module", params=["kimi_linear", "k3"])
@@ -54,12 +35,20 @@ def test_sharded_model_equals_single_device(base_model, rng, spec):
     sharded = base_model.shard(mesh)
     w1 = sharded.params["model"]["layers"][1]["block_sparse_moe"]["experts"]["w1"][...]
     assert w1.sharding.spec[0] == ("expert" if spec.expert > 1 else None)
+    # Expert parallelism is part of the config, on exactly when the mesh has an expert axis.
+    ep = sharded.config.moe.expert_parallel
+    assert ep == (ExpertParallel(spec.expert, spec.data) if spec.expert > 1 else None)
+    assert base_model.config.moe.expert_parallel is None
     if spec.tensor > 1:
         assert sharded.params["lm_head"]["kernel"][...].sharding.spec == P(None, "tensor")
     assert_close("logits", sharded.logits(ids), base_model.logits(ids))
+    # Generation with the decode-sized expert path ("auto" gathers for few tokens) inside the
+    # expert-parallel body.
+    sharded_auto = sharded.with_impls(moe="auto")
+    assert sharded_auto.config.moe.expert_parallel == ep and sharded_auto.config.moe.impl == "auto"
     sp = k3jax.SamplingParams(max_new_tokens=6, ignore_eos=True)
     prompts = [ids[0].tolist(), ids[1, :7].tolist()]
-    ours = [r.token_ids for r in k3jax.Generator(sharded).generate(prompts, sp)]
+    ours = [r.token_ids for r in k3jax.Generator(sharded_auto).generate(prompts, sp)]
     ref = [r.token_ids for r in k3jax.Generator(base_model).generate(prompts, sp)]
     assert ours == ref
 
@@ -87,8 +76,3 @@ def test_rules_and_mesh_spec():
         MeshSpec.parse("pipeline=2")
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh(MeshSpec(data=4, expert=4))
-
-
-def test_moe_config_knows_the_grouped_matmul_choice():
-    with pytest.raises(k3jax.ConfigError, match="moe.gmm_impl"):
-        MoEConfig(hidden_size=8, num_experts=4, num_experts_per_token=2, expert_intermediate_size=4, gmm_impl="cuda")

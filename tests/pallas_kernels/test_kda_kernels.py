@@ -1,4 +1,5 @@
-"""Pallas KDA kernels (interpret mode on CPU) against their pure-JAX twins, fresh random inputs."""
+"""Pallas KDA kernels (interpret mode on CPU, compiled on a GPU) against their pure-JAX twins and
+the recurrent reference, fresh random inputs."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ import numpy as np
 import pytest
 from tolerances import assert_close
 
-from pallas_kernels.kda import kda_decode, kda_decode_reference, kda_recurrent_reference
-from pallas_kernels.kda.chunk import kda_chunk_pallas
-from pallas_kernels.kda.tuning import ChunkBlocks
+from pallas_kernels.kda import (ChunkBlocks, KDADecodeInputs, KDADecodeWeights, kda_chunk_pallas, kda_decode_pallas,
+                                kda_decode_xla, kda_recurrent_reference)
 
 
 def _l2(x):
@@ -24,7 +24,7 @@ def _l2(x):
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), True, "bfloat16", "blocked"),
     (2, 37, 2, 16, 16, 16, (-30.0, 0.0), True, "float32", "column"),
 ])
-def test_chunk_kernel_matches_recurrent_reference(rng, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
+def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
     k = _l2(rng.standard_normal((b, t, h, kd)))
     v = rng.standard_normal((b, t, h, vd))
@@ -33,7 +33,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, b, t, h, kd, vd, chunk, g
     s0 = rng.standard_normal((b, h, kd, vd)).astype(np.float32) if init else None
     cast = lambda x: jnp.asarray(x, dtype)
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
-                            blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra), interpret=True)
+                            blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
     assert o.dtype == jnp.dtype(dtype) and o.shape == (b, t, h, vd)
@@ -42,38 +42,47 @@ def test_chunk_kernel_matches_recurrent_reference(rng, b, t, h, kd, vd, chunk, g
     assert np.all(np.asarray(o, np.float32) != 0) or gates[1] <= -1e2  # every element written
 
 
-def _decode_inputs(rng, b, h, kd, width=4, dtype=jnp.bfloat16):
+def _decode_inputs(rng, b, h, kd, width=4, dtype=jnp.bfloat16, lower_bound=None):
     r = lambda *shape, dt=jnp.float32, s=1.0: jnp.asarray(s * rng.standard_normal(shape), dt)
-    return (r(b, 3, h, kd, dt=dtype), r(b, width - 1, 3, h, kd, dt=dtype), r(width, 3, h, kd, s=0.5),
-            r(b, h, kd, dt=dtype), r(h, kd), jnp.exp(r(h, kd)), r(b, h, dt=dtype), r(b, h, kd, dt=dtype),
-            r(kd), r(b, h, kd, kd))
+    inputs = KDADecodeInputs(x_qkv=r(b, 3, h, kd, dt=dtype), f=r(b, h, kd, dt=dtype), beta_logit=r(b, h, dt=dtype),
+                             z=r(b, h, kd, dt=dtype))
+    weights = KDADecodeWeights(conv_w=r(width, 3, h, kd, s=0.5), dt_bias=r(h, kd), a=jnp.exp(r(h, kd)), o_norm_w=r(kd),
+                               lower_bound=lower_bound)
+    return inputs, weights, r(b, width - 1, 3, h, kd, dt=dtype), r(b, h, kd, kd)
 
 
 @pytest.mark.parametrize("b,h,kd", [(1, 2, 16), (3, 4, 32), (2, 3, 16)])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_decode_kernel_matches_reference(rng, b, h, kd, lower_bound):
-    args = _decode_inputs(rng, b, h, kd)
-    out, conv, state = kda_decode(*args, lower_bound=lower_bound, interpret=True)
-    out_r, conv_r, state_r = kda_decode_reference(*args, lower_bound=lower_bound)
+def test_decode_kernel_matches_xla_twin(rng, interpret, b, h, kd, lower_bound):
+    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=lower_bound)
+    out_r, conv_r, state_r = kda_decode_xla(inputs, weights, conv, state)
+    out, new_conv, new_state = kda_decode_pallas(inputs, weights, conv, state, interpret=interpret)
     assert_close("out", out, out_r, dtype="bfloat16")
-    np.testing.assert_array_equal(np.asarray(conv, np.float32), np.asarray(conv_r, np.float32))
-    assert_close("state", state, state_r)
+    np.testing.assert_array_equal(np.asarray(new_conv, np.float32), np.asarray(conv_r, np.float32))
+    assert_close("state", new_state, state_r)
     assert np.all(np.asarray(out, np.float32) != 0)
 
 
-def test_decode_reference_agrees_with_the_recurrence(rng):
+def test_decode_step_agrees_with_the_recurrence(rng):
     """The fused step's recurrence part is the same delta rule as the sequence reference."""
     b, h, kd = 2, 2, 16
-    args = list(_decode_inputs(rng, b, h, kd, dtype=jnp.float32))
-    args[1] = jnp.zeros_like(args[1])
-    args[2] = jnp.zeros_like(args[2]).at[-1].set(1.0)  # conv = identity on the current token
-    _, _, state = kda_decode_reference(*args)
-    x = np.asarray(args[0])
+    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, dtype=jnp.float32)
+    conv = jnp.zeros_like(conv)
+    weights = KDADecodeWeights(conv_w=jnp.zeros_like(weights.conv_w).at[-1].set(1.0),  # conv = identity
+                               dt_bias=weights.dt_bias, a=weights.a, o_norm_w=weights.o_norm_w)
+    _, _, new_state = kda_decode_xla(inputs, weights, conv, state)
+    x = np.asarray(inputs.x_qkv)
     silu = lambda z: z / (1 + np.exp(-z))
     q, k, v = (silu(x[:, i]) for i in range(3))
-    u = np.asarray(args[3]) + np.asarray(args[4])
-    g = -np.asarray(args[5]) * np.logaddexp(0, u)
-    beta = 1 / (1 + np.exp(-np.asarray(args[6])))
+    u = np.asarray(inputs.f) + np.asarray(weights.dt_bias)
+    g = -np.asarray(weights.a) * np.logaddexp(0, u)
+    beta = 1 / (1 + np.exp(-np.asarray(inputs.beta_logit)))
     _, s_ref = kda_recurrent_reference(_l2(q)[:, None], _l2(k)[:, None], v[:, None], g[:, None], beta[:, None],
-                                       initial_state=args[9])
-    assert_close("state", state, s_ref)
+                                       initial_state=state)
+    assert_close("state", new_state, s_ref)
+
+
+def test_decode_names_the_bad_argument(rng):
+    inputs, weights, conv, state = _decode_inputs(rng, 2, 2, 16)
+    with pytest.raises(ValueError, match=r"state must have shape \(2, 2, 16, 16\)"):
+        kda_decode_xla(inputs, weights, conv, state[:, :, :8])

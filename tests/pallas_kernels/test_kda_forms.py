@@ -1,4 +1,5 @@
-"""KDA reference forms against fla's naive KDA (an outside oracle) and against each other."""
+"""The pure-JAX KDA forms (recurrent reference, chunked WY form) against fla's naive KDA (an outside
+oracle) and against each other."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from tolerances import assert_close
 
-from pallas_kernels.kda import kda, kda_chunk_reference, kda_recurrent_reference
+from pallas_kernels.kda import kda, kda_chunk_xla, kda_recurrent_reference
 
 
 def _l2(x):
@@ -50,7 +51,7 @@ def test_chunked_matches_fla_naive_chunk(fla_cases, case):
     assert meta[case]["fla_chunk"]
     get = lambda n: jnp.asarray(data[f"{case}/{n}"])
     s0 = get("s0") if meta[case]["initial_state"] else None
-    o, s = kda_chunk_reference(get("q"), get("k"), get("v"), get("g"), get("beta"), initial_state=s0, chunk_size=64)
+    o, s = kda_chunk_xla(get("q"), get("k"), get("v"), get("g"), get("beta"), initial_state=s0, chunk_size=64)
     assert_close(f"{case} o", o, data[f"{case}/o_chunk"])
     assert_close(f"{case} state", s, data[f"{case}/s_chunk"])
 
@@ -61,7 +62,7 @@ def test_chunked_matches_fla_naive_chunk(fla_cases, case):
 def test_chunked_equals_recurrent(rng, shape, chunk, initial_state):
     q, k, v, g, beta, s0 = random_inputs(rng, *shape, initial_state=initial_state)
     o_r, s_r = kda_recurrent_reference(q, k, v, g, beta, initial_state=s0)
-    o_c, s_c = kda_chunk_reference(q, k, v, g, beta, initial_state=s0, chunk_size=chunk)
+    o_c, s_c = kda_chunk_xla(q, k, v, g, beta, initial_state=s0, chunk_size=chunk)
     assert_close("o", o_c, o_r)
     assert_close("state", s_c, s_r)
 
@@ -71,7 +72,7 @@ def test_chunked_never_overflows_for_strongly_negative_gates(rng, gate_range):
     """Gates at (and far past) K3's floor: cumulative decays reach -3e5 within a chunk."""
     q, k, v, g, beta, s0 = random_inputs(rng, 1, 300, 2, 16, 16, gate_range=gate_range)
     o_r, s_r = kda_recurrent_reference(q, k, v, g, beta, initial_state=s0)
-    o_c, s_c = kda_chunk_reference(q, k, v, g, beta, initial_state=s0, chunk_size=64)
+    o_c, s_c = kda_chunk_xla(q, k, v, g, beta, initial_state=s0, chunk_size=64)
     assert_close("o", o_c, o_r)
     assert_close("state", s_c, s_r)
 
@@ -79,7 +80,7 @@ def test_chunked_never_overflows_for_strongly_negative_gates(rng, gate_range):
 def test_bf16_inputs(rng):
     q, k, v, g, beta, s0 = random_inputs(rng, 2, 50, 2, 16, 16)
     bf = lambda x: jnp.asarray(x, jnp.bfloat16)
-    o_c, s_c = kda_chunk_reference(bf(q), bf(k), bf(v), g, beta, initial_state=s0, chunk_size=16)
+    o_c, s_c = kda_chunk_xla(bf(q), bf(k), bf(v), g, beta, initial_state=s0, chunk_size=16)
     assert o_c.dtype == jnp.bfloat16 and s_c.dtype == jnp.float32
     # Same bf16-rounded inputs through the fp32 recurrent reference.
     f = lambda x: np.asarray(bf(x), np.float32)

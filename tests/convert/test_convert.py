@@ -20,16 +20,16 @@ from tolerances import assert_close
 import k3jax
 from k3jax.checkpoint.convert import convert, main, verify_checkpoint
 from k3jax.checkpoint.orbax_format import MANIFEST
+from k3jax.checkpoint.safetensors_io import SafetensorsCheckpoint
 from k3jax.checkpoint.writer import save_checkpoint
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kimi_linear_converted_equals_direct_load(oracle_dir, tmp_path, dtype):
     src = oracle_dir / "hf" / "kl_mla_first"
     report = convert(src, tmp_path / "out", dtype=dtype, verify=True)
-    from k3jax.checkpoint.safetensors_io import SafetensorsCheckpoint
     assert report.tensors == len(SafetensorsCheckpoint(src).names()) and report.skipped == 0
     ids = np.load(src / "reference.npz")["input_ids"]
     direct, converted = k3jax.load(src, dtype=dtype), k3jax.load(tmp_path / "out", dtype=dtype)

@@ -1,0 +1,54 @@
+"""One decoder layer: a mixer (KDA or MLA) and an FFN (dense MLP or MoE), each behind its pre-norm
+(arch §2). The residual stream around them is the caller's: plain pre-norm sums (Kimi-Linear, the
+MTP layers) in `__call__`, or K3's attention residuals (k3jax.model) through `mixer` / `ffn`.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from k3jax.config import AttnResConfig, KDAConfig, MLAConfig, MLPConfig, MoEConfig
+from k3jax.layers.attn_res import AttnResPoint
+from k3jax.layers.kda import KimiDeltaAttention
+from k3jax.layers.mla import MultiHeadLatentAttention
+from k3jax.layers.mlp import MLP
+from k3jax.layers.moe import MoE
+from k3jax.layers.norms import RMSNorm
+from k3jax.state import SeqInfo
+
+
+class DecoderLayer(nnx.Module):
+    """Mixer (KDA or MLA) and FFN (dense or MoE), each behind its pre-norm. With `attn_res`, the
+    layer also owns its two AttnRes mixing points (pre-mixer and pre-FFN)."""
+
+    def __init__(self, mixer: KDAConfig | MLAConfig, ffn: MLPConfig | MoEConfig, *, hidden_size: int,
+                 eps: float, attn_res: AttnResConfig | None = None, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, rngs=rngs)
+        if isinstance(mixer, KDAConfig):
+            self.self_attn = KimiDeltaAttention(mixer, dtype=dtype, rngs=rngs)
+        else:
+            self.self_attn = MultiHeadLatentAttention(mixer, dtype=dtype, rngs=rngs)
+        if isinstance(ffn, MoEConfig):
+            self.block_sparse_moe = MoE(ffn, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(ffn, dtype=dtype, rngs=rngs)
+        if attn_res is not None:
+            self.self_attention_res = AttnResPoint(hidden_size, attn_res.eps, dtype=dtype, rngs=rngs)
+            self.mlp_res = AttnResPoint(hidden_size, attn_res.eps, dtype=dtype, rngs=rngs)
+
+    def mixer(self, x_BTD, seq: SeqInfo, layer_state, *, fresh: bool):
+        """Mixer on the normed input: (delta [B, T, D], new layer state)."""
+        return self.self_attn(self.input_layernorm(x_BTD), seq, layer_state, fresh=fresh)
+
+    def ffn(self, y_BTD: jax.Array) -> jax.Array:
+        """FFN on the normed input: delta [B, T, D]."""
+        y_BTD = self.post_attention_layernorm(y_BTD)
+        return self.block_sparse_moe(y_BTD) if hasattr(self, "block_sparse_moe") else self.mlp(y_BTD)
+
+    def __call__(self, h_BTD, seq: SeqInfo, layer_state, *, fresh: bool):
+        """Plain pre-norm residual block (Kimi-Linear; K3's MTP layer)."""
+        a, layer_state = self.mixer(h_BTD, seq, layer_state, fresh=fresh)
+        h_BTD = h_BTD + a
+        return h_BTD + self.ffn(h_BTD), layer_state

@@ -1,0 +1,105 @@
+"""Routed-expert computation for one device (or one expert shard): the one dispatch site of the
+expert op. Every implementation computes
+
+    y[n] = sum_x weights[n, x] * down(act(gate(x_n), up(x_n)))   over the experts experts[n, x]
+
+for the experts this shard holds ([expert_offset, expert_offset + E_local)); pairs routed to other
+shards contribute nothing, so the expert-parallel wrapper (k3jax.layers.moe_parallel) can run any
+of them per shard and sum.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import jax
+import jax.numpy as jnp
+
+from k3jax.layers.activation import Activation, gated_activation
+from pallas_kernels.moe_gmm import GmmImpl, grouped_matmul
+
+# "dense": every expert on every token (the reference); "ragged": pairs sorted by expert, grouped
+# matmuls; "gather": each token's expert weights gathered (small batches); "auto": gather up to
+# GATHER_MAX_TOKENS tokens, ragged beyond.
+ExpertImpl = Literal["ragged", "dense", "gather", "auto"]
+EXPERT_IMPLS: tuple[str, ...] = get_args(ExpertImpl)
+GATHER_MAX_TOKENS = 256
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _local_index(experts_NX: jax.Array, num_local: int, offset) -> tuple[jax.Array, jax.Array]:
+    """(index into this shard's experts [N, X] (clipped), whether the pair is local [N, X])."""
+    local = experts_NX - offset
+    inside = (local >= 0) & (local < num_local)
+    return jnp.clip(local, 0, num_local - 1), inside
+
+
+def experts_dense(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
+                  expert_offset=0) -> jax.Array:
+    """Reference: every local expert on every token, combined with a dense [N, E] weight matrix. -> [N, D] fp32."""
+    n, e = x_ND.shape[0], w1_EDF.shape[0]
+    index, inside = _local_index(experts_NX, e, expert_offset)
+    combine_NE = jnp.zeros((n, e), jnp.float32).at[jnp.arange(n)[:, None], index].add(
+        jnp.where(inside, weights_NX, 0.0))
+    h_ENF = gated_activation(jnp.einsum("nd,edf->enf", x_ND, w1_EDF), jnp.einsum("nd,edf->enf", x_ND, w3_EDF), act)
+    y_END = jnp.einsum("enf,efd->end", h_ENF, w2_EFD)
+    return jnp.einsum("ne,end->nd", combine_NE, y_END.astype(jnp.float32), precision=_HIGHEST)
+
+
+def sort_by_expert(experts_NX: jax.Array, num_local: int, offset=0):
+    """Orders token-expert pairs by expert. Pairs whose expert lies outside [offset, offset +
+    num_local) (another shard's) sort last and are excluded from the group sizes.
+    Returns (order [N*X], group_sizes [num_local] int32, local [N*X] bool in sorted order)."""
+    flat = experts_NX.reshape(-1) - offset
+    local = (flat >= 0) & (flat < num_local)
+    key = jnp.where(local, flat, num_local)
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.sum(jax.nn.one_hot(key, num_local, dtype=jnp.int32), axis=0)
+    return order, sizes, local[order]
+
+
+def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
+                   gmm: GmmImpl = "auto", expert_offset=0) -> jax.Array:
+    """Token-expert pairs sorted by expert, grouped matmuls, fp32 scatter-add. -> [N, D] fp32."""
+    n, k = experts_NX.shape
+    order, sizes, local = sort_by_expert(experts_NX, w1_EDF.shape[0], expert_offset)
+    token = order // k
+    xs = x_ND[token]
+    mm = lambda lhs, rhs: grouped_matmul(lhs, rhs, sizes, impl=gmm)
+    h = gated_activation(mm(xs, w1_EDF), mm(xs, w3_EDF), act)
+    y = mm(h, w2_EFD).astype(jnp.float32) * weights_NX.reshape(-1)[order][:, None]
+    y = jnp.where(local[:, None], y, 0.0)
+    return jnp.zeros((n, x_ND.shape[1]), jnp.float32).at[token].add(y)
+
+
+def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
+                   expert_offset=0) -> jax.Array:
+    """Gathers each token's chosen expert weights (reads only the touched experts). -> [N, D] fp32."""
+    index, inside = _local_index(experts_NX, w1_EDF.shape[0], expert_offset)
+    h = gated_activation(jnp.einsum("nd,nxdf->nxf", x_ND, w1_EDF[index]),
+                         jnp.einsum("nd,nxdf->nxf", x_ND, w3_EDF[index]), act)
+    y = jnp.einsum("nxf,nxfd->nxd", h, w2_EFD[index]).astype(jnp.float32)
+    return jnp.einsum("nx,nxd->nd", jnp.where(inside, weights_NX, 0.0), y, precision=_HIGHEST)
+
+
+def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
+                  gmm: GmmImpl = "auto", expert_offset=0) -> jax.Array:
+    """The routed experts' combined output [N, D] fp32 over this shard's experts.
+
+    Args:
+      impl: one of EXPERT_IMPLS. x_ND: expert inputs. weights_NX / experts_NX: the router's
+        choice (fp32 weights, global expert ids). w1_EDF / w3_EDF (gate / up), w2_EFD (down): this
+        shard's experts. gmm: the grouped-matmul implementation of "ragged". expert_offset: the
+        global id of this shard's first expert.
+    """
+    if impl == "auto":
+        impl = "gather" if x_ND.shape[0] <= GATHER_MAX_TOKENS else "ragged"
+    args = (x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
+    if impl == "ragged":
+        return experts_ragged(*args, gmm=gmm, expert_offset=expert_offset)
+    if impl == "gather":
+        return experts_gather(*args, expert_offset=expert_offset)
+    if impl == "dense":
+        return experts_dense(*args, expert_offset=expert_offset)
+    raise ValueError(f"routed experts: unknown impl {impl!r}; expected one of {EXPERT_IMPLS}")

@@ -1,0 +1,61 @@
+"""One fused KDA decode step in pure JAX (arch §4.7): the production path off the GPU and the
+twin of the Pallas kernel in `decode.py`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda.gate import forget_gate, gated_rms_norm, l2_normalize
+from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def validate_decode_inputs(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array,
+                           state: jax.Array) -> None:
+    """Raises ValueError naming the first argument whose shape disagrees with x_qkv [B, 3, H, K]."""
+    if inputs.x_qkv.ndim != 4 or inputs.x_qkv.shape[1] != 3:
+        raise ValueError(f"kda_decode: x_qkv must be [B, 3, H, K], got {inputs.x_qkv.shape}")
+    b, _, h, k = inputs.x_qkv.shape
+    w = weights.conv_w.shape[0]
+    expected = {"f": (inputs.f, (b, h, k)), "beta_logit": (inputs.beta_logit, (b, h)), "z": (inputs.z, (b, h, k)),
+                "conv_w": (weights.conv_w, (w, 3, h, k)), "dt_bias": (weights.dt_bias, (h, k)),
+                "a": (weights.a, (h, k)), "o_norm_w": (weights.o_norm_w, (k,)),
+                "conv_state": (conv_state, (b, w - 1, 3, h, k)), "state": (state, (b, h, k, k))}
+    for name, (arr, shape) in expected.items():
+        if tuple(arr.shape) != shape:
+            raise ValueError(f"kda_decode: {name} must have shape {shape}, got {tuple(arr.shape)}")
+
+
+def kda_decode_xla(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array,
+                   state: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token per row through conv + SiLU, q/k L2 norm, forget gate, beta, the delta rule and
+    the sigmoid-gated output RMSNorm.
+
+    Args:
+      inputs: this token's projections (KDADecodeInputs). weights: the layer's KDADecodeWeights.
+      conv_state: [B, W-1, 3, H, K] the previous W-1 pre-conv inputs (activation dtype).
+      state: [B, H, K, V] fp32 recurrent state (K == V).
+    Returns:
+      (out [B, H, K] in x_qkv's dtype, new conv_state, new state [B, H, K, V] fp32)
+    """
+    validate_decode_inputs(inputs, weights, conv_state, state)
+    x = inputs.x_qkv
+    dtype, kd = x.dtype, x.shape[-1]
+    scale = kd ** -0.5 if weights.scale is None else weights.scale
+    window = jnp.concatenate([conv_state.astype(jnp.float32), x[:, None].astype(jnp.float32)], axis=1)
+    pre = jnp.einsum("bwihk,wihk->bihk", window, weights.conv_w.astype(jnp.float32), precision=_HIGHEST)
+    act = jax.nn.silu(pre).astype(dtype)
+    q, k, v = l2_normalize(act[:, 0]) * scale, l2_normalize(act[:, 1]), act[:, 2].astype(jnp.float32)
+    g = forget_gate(inputs.f.astype(jnp.float32) + weights.dt_bias.astype(jnp.float32), weights.a,
+                    weights.lower_bound)
+    beta = jax.nn.sigmoid(inputs.beta_logit.astype(jnp.float32))
+    s = state.astype(jnp.float32) * jnp.exp(g)[..., None]
+    pred = jnp.einsum("bhk,bhkv->bhv", k, s, precision=_HIGHEST)
+    s = s + k[..., :, None] * (beta[..., None] * (v - pred))[..., None, :]
+    o = jnp.einsum("bhk,bhkv->bhv", q, s, precision=_HIGHEST).astype(dtype)
+    out = gated_rms_norm(o, inputs.z, weights.o_norm_w, weights.norm_eps).astype(dtype)
+    new_conv = jnp.concatenate([conv_state[:, 1:], x[:, None].astype(conv_state.dtype)], axis=1)
+    return out, new_conv, s

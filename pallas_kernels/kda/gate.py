@@ -1,0 +1,46 @@
+"""The scalar math of a KDA step, written once and used by the layer, the pure-JAX forms and the
+Pallas kernel bodies alike (every function here lowers inside a Pallas kernel).
+
+    u = f + dt_bias, a = exp(A_log)
+    Kimi-Linear:  g = -a * softplus(u)            (softplus returns u above 20, as torch does)
+    K3:           g = lower_bound * sigmoid(a * u)
+    q, k:         x / sqrt(sum x^2 + 1e-6)         (eps on the SUM, arch §10.11)
+    output:       w * rmsnorm(o) * sigmoid(z)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+L2_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def softplus(u: jax.Array) -> jax.Array:
+    """log(1 + e^u), and u itself above the threshold (torch's softplus, which HF's KDA uses)."""
+    return jnp.where(u > SOFTPLUS_THRESHOLD, u, jnp.log1p(jnp.exp(jnp.minimum(u, SOFTPLUS_THRESHOLD))))
+
+
+def forget_gate(u: jax.Array, a: jax.Array, lower_bound: float | None) -> jax.Array:
+    """Log-space per-channel decay g (<= 0) from u = f + dt_bias and a = exp(A_log), fp32.
+
+    `a` broadcasts against `u` (per head [H, 1] or per channel [K]).
+    """
+    u = u.astype(jnp.float32)
+    if lower_bound is None:
+        return -a * softplus(u)
+    return lower_bound * jax.nn.sigmoid(a * u)
+
+
+def l2_normalize(x: jax.Array, axis: int = -1) -> jax.Array:
+    """x / sqrt(sum(x^2) + L2_EPS) over `axis`, in fp32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + L2_EPS)
+
+
+def gated_rms_norm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax.Array:
+    """The KDA output norm in fp32: weight * o / sqrt(mean(o^2) + eps) * sigmoid(z)."""
+    o = o.astype(jnp.float32)
+    o = o * jax.lax.rsqrt(jnp.mean(o * o, axis=axis, keepdims=True) + eps) * weight.astype(jnp.float32)
+    return o * jax.nn.sigmoid(z.astype(jnp.float32))

@@ -1,0 +1,135 @@
+"""MoE: the router against numpy, every expert implementation against the dense reference and a
+token loop, any implementation per shard under expert parallelism, SiTU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tolerances import assert_close
+
+from k3jax.config import ExpertParallel, MoEConfig
+from k3jax.layers.activation import Activation, gated_activation
+from k3jax.layers.moe import route
+from k3jax.layers.moe_experts import EXPERT_IMPLS, experts_dense, local_experts
+from k3jax.layers.moe_parallel import expert_parallel
+from k3jax.sharding import MeshSpec, make_mesh
+
+
+def _numpy_route(x, w, bias, cfg: MoEConfig):
+    scores = 1 / (1 + np.exp(-(x.astype(np.float64) @ w.astype(np.float64))))
+    choice = scores + bias
+    if cfg.num_expert_group > 1:
+        g = choice.reshape(len(x), cfg.num_expert_group, -1)
+        group_score = np.sort(g, -1)[..., -2:].sum(-1)
+        keep = np.argsort(-group_score, -1)[:, :cfg.topk_group]
+        mask = np.zeros(group_score.shape, bool)
+        np.put_along_axis(mask, keep, True, -1)
+        choice = np.where(mask[..., None], g, -np.inf).reshape(len(x), -1)
+    idx = np.argsort(-choice, -1)[:, :cfg.num_experts_per_token]
+    wts = np.take_along_axis(scores, idx, -1)
+    if cfg.renormalize:
+        wts = wts / (wts.sum(-1, keepdims=True) + 1e-20)
+    return wts * cfg.routed_scaling_factor, idx
+
+
+
+@pytest.mark.parametrize("groups,topk_group,renorm", [(1, 1, True), (4, 2, True), (2, 1, False)])
+def test_router_matches_numpy(rng, groups, topk_group, renorm):
+    cfg = MoEConfig(hidden_size=16, num_experts=16, num_experts_per_token=3, expert_intermediate_size=8,
+                    num_expert_group=groups, topk_group=topk_group, renormalize=renorm, routed_scaling_factor=2.446)
+    x = rng.standard_normal((40, 16)).astype(np.float32)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    bias = (rng.standard_normal(16) * 0.5).astype(np.float32)
+    weights, experts = route(x, w, bias, cfg)
+    ref_w, ref_idx = _numpy_route(x, w, bias, cfg)
+    order = np.argsort(np.asarray(experts), -1)
+    ref_order = np.argsort(ref_idx, -1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(experts), order, -1),
+                                  np.take_along_axis(ref_idx, ref_order, -1))
+    assert_close("weights", np.take_along_axis(np.asarray(weights), order, -1),
+                 np.take_along_axis(ref_w, ref_order, -1))
+
+
+
+def _expert_problem(rng, n, d=16, f=8, e=6, k=2):
+    x = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    experts = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1, (n, k)), jnp.float32)
+    ws = [jnp.asarray(rng.standard_normal(s) / 4, jnp.float32) for s in ((e, d, f), (e, d, f), (e, f, d))]
+    return x, weights, experts, ws
+
+
+@pytest.mark.parametrize("act", [Activation("silu"), Activation("situ", 4.0, 25.0)])
+def test_expert_implementations_equal_dense_reference(rng, act):
+    x, weights, experts, ws = _expert_problem(rng, 37)
+    n, k = experts.shape
+    dense = experts_dense(x, weights, experts, *ws, act)
+    for impl in EXPERT_IMPLS:
+        assert_close(f"{impl} vs dense", local_experts(impl, x, weights, experts, *ws, act), dense)
+    # Independent loop over tokens.
+    ref = np.zeros(x.shape)
+    for i in range(n):
+        for j in range(k):
+            ei = int(experts[i, j])
+            h = np.asarray(gated_activation(x[i] @ ws[0][ei], x[i] @ ws[1][ei], act), np.float64)
+            ref[i] += float(weights[i, j]) * (h @ np.asarray(ws[2][ei], np.float64))
+    assert_close("dense vs loop", dense, ref)
+
+
+@pytest.mark.parametrize("impl", EXPERT_IMPLS)
+def test_shards_of_experts_sum_to_the_whole(rng, impl):
+    """Each implementation over a slice of the experts (expert_offset) gives that slice's share."""
+    x, weights, experts, ws = _expert_problem(rng, 11)
+    act = Activation("silu")
+    whole = experts_dense(x, weights, experts, *ws, act)
+    parts = [local_experts(impl, x, weights, experts, *(w[o:o + 3] for w in ws), act, expert_offset=o)
+             for o in (0, 3)]
+    assert_close("sum of shards", parts[0] + parts[1], whole)
+
+
+@pytest.mark.parametrize("tokens", [64, 6])  # divisible over data x expert (all_gather/psum_scatter), or not (psum)
+@pytest.mark.parametrize("spec", [MeshSpec(expert=8), MeshSpec(data=2, expert=4)])
+@pytest.mark.parametrize("impl", ["ragged", "gather", "dense"])
+def test_expert_parallel_equals_single_device(rng, tokens, spec, impl):
+    x, weights, experts, ws = _expert_problem(rng, tokens, d=32, f=16, e=16, k=3)
+    act = Activation("silu")
+    ref = experts_dense(x, weights, experts, *ws, act)
+    mesh = make_mesh(spec)
+    ep = ExpertParallel(expert_shards=spec.expert, data_shards=spec.data)
+    with jax.set_mesh(mesh):
+        ws_sharded = [jax.device_put(w, NamedSharding(mesh, P("expert"))) for w in ws]
+        out = jax.jit(lambda *a: expert_parallel(*a, act=act, ep=ep, impl=impl))(x, weights, experts, *ws_sharded)
+    assert_close("expert parallel", out, ref)
+
+
+def test_expert_parallel_checks_its_mesh(rng):
+    x, weights, experts, ws = _expert_problem(rng, 4, e=8)
+    ep = ExpertParallel(expert_shards=4)
+    with pytest.raises(ValueError, match="run it under its mesh"):
+        expert_parallel(x, weights, experts, *ws, Activation("silu"), ep=ep)
+    with jax.set_mesh(make_mesh(MeshSpec(expert=8))), pytest.raises(ValueError, match="sharded for expert=4"):
+        expert_parallel(x, weights, experts, *ws, Activation("silu"), ep=ep)
+
+
+def test_moe_config_knows_the_choices():
+    base = MoEConfig(hidden_size=8, num_experts=4, num_experts_per_token=2, expert_intermediate_size=4)
+    with pytest.raises(ValueError, match="moe.gmm_impl"):
+        dataclasses.replace(base, gmm_impl="cuda")
+    with pytest.raises(ValueError, match="moe.impl"):
+        dataclasses.replace(base, impl="fast")
+    with pytest.raises(ValueError, match="do not split over 3"):
+        dataclasses.replace(base, expert_parallel=ExpertParallel(expert_shards=3))
+
+
+def test_situ_formula(rng):
+    gate = rng.standard_normal(50).astype(np.float32) * 10
+    up = rng.standard_normal(50).astype(np.float32) * 60
+    expected = 4 * np.tanh(gate / 4) / (1 + np.exp(-gate)) * 25 * np.tanh(up / 25)
+    assert_close("situ", gated_activation(gate, up, Activation("situ", 4.0, 25.0)), expected)
+    assert_close("silu", gated_activation(gate, up, Activation("silu")), gate / (1 + np.exp(-gate)) * up)
