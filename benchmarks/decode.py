@@ -1,38 +1,50 @@
-"""End-to-end decode benchmark: TPOT, throughput and MBU of the compiled generate loop.
+"""End-to-end decode benchmark: TPOT, throughput and MBU of the compiled generate loop, optionally
+with a profile of one decode step summarised by category and prefill (TTFT) rows.
 
     python benchmarks/decode.py --model tiny-kimi-linear --batch 1 4                 # CPU smoke run
-    python benchmarks/decode.py --model kimi-linear-48b --batch 1 64 --dtype bfloat16  # H200 baseline
+    python benchmarks/decode.py --model kimi-linear-48b --batch 1 64 --dtype bfloat16 --kernels pallas \
+        --moe auto --profile --prefill 1x8192 64x1024                                  # on the H200
 
 kimi-linear-48b is the released Kimi-Linear-48B-A3B shape with random weights (about 98 GB in
-bf16). TPOT = decode loop time / generated steps (median over repeats after a compiling warm-up).
-MBU follows performance.md §5.1-5.2: bytes that must move per step = weights touched (non-routed
-+ experts touched, uniform-routing estimate) + KDA state read+write + MLA latent cache read.
+bf16; initialised with the fast `unsafe_rbg` generator). TPOT = decode time / generated steps
+(median over repeats after a compiling warm-up). MBU follows performance.md §5.1-5.2: bytes that
+must move per step = weights touched (non-routed + experts touched, uniform-routing estimate) +
+KDA state read+write + MLA latent cache read, over TPOT, against 4.3 TB/s.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
+
+if "--profile" in sys.argv:  # XLA reads its flags once, at backend start: dump the optimized HLO
+    _DUMP = os.path.join(os.environ.get("OUT", "/tmp"), "hlo_dump")
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), f"--xla_dump_to={_DUMP}",
+                                                      "--xla_dump_hlo_as_text",
+                                                      "--xla_dump_hlo_module_re=.*decode_chunk.*"]))
+
+import argparse  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 import k3jax  # noqa: E402
 from benchmarks.common import HBM_ACHIEVABLE, HBM_DATASHEET, environment, table, write  # noqa: E402
-from flax import nnx  # noqa: E402
-
+from benchmarks.profile_summary import markdown, summarize  # noqa: E402
 from k3jax.config import kimi_linear_48b_a3b  # noqa: E402
 from k3jax.model import abstract_model  # noqa: E402
 
 
 def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int) -> dict:
     """Bytes that must move in one decode step (performance.md §5.1)."""
-    abstract = abstract_model(cfg, np.float32)
     counts = {"routed": 0, "other": 0}
-    for path, var in nnx.to_flat_state(nnx.state(abstract)):
+    for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg, np.float32))):
         n = int(np.prod(var.get_value().shape))
         if "embed_tokens" in path:
             n = batch * cfg.hidden_size  # a lookup reads only the rows of this step's tokens
@@ -49,59 +61,114 @@ def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int) -> dict:
             "total": weights + kda_state + mla_kv}
 
 
+def build(args) -> k3jax.CausalLM:
+    impls = {"moe": args.moe, "gmm": args.gmm}
+    if args.kernels == "pallas":
+        impls.update(kda="pallas", kda_decode="pallas", mla="pallas")
+    if args.model == "kimi-linear-48b":
+        jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # random weights at memory speed
+        t0 = time.perf_counter()
+        model = k3jax.CausalLM.random(kimi_linear_48b_a3b().with_impls(**impls), seed=0, dtype=args.dtype)
+        jax.block_until_ready(model.params)
+        print(f"built random weights in {time.perf_counter() - t0:.1f} s", flush=True)
+        return model
+    return k3jax.load_model(args.model, dtype=args.dtype).with_impls(**impls)
+
+
+def decode_row(gen, cfg, b, args, dtype_bytes, rng) -> dict:
+    prompts = rng.integers(3, cfg.vocab_size - 300, (b, args.prompt_len)).tolist()
+    sp = k3jax.SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    first = gen.generate(prompts, sp)  # compiles prefill and the decode chunk
+    first_s = time.perf_counter() - t0
+    tpots, prefills, walls = [], [], []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        out = gen.generate(prompts, sp)
+        walls.append(time.perf_counter() - t0)
+        tpots.append(out.timings.decode_s / out.timings.steps)
+        prefills.append(out.timings.prefill_s)
+    tpot = statistics.median(tpots)
+    moved = step_bytes(cfg, b, args.prompt_len + args.new_tokens // 2, dtype_bytes)
+    row = {"batch": b, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "tpot_ms": tpot * 1e3,
+           "tok_per_s": b / tpot, "prefill_ms": statistics.median(prefills) * 1e3,
+           "first_call_s": first_s, "compile_s_est": first_s - statistics.median(walls),
+           "bytes_per_step_gb": moved["total"] / 1e9, "experts_touched": moved["experts_touched"],
+           "floor_ms": moved["total"] / HBM_ACHIEVABLE * 1e3, "ratio_to_floor": tpot / (moved["total"] / HBM_ACHIEVABLE),
+           "mbu_achievable": moved["total"] / tpot / HBM_ACHIEVABLE, "mbu_datasheet": moved["total"] / tpot / HBM_DATASHEET,
+           "tpot_all_ms": [t * 1e3 for t in tpots], "first_tokens": first[0].token_ids[:8]}
+    print(f"batch {b}: TPOT {tpot * 1e3:.2f} ms, {b / tpot:.1f} tok/s, MBU {row['mbu_achievable']:.1%}, "
+          f"first call {first_s:.1f} s", flush=True)
+    if args.profile:
+        row["profile"] = profile(gen, prompts, f"b{b}")
+    return row
+
+
+def profile(gen, prompts, tag: str) -> dict:
+    """One generate call of 16 decode steps (one chunk) under the profiler -> category summary."""
+    out_dir = os.environ.get("OUT", "/tmp")
+    trace_dir = os.path.join(out_dir, f"trace_{tag}")
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    sp = k3jax.SamplingParams(max_new_tokens=16, ignore_eos=True)
+    gen.generate(prompts, sp)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        out = gen.generate(prompts, sp)
+    try:
+        summary = summarize(trace_dir, _DUMP, "decode_chunk", out.timings.steps)
+    except Exception as e:  # noqa: BLE001 - a profile that cannot be read must not lose the timings
+        print(f"profile {tag}: could not summarise ({type(e).__name__}: {e})", flush=True)
+        return {"error": str(e)}
+    print(f"profile {tag}:\n{markdown(summary)}", flush=True)
+    return summary
+
+
+def prefill_row(gen, cfg, spec: str, rng) -> dict:
+    b, t = (int(x) for x in spec.split("x"))
+    prompts = rng.integers(3, cfg.vocab_size - 300, (b, t)).tolist()
+    sp = k3jax.SamplingParams(max_new_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    gen.generate(prompts, sp)
+    first_s = time.perf_counter() - t0
+    times = [gen.generate(prompts, sp).timings.prefill_s for _ in range(3)]
+    row = {"batch": b, "prompt_len": t, "prefill_ms": statistics.median(times) * 1e3, "first_call_s": first_s,
+           "tok_per_s": b * t / statistics.median(times)}
+    print(f"prefill {b}x{t}: {row['prefill_ms']:.1f} ms ({row['tok_per_s']:.0f} tok/s), first call {first_s:.1f} s",
+          flush=True)
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-kimi-linear", help="tiny-k3, tiny-kimi-linear or kimi-linear-48b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--moe-impl", default=None, choices=["ragged", "gather", "dense", "auto"])
-    ap.add_argument("--kernels", choices=["reference", "pallas"], default="reference",
+    ap.add_argument("--moe", default=None, help="routed-expert implementation (k3jax option 'moe')")
+    ap.add_argument("--gmm", default=None, help="grouped matmul implementation (k3jax option 'gmm')")
+    ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
                     help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
+    ap.add_argument("--profile", action="store_true", help="profile 16 decode steps per batch size")
+    ap.add_argument("--prefill", nargs="*", default=[], help="prefill rows as BxT, e.g. 1x8192 64x1024")
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
 
-    impls = {"moe": args.moe_impl}
-    if args.kernels == "pallas":
-        impls.update(kda="pallas", kda_decode="pallas", mla="pallas")
-    if args.model == "kimi-linear-48b":
-        model = k3jax.CausalLM.random(kimi_linear_48b_a3b().with_impls(**impls), seed=0, dtype=args.dtype)
-    else:
-        model = k3jax.load_model(args.model, dtype=args.dtype).with_impls(**impls)
+    model = build(args)
     cfg = model.config
     gen = k3jax.Generator(model)
     rng = np.random.default_rng(0)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
-    rows = []
-    for b in args.batch:
-        prompts = rng.integers(3, cfg.vocab_size - 300, (b, args.prompt_len)).tolist()
-        sp = k3jax.SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-        gen.generate(prompts, sp)  # compile
-        tpots, prefills = [], []
-        for _ in range(args.repeats):
-            out = gen.generate(prompts, sp)
-            tpots.append(out.timings.decode_s / out.timings.steps)
-            prefills.append(out.timings.prefill_s)
-        tpot = statistics.median(tpots)
-        ctx = args.prompt_len + args.new_tokens // 2
-        moved = step_bytes(cfg, b, ctx, dtype_bytes)
-        rows.append({"batch": b, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                     "tpot_ms": tpot * 1e3, "tok_per_s": b / tpot, "prefill_ms": statistics.median(prefills) * 1e3,
-                     "bytes_per_step_gb": moved["total"] / 1e9, "experts_touched": moved["experts_touched"],
-                     "floor_ms": moved["total"] / HBM_ACHIEVABLE * 1e3,
-                     "mbu_achievable": moved["total"] / tpot / HBM_ACHIEVABLE,
-                     "mbu_datasheet": moved["total"] / tpot / HBM_DATASHEET,
-                     "tpot_all_ms": [t * 1e3 for t in tpots]})
-        print(f"batch {b}: TPOT {tpot * 1e3:.2f} ms, {b / tpot:.1f} tok/s, MBU {rows[-1]['mbu_achievable']:.1%}",
-              flush=True)
+    rows = [decode_row(gen, cfg, b, args, dtype_bytes, rng) for b in args.batch]
+    pre = [prefill_row(gen, cfg, spec, rng) for spec in args.prefill]
     record = {"benchmark": "decode", "model": args.model, "dtype": args.dtype, "moe_impl": cfg.moe.impl,
-              "kda_impl": cfg.kda.impl, "kda_decode_impl": cfg.kda.decode_impl, "mla_impl": cfg.mla.decode_impl,
-              "env": environment(), "rows": rows}
+              "gmm_impl": cfg.moe.gmm_impl, "kda_impl": cfg.kda.impl, "kda_decode_impl": cfg.kda.decode_impl,
+              "mla_impl": cfg.mla.decode_impl, "env": environment(), "rows": rows, "prefill": pre}
     path = write(args.name or f"decode_{args.model}_{args.dtype}_{args.kernels}_{cfg.moe.impl}", record)
-    print(table(rows, ["batch", "prompt_len", "new_tokens", "tpot_ms", "tok_per_s", "prefill_ms",
-                       "bytes_per_step_gb", "floor_ms", "mbu_achievable"]))
+    print(table(rows, ["batch", "prompt_len", "tpot_ms", "tok_per_s", "floor_ms", "ratio_to_floor", "mbu_achievable",
+                       "prefill_ms", "first_call_s"]))
+    if pre:
+        print(table(pre, ["batch", "prompt_len", "prefill_ms", "tok_per_s", "first_call_s"]))
     print(f"wrote {path}")
     return 0
 

@@ -75,7 +75,8 @@ def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_li
         return (c.step < step_limit) & ~jnp.all(c.done)
 
     def body(c: LoopState) -> LoopState:
-        tok = sample(c.logits, inputs.sampler, inputs.prompt_len + c.count, filters=filters)
+        with jax.named_scope("sampling"):
+            tok = sample(c.logits, inputs.sampler, inputs.prompt_len + c.count, filters=filters)
         tok = jnp.where(c.done, pad_id, tok)
         tokens = c.tokens.at[:, c.step].set(tok)
         count = c.count + (~c.done).astype(jnp.int32)

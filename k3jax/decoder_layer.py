@@ -40,12 +40,23 @@ class DecoderLayer(nnx.Module):
 
     def mixer(self, x_BTD, seq: SeqInfo, layer_state, *, fresh: bool):
         """Mixer on the normed input: (delta [B, T, D], new layer state)."""
-        return self.self_attn(self.input_layernorm(x_BTD), seq, layer_state, fresh=fresh)
+        with jax.named_scope("norm"):
+            x_BTD = self.input_layernorm(x_BTD)
+        with jax.named_scope(self.mixer_kind):
+            return self.self_attn(x_BTD, seq, layer_state, fresh=fresh)
 
     def ffn(self, y_BTD: jax.Array) -> jax.Array:
         """FFN on the normed input: delta [B, T, D]."""
-        y_BTD = self.post_attention_layernorm(y_BTD)
-        return self.block_sparse_moe(y_BTD) if hasattr(self, "block_sparse_moe") else self.mlp(y_BTD)
+        with jax.named_scope("norm"):
+            y_BTD = self.post_attention_layernorm(y_BTD)
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(y_BTD)
+        with jax.named_scope("dense_mlp"):
+            return self.mlp(y_BTD)
+
+    @property
+    def mixer_kind(self) -> str:
+        return "kda" if isinstance(self.self_attn, KimiDeltaAttention) else "mla"
 
     def __call__(self, h_BTD, seq: SeqInfo, layer_state, *, fresh: bool):
         """Plain pre-norm residual block (Kimi-Linear; K3's MTP layer)."""

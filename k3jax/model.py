@@ -36,7 +36,8 @@ class KimiModel(nnx.Module):
 
     def __call__(self, tokens_BT: jax.Array, seq: SeqInfo, state: DecodeState | None, *, fresh: bool):
         """Returns (pre-norm final hidden [B, T, D], new state or None)."""
-        h = self.embed_tokens(tokens_BT)
+        with jax.named_scope("embed"):
+            h = self.embed_tokens(tokens_BT)
         states = list(state.layers) if state is not None else [None] * len(self.layers)
         if self.attn_res_cfg is None:
             for i, layer in enumerate(self.layers):
@@ -107,7 +108,8 @@ class KimiForCausalLM(nnx.Module):
 
     def logits(self, hidden_BTD: jax.Array) -> jax.Array:
         """Pre-norm hidden [..., D] -> logits [..., Vocab] fp32 (final norm, then LM head)."""
-        return self.lm_head(self.model.norm(hidden_BTD), out_dtype=jnp.float32)
+        with jax.named_scope("lm_head"):
+            return self.lm_head(self.model.norm(hidden_BTD), out_dtype=jnp.float32)
 
     def mtp_embedding(self) -> jax.Array:
         """The table the MTP layers embed with: their own when the checkpoint has one, else the model's."""

@@ -1,4 +1,5 @@
-"""Gated-MLP activations (arch §6.1): SiLU for Kimi-Linear, SiTU with clipped branches for K3."""
+"""Gated-MLP activations (arch §6.1): SiLU for Kimi-Linear, SiTU with clipped branches for K3:
+    silu(gate) * up     or     [b tanh(gate / b) sigmoid(gate)] * [bl tanh(up / bl)]."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import jax
-import jax.numpy as jnp
 
 from k3jax.errors import require, require_choice
+from pallas_kernels.moe_gmm import GluSpec, glu
 
 ActivationKind = Literal["silu", "situ"]
 ACTIVATIONS = get_args(ActivationKind)
@@ -29,18 +30,13 @@ class Activation:
             require(self.situ_linear_beta is None or self.situ_linear_beta > 0,
                     "activation_situ_linear_beta", f"must be > 0 or null, got {self.situ_linear_beta}")
 
+    @property
+    def glu_spec(self) -> GluSpec:
+        """The same activation as the kernels' static description."""
+        return GluSpec(self.kind, self.situ_beta, self.situ_linear_beta)
+
 
 def gated_activation(gate: jax.Array, up: jax.Array, act: Activation) -> jax.Array:
-    """act(gate, up), returned in gate's dtype.
-
-    silu: silu(gate) * up.
-    situ: [b * tanh(gate / b) * sigmoid(gate)] * [bl * tanh(up / bl)] in fp32 (K3; bl None leaves
-    the up branch unclipped).
-    """
-    if act.kind == "silu":
-        return jax.nn.silu(gate) * up
-    g = gate.astype(jnp.float32)
-    u = up.astype(jnp.float32)
-    left = act.situ_beta * jnp.tanh(g / act.situ_beta) * jax.nn.sigmoid(g)
-    right = u if act.situ_linear_beta is None else act.situ_linear_beta * jnp.tanh(u / act.situ_linear_beta)
-    return (left * right).astype(gate.dtype)
+    """act(gate, up) in gate's dtype (the formula lives in `pallas_kernels.moe_gmm.activation`,
+    shared with the grouped-matmul kernel's epilogue)."""
+    return glu(gate, up, act.glu_spec)

@@ -56,7 +56,8 @@ class AttnResPoint(nnx.Module):
         self.proj = Linear(hidden_size, 1, dtype=dtype, axes=("embed", None), rngs=rngs)
 
     def mix(self, sources_S: jax.Array, valid_S: jax.Array, out_dtype) -> jax.Array:
-        return attn_res_mix(sources_S, valid_S, self.norm.weight[...], self.proj.kernel[:, 0], self.eps, out_dtype)
+        with jax.named_scope("attn_res"):
+            return attn_res_mix(sources_S, valid_S, self.norm.weight[...], self.proj.kernel[:, 0], self.eps, out_dtype)
 
     def mix_list(self, sources: list, out_dtype) -> jax.Array:
         return attn_res_mix_list(sources, self.norm.weight[...], self.proj.kernel[:, 0], self.eps, out_dtype)

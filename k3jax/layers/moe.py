@@ -110,15 +110,18 @@ class MoE(nnx.Module):
         cfg = self.cfg
         b, t, d = x_BTD.shape
         x_ND = x_BTD.reshape(b * t, d)
-        weights, experts = self.gate(x_ND)
-        expert_in = x_ND if cfg.latent_size is None else self.routed_expert_down_proj(x_ND)
-        routed = routed_experts(expert_in, weights, experts, self.experts.w1[...], self.experts.w3[...],
-                                self.experts.w2[...], cfg).astype(x_BTD.dtype)
-        if cfg.latent_size is not None:
-            if cfg.latent_use_norm:
-                routed = self.routed_expert_norm(routed)
-            routed = self.routed_expert_up_proj(routed)
+        with jax.named_scope("router"):
+            weights, experts = self.gate(x_ND)
+        with jax.named_scope("routed_experts"):
+            expert_in = x_ND if cfg.latent_size is None else self.routed_expert_down_proj(x_ND)
+            routed = routed_experts(expert_in, weights, experts, self.experts.w1[...], self.experts.w3[...],
+                                    self.experts.w2[...], cfg).astype(x_BTD.dtype)
+            if cfg.latent_size is not None:
+                if cfg.latent_use_norm:
+                    routed = self.routed_expert_norm(routed)
+                routed = self.routed_expert_up_proj(routed)
         out = routed.reshape(b, t, d)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x_BTD)
+            with jax.named_scope("shared_experts"):
+                out = out + self.shared_experts(x_BTD)
         return out

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.activation import Activation, gated_activation
-from pallas_kernels.moe_gmm import GmmImpl, grouped_matmul
+from pallas_kernels.moe_gmm import GmmImpl, grouped_glu, grouped_matmul, resolve_gmm_impl
 
 # "dense": every expert on every token (the reference); "ragged": pairs sorted by expert, grouped
-# matmuls; "gather": each token's expert weights gathered (small batches); "auto": gather up to
-# GATHER_MAX_TOKENS tokens, ragged beyond.
+# matmuls; "gather": each token's expert weights gathered (small batches); "auto": ragged with the
+# Pallas grouped matmul (GPU), otherwise gather up to GATHER_MAX_TOKENS tokens and ragged beyond.
 ExpertImpl = Literal["ragged", "dense", "gather", "auto"]
 EXPERT_IMPLS: tuple[str, ...] = get_args(ExpertImpl)
 GATHER_MAX_TOKENS = 256
@@ -61,16 +61,18 @@ def sort_by_expert(experts_NX: jax.Array, num_local: int, offset=0):
 
 def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
                    gmm: GmmImpl = "auto", expert_offset=0) -> jax.Array:
-    """Token-expert pairs sorted by expert, grouped matmuls, fp32 scatter-add. -> [N, D] fp32."""
+    """Token-expert pairs sorted by expert; the gated half (gate and up in one grouped op) and the
+    down projection (routing weight in its epilogue) as grouped matmuls; pairs put back in token
+    order and summed over the X choices. -> [N, D] fp32."""
     n, k = experts_NX.shape
     order, sizes, local = sort_by_expert(experts_NX, w1_EDF.shape[0], expert_offset)
-    token = order // k
-    xs = x_ND[token]
-    mm = lambda lhs, rhs: grouped_matmul(lhs, rhs, sizes, impl=gmm)
-    h = gated_activation(mm(xs, w1_EDF), mm(xs, w3_EDF), act)
-    y = mm(h, w2_EFD).astype(jnp.float32) * weights_NX.reshape(-1)[order][:, None]
+    xs = x_ND[order // k]
+    h = grouped_glu(xs, w1_EDF, w3_EDF, sizes, spec=act.glu_spec, impl=gmm)
+    scale = jnp.where(local, weights_NX.reshape(-1)[order], 0.0)
+    y = grouped_matmul(h, w2_EFD, sizes, scale, impl=gmm)                    # [N*X, D] fp32, sorted
     y = jnp.where(local[:, None], y, 0.0)
-    return jnp.zeros((n, x_ND.shape[1]), jnp.float32).at[token].add(y)
+    unsorted = jnp.zeros_like(y).at[order].set(y, unique_indices=True)       # pair p back at row p
+    return jnp.sum(unsorted.reshape(n, k, -1), axis=1)
 
 
 def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
@@ -93,8 +95,9 @@ def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF
         shard's experts. gmm: the grouped-matmul implementation of "ragged". expert_offset: the
         global id of this shard's first expert.
     """
-    if impl == "auto":
-        impl = "gather" if x_ND.shape[0] <= GATHER_MAX_TOKENS else "ragged"
+    if impl == "auto":  # the kernel reads touched experts only; without it gather does, for few tokens
+        small = x_ND.shape[0] <= GATHER_MAX_TOKENS and resolve_gmm_impl(gmm) != "pallas"
+        impl = "gather" if small else "ragged"
     args = (x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
     if impl == "ragged":
         return experts_ragged(*args, gmm=gmm, expert_offset=expert_offset)

@@ -1,15 +1,18 @@
-"""Grouped matmul: out[r] = lhs[r] @ rhs[g(r)] for rows sorted by group, sizes `group_sizes`.
+"""The dispatch site of the grouped matmuls (rows sorted by group, `group_sizes` rows per group).
 
-impl "xla": `jax.lax.ragged_dot` (the reference; exact on CPU, a padded dense fallback on GPU).
+    grouped_matmul(lhs, rhs, sizes, row_scale=None, impl=...)   out[r] = lhs[r] @ rhs[g(r)] (* scale[r])
+    grouped_glu(lhs, w_gate, w_up, sizes, spec, impl=...)       out[r] = act(lhs[r] @ w_gate[g], lhs[r] @ w_up[g])
+
+impl "xla": `jax.lax.ragged_dot` (the reference; exact on the CPU, a padded dense fallback on GPU).
+impl "pallas": the row-tiled kernel (`kernel.py`): touched groups only, one weight read per tile.
 impl "mgpu": JAX's Hopper Mosaic GPU kernel `ragged_dot_mgpu` (GPU-interpret mode on the CPU).
-impl "auto": "mgpu" on a GPU backend, "xla" elsewhere.
-Rows past sum(group_sizes) are zero in both.
+impl "auto": "pallas" on a GPU backend, "xla" elsewhere.
+Rows past sum(group_sizes) are zero in all of them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Literal, get_args
 
 import jax
@@ -17,22 +20,22 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-GmmImpl = Literal["auto", "xla", "mgpu"]
+from pallas_kernels.moe_gmm.activation import GluSpec, glu
+from pallas_kernels.moe_gmm.kernel import grouped_glu_pallas, grouped_matmul_pallas
+from pallas_kernels.moe_gmm.reference import grouped_glu_reference, grouped_matmul_reference
+from pallas_kernels.moe_gmm.tuning import GmmBlocks
+
+GmmImpl = Literal["auto", "xla", "pallas", "mgpu"]
 GMM_IMPLS: tuple[str, ...] = get_args(GmmImpl)
 
 
-@dataclass(frozen=True)
-class GmmBlocks:
-    block_m: int = 64
-    block_n: int = 128
-    block_k: int = 64
-    max_concurrent_steps: int = 4
-    grid_block_n: int = 1
-
-
-def grouped_matmul_reference(lhs, rhs, group_sizes):
-    """lhs [M, K], rhs [G, K, N], group_sizes [G] int32 -> [M, N] in lhs's dtype."""
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+def resolve_gmm_impl(impl: GmmImpl) -> str:
+    """"auto" -> "pallas" on a GPU backend, "xla" elsewhere; other names unchanged."""
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if impl not in GMM_IMPLS:
+        raise ValueError(f"grouped_matmul: unknown impl {impl!r}; expected one of {GMM_IMPLS}")
+    return impl
 
 
 def _mgpu(lhs, rhs, group_sizes, blocks: GmmBlocks):
@@ -49,23 +52,40 @@ def _mgpu(lhs, rhs, group_sizes, blocks: GmmBlocks):
     return jnp.where(rows, out, 0)[:m].astype(lhs.dtype)  # rows past the groups are undefined in the kernel
 
 
-def grouped_matmul(lhs, rhs, group_sizes, *, impl: GmmImpl = "auto", blocks: GmmBlocks = GmmBlocks()):
+def _check(lhs, rhs, group_sizes) -> None:
+    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] or group_sizes.shape != (rhs.shape[0],):
+        raise ValueError(f"grouped_matmul: expected lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
+                         f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}")
+
+
+def grouped_matmul(lhs, rhs, group_sizes, row_scale=None, *, impl: GmmImpl = "auto",
+                   blocks: GmmBlocks = GmmBlocks()):
     """out[r] = lhs[r] @ rhs[g(r)] for rows sorted by group.
 
     Args:
       lhs: [M, K] rows sorted by group. rhs: [G, K, N]. group_sizes: [G] int32 rows per group
         (their sum may be below M: the remaining rows come out zero).
+      row_scale: optional [M] per-row factor (the routing weight): the output is then fp32.
       impl: one of GMM_IMPLS. blocks: tile sizes of the Mosaic GPU kernel.
     Returns:
-      [M, N] in lhs's dtype.
+      [M, N] in lhs's dtype (fp32 with row_scale).
     """
-    if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] or group_sizes.shape != (rhs.shape[0],):
-        raise ValueError(f"grouped_matmul: expected lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
-                         f"{lhs.shape}, {rhs.shape}, {group_sizes.shape}")
-    if impl == "auto":
-        impl = "mgpu" if jax.default_backend() == "gpu" else "xla"
+    _check(lhs, rhs, group_sizes)
+    impl = resolve_gmm_impl(impl)
+    if impl == "pallas":
+        return grouped_matmul_pallas(lhs, rhs, group_sizes, row_scale)
+    out = grouped_matmul_reference(lhs, rhs, group_sizes) if impl == "xla" else _mgpu(lhs, rhs, group_sizes, blocks)
+    return out if row_scale is None else out.astype(jnp.float32) * row_scale.astype(jnp.float32)[:, None]
+
+
+def grouped_glu(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), impl: GmmImpl = "auto",
+                blocks: GmmBlocks = GmmBlocks()):
+    """act(lhs[r] @ w_gate[g(r)], lhs[r] @ w_up[g(r)]) for rows sorted by group: the gated first
+    half of an expert MLP. Shapes as `grouped_matmul` with w_gate, w_up [G, K, F]; -> [M, F]."""
+    _check(lhs, w_gate, group_sizes)
+    impl = resolve_gmm_impl(impl)
+    if impl == "pallas":
+        return grouped_glu_pallas(lhs, w_gate, w_up, group_sizes, spec=spec)
     if impl == "xla":
-        return grouped_matmul_reference(lhs, rhs, group_sizes)
-    if impl == "mgpu":
-        return _mgpu(lhs, rhs, group_sizes, blocks)
-    raise ValueError(f"grouped_matmul: unknown impl {impl!r}; expected one of {GMM_IMPLS}")
+        return grouped_glu_reference(lhs, w_gate, w_up, group_sizes, spec=spec)
+    return glu(_mgpu(lhs, w_gate, group_sizes, blocks), _mgpu(lhs, w_up, group_sizes, blocks), spec)

@@ -67,11 +67,13 @@ def _expert_problem(rng, n, d=16, f=8, e=6, k=2):
 
 @pytest.mark.parametrize("act", [Activation("silu"), Activation("situ", 4.0, 25.0)])
 def test_expert_implementations_equal_dense_reference(rng, act):
-    x, weights, experts, ws = _expert_problem(rng, 37)
+    x, weights, experts, ws = _expert_problem(rng, 37, d=32, f=16)
     n, k = experts.shape
     dense = experts_dense(x, weights, experts, *ws, act)
     for impl in EXPERT_IMPLS:
         assert_close(f"{impl} vs dense", local_experts(impl, x, weights, experts, *ws, act), dense)
+    for gmm in ("pallas", "xla"):  # the ragged path through each grouped matmul
+        assert_close(f"ragged/{gmm}", local_experts("ragged", x, weights, experts, *ws, act, gmm=gmm), dense)
     # Independent loop over tokens.
     ref = np.zeros(x.shape)
     for i in range(n):
@@ -85,11 +87,14 @@ def test_expert_implementations_equal_dense_reference(rng, act):
 @pytest.mark.parametrize("impl", EXPERT_IMPLS)
 def test_shards_of_experts_sum_to_the_whole(rng, impl):
     """Each implementation over a slice of the experts (expert_offset) gives that slice's share."""
-    x, weights, experts, ws = _expert_problem(rng, 11)
+    x, weights, experts, ws = _expert_problem(rng, 11, d=32, f=16)
     act = Activation("silu")
     whole = experts_dense(x, weights, experts, *ws, act)
-    parts = [local_experts(impl, x, weights, experts, *(w[o:o + 3] for w in ws), act, expert_offset=o)
+    parts = [local_experts(impl, x, weights, experts, *(w[o:o + 3] for w in ws), act, expert_offset=o, gmm="xla")
              for o in (0, 3)]
+    parts_kernel = [local_experts("ragged", x, weights, experts, *(w[o:o + 3] for w in ws), act, expert_offset=o,
+                                  gmm="pallas") for o in (0, 3)]
+    assert_close("sum of shards (kernel)", parts_kernel[0] + parts_kernel[1], whole)
     assert_close("sum of shards", parts[0] + parts[1], whole)
 
 

@@ -1,4 +1,5 @@
-"""Grouped matmul: the Hopper Mosaic GPU kernel (GPU-interpret mode on CPU) against lax.ragged_dot."""
+"""Grouped matmuls: the row-tiled Pallas kernel (interpret mode on CPU, compiled on a GPU) and
+JAX's Hopper Mosaic GPU kernel (GPU-interpret mode on CPU) against lax.ragged_dot."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import numpy as np
 import pytest
 from tolerances import assert_close
 
-from pallas_kernels.moe_gmm import GmmBlocks, grouped_matmul, grouped_matmul_reference
+from pallas_kernels.moe_gmm import (GluSpec, GmmBlocks, TileBlocks, grouped_glu, grouped_glu_pallas,
+                                    grouped_glu_reference, grouped_matmul, grouped_matmul_pallas,
+                                    grouped_matmul_reference, max_tiles, tile_schedule)
+
+SPECS = [GluSpec(), GluSpec("situ", 4.0, 25.0), GluSpec("situ", 2.0, None)]
 
 
 @pytest.mark.parametrize("sizes", [[64, 0, 100, 92], [3, 5, 0, 40]])   # an empty group; fewer rows than M
@@ -23,6 +28,80 @@ def test_mgpu_kernel_matches_ragged_dot(rng, sizes):
     assert not np.asarray(out[sum(sizes):], np.float32).any()  # rows past the groups are zero
 
 
+def _grouping(rng, m, g, empty_share=0.5):
+    """Random group sizes over g groups (about half empty), summing to at most m."""
+    weights = rng.uniform(size=g) * (rng.uniform(size=g) > empty_share)
+    weights = weights if weights.sum() else np.eye(g)[0]
+    sizes = np.floor(weights / weights.sum() * rng.integers(m // 2, m + 1)).astype(np.int32)
+    return jnp.asarray(sizes)
+
+
+@pytest.mark.parametrize("m,k,n,g,blocks", [
+    (8, 64, 32, 16, TileBlocks(16, 32, 32)),        # decode: few rows, most groups empty
+    (70, 128, 64, 5, TileBlocks(16, 64, 64)),       # groups longer than a tile
+    (300, 64, 128, 4, TileBlocks(64, 128, 64)),     # prefill-shaped tiles
+])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiled_kernel_matches_ragged_dot(rng, interpret, m, k, n, g, blocks, dtype):
+    lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = [jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), dtype) for _ in range(2)]
+    gs = _grouping(rng, m, g)
+    scale = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+    out = grouped_matmul_pallas(lhs, w[0], gs, blocks=blocks, interpret=interpret)
+    assert_close("matmul", out, grouped_matmul_reference(lhs, w[0], gs), dtype=dtype)
+    assert not np.asarray(out[int(gs.sum()):], np.float32).any()  # rows past the groups are zero
+    scaled = grouped_matmul_pallas(lhs, w[0], gs, scale, blocks=blocks, interpret=interpret)
+    assert scaled.dtype == jnp.float32
+    assert_close("scaled", scaled, grouped_matmul_reference(lhs, w[0], gs, scale), dtype=dtype)
+    for spec in SPECS:
+        out = grouped_glu_pallas(lhs, w[0], w[1], gs, spec=spec, blocks=blocks, interpret=interpret)
+        assert_close(f"glu {spec.kind}", out, grouped_glu_reference(lhs, w[0], w[1], gs, spec=spec), dtype=dtype)
+
+
+def test_rows_poisoned_past_the_groups_never_leak(rng, interpret):
+    """NaN rows past sum(group_sizes) (another shard's pairs) must not reach any output row."""
+    m, k, n = 40, 32, 32
+    gs = jnp.asarray([5, 0, 9, 3], jnp.int32)
+    lhs = np.asarray(rng.standard_normal((m, k)), np.float32)
+    lhs[17:] = np.nan
+    w = jnp.asarray(rng.standard_normal((4, k, n)), jnp.float32)
+    out = grouped_matmul_pallas(jnp.asarray(lhs), w, gs, blocks=TileBlocks(16, 32, 32), interpret=interpret)
+    clean = jnp.asarray(np.where(np.isnan(lhs), 0.0, lhs))
+    assert_close("tiled", out, grouped_matmul_reference(clean, w, gs))
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_tile_schedule_covers_every_row_once(rng, block_m):
+    for _ in range(20):
+        g = int(rng.integers(1, 12))
+        m = int(rng.integers(1, 60))
+        sizes = _grouping(rng, m, g)
+        sched = np.asarray(tile_schedule(sizes, m, block_m))
+        assert sched.shape == (3, max_tiles(m, g, block_m))
+        owner = np.full(m, -1)
+        for group, first, last in sched.T:
+            assert last - first <= block_m
+            for r in range(first, last):
+                assert owner[r] == -1, "a row in two tiles"
+                owner[r] = group
+        expected = np.repeat(np.arange(g), np.asarray(sizes))
+        np.testing.assert_array_equal(owner[:len(expected)], expected)
+        assert (owner[len(expected):] == -1).all()
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_dispatch_site(rng, impl):
+    lhs = jnp.asarray(rng.standard_normal((24, 32)), jnp.float32)
+    w = [jnp.asarray(rng.standard_normal((3, 32, 16)), jnp.float32) for _ in range(2)]
+    gs = jnp.asarray([10, 0, 14], jnp.int32)
+    assert_close(impl, grouped_glu(lhs, w[0], w[1], gs, spec=SPECS[1], impl=impl),
+                 grouped_glu_reference(lhs, w[0], w[1], gs, spec=SPECS[1]))
+
+
 def test_shape_errors():
     with pytest.raises(ValueError, match="expected lhs"):
         grouped_matmul(jnp.zeros((4, 8)), jnp.zeros((2, 4, 8)), jnp.array([2, 2]))
+    with pytest.raises(ValueError, match="unknown impl"):
+        grouped_matmul(jnp.zeros((4, 8)), jnp.zeros((2, 8, 8)), jnp.array([2, 2]), impl="cuda")
+    with pytest.raises(ValueError, match="power-of-two"):
+        grouped_matmul_pallas(jnp.zeros((4, 24)), jnp.zeros((2, 24, 16)), jnp.array([2, 2]))

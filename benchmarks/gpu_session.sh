@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
+# under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
+#   bash benchmarks/gpu_session.sh tests moe decode        (steps: tests moe moe-sweep decode decode-before kda mla)
+set -u
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
+W=$OUT/work; mkdir -p "$W"
+site=/tmp/site
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl
+  # tokamax imports xprof.cli.tools at import time; the machine's xprof lacks it and nothing here calls it.
+  mkdir -p $site/xprof/cli && touch $site/xprof/__init__.py $site/xprof/cli/__init__.py
+  printf 'def get_kernel_stats_tool(*a, **k):\n    raise NotImplementedError\n' > $site/xprof/cli/tools.py
+fi
+export PYTHONPATH=$PWD:$site
+export K3JAX_COMMIT=${K3JAX_COMMIT:-unknown}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$W/gpu.txt"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$W/gpu.txt"
+quiet() { grep -v "Triton backend is deprecated" ; }
+for step in "$@"; do
+  start=$(date +%s)
+  case "$step" in
+    tests) K3JAX_TEST_DEVICE=gpu timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+             tests/pallas_kernels/test_kda_kernels.py tests/pallas_kernels/test_mla_decode.py \
+             tests/pallas_kernels/test_moe_gmm.py 2>&1 | quiet | tail -30 | tee "$W/tests.log" ;;
+    moe) OUT=$W timeout 240 python3 benchmarks/moe.py --models kimi-linear 2>&1 | quiet | tee "$W/moe.log" ;;
+    moe-sweep) OUT=$W timeout 300 python3 benchmarks/moe.py --models kimi-linear --sweep 2>&1 | quiet | tee "$W/moe.log" ;;
+    decode) OUT=$W timeout 420 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
+              --moe auto --batch 1 64 --new-tokens 32 --profile --name decode_after 2>&1 | quiet | tee "$W/decode.log" ;;
+    decode-before) OUT=$W timeout 300 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
+              --kernels pallas --moe gather --batch 1 --prompt-len 16 --new-tokens 32 --profile --name decode_before \
+              2>&1 | quiet | tee "$W/decode_before.log" ;;
+    kda) OUT=$W timeout 420 python3 benchmarks/kda.py 2>&1 | quiet | tee "$W/kda.log" ;;
+    mla) OUT=$W timeout 300 python3 benchmarks/mla_decode.py 2>&1 | quiet | tee "$W/mla.log" ;;
+    *) echo "unknown step $step" ;;
+  esac
+  echo "== step $step took $(( $(date +%s) - start )) s" | tee -a "$W/steps.txt"
+done
+rm -rf "$W/hlo_dump"
+tar czf "$OUT/results.tgz" -C "$W" --exclude='trace_*' . 2>/dev/null
+tar czf "$OUT/traces.tgz" -C "$W" $(cd "$W" && ls -d trace_* 2>/dev/null) 2>/dev/null || true
+cat "$W/steps.txt"

@@ -1,0 +1,145 @@
+"""Summarises a jax.profiler trace of the decode loop into a per-category table.
+
+    python benchmarks/profile_summary.py TRACE_DIR HLO_DUMP_DIR --module decode_chunk --steps 16
+
+Device events (GPU kernels, or XLA:CPU thunks on the CPU) carry the HLO instruction that launched
+them (`hlo_op`); the optimized HLO dumped by XLA (`--xla_dump_to`) gives each instruction's
+`op_name`, which holds the model's named scopes (kda, mla, router, routed_experts, ...). A kernel's
+category is its scope, split into matmuls and the rest; "gaps" is the time the device sat idle
+between kernels inside the measured window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import re
+from collections import defaultdict
+
+# Scope names the model sets (jax.named_scope), most specific first.
+SCOPES = ("sampling", "lm_head", "embed", "router", "routed_experts", "shared_experts", "dense_mlp", "attn_res",
+          "kda", "mla", "norm")
+_INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*?op_name="([^"]*)"')
+_MATMUL = ("dot_general", "dot", "gemm", "gemv", "cublas", "matmul", "grouped_matmul", "grouped_glu")
+# Control flow executes its body's kernels: on the CPU its thunk spans them (counted twice otherwise).
+_CONTAINERS = re.compile(r"^(while|cond|conditional|call)(\.\d+)?$")
+
+
+def hlo_op_names(dump_dir: str, module: str) -> dict[str, str]:
+    """Instruction name -> op_name from XLA's optimized HLO dumps of modules matching `module`."""
+    names = {}
+    for path in glob.glob(os.path.join(dump_dir, "*.txt")):
+        base = os.path.basename(path)
+        if module not in base or "after_optimizations" not in base or "buffer-assignment" in base:
+            continue
+        with open(path) as f:
+            for line in f:
+                m = _INSTR.match(line)
+                if m:
+                    names[m.group(1)] = m.group(2)
+    return names
+
+
+def _category(op_name: str, kernel: str) -> str:
+    parts = op_name.split("/")
+    scope = next((s for s in SCOPES if s in parts), None)
+    matmul = any(k in (parts[-1] if parts else "") for k in _MATMUL) or any(k in kernel.lower() for k in _MATMUL)
+    if scope is None:
+        return "unscoped matmul" if matmul else "unscoped other"
+    if scope in ("routed_experts", "shared_experts", "dense_mlp", "lm_head", "router", "sampling", "embed",
+                 "attn_res", "norm"):
+        return scope
+    return f"{scope} {'matmul' if matmul else 'other'}"
+
+
+def _device_events(trace_file: str, module: str) -> list[dict]:
+    with gzip.open(trace_file) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = any("GPU" in name or "gpu" in name for name in procs.values())
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        args = e.get("args", {})
+        if module not in str(args.get("hlo_module", "")):
+            continue
+        if gpu and "GPU" not in procs.get(e["pid"], "") and "gpu" not in procs.get(e["pid"], ""):
+            continue
+        if _CONTAINERS.match(str(args.get("hlo_op", e["name"]))):
+            continue
+        out.append(e)
+    return out
+
+
+def summarize(trace_dir: str, dump_dir: str, module: str, steps: int) -> dict:
+    """{"rows": per-category rows, "step_us", "busy_us", ...} for one decode trace."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
+    events = _device_events(files[-1], module)
+    if not events:
+        raise ValueError(f"no device events of module {module!r} in {files[-1]}")
+    op_names = hlo_op_names(dump_dir, module)
+    by_cat = defaultdict(lambda: {"us": 0.0, "kernels": 0})
+    by_kernel = defaultdict(lambda: {"us": 0.0, "count": 0, "category": ""})
+    spans = []
+    for e in events:
+        hlo_op = str(e.get("args", {}).get("hlo_op", e["name"]))
+        op_name = op_names.get(hlo_op) or op_names.get(hlo_op.replace("_", ".")) or ""
+        cat = _category(op_name, e["name"])
+        by_cat[cat]["us"] += e["dur"]
+        by_cat[cat]["kernels"] += 1
+        k = by_kernel[e["name"]]
+        k["us"] += e["dur"]
+        k["count"] += 1
+        k["category"] = cat
+        spans.append((e["ts"], e["ts"] + e["dur"]))
+    spans.sort()
+    busy, end = 0.0, -1e30
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    window = spans[-1][1] - spans[0][0]
+    rows = [{"category": c, "us_per_step": v["us"] / steps, "kernels_per_step": v["kernels"] / steps,
+             "pct_of_step": 100 * v["us"] / window} for c, v in by_cat.items()]
+    rows.append({"category": "gaps (device idle)", "us_per_step": (window - busy) / steps, "kernels_per_step": 0,
+                 "pct_of_step": 100 * (window - busy) / window})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    top = sorted(({"kernel": n[:80], **v, "us_per_step": v["us"] / steps} for n, v in by_kernel.items()),
+                 key=lambda r: -r["us"])[:25]
+    return {"steps": steps, "step_us": window / steps, "busy_us": busy / steps, "kernels_per_step": len(events) / steps,
+            "mapped_ops": sum(1 for e in events if op_names.get(str(e.get("args", {}).get("hlo_op", "")))),
+            "events": len(events), "rows": rows, "top_kernels": top}
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"step {summary['step_us']:.0f} us, device busy {summary['busy_us']:.0f} us, "
+             f"{summary['kernels_per_step']:.0f} kernels per step",
+             "", "| category | us / step | % of step | kernels / step |", "|---|---|---|---|"]
+    for r in summary["rows"]:
+        lines.append(f"| {r['category']} | {r['us_per_step']:.1f} | {r['pct_of_step']:.1f} | "
+                     f"{r['kernels_per_step']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace_dir")
+    ap.add_argument("dump_dir")
+    ap.add_argument("--module", default="decode_chunk")
+    ap.add_argument("--steps", type=int, required=True)
+    args = ap.parse_args(argv)
+    summary = summarize(args.trace_dir, args.dump_dir, args.module, args.steps)
+    print(markdown(summary))
+    print(json.dumps(summary["top_kernels"][:10], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""Row-tiled grouped matmul in Pallas (Triton lowering): one program per (row tile, column block).
+
+Rows arrive sorted by group (expert). `schedule.tile_schedule` cuts each non-empty group into
+tiles of up to block_m rows; a program loads its tile's group id and row range, streams that
+group's weight columns [K, block_n] once over the reduction axis, and writes only its own rows
+(masked), so empty groups cost nothing and each touched expert's weights are read once per row
+tile. Two epilogues:
+
+* plain: out = lhs @ w[g], optionally times a per-row fp32 scale (the routing weight);
+* glu:   out = act(lhs @ w_gate[g], lhs @ w_up[g]), both products from one read of the activations.
+
+Twin: `reference.grouped_matmul_reference` / `reference.grouped_glu_reference` (lax.ragged_dot).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._util import default_interpret, is_pow2
+from pallas_kernels.moe_gmm.activation import GluSpec, glu
+from pallas_kernels.moe_gmm.schedule import tile_schedule
+from pallas_kernels.moe_gmm.tuning import TileBlocks
+
+
+def _kernel(sched_ref, lhs_ref, *refs, bm, bn, bk, k_dim, spec, scaled):
+    """refs: w (plain) or w_gate, w_up (glu); then the row scale when `scaled`; then out."""
+    n_weights = 1 if spec is None else 2
+    w_refs, rest = refs[:n_weights], refs[n_weights:]
+    scale_ref = rest[0] if scaled else None
+    out_ref = rest[-1]
+    tile, col = pl.program_id(0), pl.program_id(1)
+    group, first, last = sched_ref[0, tile], sched_ref[1, tile], sched_ref[2, tile]
+
+    @pl.when(first < last)
+    def _():
+        rows = first + jnp.arange(bm)
+        row_mask = rows < last
+        cols = pl.ds(col * bn, bn)
+
+        def step(kk, accs):
+            k0 = pl.multiple_of(kk * bk, bk)
+            a = plt.load(lhs_ref.at[pl.ds(first, bm), pl.ds(k0, bk)],
+                         mask=jnp.broadcast_to(row_mask[:, None], (bm, bk)), other=0.0)
+            return tuple(acc + jnp.dot(a, w[group, pl.ds(k0, bk), cols], preferred_element_type=jnp.float32)
+                         for acc, w in zip(accs, w_refs))
+
+        zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs)
+        accs = jax.lax.fori_loop(0, k_dim // bk, step, zeros)
+        if spec is not None:
+            out = glu(accs[0], accs[1], spec)
+        elif scaled:
+            out = accs[0] * plt.load(scale_ref.at[pl.ds(first, bm)], mask=row_mask, other=0.0)[:, None]
+        else:
+            out = accs[0]
+        plt.store(out_ref.at[pl.ds(first, bm), cols], out.astype(out_ref.dtype),
+                  mask=jnp.broadcast_to(row_mask[:, None], (bm, bn)))
+
+
+def _blocks_for(k_dim: int, n_dim: int, blocks: TileBlocks) -> tuple[int, int]:
+    bn, bk = min(blocks.block_n, n_dim), min(blocks.block_k, k_dim)
+    if not (is_pow2(bn) and is_pow2(bk) and bn >= 16 and bk >= 16 and n_dim % bn == 0 and k_dim % bk == 0):
+        raise ValueError(f"grouped matmul (pallas): K={k_dim} and N={n_dim} must be multiples of power-of-two "
+                         f"blocks >= 16 (block_k={blocks.block_k}, block_n={blocks.block_n})")
+    return bn, bk
+
+
+def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: TileBlocks, interpret):
+    m, k_dim = lhs.shape
+    n_dim = weights[0].shape[2]
+    bn, bk = _blocks_for(k_dim, n_dim, blocks)
+    bm = blocks.block_m
+    sched = tile_schedule(group_sizes, m, bm)
+    scaled = row_scale is not None
+    kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec, scaled=scaled)
+    operands = (sched, lhs, *weights) + ((row_scale.astype(jnp.float32),) if scaled else ())
+    out = pl.pallas_call(
+        kernel,
+        grid=(sched.shape[1], n_dim // bn),
+        out_shape=jax.ShapeDtypeStruct((m, n_dim), out_dtype),
+        compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=default_interpret() if interpret is None else interpret,
+        name="grouped_glu" if spec is not None else "grouped_matmul",
+    )(*operands)
+    covered = jnp.arange(m)[:, None] < jnp.sum(group_sizes)
+    return jnp.where(covered, out, jnp.zeros((), out_dtype))  # rows past the groups are never written
+
+
+def _validate(lhs, weights, group_sizes):
+    for w in weights:
+        if lhs.ndim != 2 or w.ndim != 3 or lhs.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
+            raise ValueError(f"grouped matmul: expected lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
+                             f"{lhs.shape}, {w.shape}, {group_sizes.shape}")
+    if len(weights) == 2 and weights[0].shape != weights[1].shape:
+        raise ValueError(f"grouped glu: gate and up weights differ: {weights[0].shape} vs {weights[1].shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def grouped_matmul_pallas(lhs, rhs, group_sizes, row_scale=None, *, blocks: TileBlocks | None = None,
+                          interpret: bool | None = None):
+    """out[r] = lhs[r] @ rhs[g(r)] (times row_scale[r]) for rows sorted by group.
+
+    Args:
+      lhs: [M, K] rows sorted by group. rhs: [G, K, N]. group_sizes: [G] int32 (sum <= M).
+      row_scale: optional [M] fp32 per-row factor; with it the output is fp32.
+      blocks: tile sizes (default: chosen from the average rows per group). interpret: default
+        off the GPU.
+    Returns:
+      [M, N] in lhs's dtype (fp32 with row_scale); rows past sum(group_sizes) are zero.
+    """
+    _validate(lhs, (rhs,), group_sizes)
+    blocks = blocks or TileBlocks.for_rows(lhs.shape[0] / rhs.shape[0])
+    out_dtype = jnp.float32 if row_scale is not None else lhs.dtype
+    return _call(lhs, (rhs,), group_sizes, row_scale, spec=None, out_dtype=out_dtype, blocks=blocks,
+                 interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret"))
+def grouped_glu_pallas(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), blocks: TileBlocks | None = None,
+                       interpret: bool | None = None):
+    """out[r] = act(lhs[r] @ w_gate[g(r)], lhs[r] @ w_up[g(r)]) for rows sorted by group.
+
+    Args:
+      lhs: [M, K] rows sorted by group. w_gate, w_up: [G, K, F]. group_sizes: [G] int32.
+      spec: the gated activation. blocks / interpret: as `grouped_matmul_pallas`.
+    Returns:
+      [M, F] in lhs's dtype; rows past sum(group_sizes) are zero.
+    """
+    _validate(lhs, (w_gate, w_up), group_sizes)
+    blocks = blocks or TileBlocks.for_rows(lhs.shape[0] / w_gate.shape[0])
+    return _call(lhs, (w_gate, w_up), group_sizes, None, spec=spec, out_dtype=lhs.dtype, blocks=blocks,
+                 interpret=interpret)

@@ -1,0 +1,22 @@
+"""References of the grouped matmuls: `jax.lax.ragged_dot` (exact on the CPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe_gmm.activation import GluSpec, glu
+
+
+def grouped_matmul_reference(lhs, rhs, group_sizes, row_scale=None):
+    """lhs [M, K], rhs [G, K, N], group_sizes [G] int32 (, row_scale [M]) -> [M, N] in lhs's dtype
+    (fp32 times row_scale when given); rows past sum(group_sizes) are zero."""
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    if row_scale is None:
+        return out
+    return out.astype(jnp.float32) * row_scale.astype(jnp.float32)[:, None]
+
+
+def grouped_glu_reference(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec()):
+    """act(lhs @ w_gate[g], lhs @ w_up[g]) per row -> [M, F] in lhs's dtype."""
+    return glu(jax.lax.ragged_dot(lhs, w_gate, group_sizes), jax.lax.ragged_dot(lhs, w_up, group_sizes), spec)

@@ -1,0 +1,38 @@
+"""Row tiles of a grouped matmul: which group and which rows each program handles.
+
+Rows are sorted by group; group g owns rows [start_g, start_g + size_g). Each group is cut into
+tiles of at most `block_m` rows, and only non-empty groups get tiles, so work (and weight reads)
+scale with the touched groups, not with all G. The number of tiles is bounded statically by
+ceil(M / block_m) + min(G, M) (each non-empty group wastes at most one partial tile); programs past
+the real tiles find an empty row range and exit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def max_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
+    """Static bound on the tiles of any grouping of `num_rows` rows into `num_groups` groups."""
+    return -(-num_rows // block_m) + min(num_groups, num_rows)
+
+
+def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
+    """[3, T] int32: per tile its group, first row and end row (exclusive); empty tiles are (0, 0, 0).
+
+    group_sizes: [G] int32 rows per group (their sum may be below num_rows).
+    """
+    g_count = group_sizes.shape[0]
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    tiles = (sizes + block_m - 1) // block_m
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles
+    t = jnp.arange(max_tiles(num_rows, g_count, block_m), dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g_count - 1).astype(jnp.int32)
+    valid = t < tile_end[-1]
+    first = starts[group] + (t - tile_start[group]) * block_m
+    last = jnp.minimum(first + block_m, ends[group])
+    return jnp.stack([jnp.where(valid, group, 0), jnp.where(valid, first, 0), jnp.where(valid, last, 0)])
