@@ -31,6 +31,7 @@ import time  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -38,11 +39,13 @@ import k3jax  # noqa: E402
 from benchmarks.common import HBM_ACHIEVABLE, HBM_DATASHEET, environment, table, write  # noqa: E402
 from benchmarks.profile_summary import markdown, summarize  # noqa: E402
 from k3jax.config import kimi_linear_48b_a3b  # noqa: E402
+from k3jax.layers.moe import Router  # noqa: E402
 from k3jax.model import abstract_model  # noqa: E402
 
 
-def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int) -> dict:
-    """Bytes that must move in one decode step (performance.md §5.1)."""
+def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int, touched: float | None = None) -> dict:
+    """Bytes that must move in one decode step (performance.md §5.1); `touched` distinct experts
+    per layer (default: the uniform-routing expectation)."""
     counts = {"routed": 0, "other": 0}
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg, np.float32))):
         n = int(np.prod(var.get_value().shape))
@@ -52,7 +55,8 @@ def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int) -> dict:
     moe = cfg.moe
     layers_moe = cfg.ffns.count("moe")
     per_expert = counts["routed"] / max(1, layers_moe * moe.num_experts)
-    touched = moe.num_experts * (1 - (1 - moe.num_experts_per_token / moe.num_experts) ** batch)
+    if touched is None:
+        touched = moe.num_experts * (1 - (1 - moe.num_experts_per_token / moe.num_experts) ** batch)
     weights = dtype_bytes * (counts["other"] + layers_moe * touched * per_expert)
     n_kda, n_mla = cfg.mixers.count("kda"), cfg.mixers.count("mla")
     kda_state = batch * 2 * n_kda * cfg.kda.num_heads * cfg.kda.head_dim ** 2 * 4
@@ -75,6 +79,31 @@ def build(args) -> k3jax.CausalLM:
     return k3jax.load_model(args.model, dtype=args.dtype).with_impls(**impls)
 
 
+def touched_experts(model, prompts: list, outputs: list) -> float:
+    """Distinct experts per MoE layer per decode step, measured: the router's choices over a full
+    forward of the generated sequences (position t of the B rows is what one decode step routes;
+    prefill + decode equals the longer prefill), averaged over decode positions and layers."""
+    records = []
+    original = Router.__call__
+
+    def recording(self, x_ND):
+        weights, experts = original(self, x_ND)
+        jax.debug.callback(lambda e: records.append(np.asarray(e)), experts)
+        return weights, experts
+
+    seqs = np.array([p + o for p, o in zip(prompts, outputs)])
+    Router.__call__ = recording
+    try:
+        jax.block_until_ready(model.steps.logits(model.params, jnp.asarray(seqs), jnp.ones(seqs.shape, bool)))
+    finally:
+        Router.__call__ = original
+    jax.effects_barrier()
+    b, t = seqs.shape
+    first = len(prompts[0])
+    counts = [len(np.unique(e.reshape(b, t, -1)[:, pos])) for e in records for pos in range(first, t)]
+    return float(np.mean(counts))
+
+
 def decode_row(gen, cfg, b, args, dtype_bytes, rng) -> dict:
     prompts = rng.integers(3, cfg.vocab_size - 300, (b, args.prompt_len)).tolist()
     sp = k3jax.SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -90,6 +119,11 @@ def decode_row(gen, cfg, b, args, dtype_bytes, rng) -> dict:
         prefills.append(out.timings.prefill_s)
     tpot = statistics.median(tpots)
     moved = step_bytes(cfg, b, args.prompt_len + args.new_tokens // 2, dtype_bytes)
+    if b > 1:  # bytes from the experts really touched (random routing is far from uniform)
+        measured = touched_experts(gen.model, prompts, [r.token_ids for r in out])
+        moved = step_bytes(cfg, b, args.prompt_len + args.new_tokens // 2, dtype_bytes, touched=measured)
+        print(f"batch {b}: {measured:.1f} distinct experts per layer per step (uniform routing: "
+              f"{step_bytes(cfg, b, 0, dtype_bytes)['experts_touched']:.1f})", flush=True)
     row = {"batch": b, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "tpot_ms": tpot * 1e3,
            "tok_per_s": b / tpot, "prefill_ms": statistics.median(prefills) * 1e3,
            "first_call_s": first_s, "compile_s_est": first_s - statistics.median(walls),
@@ -113,8 +147,8 @@ def profile(gen, prompts, tag: str) -> dict:
     gen.generate(prompts, sp)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         out = gen.generate(prompts, sp)
-    try:
-        summary = summarize(trace_dir, _DUMP, "decode_chunk", out.timings.steps)
+    try:  # the first token comes from the prefill's logits: steps - 1 model forwards in the loop
+        summary = summarize(trace_dir, _DUMP, "decode_chunk", out.timings.steps - 1)
     except Exception as e:  # noqa: BLE001 - a profile that cannot be read must not lose the timings
         print(f"profile {tag}: could not summarise ({type(e).__name__}: {e})", flush=True)
         return {"error": str(e)}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode        (steps: tests moe moe-sweep decode decode-before kda mla)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests moe moe-sweep gemv decode decode-before kda mla)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -30,6 +30,14 @@ for step in "$@"; do
     decode-before) OUT=$W timeout 300 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe gather --batch 1 --prompt-len 16 --new-tokens 32 --profile --name decode_before \
               2>&1 | quiet | tee "$W/decode_before.log" ;;
+    gemv) sos=$(python3 -c "import glob, site; print(' '.join(glob.glob(site.getsitepackages()[0] + '/jax_plugins/*/*.so')))")
+          strings $sos 2>/dev/null | grep -E "^xla_gpu_(enable_dot_strength|enable_command_buffer|graph_min|enable_triton_gemm|enable_cublaslt)" \
+            | sort -u | head -20 | tee "$W/xla_flags.txt"
+          OUT=$W timeout 120 python3 benchmarks/gemv.py 2>&1 | quiet | tail -22 | tee "$W/gemv.log"
+          if grep -q xla_gpu_enable_dot_strength_reduction "$W/xla_flags.txt"; then
+            XLA_FLAGS=--xla_gpu_enable_dot_strength_reduction=false OUT=$W timeout 120 python3 benchmarks/gemv.py \
+              --name gemv_no_strength_reduction 2>&1 | quiet | tail -22 | tee "$W/gemv_nsr.log"
+          fi ;;
     kda) OUT=$W timeout 420 python3 benchmarks/kda.py 2>&1 | quiet | tee "$W/kda.log" ;;
     mla) OUT=$W timeout 300 python3 benchmarks/mla_decode.py 2>&1 | quiet | tee "$W/mla.log" ;;
     *) echo "unknown step $step" ;;

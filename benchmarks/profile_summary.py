@@ -43,6 +43,18 @@ def hlo_op_names(dump_dir: str, module: str) -> dict[str, str]:
     return names
 
 
+def _op_name(event: dict, op_names: dict[str, str]) -> str:
+    """The op_name of the HLO instruction behind a device event ("" when unknown). Kernel names
+    spell an instruction's ".N" suffix as "_N"."""
+    for name in (str(event.get("args", {}).get("hlo_op", "")), event["name"]):
+        if name in op_names:
+            return op_names[name]
+        dotted = re.sub(r"_(\d+)$", r".\1", name)
+        if dotted in op_names:
+            return op_names[dotted]
+    return ""
+
+
 def _category(op_name: str, kernel: str) -> str:
     parts = op_name.split("/")
     scope = next((s for s in SCOPES if s in parts), None)
@@ -89,8 +101,7 @@ def summarize(trace_dir: str, dump_dir: str, module: str, steps: int) -> dict:
     by_kernel = defaultdict(lambda: {"us": 0.0, "count": 0, "category": ""})
     spans = []
     for e in events:
-        hlo_op = str(e.get("args", {}).get("hlo_op", e["name"]))
-        op_name = op_names.get(hlo_op) or op_names.get(hlo_op.replace("_", ".")) or ""
+        op_name = _op_name(e, op_names)
         cat = _category(op_name, e["name"])
         by_cat[cat]["us"] += e["dur"]
         by_cat[cat]["kernels"] += 1
@@ -98,6 +109,7 @@ def summarize(trace_dir: str, dump_dir: str, module: str, steps: int) -> dict:
         k["us"] += e["dur"]
         k["count"] += 1
         k["category"] = cat
+        k["op_name"] = op_name[-120:]
         spans.append((e["ts"], e["ts"] + e["dur"]))
     spans.sort()
     busy, end = 0.0, -1e30
@@ -114,7 +126,7 @@ def summarize(trace_dir: str, dump_dir: str, module: str, steps: int) -> dict:
     top = sorted(({"kernel": n[:80], **v, "us_per_step": v["us"] / steps} for n, v in by_kernel.items()),
                  key=lambda r: -r["us"])[:25]
     return {"steps": steps, "step_us": window / steps, "busy_us": busy / steps, "kernels_per_step": len(events) / steps,
-            "mapped_ops": sum(1 for e in events if op_names.get(str(e.get("args", {}).get("hlo_op", "")))),
+            "mapped_ops": sum(1 for e in events if _op_name(e, op_names)),
             "events": len(events), "rows": rows, "top_kernels": top}
 
 
@@ -133,7 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("trace_dir")
     ap.add_argument("dump_dir")
     ap.add_argument("--module", default="decode_chunk")
-    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--steps", type=int, required=True, help="model forwards in the trace")
     args = ap.parse_args(argv)
     summary = summarize(args.trace_dir, args.dump_dir, args.module, args.steps)
     print(markdown(summary))

@@ -84,12 +84,9 @@ def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_li
         at_limit = ~c.done & ~stopped & (count >= inputs.max_new)
         finish = jnp.where(stopped, STOPPED, jnp.where(at_limit, LENGTH, c.finish))
         done = c.done | stopped | at_limit
-
-        def forward(args):
-            st, t = args
-            return decode_step(graphdef, params, st, t)
-
-        logits, state = jax.lax.cond(jnp.all(done), lambda a: (c.logits, a[0]), forward, (c.state, tok))
+        # Always step the model (a conditional around it would copy the state on every step); the
+        # loop condition ends the chunk once every row is done.
+        logits, state = decode_step(graphdef, params, c.state, tok)
         return LoopState(state, logits, tokens, count, done, finish, c.step + 1)
 
     return jax.lax.while_loop(cond, body, carry)

@@ -113,7 +113,7 @@ def mla_decode_pallas(q_lat, q_pe, cache, lengths, *, scale: float, blocks: MLAD
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="mla_decode",
-    )(lengths.astype(jnp.int32), q, qp, cache)
+    )(jnp.minimum(lengths, s).astype(jnp.int32), q, qp, cache)  # never read past the cache
     m_all = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - m_all)                                     # [B, splits, rows]
     l_all = jnp.sum(l * w, axis=1)

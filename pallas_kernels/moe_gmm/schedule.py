@@ -31,7 +31,8 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Ar
     tile_end = jnp.cumsum(tiles)
     tile_start = tile_end - tiles
     t = jnp.arange(max_tiles(num_rows, g_count, block_m), dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), g_count - 1).astype(jnp.int32)
+    # One comparison matrix [T, G] (a single fused kernel), not a scan of log2(G) small kernels.
+    group = jnp.minimum(jnp.sum(tile_end[None, :] <= t[:, None], axis=1), g_count - 1).astype(jnp.int32)
     valid = t < tile_end[-1]
     first = starts[group] + (t - tile_start[group]) * block_m
     last = jnp.minimum(first + block_m, ends[group])

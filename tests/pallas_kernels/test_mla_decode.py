@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tolerances import assert_close
+from tolerances import assert_close, kernel_dtype
 
 from pallas_kernels.mla_decode import MLADecodeBlocks, mla_decode_pallas, mla_decode_reference
 
@@ -26,7 +26,7 @@ def test_matches_reference_with_ragged_lengths_and_poisoned_tail(rng, interpret,
     for splits in (1, 3):
         out = mla_decode_pallas(q, qp, jnp.asarray(poisoned, dtype), jnp.asarray(lengths), scale=0.125,
                                 blocks=MLADecodeBlocks(block_h=16, block_k=16, num_splits=splits), interpret=interpret)
-        assert_close(f"splits={splits}", out, ref, dtype=dtype)
+        assert_close(f"splits={splits}", out, ref, dtype=kernel_dtype(dtype, interpret))
 
 
 def test_rejects_bad_shapes(rng, interpret):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tolerances import assert_close
+from tolerances import assert_close, kernel_dtype
 
 from pallas_kernels.moe_gmm import (GluSpec, GmmBlocks, TileBlocks, grouped_glu, grouped_glu_pallas,
                                     grouped_glu_reference, grouped_matmul, grouped_matmul_pallas,
@@ -48,6 +48,7 @@ def test_tiled_kernel_matches_ragged_dot(rng, interpret, m, k, n, g, blocks, dty
     gs = _grouping(rng, m, g)
     scale = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
     out = grouped_matmul_pallas(lhs, w[0], gs, blocks=blocks, interpret=interpret)
+    dtype = kernel_dtype(dtype, interpret)
     assert_close("matmul", out, grouped_matmul_reference(lhs, w[0], gs), dtype=dtype)
     assert not np.asarray(out[int(gs.sum()):], np.float32).any()  # rows past the groups are zero
     scaled = grouped_matmul_pallas(lhs, w[0], gs, scale, blocks=blocks, interpret=interpret)
@@ -67,7 +68,7 @@ def test_rows_poisoned_past_the_groups_never_leak(rng, interpret):
     w = jnp.asarray(rng.standard_normal((4, k, n)), jnp.float32)
     out = grouped_matmul_pallas(jnp.asarray(lhs), w, gs, blocks=TileBlocks(16, 32, 32), interpret=interpret)
     clean = jnp.asarray(np.where(np.isnan(lhs), 0.0, lhs))
-    assert_close("tiled", out, grouped_matmul_reference(clean, w, gs))
+    assert_close("tiled", out, grouped_matmul_reference(clean, w, gs), dtype=kernel_dtype("float32", interpret))
 
 
 @pytest.mark.parametrize("block_m", [1, 4, 16])
@@ -90,12 +91,13 @@ def test_tile_schedule_covers_every_row_once(rng, block_m):
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_dispatch_site(rng, impl):
+def test_dispatch_site(rng, interpret, impl):
     lhs = jnp.asarray(rng.standard_normal((24, 32)), jnp.float32)
     w = [jnp.asarray(rng.standard_normal((3, 32, 16)), jnp.float32) for _ in range(2)]
     gs = jnp.asarray([10, 0, 14], jnp.int32)
     assert_close(impl, grouped_glu(lhs, w[0], w[1], gs, spec=SPECS[1], impl=impl),
-                 grouped_glu_reference(lhs, w[0], w[1], gs, spec=SPECS[1]))
+                 grouped_glu_reference(lhs, w[0], w[1], gs, spec=SPECS[1]),
+                 dtype=kernel_dtype("float32", interpret or impl == "xla"))
 
 
 def test_shape_errors():
