@@ -27,6 +27,9 @@ for step in "$@"; do
     moe-sweep) OUT=$W timeout 300 python3 benchmarks/moe.py --models kimi-linear --sweep 2>&1 | quiet | tee "$W/moe.log" ;;
     decode) OUT=$W timeout 420 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --batch 1 64 --new-tokens 32 --profile --name decode_after 2>&1 | quiet | tee "$W/decode.log" ;;
+    decode-graphs) XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL \
+              OUT=$W timeout 240 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
+              --moe auto --batch 1 --new-tokens 32 --name decode_graphs 2>&1 | quiet | tail -8 | tee "$W/decode_graphs.log" ;;
     decode-before) OUT=$W timeout 300 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe gather --batch 1 --prompt-len 16 --new-tokens 32 --profile --name decode_before \
               2>&1 | quiet | tee "$W/decode_before.log" ;;

@@ -12,8 +12,8 @@ TOLERANCES = {"float32": 1e-5, "tf32": 5e-3, "bfloat16": 2e-2, "float16": 2e-3, 
 
 def kernel_dtype(dtype, interpret: bool) -> str:
     """The tolerance class of a Pallas kernel's result: fp32 compiled on a GPU is tf32."""
-    dtype = str(np.dtype(dtype))
-    return "tf32" if dtype == "float32" and not interpret else dtype
+    name = dtype if isinstance(dtype, str) else str(np.dtype(dtype))
+    return "tf32" if name == "float32" and not interpret else name
 
 
 def error_ratio(actual, expected) -> float:
@@ -29,7 +29,8 @@ def assert_close(name: str, actual, expected, *, dtype=None, tol: float | None =
     (default: actual's dtype). The failure message reports the error ratio and the worst element.
     """
     a_arr, e_arr = np.asarray(actual), np.asarray(expected)
-    dtype = str(np.dtype(dtype if dtype is not None else a_arr.dtype))
+    if dtype not in TOLERANCES:  # a tolerance class ("tf32") or a numpy dtype
+        dtype = str(np.dtype(dtype if dtype is not None else a_arr.dtype))
     a = a_arr.astype(np.float64)
     e = e_arr.astype(np.float64)
     assert a.shape == e.shape, f"{name}: shape {a.shape} != expected {e.shape}"
