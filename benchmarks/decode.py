@@ -66,7 +66,7 @@ def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int, touched: float | Non
 
 
 def build(args) -> k3jax.CausalLM:
-    impls = {"moe": args.moe, "gmm": args.gmm}
+    impls = {"moe": args.moe, "gmm": args.gmm, "linear": args.linear}
     if args.kernels == "pallas":
         impls.update(kda="pallas", kda_decode="pallas", mla="pallas")
     if args.model == "kimi-linear-48b":
@@ -181,6 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--moe", default=None, help="routed-expert implementation (k3jax option 'moe')")
     ap.add_argument("--gmm", default=None, help="grouped matmul implementation (k3jax option 'gmm')")
+    ap.add_argument("--linear", default=None, help="few-row projection implementation (k3jax option 'linear')")
     ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
                     help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
     ap.add_argument("--profile", action="store_true", help="profile 16 decode steps per batch size")
@@ -197,7 +198,8 @@ def main(argv=None) -> int:
     pre = [prefill_row(gen, cfg, spec, rng) for spec in args.prefill]
     record = {"benchmark": "decode", "model": args.model, "dtype": args.dtype, "moe_impl": cfg.moe.impl,
               "gmm_impl": cfg.moe.gmm_impl, "kda_impl": cfg.kda.impl, "kda_decode_impl": cfg.kda.decode_impl,
-              "mla_impl": cfg.mla.decode_impl, "env": environment(), "rows": rows, "prefill": pre}
+              "mla_impl": cfg.mla.decode_impl, "linear_impl": cfg.linear_impl, "env": environment(), "rows": rows,
+              "prefill": pre}
     path = write(args.name or f"decode_{args.model}_{args.dtype}_{args.kernels}_{cfg.moe.impl}", record)
     print(table(rows, ["batch", "prompt_len", "tpot_ms", "tok_per_s", "floor_ms", "ratio_to_floor", "mbu_achievable",
                        "prefill_ms", "first_call_s"]))

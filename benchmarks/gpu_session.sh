@@ -26,7 +26,11 @@ for step in "$@"; do
     moe) OUT=$W timeout 240 python3 benchmarks/moe.py --models kimi-linear 2>&1 | quiet | tee "$W/moe.log" ;;
     moe-sweep) OUT=$W timeout 300 python3 benchmarks/moe.py --models kimi-linear --sweep 2>&1 | quiet | tee "$W/moe.log" ;;
     decode) OUT=$W timeout 420 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
-              --moe auto --batch 1 64 --new-tokens 32 --profile --name decode_after 2>&1 | quiet | tee "$W/decode.log" ;;
+              --moe auto --batch 1 64 --new-tokens 32 --profile --prefill 1x8192 64x1024 --name decode_after 2>&1 \
+              | quiet | tee "$W/decode.log" ;;
+    decode-xla-linear) OUT=$W timeout 240 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
+              --kernels pallas --moe auto --linear xla --batch 1 --new-tokens 32 --name decode_xla_linear 2>&1 | quiet \
+              | tail -6 | tee "$W/decode_xla_linear.log" ;;
     decode-graphs) XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL \
               OUT=$W timeout 240 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --batch 1 --new-tokens 32 --name decode_graphs 2>&1 | quiet | tail -8 | tee "$W/decode_graphs.log" ;;

@@ -16,7 +16,7 @@ from k3jax.layers.attn_res import ATTN_RES_IMPLS, AttnResImpl
 from k3jax.layers.mla_attention import MLA_DECODE_IMPLS, MLADecodeImpl
 from k3jax.layers.moe_experts import EXPERT_IMPLS, ExpertImpl
 from pallas_kernels.kda import KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl
-from pallas_kernels.moe_gmm import GMM_IMPLS, GmmImpl
+from pallas_kernels.moe_gmm import GMM_IMPLS, SKINNY_IMPLS, GmmImpl, SkinnyImpl
 
 __all__ = ["Activation", "AttnResConfig", "ConfigError", "ExpertParallel", "KDAConfig", "MLAConfig", "MLPConfig",
            "ModelConfig", "MoEConfig", "IMPL_OPTIONS", "kimi_linear_48b_a3b", "tiny_k3", "tiny_kimi_linear"]
@@ -228,9 +228,11 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     model_type: str = "kimi_linear"
+    linear_impl: SkinnyImpl = "auto"  # projections of few rows (pallas_kernels.moe_gmm.SKINNY_IMPLS)
 
     def __post_init__(self):
         require_positive(self.vocab_size, "vocab_size")
+        require_choice(self.linear_impl, SKINNY_IMPLS, "linear_impl")
         require_positive(self.hidden_size, "hidden_size")
         require(len(self.mixers) > 0, "num_hidden_layers", "the model has no layers")
         require(len(self.ffns) == len(self.mixers), "mlp_layer_types",
@@ -294,7 +296,7 @@ class ModelConfig:
     def with_impls(self, **choices: str | None) -> "ModelConfig":
         """A copy with other implementation choices (the math is unchanged).
 
-        Options (IMPL_OPTIONS): kda, kda_decode, mla, moe, gmm, attn_res; None leaves a choice
+        Options (IMPL_OPTIONS): kda, kda_decode, mla, moe, gmm, attn_res, linear; None leaves a choice
         as it is, and a choice for a part the model lacks is ignored. The same names are used by
         `k3jax.load(...)`, `CausalLM.with_impls(...)` and the CLI.
         """
@@ -305,20 +307,25 @@ class ModelConfig:
             if name not in IMPL_OPTIONS:
                 raise ConfigError(f"unknown implementation option '{name}'; options: {', '.join(IMPL_OPTIONS)}")
             sub_name, field_name, _ = IMPL_OPTIONS[name]
-            sub = getattr(out, sub_name)
-            if value is not None and sub is not None:
-                out = out.replace(**{sub_name: dataclasses.replace(sub, **{field_name: value})})
+            if value is None:
+                continue
+            if sub_name is None:
+                out = out.replace(**{field_name: value})
+            elif getattr(out, sub_name) is not None:
+                out = out.replace(**{sub_name: dataclasses.replace(getattr(out, sub_name), **{field_name: value})})
         return out
 
 
-# Implementation option -> (sub-config, field, allowed values): the one vocabulary of choices.
-IMPL_OPTIONS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+# Implementation option -> (sub-config or None for ModelConfig itself, field, allowed values): the
+# one vocabulary of choices.
+IMPL_OPTIONS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "kda": ("kda", "impl", KDA_IMPLS),
     "kda_decode": ("kda", "decode_impl", KDA_DECODE_IMPLS),
     "mla": ("mla", "decode_impl", MLA_DECODE_IMPLS),
     "moe": ("moe", "impl", EXPERT_IMPLS),
     "gmm": ("moe", "gmm_impl", GMM_IMPLS),
     "attn_res": ("attn_res", "impl", ATTN_RES_IMPLS),
+    "linear": (None, "linear_impl", SKINNY_IMPLS),
 }
 RENAMED_IMPL_OPTIONS = {"kda_impl": "kda", "kda_decode_impl": "kda_decode", "mla_impl": "mla", "moe_impl": "moe",
                         "gmm_impl": "gmm", "attn_res_impl": "attn_res"}

@@ -16,6 +16,7 @@ from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import MoE
 from k3jax.layers.norms import RMSNorm
 from k3jax.state import SeqInfo
+from pallas_kernels.moe_gmm import SkinnyImpl
 
 
 class DecoderLayer(nnx.Module):
@@ -23,17 +24,18 @@ class DecoderLayer(nnx.Module):
     layer also owns its two AttnRes mixing points (pre-mixer and pre-FFN)."""
 
     def __init__(self, mixer: KDAConfig | MLAConfig, ffn: MLPConfig | MoEConfig, *, hidden_size: int,
-                 eps: float, attn_res: AttnResConfig | None = None, dtype, rngs: nnx.Rngs):
+                 eps: float, attn_res: AttnResConfig | None = None, dtype, rngs: nnx.Rngs,
+                 linear_impl: SkinnyImpl = "auto"):
         self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, rngs=rngs)
         if isinstance(mixer, KDAConfig):
-            self.self_attn = KimiDeltaAttention(mixer, dtype=dtype, rngs=rngs)
+            self.self_attn = KimiDeltaAttention(mixer, dtype=dtype, rngs=rngs, linear_impl=linear_impl)
         else:
-            self.self_attn = MultiHeadLatentAttention(mixer, dtype=dtype, rngs=rngs)
+            self.self_attn = MultiHeadLatentAttention(mixer, dtype=dtype, rngs=rngs, linear_impl=linear_impl)
         if isinstance(ffn, MoEConfig):
-            self.block_sparse_moe = MoE(ffn, dtype=dtype, rngs=rngs)
+            self.block_sparse_moe = MoE(ffn, dtype=dtype, rngs=rngs, linear_impl=linear_impl)
         else:
-            self.mlp = MLP(ffn, dtype=dtype, rngs=rngs)
+            self.mlp = MLP(ffn, dtype=dtype, rngs=rngs, linear_impl=linear_impl)
         if attn_res is not None:
             self.self_attention_res = AttnResPoint(hidden_size, attn_res.eps, dtype=dtype, rngs=rngs)
             self.mlp_res = AttnResPoint(hidden_size, attn_res.eps, dtype=dtype, rngs=rngs)

@@ -28,7 +28,8 @@ class KimiModel(nnx.Module):
         layers = []
         for mixer, ffn in zip(cfg.mixers, cfg.ffns):
             layers.append(DecoderLayer(cfg.mixer_config(mixer), cfg.ffn_config(ffn), hidden_size=cfg.hidden_size,
-                                       eps=cfg.rms_norm_eps, attn_res=cfg.attn_res, dtype=dtype, rngs=rngs))
+                                       eps=cfg.rms_norm_eps, attn_res=cfg.attn_res, dtype=dtype, rngs=rngs,
+                                       linear_impl=cfg.linear_impl))
         self.layers = nnx.List(layers)
         if cfg.attn_res is not None:
             self.output_attn_res = AttnResPoint(cfg.hidden_size, cfg.attn_res.eps, dtype=dtype, rngs=rngs)
@@ -100,7 +101,8 @@ class KimiForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
         self.model = KimiModel(cfg, dtype=dtype, rngs=rngs)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, axes=("embed", "vocab"), rngs=rngs)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype, axes=("embed", "vocab"), rngs=rngs,
+                              impl=cfg.linear_impl)
         self.mtp = nnx.List([MTPLayer(cfg, j, dtype=dtype, rngs=rngs) for j in range(cfg.num_mtp_layers)])
 
     def __call__(self, tokens_BT, seq: SeqInfo, state: DecodeState | None, *, fresh: bool):

@@ -24,9 +24,10 @@ from k3jax.state import SeqInfo
 
 
 class SharedHead(nnx.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, eps: float, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float, *, dtype, rngs: nnx.Rngs,
+                 linear_impl: str = "auto"):
         self.norm = RMSNorm(hidden_size, eps, dtype=dtype, rngs=rngs)
-        self.head = Linear(hidden_size, vocab_size, dtype=dtype, axes=("embed", "vocab"), rngs=rngs)
+        self.head = Linear(hidden_size, vocab_size, dtype=dtype, axes=("embed", "vocab"), rngs=rngs, impl=linear_impl)
 
     def __call__(self, h: jax.Array) -> jax.Array:
         return self.head(self.norm(h), out_dtype=jnp.float32)
@@ -36,13 +37,14 @@ class MTPLayer(DecoderLayer):
     """MTP layer j (global layer index L + j)."""
 
     def __init__(self, cfg: ModelConfig, j: int, *, dtype, rngs: nnx.Rngs):
-        super().__init__(cfg.mixer_config(cfg.mtp_mixers[j]), cfg.ffn_config(cfg.mtp_ffns[j]), hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, attn_res=None,
-                         dtype=dtype, rngs=rngs)
+        super().__init__(cfg.mixer_config(cfg.mtp_mixers[j]), cfg.ffn_config(cfg.mtp_ffns[j]),
+                         hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, attn_res=None, dtype=dtype, rngs=rngs, linear_impl=cfg.linear_impl)
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.eh_proj = Linear(2 * d, d, dtype=dtype, axes=("mtp_concat", "embed"), rngs=rngs)
-        self.shared_head = SharedHead(d, cfg.vocab_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.eh_proj = Linear(2 * d, d, dtype=dtype, axes=("mtp_concat", "embed"), rngs=rngs, impl=cfg.linear_impl)
+        self.shared_head = SharedHead(d, cfg.vocab_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs,
+                                      linear_impl=cfg.linear_impl)
         if cfg.mtp_own_embedding and j == 0:
             self.embed_tokens = Embedding(cfg.vocab_size, d, dtype=dtype, rngs=rngs)
 

@@ -170,7 +170,10 @@ def state_shardings(state: DecodeState, mesh: Mesh) -> DecodeState:
 
 def config_for_mesh(cfg: ModelConfig, mesh: Mesh | None) -> ModelConfig:
     """The config a model runs with on `mesh`: expert parallelism on when the mesh's expert axis
-    has more than one device and the experts split over it, off otherwise (also for mesh=None)."""
+    has more than one device and the experts split over it, off otherwise (also for mesh=None);
+    with a tensor axis, few-row projections take XLA's dot (the Pallas kernel needs whole weights)."""
+    if mesh is not None and mesh.shape.get("tensor", 1) > 1 and cfg.linear_impl != "xla":
+        cfg = cfg.replace(linear_impl="xla")
     if cfg.moe is None:
         return cfg
     ep = None

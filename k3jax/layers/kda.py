@@ -20,6 +20,7 @@ from k3jax.state import KDAState, SeqInfo
 from pallas_kernels.kda import KDADecodeInputs, KDADecodeWeights, kda, kda_decode
 from pallas_kernels.kda import forget_gate as gate_from_logits
 from pallas_kernels.kda import l2_normalize
+from pallas_kernels.moe_gmm import SkinnyImpl
 
 
 def decay_rates(a_log: jax.Array, cfg: KDAConfig) -> jax.Array:
@@ -65,10 +66,10 @@ def short_conv(x_BTC: jax.Array, state_BWC: jax.Array, w_WC: jax.Array, pad_B: j
 class KimiDeltaAttention(nnx.Module):
     """KDA mixer. x [B, T, D] (the normed layer input) -> [B, T, D]."""
 
-    def __init__(self, cfg: KDAConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: KDAConfig, *, dtype, rngs: nnx.Rngs, linear_impl: SkinnyImpl = "auto"):
         self.cfg = cfg
         d, h, k, p, w = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.proj_size, cfg.conv_size
-        lin = lambda i, o, axes: Linear(i, o, dtype=dtype, axes=axes, rngs=rngs)
+        lin = lambda i, o, axes: Linear(i, o, dtype=dtype, axes=axes, rngs=rngs, impl=linear_impl)
         self.q_proj = lin(d, p, ("embed", "kda_proj"))
         self.k_proj = lin(d, p, ("embed", "kda_proj"))
         self.v_proj = lin(d, p, ("embed", "kda_proj"))

@@ -15,6 +15,7 @@ from k3jax.layers.linear import Linear
 from k3jax.layers.mla_attention import attention_naive, cache_attention
 from k3jax.layers.norms import RMSNorm
 from k3jax.state import MLACache, SeqInfo
+from pallas_kernels.moe_gmm import SkinnyImpl
 
 
 def write_cache(latent_BSL: jax.Array, new_BTL: jax.Array, seq: SeqInfo) -> jax.Array:
@@ -29,10 +30,10 @@ def write_cache(latent_BSL: jax.Array, new_BTL: jax.Array, seq: SeqInfo) -> jax.
 class MultiHeadLatentAttention(nnx.Module):
     """MLA mixer. x [B, T, D] (the normed layer input) -> [B, T, D]."""
 
-    def __init__(self, cfg: MLAConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MLAConfig, *, dtype, rngs: nnx.Rngs, linear_impl: SkinnyImpl = "auto"):
         self.cfg = cfg
         d, h = cfg.hidden_size, cfg.num_heads
-        lin = lambda i, o, axes: Linear(i, o, dtype=dtype, axes=axes, rngs=rngs)
+        lin = lambda i, o, axes: Linear(i, o, dtype=dtype, axes=axes, rngs=rngs, impl=linear_impl)
         if cfg.q_lora_rank is None:
             self.q_proj = lin(d, h * cfg.qk_head_dim, ("embed", "mla_q"))
         else:

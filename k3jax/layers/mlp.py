@@ -8,17 +8,19 @@ from flax import nnx
 from k3jax.config import MLPConfig
 from k3jax.layers.activation import gated_activation
 from k3jax.layers.linear import Linear
+from pallas_kernels.moe_gmm import SkinnyImpl
 
 
 class MLP(nnx.Module):
     """down(act(gate(x), up(x))) with checkpoint names gate_proj / up_proj / down_proj."""
 
-    def __init__(self, cfg: MLPConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MLPConfig, *, dtype, rngs: nnx.Rngs, linear_impl: SkinnyImpl = "auto"):
         self.activation = cfg.activation
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(d, f, dtype=dtype, axes=("embed", "mlp"), rngs=rngs)
-        self.up_proj = Linear(d, f, dtype=dtype, axes=("embed", "mlp"), rngs=rngs)
-        self.down_proj = Linear(f, d, dtype=dtype, axes=("mlp", "embed"), rngs=rngs)
+        lin = lambda i, o, axes: Linear(i, o, dtype=dtype, axes=axes, rngs=rngs, impl=linear_impl)
+        self.gate_proj = lin(d, f, ("embed", "mlp"))
+        self.up_proj = lin(d, f, ("embed", "mlp"))
+        self.down_proj = lin(f, d, ("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., D] -> [..., D]."""

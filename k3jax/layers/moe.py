@@ -20,6 +20,7 @@ from k3jax.layers.moe_experts import local_experts
 from k3jax.layers.moe_parallel import expert_parallel
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import normal, param, zeros
+from pallas_kernels.moe_gmm import SkinnyImpl
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -94,15 +95,17 @@ class MoE(nnx.Module):
     (routed_expert_norm) and projected back by routed_expert_up_proj.
     """
 
-    def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs, linear_impl: SkinnyImpl = "auto"):
         self.cfg = cfg
         self.gate = Router(cfg, dtype=dtype, rngs=rngs)
         self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
-        self.shared_experts = MLP(cfg.shared, dtype=dtype, rngs=rngs) if cfg.shared is not None else None
+        self.shared_experts = (MLP(cfg.shared, dtype=dtype, rngs=rngs, linear_impl=linear_impl)
+                               if cfg.shared is not None else None)
         if cfg.latent_size is not None:
             d, dl = cfg.hidden_size, cfg.latent_size
-            self.routed_expert_down_proj = Linear(d, dl, dtype=dtype, axes=("embed", "moe_latent"), rngs=rngs)
-            self.routed_expert_up_proj = Linear(dl, d, dtype=dtype, axes=("moe_latent", "embed"), rngs=rngs)
+            lin = lambda i, o, axes: Linear(i, o, dtype=dtype, axes=axes, rngs=rngs, impl=linear_impl)
+            self.routed_expert_down_proj = lin(d, dl, ("embed", "moe_latent"))
+            self.routed_expert_up_proj = lin(dl, d, ("moe_latent", "embed"))
             if cfg.latent_use_norm:
                 self.routed_expert_norm = RMSNorm(dl, cfg.norm_eps, dtype=dtype, rngs=rngs, axis_name="moe_latent")
 

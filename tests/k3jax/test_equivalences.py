@@ -75,3 +75,15 @@ def test_chunked_prefill_continuation_with_uneven_rows(model, rng):
     for i in range(2):
         alone, _ = model.prefill(np.concatenate([first[i], more[i]])[None])
         assert_close(f"row {i}", logits[i], alone[0], dtype=model.dtype)
+
+
+def test_decode_projections_through_the_kernel_equal_the_dot(model, rng):
+    """linear="pallas" (few-row projections through the row-tiled kernel) == XLA's dot."""
+    ids = rng.integers(0, model.config.vocab_size, (2, 12))
+    outs = []
+    for impl in ("xla", "pallas"):
+        m = model.with_impls(linear=impl)
+        logits, state = m.prefill(ids[:, :10])
+        steps = [m.decode_step(state, ids[:, 10])[0]]
+        outs.append(np.concatenate([np.asarray(logits), np.asarray(steps[0])]))
+    assert_close("decode logits", outs[1], outs[0])

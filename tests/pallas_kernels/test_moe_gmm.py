@@ -10,7 +10,7 @@ from tolerances import assert_close, kernel_dtype
 
 from pallas_kernels.moe_gmm import (GluSpec, GmmBlocks, TileBlocks, grouped_glu, grouped_glu_pallas,
                                     grouped_glu_reference, grouped_matmul, grouped_matmul_pallas,
-                                    grouped_matmul_reference, max_tiles, tile_schedule)
+                                    grouped_matmul_reference, max_tiles, skinny_matmul, tile_schedule)
 
 SPECS = [GluSpec(), GluSpec("situ", 4.0, 25.0), GluSpec("situ", 2.0, None)]
 
@@ -107,3 +107,14 @@ def test_shape_errors():
         grouped_matmul(jnp.zeros((4, 8)), jnp.zeros((2, 8, 8)), jnp.array([2, 2]), impl="cuda")
     with pytest.raises(ValueError, match="power-of-two"):
         grouped_matmul_pallas(jnp.zeros((4, 24)), jnp.zeros((2, 24, 16)), jnp.array([2, 2]))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 256, 512), (5, 128, 96), (16, 64, 32)])
+def test_skinny_matmul_through_the_kernel(rng, interpret, m, k, n):
+    """Decode-time projections: a few rows times one weight, the kernel with a single group."""
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    out = skinny_matmul(x, w, impl="pallas", out_dtype=jnp.float32)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    assert_close("skinny", out, jnp.dot(x, w, preferred_element_type=jnp.float32), dtype="bfloat16")
+    assert skinny_matmul(x, w[:, :7], impl="pallas").shape == (m, 7)  # sides that do not tile: the dot
