@@ -161,7 +161,11 @@ def prefill_row(gen, cfg, spec: str, rng) -> dict:
     prompts = rng.integers(3, cfg.vocab_size - 300, (b, t)).tolist()
     sp = k3jax.SamplingParams(max_new_tokens=1, ignore_eos=True)
     t0 = time.perf_counter()
-    gen.generate(prompts, sp)
+    try:
+        gen.generate(prompts, sp)
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory: record it, keep the other rows
+        print(f"prefill {b}x{t}: failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
+        return {"batch": b, "prompt_len": t, "prefill_ms": f"failed: {type(e).__name__}: {str(e)[:200]}"}
     first_s = time.perf_counter() - t0
     times = [gen.generate(prompts, sp).timings.prefill_s for _ in range(3)]
     row = {"batch": b, "prompt_len": t, "prefill_ms": statistics.median(times) * 1e3, "first_call_s": first_s,
@@ -195,12 +199,14 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
     rows = [decode_row(gen, cfg, b, args, dtype_bytes, rng) for b in args.batch]
+    name = args.name or f"decode_{args.model}_{args.dtype}_{args.kernels}_{cfg.moe.impl}"
+    write(name, {"benchmark": "decode", "rows": rows, "partial": True})  # kept if a prefill row dies
     pre = [prefill_row(gen, cfg, spec, rng) for spec in args.prefill]
     record = {"benchmark": "decode", "model": args.model, "dtype": args.dtype, "moe_impl": cfg.moe.impl,
               "gmm_impl": cfg.moe.gmm_impl, "kda_impl": cfg.kda.impl, "kda_decode_impl": cfg.kda.decode_impl,
               "mla_impl": cfg.mla.decode_impl, "linear_impl": cfg.linear_impl, "env": environment(), "rows": rows,
               "prefill": pre}
-    path = write(args.name or f"decode_{args.model}_{args.dtype}_{args.kernels}_{cfg.moe.impl}", record)
+    path = write(name, record)
     print(table(rows, ["batch", "prompt_len", "tpot_ms", "tok_per_s", "floor_ms", "ratio_to_floor", "mbu_achievable",
                        "prefill_ms", "first_call_s"]))
     if pre:

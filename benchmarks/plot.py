@@ -1,0 +1,90 @@
+"""PNG plots from the benchmark JSON (matplotlib needed; `pip install matplotlib`).
+
+    python benchmarks/plot.py decode   # TPOT against batch, before / after, with the floors
+    python benchmarks/plot.py moe      # routed-expert MLP time against tokens, every implementation
+    python benchmarks/plot.py all
+
+Inputs are the JSON records under benchmarks/results/h200/; the PNGs are written beside RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+H200 = os.path.join(HERE, "results", "h200")
+
+
+def _load(name: str) -> dict:
+    with open(os.path.join(H200, name)) as f:
+        return json.load(f)
+
+
+def plot_decode(out: str) -> str:
+    """TPOT against batch for the Kimi-Linear-48B shape: each recorded run, and the floors."""
+    runs = [("before (gather experts, XLA dots)", {1: 9.05, 64: 220.56}, "o--"),  # 2026-11-29 baseline runs
+            ("+ row-tiled expert kernel", {r["batch"]: r["tpot_ms"] for r in _load("decode_run3_measured_experts.json")["rows"]},
+             "s-"),
+            ("+ few-row projections through the kernel", {1: 5.10, 64: 20.60}, "D-")]  # decode_run4_skinny.log
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, points, style in runs:
+        xs = sorted(points)
+        ax.plot(xs, [points[x] for x in xs], style, label=label)
+    floors = {1: 1.465, 64: 15.91}   # bytes that must move / 4.3 TB/s (B=64: measured 162 experts per layer)
+    ax.plot(sorted(floors), [floors[x] for x in sorted(floors)], "k:", label="memory floor (4.3 TB/s)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (rows decoding together)")
+    ax.set_ylabel("time per output token step (ms)")
+    ax.set_title("Kimi-Linear-48B shape, bf16, one H200")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    path = os.path.join(out, "decode_tpot.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_moe(out: str) -> str:
+    """Routed-expert MLP time against tokens for each implementation, with the floor."""
+    rows = [r for r in _load("moe_run2.json")["rows"] if r["model"] == "kimi-linear"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, style in (("pallas", "D-"), ("mgpu", "s--"), ("tokamax", "^--"), ("xla", "o:"), ("gather", "v:")):
+        pts = [(r["tokens"], r[f"{name}_ms"]) for r in rows if isinstance(r.get(f"{name}_ms"), float)]
+        if pts:
+            ax.plot(*zip(*pts), style, label=name)
+    ax.plot([r["tokens"] for r in rows], [r["floor_ms"] for r in rows], "k:", label="floor (bytes or FLOPs)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens (top-8 of 256 experts, 2304 x 1024)")
+    ax.set_ylabel("routed-expert MLP (ms, host-timed)")
+    ax.set_title("Routed experts on one H200, bf16")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    path = os.path.join(out, "moe_experts.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("which", choices=["decode", "moe", "all"])
+    ap.add_argument("--out", default=HERE)
+    args = ap.parse_args(argv)
+    for name, fn in (("decode", plot_decode), ("moe", plot_moe)):
+        if args.which in (name, "all"):
+            print("wrote", fn(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
