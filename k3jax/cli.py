@@ -34,7 +34,7 @@ def _print_results(out, stream: bool) -> None:
 def _generate(args: argparse.Namespace) -> int:
     try:
         sampling = k3jax.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                        top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
         model = k3jax.load_model(args.model, dtype=args.dtype, **impl_choices(args))
         if model.tokenizer is None:
             raise ValueError(f"{args.model} has no tiktoken.model, so text prompts cannot be encoded")
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     add_impl_arguments(gen)

@@ -198,6 +198,13 @@ class Generator:
         if stream is not None and (not isinstance(stream_every, int) or isinstance(stream_every, bool)
                                    or stream_every < 1):
             raise ValueError(f"stream_every must be a positive integer, got {stream_every!r}")
+        if not all(isinstance(sp, SamplingParams) for sp in params):
+            raise ValueError("sampling must be a SamplingParams or a list of them, one per prompt")
+        vocab = self.model.config.vocab_size
+        for sp in params:
+            bad = [t for t in sp.stop_token_ids if t >= vocab]
+            if bad:
+                raise ValueError(f"stop_token_ids holds id {bad[0]} outside the vocabulary [0, {vocab})")
         encoded = [self.encode_prompt(p, chat_options=chat_options) for p in prompts]
         limit = self.model.config.max_position_embeddings
         for i, (ids, sp) in enumerate(zip(encoded, params)):
@@ -222,7 +229,7 @@ class Generator:
             stop_ids[i, :len(s)] = s
         pick = lambda f, default, dt: np.array([f(p) for p in params] + [default] * (rows - n), dt)
         sampler = SamplerInputs(temperature=pick(lambda p: p.temperature, 0.0, np.float32),
-                                top_k=pick(lambda p: p.top_k, 0, np.int32),
+                                top_k=pick(lambda p: min(p.top_k, vocab), 0, np.int32),
                                 top_p=pick(lambda p: p.top_p, 1.0, np.float32),
                                 seed=pick(lambda p: p.seed, 0, np.uint32))
         put = self.model.placement.put_rows

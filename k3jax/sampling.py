@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+_INT32_MAX = (1 << 31) - 1
+_UINT32_MAX = (1 << 32) - 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -27,15 +39,23 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens <= 0:
+        if not _is_int(self.max_new_tokens) or not 0 < self.max_new_tokens <= _INT32_MAX:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_real(self.temperature) or not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= _INT32_MAX:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not _is_int(self.seed) or not 0 <= self.seed <= _UINT32_MAX:
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
+                _is_int(t) and 0 <= t <= _INT32_MAX for t in tuple(self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids must be non-negative integer token ids, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def filters(self) -> bool:
