@@ -2,24 +2,30 @@
 
 import os
 
+from k3jax._version import __version__
+from k3jax.runtime import enable_compilation_cache
+
 from k3jax.causal_lm import CausalLM
 from k3jax.checkpoint.loader import load_causal_lm
 from k3jax.config import (IMPL_OPTIONS, RENAMED_IMPL_OPTIONS, Activation, AttnResConfig, ConfigError, KDAConfig,
                           MLAConfig, MLPConfig, ModelConfig, MoEConfig, tiny_k3, tiny_kimi_linear)
-from k3jax.generate import (GenerationInterrupted, GenerationOutput, GenerationResult, Generator, StreamChunk,
-                            generate)
-from k3jax.hf_config import from_hf_config, load_hf_config, to_hf_config
+from k3jax.generate import GenerationInterrupted, Generator, generate
+from k3jax.outputs import CompletionOutput, GenerationOutput, GenerationResult, StreamChunk
+from k3jax.hf_config import from_hf_config, load_hf_config, read_generation_config, to_hf_config
 from k3jax.sampling import SamplingParams
 from k3jax.state import DecodeState, KDAState, MLACache, init_decode_state
 from k3jax.tiny import BUILTIN, builtin_config
 from k3jax.tokenizer import KimiTokenizer
 
+enable_compilation_cache()
+
 __all__ = [
+    "__version__",
     # Models
     "CausalLM", "load", "load_model",
     # Generation
     "generate", "Generator", "SamplingParams", "GenerationOutput", "GenerationResult", "StreamChunk",
-    "GenerationInterrupted",
+    "GenerationInterrupted", "CompletionOutput",
     "KimiTokenizer",
     # Configuration
     "ModelConfig", "KDAConfig", "MLAConfig", "MLPConfig", "MoEConfig", "AttnResConfig", "Activation",
@@ -35,10 +41,10 @@ def load(path, dtype="float32", **options) -> CausalLM:
     (a_log_policy=, progress=, mesh=, and implementation choices kda=, kda_decode=, mla=, moe=,
     gmm=, attn_res=). The model carries the directory's tokenizer when it holds tiktoken.model."""
     model = load_causal_lm(path, dtype=dtype, **options)
-    if os.path.exists(os.path.join(os.fspath(path), "tiktoken.model")):
-        model = CausalLM(model.module, mesh=model.mesh, load_report=model.load_report,
-                         tokenizer=KimiTokenizer.from_pretrained(path))
-    return model
+    tokenizer = (KimiTokenizer.from_pretrained(path)
+                 if os.path.exists(os.path.join(os.fspath(path), "tiktoken.model")) else None)
+    return CausalLM(model.module, mesh=model.mesh, load_report=model.load_report, tokenizer=tokenizer,
+                    generation_config=read_generation_config(path))
 
 
 def load_model(name_or_path, dtype="float32", *, seed: int = 0, **options) -> CausalLM:

@@ -56,11 +56,13 @@ class CausalLM:
     `CausalLM.random`.
 
     Attributes: config, graphdef / params (nnx.split of the module), dtype, mesh, tokenizer (or
-    None), load_report (what loading read, or None).
+    None), load_report (what loading read, or None), generation_config (the checkpoint's
+    generation_config.json as a dict, or None: the default sampling).
     """
 
     def __init__(self, module: KimiForCausalLM, config: ModelConfig | None = None, *, mesh=None,
-                 tokenizer: KimiTokenizer | None = None, load_report: LoadReport | None = None):
+                 tokenizer: KimiTokenizer | None = None, load_report: LoadReport | None = None,
+                 generation_config: dict | None = None):
         if config is not None and config != module.config:
             raise ValueError("CausalLM: the config differs from the one the module was built with; "
                              "use model.with_config(...) to change it")
@@ -76,6 +78,7 @@ class CausalLM:
         self.dtype = self.params["model"]["embed_tokens"]["embedding"][...].dtype
         self.tokenizer = tokenizer
         self.load_report = load_report
+        self.generation_config = generation_config
         self.steps = compile_steps(graphdef)
 
     @classmethod
@@ -99,7 +102,7 @@ class CausalLM:
 
     def shard(self, mesh) -> "CausalLM":
         """The same model with its parameters resharded onto `mesh` (k3jax.sharding rules)."""
-        return CausalLM(self.module, mesh=mesh, tokenizer=self.tokenizer, load_report=self.load_report)
+        return CausalLM(self.module, mesh=mesh, **self._extras())
 
     def with_config(self, config: ModelConfig) -> "CausalLM":
         """The same weights under another config (implementation choices, stop ids, limits, ...).
@@ -108,8 +111,11 @@ class CausalLM:
         shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
         if shapes(abstract_params) != shapes(self.params):
             raise ValueError("with_config: the new config changes the parameter tree; load or build a new model")
-        return CausalLM(nnx.merge(graphdef, self.params), mesh=self.mesh, tokenizer=self.tokenizer,
-                        load_report=self.load_report)
+        return CausalLM(nnx.merge(graphdef, self.params), mesh=self.mesh, **self._extras())
+
+    def _extras(self) -> dict:
+        """What travels with the weights when a model is re-bound (tokenizer, reports, defaults)."""
+        return dict(tokenizer=self.tokenizer, load_report=self.load_report, generation_config=self.generation_config)
 
     def with_impls(self, **impls: str | None) -> "CausalLM":
         """Same weights, other implementation choices (kda=, kda_decode=, mla=, moe=, gmm=, attn_res=)."""

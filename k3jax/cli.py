@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -33,8 +34,11 @@ def _print_results(out, stream: bool) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     try:
-        sampling = k3jax.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+        sampling = k3jax.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                        top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                                        stop=tuple(args.stop or ()), repetition_penalty=args.repetition_penalty,
+                                        presence_penalty=args.presence_penalty,
+                                        frequency_penalty=args.frequency_penalty)
         model = k3jax.load_model(args.model, dtype=args.dtype, **impl_choices(args))
         if model.tokenizer is None:
             raise ValueError(f"{args.model} has no tiktoken.model, so text prompts cannot be encoded")
@@ -79,7 +83,14 @@ def _broken_pipe() -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="k3jax", description="Kimi K3 / Kimi-Linear inference in JAX")
+    parser = argparse.ArgumentParser(prog="k3jax", description="Kimi K3 / Kimi-Linear inference in JAX",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="examples:\n  k3jax generate --model tiny-k3 --prompt 'Hello' --stream\n"
+                                            "  k3jax convert /data/Kimi-Linear-48B-A3B /data/kl-k3jax --workers 8\n"
+                                            "  k3jax --version")
+    parser.add_argument("--version", action="version", version=f"k3jax {k3jax.__version__}")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                        help="logging level of the k3jax logger (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt", formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog="examples:\n  k3jax generate --model tiny-k3 --prompt 'def fibonacci(n):' --stream\n"
@@ -90,11 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="render the prompt as a user chat message")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--no-thinking", action="store_true", help="K3 chat: thinking off")
-    gen.add_argument("--max-new-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=32,
+                     help="tokens to generate at most (default 32)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None, help="random seed of sampling (default: fresh)")
+    gen.add_argument("--stop", action="append", help="a string that ends generation (repeatable)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -111,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "convert":
         return convert_main(argv[1:], prog="k3jax convert")
     args = build_parser().parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    logging.getLogger("k3jax").setLevel(args.log_level.upper())
     return args.func(args)
 
 

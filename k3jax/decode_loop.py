@@ -4,7 +4,8 @@ chunks of steps.
 Stop conditions (eos / stop ids, per-row max_new_tokens) are checked on the device; nothing
 returns to the host per token. The loop runs until `step_limit` (a traced scalar, so every chunk
 reuses one compiled program) and hands its carry back to the host, which streams the new tokens,
-notices Ctrl-C, and runs the next chunk from the returned carry.
+matches stop strings, notices Ctrl-C, and runs the next chunk from the returned carry. Penalties
+and log-probabilities keep their own state in the carry only when a request asks for them.
 """
 
 from __future__ import annotations
@@ -14,11 +15,32 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from k3jax.sampling import SamplerInputs, sample
+from k3jax.sampling import SamplerInputs, apply_penalties, sample, token_logprobs
 from k3jax.state import DecodeState
 from k3jax.steps import decode_step
 
 RUNNING, STOPPED, LENGTH = 0, 1, 2
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PenaltyState:
+    """counts: [B, V] int32 occurrences of each token in the output so far. seen: [B, V] bool
+    tokens of the prompt or the output (repetition penalty)."""
+
+    counts: jax.Array
+    seen: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class LogprobBuffers:
+    """Per generated token: sampled [B, N] log-probability of the chosen token; top_ids / top_vals
+    [B, N, K] the K most likely tokens and their log-probabilities (raw model distribution)."""
+
+    sampled: jax.Array
+    top_ids: jax.Array
+    top_vals: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -28,7 +50,7 @@ class LoopState:
 
     state: model decode state. logits: [B, Vocab] fp32 for the next token. tokens: [B, N] int32
     generated so far. count: [B] tokens generated per row. done: [B]. finish: [B] RUNNING /
-    STOPPED / LENGTH. step: scalar loop counter.
+    STOPPED / LENGTH. step: scalar loop counter. penalty / logprobs: None unless requested.
     """
 
     state: DecodeState
@@ -38,6 +60,8 @@ class LoopState:
     done: jax.Array
     finish: jax.Array
     step: jax.Array
+    penalty: PenaltyState | None = None
+    logprobs: LogprobBuffers | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -55,13 +79,20 @@ class LoopInputs:
     prompt_len: jax.Array
 
 
-def init_loop_state(state: DecodeState, logits, done, *, max_steps: int, pad_id: int) -> LoopState:
+def init_loop_state(state: DecodeState, logits, done, *, max_steps: int, pad_id: int, seen=None,
+                    logprobs_k: int = 0) -> LoopState:
     """The carry after the prompt's prefill: logits [B, Vocab] for the first new token; done [B]
-    marks rows that never decode (batch padding)."""
-    b = logits.shape[0]
+    marks rows that never decode (batch padding). seen: [B, Vocab] bool prompt tokens, when
+    penalties are on. logprobs_k: top log-probabilities to keep per token (0: none kept)."""
+    b, v = logits.shape
+    penalty = None if seen is None else PenaltyState(counts=jnp.zeros((b, v), jnp.int32), seen=jnp.asarray(seen))
+    buffers = None if not logprobs_k else LogprobBuffers(
+        sampled=jnp.zeros((b, max_steps), jnp.float32), top_ids=jnp.zeros((b, max_steps, logprobs_k), jnp.int32),
+        top_vals=jnp.zeros((b, max_steps, logprobs_k), jnp.float32))
     return LoopState(state=state, logits=logits.astype(jnp.float32),
                      tokens=jnp.full((b, max_steps), pad_id, jnp.int32), count=jnp.zeros((b,), jnp.int32),
-                     done=jnp.asarray(done), finish=jnp.full((b,), RUNNING, jnp.int32), step=jnp.zeros((), jnp.int32))
+                     done=jnp.asarray(done), finish=jnp.full((b,), RUNNING, jnp.int32), step=jnp.zeros((), jnp.int32),
+                     penalty=penalty, logprobs=buffers)
 
 
 def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_limit, *, filters: bool,
@@ -75,9 +106,23 @@ def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_li
         return (c.step < step_limit) & ~jnp.all(c.done)
 
     def body(c: LoopState) -> LoopState:
+        rows = jnp.arange(c.count.shape[0])
         with jax.named_scope("sampling"):
-            tok = sample(c.logits, inputs.sampler, inputs.prompt_len + c.count, filters=filters)
-        tok = jnp.where(c.done, pad_id, tok)
+            logits = c.logits if c.penalty is None else apply_penalties(c.logits, inputs.sampler, c.penalty.counts,
+                                                                          c.penalty.seen)
+            tok = sample(logits, inputs.sampler, inputs.prompt_len + c.count, filters=filters)
+            tok = jnp.where(c.done, pad_id, tok)
+            logprobs = c.logprobs
+            if logprobs is not None:
+                chosen, top_ids, top_vals = token_logprobs(c.logits, tok, logprobs.top_ids.shape[2])
+                logprobs = LogprobBuffers(logprobs.sampled.at[:, c.step].set(chosen),
+                                          logprobs.top_ids.at[:, c.step].set(top_ids),
+                                          logprobs.top_vals.at[:, c.step].set(top_vals))
+            penalty = c.penalty
+            if penalty is not None:
+                live = (~c.done).astype(jnp.int32)
+                penalty = PenaltyState(penalty.counts.at[rows, tok].add(live),
+                                       penalty.seen.at[rows, tok].set(penalty.seen[rows, tok] | ~c.done))
         tokens = c.tokens.at[:, c.step].set(tok)
         count = c.count + (~c.done).astype(jnp.int32)
         stopped = ~c.done & jnp.any(tok[:, None] == inputs.stop_ids, axis=1)
@@ -86,7 +131,7 @@ def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_li
         done = c.done | stopped | at_limit
         # Always step the model (a conditional around it would copy the state on every step); the
         # loop condition ends the chunk once every row is done.
-        logits, state = decode_step(graphdef, params, c.state, tok)
-        return LoopState(state, logits, tokens, count, done, finish, c.step + 1)
+        next_logits, state = decode_step(graphdef, params, c.state, tok)
+        return LoopState(state, next_logits, tokens, count, done, finish, c.step + 1, penalty, logprobs)
 
     return jax.lax.while_loop(cond, body, carry)

@@ -313,3 +313,18 @@ def load_hf_config(path: str | os.PathLike) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise ConfigError(f"{file}: expected a JSON object")
     return from_hf_config(cfg)
+
+
+def read_generation_config(path: str | os.PathLike) -> dict | None:
+    """The checkpoint's generation_config.json (sampling defaults) as a dict, None when absent."""
+    file = os.path.join(os.fspath(path), "generation_config.json")
+    if not os.path.exists(file):
+        return None
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{file}: expected a JSON object")
+    return config

@@ -20,7 +20,7 @@ def test_generate_errors_are_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("k3jax generate: error: unknown model 'tiny-gpt'") and "\n" not in err
     assert main(["generate", "--model", "tiny-k3", "--prompt", "x", "--top-p", "0"]) == 2
-    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert "top_p must be a finite number in (0.0, 1.0], got 0.0" in capsys.readouterr().err
 
 
 def test_implementation_flags_use_the_option_names(capsys):

@@ -25,8 +25,8 @@ def model():
 
 
 @pytest.mark.parametrize("bad,message", [
-    (dict(seed=-1), "seed must be an integer in"), (dict(seed=1 << 32), "seed must be an integer in"),
-    (dict(seed=1.5), "seed must be an integer in"), (dict(top_k=1 << 40), "top_k must be an integer"),
+    (dict(seed=-1), "seed must be None or an integer in"), (dict(seed=1 << 32), "seed must be None or an integer in"),
+    (dict(seed=1.5), "seed must be None or an integer in"), (dict(top_k=1 << 40), "top_k must be an integer"),
     (dict(top_k=True), "top_k must be an integer"), (dict(temperature=float("inf")), "temperature must be a finite"),
     (dict(temperature=float("nan")), "temperature must be a finite"), (dict(temperature="0.5"), "temperature"),
     (dict(stop_token_ids=(-3,)), "stop_token_ids must be non-negative"), (dict(stop_token_ids="2"), "stop_token_ids"),

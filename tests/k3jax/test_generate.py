@@ -27,7 +27,8 @@ def python_loop(model, prompt, sp: k3jax.SamplingParams, steps):
     """Reference: prefill, then one decode_step per token from Python, same sampler and positions."""
     logits, state = model.prefill(np.array([prompt]), max_len=len(prompt) + steps + 1)
     inputs = SamplerInputs(jnp.array([sp.temperature], jnp.float32), jnp.array([sp.top_k], jnp.int32),
-                           jnp.array([sp.top_p], jnp.float32), jnp.array([sp.seed], jnp.uint32))
+                           jnp.array([sp.top_p], jnp.float32), jnp.array([sp.row_seed(0)], jnp.uint32),
+                           jnp.ones(1), jnp.zeros(1), jnp.zeros(1))
     out = []
     for i in range(steps):
         tok = int(sample(logits, inputs, jnp.array([len(prompt) + i]), filters=sp.filters)[0])
@@ -126,7 +127,7 @@ def test_bad_input(generator, model):
     with pytest.raises(ValueError, match="exceeds the context limit 32"):
         short.generate(list(range(3, 30)), k3jax.SamplingParams(max_new_tokens=8))
     for bad in (dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(top_p=0.0), dict(top_p=1.5),
-                dict(temperature=-1.0), dict(top_k=-1)):
+                dict(temperature=-1.0), dict(top_k=-2)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             k3jax.SamplingParams(**bad)
     with pytest.raises(ValueError, match="unknown model 'tiny-gpt'"):
