@@ -11,6 +11,7 @@ A K3 wrapper (`model_type: kimi_k3`) is unwrapped to its nested `text_config`.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -27,17 +28,72 @@ _ALIASES = {
     "max_position_embeddings": ("model_max_length", "max_position_embeddings"),
 }
 
+# Bounds the per-layer tables built while parsing; far above any Kimi model (K3: 93 layers).
+_MAX_LAYERS = 4096
+
 # Switches this code base does not implement: fail loudly instead of running a different model.
 _UNSUPPORTED_WHEN_TRUE = ("mla_use_rope",)
 
 
+def _name(cfg: Mapping[str, Any], key: str) -> str:
+    """The name `key` has in `cfg`: the first of its aliases that is set (not null)."""
+    return next((name for name in _ALIASES.get(key, (key,)) if cfg.get(name) is not None), key)
+
+
 def _get(cfg: Mapping[str, Any], key: str, default: Any = ConfigError) -> Any:
-    for name in _ALIASES.get(key, (key,)):
-        if name in cfg:
-            return cfg[name]
+    """cfg[key] through its aliases; `default` when absent or null (a required field has none)."""
+    name = _name(cfg, key)
+    if cfg.get(name) is not None:
+        return cfg[name]
     if default is ConfigError:
         raise ConfigError(f"invalid config field '{key}': missing from config.json")
     return default
+
+
+def _shown(value: Any) -> str:
+    """repr of a config value, cut short (a hostile config can hold anything)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(cfg: Mapping[str, Any], key: str, default: Any = ConfigError, *, minimum: int = 0,
+         maximum: int | None = None, field: str | None = None) -> int | None:
+    """An integer field in [minimum, maximum] (None only as the default)."""
+    value = _get(cfg, key, default)
+    if value is None and default is None:
+        return None
+    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+        raise ConfigError(f"invalid config field '{field or _name(cfg, key)}': expected an integer {bounds}, "
+                          f"got {_shown(value)}")
+    return value
+
+
+def _float(cfg: Mapping[str, Any], key: str, default: Any = ConfigError, *, field: str | None = None) -> float | None:
+    """A finite number field (None only as the default)."""
+    value = _get(cfg, key, default)
+    if value is None and default is None:
+        return None
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
+        raise ConfigError(f"invalid config field '{field or _name(cfg, key)}': expected a finite number, "
+                          f"got {_shown(value)}")
+    return float(value)
+
+
+def _typed(cfg: Mapping[str, Any], key: str, kind: type, default: Any, *, field: str | None = None) -> Any:
+    """A field of one JSON type (bool, str, dict, list); None only as the default."""
+    value = _get(cfg, key, default)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, kind):
+        names = {bool: "true or false", str: "a string", dict: "an object", list: "a list"}
+        raise ConfigError(f"invalid config field '{field or _name(cfg, key)}': expected {names[kind]}, "
+                          f"got {_shown(value)}")
+    return value
 
 
 def _text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -56,38 +112,33 @@ def _typed_list(cfg: Mapping[str, Any], key: str, mapping: dict, num_layers: int
         return None
     if not isinstance(types, list) or len(types) != num_layers:
         raise ConfigError(f"invalid config field '{key}': expected a list of {num_layers} entries "
-                          f"(num_hidden_layers), got {types!r}")
-    unknown = sorted({str(t) for t in types if t not in mapping})
+                          f"(num_hidden_layers), got {_shown(types)}")
+    unknown = sorted({_shown(t) for t in types if not isinstance(t, str) or t not in mapping})
     if unknown:
-        raise ConfigError(f"invalid config field '{key}': unknown values {unknown}")
+        raise ConfigError(f"invalid config field '{key}': unknown values {', '.join(unknown)}")
     return tuple(mapping[t] for t in types)
 
 
 def _moe_by_rule(cfg: Mapping[str, Any], layers, has_moe: bool) -> tuple:
     """FFN kind of each global layer index by arch §1.4: MoE when num_experts is set, the index is
     >= first_k_dense_replace (transformers' default 1 when absent) and on the moe_layer_freq grid."""
-    first_dense = cfg.get("first_k_dense_replace", 1)
-    freq = cfg.get("moe_layer_freq", 1)
-    if not isinstance(first_dense, int) or first_dense < 0:
-        raise ConfigError(f"invalid config field 'first_k_dense_replace': expected an integer >= 0, "
-                          f"got {first_dense!r}")
-    if not isinstance(freq, int) or freq < 1:
-        raise ConfigError(f"invalid config field 'moe_layer_freq': expected an integer >= 1, got {freq!r}")
+    first_dense = _int(cfg, "first_k_dense_replace", 1)
+    freq = _int(cfg, "moe_layer_freq", 1, minimum=1)
     return tuple("moe" if has_moe and i >= first_dense and i % freq == 0 else "dense" for i in layers)
 
 
 def _layer_plan(cfg: Mapping[str, Any], num_layers: int, has_moe: bool) -> tuple[tuple, tuple]:
     """Mixer and FFN kind per layer, following arch §1.4 exactly."""
-    lin = cfg.get("linear_attn_config") or {}
+    lin = _typed(cfg, "linear_attn_config", dict, {})
     from_lists = None
     if "kda_layers" in lin or "full_attn_layers" in lin:
-        kda = lin.get("kda_layers") or []
-        full = lin.get("full_attn_layers") or []
+        kda = _typed(lin, "kda_layers", list, [], field="linear_attn_config.kda_layers")
+        full = _typed(lin, "full_attn_layers", list, [], field="linear_attn_config.full_attn_layers")
         for name, layers in (("kda_layers", kda), ("full_attn_layers", full)):
-            bad = [x for x in layers if not isinstance(x, int) or not 1 <= x <= num_layers]
+            bad = [x for x in layers if not _is_int(x) or not 1 <= x <= num_layers]
             if bad:
-                raise ConfigError(f"invalid config field 'linear_attn_config.{name}': entries {bad} are not "
-                                  f"1-based layer numbers in [1, {num_layers}]")
+                raise ConfigError(f"invalid config field 'linear_attn_config.{name}': entries {_shown(bad)} are "
+                                  f"not 1-based layer numbers in [1, {num_layers}]")
         overlap = sorted(set(kda) & set(full))
         missing = sorted(set(range(1, num_layers + 1)) - set(kda) - set(full))
         if overlap or missing or len(kda) + len(full) != num_layers:
@@ -116,27 +167,32 @@ def _layer_plan(cfg: Mapping[str, Any], num_layers: int, has_moe: bool) -> tuple
 def _mtp_plan(cfg: Mapping[str, Any], num_layers: int, has_moe: bool) -> tuple[tuple, tuple]:
     """MTP layers L + j follow the normal typing rules (arch §7): not in kda_layers, so MLA; MoE
     when past first_k_dense_replace on the moe_layer_freq grid."""
-    n = cfg.get("num_nextn_predict_layers") or 0
-    if not isinstance(n, int) or n < 0:
-        raise ConfigError(f"invalid config field 'num_nextn_predict_layers': expected an integer >= 0, got {n!r}")
+    n = _int(cfg, "num_nextn_predict_layers", 0, maximum=_MAX_LAYERS)
     ffns = _moe_by_rule(cfg, range(num_layers, num_layers + n), has_moe)
     return ("mla",) * n, ffns
 
 
-def _quantization(qcfg: Mapping[str, Any] | None) -> str | None:
+def _quantization(qcfg: Any) -> str | None:
     """compressed-tensors MXFP4 routed experts (arch §8.4) -> "mxfp4"; anything else is refused."""
     if not qcfg:
         return None
+    field = "quantization_config"
+    if not isinstance(qcfg, Mapping):
+        raise ConfigError(f"invalid config field '{field}': expected an object, got {_shown(qcfg)}")
     method, fmt = qcfg.get("quant_method"), str(qcfg.get("format", ""))
     if method == "compressed-tensors" and "mxfp4" in fmt:
-        for group in (qcfg.get("config_groups") or {}).values():
-            w = group.get("weights") or {}
+        groups = _typed(qcfg, "config_groups", dict, {}, field=f"{field}.config_groups")
+        for name, group in groups.items():
+            if not isinstance(group, Mapping):
+                raise ConfigError(f"invalid config field '{field}.config_groups.{name}': expected an object, "
+                                  f"got {_shown(group)}")
+            w = _typed(group, "weights", dict, {}, field=f"{field}.config_groups.{name}.weights")
             if w and (w.get("num_bits") != 4 or w.get("type") != "float" or w.get("group_size") != 32):
-                raise ConfigError("invalid config field 'quantization_config': MXFP4 weights must be 4-bit floats "
-                                  f"in groups of 32, got {w}")
+                raise ConfigError(f"invalid config field '{field}': MXFP4 weights must be 4-bit floats "
+                                  f"in groups of 32, got {_shown(w)}")
         return "mxfp4"
-    raise ConfigError(f"invalid config field 'quantization_config': unsupported quant_method={method!r} "
-                      f"format={fmt!r} (supported: compressed-tensors mxfp4-pack-quantized)")
+    raise ConfigError(f"invalid config field '{field}': unsupported quant_method={_shown(method)} "
+                      f"format={_shown(fmt)} (supported: compressed-tensors mxfp4-pack-quantized)")
 
 
 def to_hf_config(cfg: ModelConfig) -> dict:
@@ -202,100 +258,120 @@ def to_hf_config(cfg: ModelConfig) -> dict:
     return text
 
 
+def _activation(text: Mapping[str, Any]) -> Activation:
+    return Activation(kind=_typed(text, "hidden_act", str, "silu"),
+                      situ_beta=_float(text, "activation_situ_beta", 1.0),
+                      situ_linear_beta=_float(text, "activation_situ_linear_beta", None))
+
+
+def _kda_config(text: Mapping[str, Any], hidden: int, eps: float) -> KDAConfig:
+    lin = _typed(text, "linear_attn_config", dict, {})
+    field = "linear_attn_config.{}".format
+    return KDAConfig(
+        hidden_size=hidden,
+        num_heads=_int(lin, "num_heads", _int(text, "linear_num_heads", 32, minimum=1), minimum=1,
+                       field=field("num_heads")),
+        head_dim=_int(lin, "head_dim", _int(text, "linear_head_dim", 128, minimum=1), minimum=1,
+                      field=field("head_dim")),
+        conv_size=_int(lin, "short_conv_kernel_size", _int(text, "linear_conv_kernel_dim", 4, minimum=1),
+                       minimum=1, field=field("short_conv_kernel_size")),
+        norm_eps=eps,
+        gate_lower_bound=_float(lin, "gate_lower_bound", None, field=field("gate_lower_bound")),
+        use_full_rank_gate=_typed(lin, "use_full_rank_gate", bool, False, field=field("use_full_rank_gate")),
+    )
+
+
+def _mla_config(text: Mapping[str, Any], hidden: int) -> MLAConfig:
+    return MLAConfig(
+        hidden_size=hidden,
+        num_heads=_int(text, "num_attention_heads", minimum=1),
+        kv_lora_rank=_int(text, "kv_lora_rank", minimum=1),
+        qk_nope_head_dim=_int(text, "qk_nope_head_dim", minimum=1),
+        qk_rope_head_dim=_int(text, "qk_rope_head_dim"),
+        v_head_dim=_int(text, "v_head_dim", minimum=1),
+        q_lora_rank=_int(text, "q_lora_rank", None, minimum=1),
+        use_output_gate=_typed(text, "mla_use_output_gate", bool, False),
+    )
+
+
+def _moe_config(text: Mapping[str, Any], hidden: int, num_experts: int, act: Activation, eps: float) -> MoEConfig:
+    return MoEConfig(
+        hidden_size=hidden,
+        num_experts=num_experts,
+        num_experts_per_token=_int(text, "num_experts_per_token", minimum=1),
+        expert_intermediate_size=_int(text, "moe_intermediate_size", minimum=1),
+        num_shared_experts=_int(text, "num_shared_experts", 0),
+        renormalize=_typed(text, "moe_renormalize", bool, True),
+        routed_scaling_factor=_float(text, "routed_scaling_factor", 1.0),
+        num_expert_group=_int(text, "num_expert_group", 1) or 1,
+        topk_group=_int(text, "topk_group", 1) or 1,
+        score_function=_typed(text, "moe_router_activation_func", str, "sigmoid"),
+        activation=act,
+        latent_size=_int(text, "routed_expert_hidden_size", None, minimum=1),
+        latent_use_norm=_typed(text, "latent_moe_use_norm", bool, False),
+        norm_eps=eps,
+    )
+
+
+def _token_ids(text: Mapping[str, Any], outer: Mapping[str, Any]) -> tuple[int | None, tuple[int, ...], int | None]:
+    """(bos, eos ids, pad): the text config's, else the wrapper's."""
+    bos = _int(text, "bos_token_id", _int(outer, "bos_token_id", None))
+    pad = _int(text, "pad_token_id", _int(outer, "pad_token_id", None))
+    eos = _get(text, "eos_token_id", outer.get("eos_token_id"))
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    if not all(_is_int(t) for t in eos):
+        raise ConfigError(f"invalid config field 'eos_token_id': expected an integer or a list of integers, "
+                          f"got {_shown(list(eos))}")
+    return bos, eos, pad
+
+
 def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
-    """Builds a `ModelConfig` from a parsed Hugging Face config.json (Kimi-Linear or K3 wrapper)."""
+    """Builds a `ModelConfig` from a parsed Hugging Face config.json (Kimi-Linear or K3 wrapper).
+    Raises ConfigError naming the field for anything missing, mis-typed or inconsistent."""
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"invalid config: expected a JSON object, got {type(cfg).__name__}")
     outer_type = cfg.get("model_type")
     text = _text_config(cfg)
     model_type = text.get("model_type", outer_type)
-    if model_type not in ("kimi_linear", "kimi_k3"):
+    if model_type not in ("kimi_linear", "kimi_k3") or not isinstance(outer_type, (str, type(None))):
         raise ConfigError(f"invalid config field 'model_type': expected 'kimi_linear' (or a 'kimi_k3' wrapper), "
-                          f"got {model_type!r}")
+                          f"got {_shown(outer_type or model_type)}")
     for key in _UNSUPPORTED_WHEN_TRUE:
         if text.get(key):
             raise ConfigError(f"invalid config field '{key}': not supported (K3 and Kimi-Linear MLA use no RoPE)")
     if text.get("mla_use_nope") is False:
         raise ConfigError("invalid config field 'mla_use_nope': only NoPE MLA (no rotary embedding) is supported")
 
-    hidden = _get(text, "hidden_size")
-    num_layers = _get(text, "num_hidden_layers")
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise ConfigError(f"invalid config field 'num_hidden_layers': expected a positive integer, got {num_layers!r}")
-    eps = _get(text, "rms_norm_eps", 1e-5)
-    act = Activation(kind=_get(text, "hidden_act", "silu"),
-                     situ_beta=text.get("activation_situ_beta", 1.0),
-                     situ_linear_beta=text.get("activation_situ_linear_beta"))
+    hidden = _int(text, "hidden_size", minimum=1)
+    num_layers = _int(text, "num_hidden_layers", minimum=1, maximum=_MAX_LAYERS)
+    eps = _float(text, "rms_norm_eps", 1e-5)
+    act = _activation(text)
 
-    num_experts = _get(text, "num_experts", None)
+    num_experts = _int(text, "num_experts", None, minimum=1)
     mixers, ffns = _layer_plan(text, num_layers, num_experts is not None)
     mtp_mixers, mtp_ffns = _mtp_plan(text, num_layers, num_experts is not None)
-    block = text.get("attn_res_block_size")
-    attn_res = None if block is None else AttnResConfig(block_size=block, eps=eps)
-
-    lin = text.get("linear_attn_config") or {}
-    kda = None
-    if "kda" in mixers + mtp_mixers:
-        kda = KDAConfig(
-            hidden_size=hidden,
-            num_heads=lin.get("num_heads", text.get("linear_num_heads", 32)),
-            head_dim=lin.get("head_dim", text.get("linear_head_dim", 128)),
-            conv_size=lin.get("short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4)),
-            norm_eps=eps,
-            gate_lower_bound=lin.get("gate_lower_bound"),
-            use_full_rank_gate=bool(lin.get("use_full_rank_gate", False)),
-        )
-    mla = None
-    if "mla" in mixers + mtp_mixers:
-        mla = MLAConfig(
-            hidden_size=hidden,
-            num_heads=_get(text, "num_attention_heads"),
-            kv_lora_rank=_get(text, "kv_lora_rank"),
-            qk_nope_head_dim=_get(text, "qk_nope_head_dim"),
-            qk_rope_head_dim=_get(text, "qk_rope_head_dim"),
-            v_head_dim=_get(text, "v_head_dim"),
-            q_lora_rank=text.get("q_lora_rank"),
-            use_output_gate=bool(text.get("mla_use_output_gate", False)),
-        )
-    mlp = MLPConfig(hidden, _get(text, "intermediate_size"), act) if "dense" in ffns + mtp_ffns else None
-    moe = None
-    if "moe" in ffns + mtp_ffns:
-        moe = MoEConfig(
-            hidden_size=hidden,
-            num_experts=num_experts,
-            num_experts_per_token=_get(text, "num_experts_per_token"),
-            expert_intermediate_size=_get(text, "moe_intermediate_size"),
-            num_shared_experts=_get(text, "num_shared_experts", 0),
-            renormalize=bool(_get(text, "moe_renormalize", True)),
-            routed_scaling_factor=float(_get(text, "routed_scaling_factor", 1.0)),
-            num_expert_group=_get(text, "num_expert_group", 1) or 1,
-            topk_group=_get(text, "topk_group", 1) or 1,
-            score_function=text.get("moe_router_activation_func", "sigmoid"),
-            activation=act,
-            latent_size=text.get("routed_expert_hidden_size"),
-            latent_use_norm=bool(text.get("latent_moe_use_norm", False)),
-            norm_eps=eps,
-        )
-
-    eos = _get(text, "eos_token_id", cfg.get("eos_token_id"))
-    eos = () if eos is None else (tuple(eos) if isinstance(eos, (list, tuple)) else (eos,))
+    block = _int(text, "attn_res_block_size", None, minimum=1)
+    kinds = mixers + mtp_mixers + ffns + mtp_ffns
+    bos, eos, pad = _token_ids(text, cfg)
     return ModelConfig(
-        vocab_size=_get(text, "vocab_size"),
+        vocab_size=_int(text, "vocab_size", minimum=1),
         hidden_size=hidden,
         mixers=mixers,
         ffns=ffns,
         rms_norm_eps=eps,
-        kda=kda,
-        mla=mla,
-        mlp=mlp,
-        moe=moe,
-        attn_res=attn_res,
+        kda=_kda_config(text, hidden, eps) if "kda" in kinds else None,
+        mla=_mla_config(text, hidden) if "mla" in kinds else None,
+        mlp=MLPConfig(hidden, _int(text, "intermediate_size", minimum=1), act) if "dense" in kinds else None,
+        moe=_moe_config(text, hidden, num_experts, act, eps) if "moe" in kinds else None,
+        attn_res=None if block is None else AttnResConfig(block_size=block, eps=eps),
         mtp_mixers=mtp_mixers,
         mtp_ffns=mtp_ffns,
         quantization=_quantization(text.get("quantization_config") or cfg.get("quantization_config")),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
-        max_position_embeddings=_get(text, "max_position_embeddings", 1 << 20),
-        bos_token_id=_get(text, "bos_token_id", cfg.get("bos_token_id")),
+        tie_word_embeddings=_typed(text, "tie_word_embeddings", bool, _typed(cfg, "tie_word_embeddings", bool, False)),
+        max_position_embeddings=_int(text, "max_position_embeddings", 1 << 20, minimum=1),
+        bos_token_id=bos,
         eos_token_id=eos,
-        pad_token_id=_get(text, "pad_token_id", cfg.get("pad_token_id")),
+        pad_token_id=pad,
         model_type=outer_type or model_type,
     )
 
@@ -305,11 +381,13 @@ def load_hf_config(path: str | os.PathLike) -> ModelConfig:
     file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
     if not os.path.exists(file):
         raise FileNotFoundError(f"no config.json at {file}")
+    if not os.path.isfile(file):
+        raise ConfigError(f"{file}: not a regular file")
     try:
         with open(file) as f:
             cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, nesting too deep
+        raise ConfigError(f"{file}: not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{file}: expected a JSON object")
     return from_hf_config(cfg)

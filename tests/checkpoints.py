@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 import k3jax
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from k3jax.checkpoint.safetensors_io import SafetensorsCheckpoint, write_safetensors
+from k3jax.checkpoint.writer import save_checkpoint
 
 
 def snap_experts_to_mxfp4(model: k3jax.CausalLM) -> k3jax.CausalLM:
@@ -20,3 +25,31 @@ def snap_experts_to_mxfp4(model: k3jax.CausalLM) -> k3jax.CausalLM:
         return var
     flat = [(p, snap(p, v)) for p, v in nnx.to_flat_state(model.params)]
     return k3jax.CausalLM(nnx.merge(model.graphdef, nnx.from_flat_state(flat)), model.config)
+
+
+def rewrite_tensors(path, change) -> None:
+    """Rewrites `path/model.safetensors` after `change(tensors)` edits its dict of numpy arrays."""
+    file = os.path.join(os.fspath(path), "model.safetensors")
+    ckpt = SafetensorsCheckpoint(path)
+    tensors = {n: np.array(ckpt.read(n)) for n in ckpt.names()}
+    change(tensors)
+    write_safetensors(file, tensors)
+
+
+def chunk_files(ckpt, param: str) -> list[Path]:
+    """The chunk (shard) files of one parameter array of a converted checkpoint."""
+    return sorted(p for p in (Path(ckpt) / "params" / param / "c").rglob("*") if p.is_file())
+
+
+def flip_byte(file, offset: int | None = None) -> None:
+    """Flips one bit of `file` (by default in the middle, inside the chunk data)."""
+    data = bytearray(Path(file).read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0x10
+    Path(file).write_bytes(bytes(data))
+
+
+def big_kimi_linear_checkpoint(path, experts: int = 48) -> None:
+    """A bf16 Kimi-Linear-shaped source with many experts (hidden 128): many tensors, a few MB each layer."""
+    cfg = k3jax.tiny_kimi_linear(hidden=128, num_experts=experts, expert_intermediate_size=256)
+    save_checkpoint(k3jax.CausalLM.random(cfg, seed=0, dtype="bfloat16"), path, shards=3)  # real checkpoints are bf16

@@ -3,7 +3,9 @@
 All names, shapes and dtypes are checked against the model config from the headers alone; any
 mismatch raises one `CheckpointError` listing every missing, unexpected and mis-shaped tensor.
 Parameters are then filled one at a time (stacked experts included, MXFP4 experts dequantised),
-so host memory holds at most one parameter beyond what is already on the device.
+so host memory holds at most one parameter beyond what is already on the device. Both paths
+(Hugging Face and converted) end with one reduction per parameter on the device that refuses
+NaN or Inf weights, naming the tensors.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import numpy as np
 from flax import nnx
 
 from k3jax.causal_lm import CausalLM, LoadReport, resolve_dtype
+from k3jax.checkpoint.integrity import expert_label, nonfinite, raise_nonfinite
 from k3jax.checkpoint.name_map import mtp_embedding_name
-from k3jax.checkpoint.orbax_format import is_k3jax_checkpoint, read_manifest, restore_params
+from k3jax.checkpoint.orbax_format import is_k3jax_checkpoint, param_name, read_manifest, restore_params
 from k3jax.checkpoint.plan import listing, plan_tensors, progress_bar, read_param_slice, stored_nbytes
 from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from k3jax.hf_config import from_hf_config, load_hf_config
@@ -26,7 +29,7 @@ from k3jax.model import abstract_model
 from k3jax.sharding import param_shardings
 
 def load_causal_lm(path: str | os.PathLike, dtype="float32", *, a_log_policy: str | None = None,
-                   progress: bool | None = None, mesh=None, **impls) -> CausalLM:
+                   progress: bool | None = None, mesh=None, _check_finite: bool = True, **impls) -> CausalLM:
     """Loads a checkpoint directory as a `CausalLM`: Hugging Face (config.json + *.safetensors
     [+ index]) tensor by tensor, or a k3jax (Orbax) checkpoint written by `k3jax convert`.
 
@@ -38,10 +41,16 @@ def load_causal_lm(path: str | os.PathLike, dtype="float32", *, a_log_policy: st
       mesh: place every parameter directly in its sharding (k3jax.sharding rules) as it is read.
       **impls: implementation choices by option name (kda=, kda_decode=, mla=, moe=, gmm=,
         attn_res=), as in `ModelConfig.with_impls`.
+      _check_finite: private, for benchmarks/checkpoint_read.py only: False skips the check that
+        refuses NaN / Inf weights.
+
+    Raises CheckpointError (one line naming the file, tensor or parameter) for anything the
+    checkpoint holds that does not match the config, cannot be read, fails a checksum, or is not
+    finite; ConfigError for a bad config.
     """
     dt = resolve_dtype(dtype)
     if is_k3jax_checkpoint(path):
-        return _load_converted(path, dt, impls, a_log_policy, mesh)
+        return _load_converted(path, dt, impls, a_log_policy, mesh, _check_finite)
     cfg = load_hf_config(path).with_impls(**impls)
     if a_log_policy is not None and cfg.kda is not None:
         cfg = cfg.replace(kda=dataclasses.replace(cfg.kda, a_log_policy=a_log_policy))
@@ -73,11 +82,23 @@ def load_causal_lm(path: str | os.PathLike, dtype="float32", *, a_log_policy: st
         value = jax.device_put(value, shardings[p]) if mesh is not None else jnp.asarray(value)
         loaded.append((p, var.replace(value)))
     bar.close()
+    if _check_finite:
+        _check_hf_finite(ckpt, plan, {p: v.get_value() for p, v in loaded})
     report = LoadReport(tensors=sum(len(v) for v in plan.values()), skipped=skipped, bytes_read=read)
     return CausalLM(nnx.merge(graphdef, nnx.from_flat_state(loaded)), mesh=mesh, load_report=report)
 
 
-def _load_converted(path, dt, impls: dict, a_log_policy, mesh) -> CausalLM:
+def _check_hf_finite(ckpt: SafetensorsCheckpoint, plan: dict, values: dict) -> None:
+    """Refuses NaN / Inf in loaded parameters, naming the stored tensors they came from."""
+    stacked = {p for p, entries in plan.items() if entries[0][1].expert is not None}
+    names = []
+    for p, experts in nonfinite(values, stacked).items():
+        stored = {rule.expert: name for name, rule in plan[p]}
+        names += [stored[e] for e in experts] if experts else [stored[None]]
+    raise_nonfinite(f"checkpoint {ckpt.path}", names)
+
+
+def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: bool) -> CausalLM:
     """A k3jax (Orbax) checkpoint written by `convert`, restored with Orbax into the shardings."""
     manifest = read_manifest(path)
     cfg = from_hf_config(manifest["hf_config"]).with_impls(**impls)
@@ -97,6 +118,10 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh) -> CausalLM:
         diff = sorted(n for n in set(expected) | set(stored) if expected.get(n) != stored.get(n))
         raise CheckpointError(f"{path}: parameters do not match the config: {listing(diff)}")
     values = restore_params(path, state, shardings)
+    if check_finite:
+        stacked = {p for p in values if manifest["params"][param_name(p)]["stacked"]}
+        bad = nonfinite(values, stacked)
+        raise_nonfinite(f"checkpoint {path}", [param_name(p) + expert_label(e) for p, e in bad.items()])
     loaded = [(p, var.replace(values[p])) for p, var in nnx.to_flat_state(state)]
     report = LoadReport(tensors=len(loaded), skipped=int(manifest.get("skipped_tensors", 0)), bytes_read=0)
     return CausalLM(nnx.merge(graphdef, nnx.from_flat_state(loaded)), mesh=mesh, load_report=report)

@@ -1,20 +1,25 @@
 """The k3jax checkpoint: an Orbax PyTree checkpoint (zarr3 arrays, no OCDBT) written slice by
 slice, plus a manifest.
 
-    DST/k3jax.json      format, the model's Hugging Face config, dtypes, per-parameter checksums
+    DST/k3jax.json      format, the model's Hugging Face config, dtypes, per-parameter SHA-256,
+                        and a SHA-256 of all of that (checked on every load)
     DST/params/         an Orbax checkpoint of the parameter tree ('model.layers.0....kernel')
     DST/config.json, tokenizer files copied from the source
 
 Orbax's own savers need each array whole in memory; a K3 layer's stacked experts are 20 GB, so
 the arrays are written here with tensorstore in exactly the layout Orbax writes (zarr3,
 sharding_indexed + zstd chunks, `_METADATA`, `array_metadatas`, `_CHECKPOINT_METADATA`), one chunk
-per expert, and Orbax restores them, directly into any sharding.
+per expert, and Orbax restores them, directly into any sharding. Every chunk ends in a crc32c of
+its compressed bytes (zarr v3's crc32c codec), which tensorstore checks on every read, so a
+damaged array fails its restore instead of loading garbage (format 2; format 1 had none).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import time
 from typing import Iterable
 
@@ -26,9 +31,16 @@ from flax import nnx
 
 from k3jax.checkpoint.safetensors_io import CheckpointError
 
-FORMAT = "k3jax-orbax/1"
+FORMAT = "k3jax-orbax/2"
+OLD_FORMATS = ("k3jax-orbax/1",)
 MANIFEST = "k3jax.json"
 PARAMS_DIR = "params"
+CHECKSUM_KEY = "manifest_sha256"
+_ARRAY_DIR = re.compile("/" + PARAMS_DIR + "/([^/\"']+)")  # a parameter's directory in tensorstore's messages
+# Manifest key -> JSON type; the manifest is refused unless all are present with these types.
+_MANIFEST_KEYS = {"format": str, "hf_config": dict, "mtp_own_embedding": bool, "dtype": str, "skipped_tensors": int,
+                  "params": dict, CHECKSUM_KEY: str}
+_PARAM_KEYS = {"shape": list, "dtype": str, "sha256": str, "stacked": bool}
 
 
 def param_name(path: tuple) -> str:
@@ -42,7 +54,8 @@ def _zarr_metadata(shape, dtype: np.dtype, chunk) -> dict:
         "codecs": [{"configuration": {
             "chunk_shape": list(chunk),
             "codecs": [{"configuration": {"endian": "little"}, "name": "bytes"},
-                       {"configuration": {"checksum": False, "level": 3}, "name": "zstd"}],
+                       {"configuration": {"checksum": False, "level": 3}, "name": "zstd"},
+                       {"name": "crc32c"}],
             "index_codecs": [{"configuration": {"endian": "little"}, "name": "bytes"}, {"name": "crc32c"}]},
             "name": "sharding_indexed"}],
         "data_type": np.dtype(dtype).name, "fill_value": 0.0, "node_type": "array",
@@ -102,16 +115,85 @@ def is_k3jax_checkpoint(path) -> bool:
     return os.path.exists(os.path.join(os.fspath(path), MANIFEST))
 
 
+def _manifest_checksum(manifest: dict) -> str:
+    """SHA-256 of the manifest's canonical JSON, without the checksum itself."""
+    body = {k: v for k, v in manifest.items() if k != CHECKSUM_KEY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def write_manifest(path, manifest: dict) -> None:
+    """Writes `path/k3jax.json` with its checksum added."""
+    with open(os.path.join(os.fspath(path), MANIFEST), "w") as f:
+        json.dump({**manifest, CHECKSUM_KEY: _manifest_checksum(manifest)}, f, indent=1)
+
+
+def _is(value, kind: type) -> bool:
+    """isinstance for JSON values, where a bool is not an int."""
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def _check_manifest_types(file: str, manifest) -> None:
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{file}: corrupt k3jax manifest (not a JSON object)")
+    fmt = manifest.get("format")
+    if fmt in OLD_FORMATS:
+        raise CheckpointError(f"{file}: written by an older k3jax (format {fmt}, without chunk checksums); "
+                              f"convert the source again")
+    if fmt is not None and fmt != FORMAT:
+        raise CheckpointError(f"{file}: unknown checkpoint format {fmt!r} (expected {FORMAT})")
+    for key, kind in _MANIFEST_KEYS.items():
+        if key not in manifest:
+            raise CheckpointError(f"{file}: corrupt k3jax manifest (key {key!r} is missing)")
+        if not _is(manifest[key], kind):
+            raise CheckpointError(f"{file}: corrupt k3jax manifest (key {key!r} is not a {kind.__name__})")
+    for name, meta in manifest["params"].items():
+        if not isinstance(meta, dict) or any(not _is(meta.get(k), t) for k, t in _PARAM_KEYS.items()) \
+                or not all(_is(d, int) and d >= 0 for d in meta["shape"]):
+            raise CheckpointError(f"{file}: corrupt k3jax manifest (entry of parameter {name} is malformed)")
+
+
 def read_manifest(path) -> dict:
+    """The manifest of a k3jax checkpoint, its keys, types and checksum checked. Raises CheckpointError."""
     file = os.path.join(os.fspath(path), MANIFEST)
     try:
         with open(file) as f:
             manifest = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{file}: cannot read the k3jax manifest ({e})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{file}: unknown checkpoint format {manifest.get('format')!r} (expected {FORMAT})")
+    _check_manifest_types(file, manifest)
+    if manifest[CHECKSUM_KEY] != _manifest_checksum(manifest):
+        raise CheckpointError(f"{file}: the manifest does not match its checksum (the config or parameter table "
+                              f"was edited or is damaged)")
     return manifest
+
+
+def array_spec(path, name: str) -> dict:
+    """The tensorstore spec of one stored parameter array."""
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(os.fspath(path), PARAMS_DIR, name)}}
+
+
+def _causes(error: BaseException):
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def read_failure(error: BaseException) -> str:
+    """What went wrong in a failed tensorstore / Orbax read, in a few words."""
+    chain = list(_causes(error))
+    if any("Digest mismatch" in str(e) for e in chain):
+        return "damaged: crc32c checksum mismatch in its chunk data"
+    detail = next((str(e) for e in reversed(chain) if str(e)), type(error).__name__).splitlines()[0]
+    return f"cannot be read: {detail[:300]}"
+
+
+def array_error(path, error: BaseException, names) -> CheckpointError:
+    """One line for a failed restore: the parameter (found in the error's chain of causes, which
+    holds tensorstore's file path) and what went wrong."""
+    text = " ".join(str(e) for e in _causes(error))
+    found = [m for m in _ARRAY_DIR.findall(text) if m in names]
+    what = f"parameter {found[0]}" if found else "a parameter"
+    return CheckpointError(f"checkpoint {os.fspath(path)}: {what} {read_failure(error)}")
 
 
 def restore_params(path, abstract_params, shardings):
@@ -133,8 +215,11 @@ def restore_params(path, abstract_params, shardings):
         node[keys[-1]] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=flat_shardings[p])
         args_node[keys[-1]] = ocp.ArrayRestoreArgs(sharding=flat_shardings[p], global_shape=value.shape,
                                                    dtype=value.dtype)
-    restored = ocp.PyTreeCheckpointer().restore(os.path.join(os.fspath(path), PARAMS_DIR),
-                                                args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+    try:
+        restored = ocp.PyTreeCheckpointer().restore(os.path.join(os.fspath(path), PARAMS_DIR),
+                                                    args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+    except Exception as e:  # tensorstore and Orbax raise many types; all mean the stored data is unreadable
+        raise array_error(path, e, {param_name(p) for p, _ in flat}) from None
     out = {}
     for p, _ in flat:
         node = restored

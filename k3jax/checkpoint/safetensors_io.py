@@ -7,8 +7,11 @@ tensor data is read one tensor at a time on request.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -26,12 +29,24 @@ _DTYPES = {
 }
 
 
+_MAX_BYTES = 1 << 62  # no array (nor numpy) holds more
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 FLOAT_DTYPES = frozenset(_DTYPES[n] for n in ("F64", "F32", "F16", "BF16"))  # bf16 is not np.floating
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read as asked; the message names the file and tensor."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What identifies one safetensors file's content cheaply: its size, modification time and the
+    SHA-256 of its header (length prefix and JSON)."""
+
+    file: str
+    size: int
+    mtime_ns: int
+    header_sha256: str
 
 
 @dataclass(frozen=True)
@@ -44,49 +59,115 @@ class TensorInfo:
     nbytes: int
 
 
-def read_header(file: str) -> dict[str, TensorInfo]:
-    """Parses and validates one safetensors header. Raises CheckpointError naming the file."""
+def open_regular(file: str):
+    """Opens `file` for binary reading if it is a regular file (or a link to one). Never blocks: a
+    FIFO or device named like a checkpoint file is refused. Returns (file object, os.stat_result)."""
     try:
-        size = os.path.getsize(file)
-        with open(file, "rb") as f:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read ({e.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{file}: not a regular file")
+    return os.fdopen(fd, "rb"), st
+
+
+def _parse_json(raw: bytes):
+    """json.loads that reports any malformed input (bad UTF-8, too deeply nested) as ValueError."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _is_size(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _tensor_info(file: str, name: str, meta, data_start: int, size: int) -> TensorInfo:
+    """One header entry, validated: a known dtype, non-negative integer dims, a byte range of
+    exactly the tensor's size that lies inside the file."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("shape"), list) \
+            or not isinstance(meta.get("data_offsets"), list) or len(meta["data_offsets"]) != 2 \
+            or not all(_is_size(x) for x in meta["shape"] + meta["data_offsets"]) \
+            or not isinstance(meta.get("dtype"), str) or meta["dtype"] not in _DTYPES \
+            or math.prod(max(d, 1) for d in meta["shape"]) * _DTYPES[meta["dtype"]].itemsize >= _MAX_BYTES:
+        raise CheckpointError(f"{file}: corrupt header entry for tensor {name!r}")
+    dtype, shape = _DTYPES[meta["dtype"]], tuple(meta["shape"])
+    begin, end = meta["data_offsets"]
+    nbytes = math.prod(shape) * dtype.itemsize
+    if end - begin != nbytes:
+        raise CheckpointError(f"{file}: tensor {name!r} has {end - begin} bytes for shape {shape} {meta['dtype']}")
+    if data_start + end > size:
+        raise CheckpointError(f"{file}: truncated file (tensor {name!r} ends at byte {data_start + end}, "
+                              f"file has {size})")
+    return TensorInfo(name, file, dtype, shape, data_start + begin, nbytes)
+
+
+def read_shard(file: str) -> tuple[ShardInfo, dict[str, TensorInfo]]:
+    """Parses and validates one safetensors header. Raises CheckpointError naming the file."""
+    f, st = open_regular(file)
+    try:
+        with f:
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(f"{file}: truncated safetensors file (no header length)")
             (hlen,) = struct.unpack("<Q", head)
-            if hlen > size - 8 or hlen > 1 << 30:
+            if hlen > st.st_size - 8 or hlen > 1 << 30:
                 raise CheckpointError(f"{file}: corrupt safetensors header (length {hlen} exceeds the file)")
             raw = f.read(hlen)
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read ({e.strerror})") from None
     try:
-        header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = _parse_json(raw)
+    except ValueError:
         raise CheckpointError(f"{file}: corrupt safetensors header (not valid JSON)") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
-    data_start = 8 + hlen
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _DTYPES[meta["dtype"]]
-            shape = tuple(int(d) for d in meta["shape"])
-            begin, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{file}: corrupt header entry for tensor '{name}'") from None
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if end - begin != nbytes or begin < 0:
-            raise CheckpointError(f"{file}: tensor '{name}' has {end - begin} bytes for shape {shape} {meta['dtype']}")
-        if data_start + end > size:
-            raise CheckpointError(f"{file}: truncated file (tensor '{name}' ends at byte {data_start + end}, "
-                                  f"file has {size})")
-        out[name] = TensorInfo(name, file, dtype, shape, data_start + begin, nbytes)
-    return out
+    shard = ShardInfo(file, st.st_size, st.st_mtime_ns, hashlib.sha256(head + raw).hexdigest())
+    tensors = {name: _tensor_info(file, name, meta, 8 + hlen, st.st_size)
+               for name, meta in header.items() if name != "__metadata__"}
+    return shard, tensors
+
+
+def read_header(file: str) -> dict[str, TensorInfo]:
+    """The tensors of one safetensors file, from its validated header."""
+    return read_shard(file)[1]
+
+
+def _shard_file(root: str, index_file: str, name) -> str:
+    """The path of a shard the index names: a relative path that stays inside the checkpoint
+    directory (symlinks placed in the directory, as the Hugging Face cache uses, are followed)."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise CheckpointError(f"{index_file}: invalid shard name {name!r} in 'weight_map'")
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:
+        raise CheckpointError(f"{index_file}: invalid shard name {name!r} in 'weight_map'") from None
+    norm = os.path.normpath(name)
+    if os.path.isabs(name) or norm.split(os.sep)[0] in (os.curdir, os.pardir):
+        raise CheckpointError(f"{index_file}: shard {name!r} is outside the checkpoint directory")
+    return os.path.join(root, norm)
+
+
+def read_index(path: str) -> dict[str, str]:
+    """The `weight_map` of `path`'s index (tensor name -> shard file path). Raises CheckpointError."""
+    index_file = os.path.join(path, INDEX_NAME)
+    f, _ = open_regular(index_file)
+    try:
+        with f:
+            index = _parse_json(f.read())
+    except (OSError, ValueError):
+        raise CheckpointError(f"{index_file}: corrupt index (not valid JSON)") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_file}: corrupt index (expected a 'weight_map' object)")
+    return {tensor: _shard_file(path, index_file, name) for tensor, name in weight_map.items()}
 
 
 class SafetensorsCheckpoint:
-    """All tensors of a checkpoint directory, by name."""
+    """All tensors of a checkpoint directory, by name; only regular files inside it are read."""
 
     def __init__(self, path: str | os.PathLike):
         path = os.fspath(path)
@@ -94,29 +175,29 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{path}: not a directory")
         self.path = path
         index_file = os.path.join(path, INDEX_NAME)
-        if os.path.exists(index_file):
-            try:
-                with open(index_file) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError, TypeError):
-                raise CheckpointError(f"{index_file}: corrupt index (expected a 'weight_map' object)") from None
+        if os.path.lexists(index_file):
+            weight_map = read_index(path)
             files = sorted(set(weight_map.values()))
-            missing = [f for f in files if not os.path.exists(os.path.join(path, f))]
+            missing = [os.path.relpath(f, path) for f in files if not os.path.exists(f)]
             if missing:
                 raise CheckpointError(f"{index_file}: shard file(s) listed in the index are missing: {missing}")
         else:
             weight_map = None
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
             if not files:
                 raise CheckpointError(f"{path}: no *.safetensors files and no {INDEX_NAME}")
         self.tensors: dict[str, TensorInfo] = {}
-        for fname in files:
-            for name, info in read_header(os.path.join(path, fname)).items():
+        shards = []
+        for file in files:
+            shard, tensors = read_shard(file)
+            shards.append(shard)
+            for name, info in tensors.items():
                 if name in self.tensors:
-                    raise CheckpointError(f"{info.file}: tensor '{name}' also appears in {self.tensors[name].file}")
-                if weight_map is not None and weight_map.get(name) != fname:
-                    raise CheckpointError(f"{info.file}: tensor '{name}' is not listed for this file in {INDEX_NAME}")
+                    raise CheckpointError(f"{info.file}: tensor {name!r} also appears in {self.tensors[name].file}")
+                if weight_map is not None and weight_map.get(name) != file:
+                    raise CheckpointError(f"{info.file}: tensor {name!r} is not listed for this file in {INDEX_NAME}")
                 self.tensors[name] = info
+        self.shards: tuple[ShardInfo, ...] = tuple(shards)
         if weight_map is not None:
             absent = sorted(set(weight_map) - set(self.tensors))
             if absent:
@@ -132,11 +213,12 @@ class SafetensorsCheckpoint:
     def read(self, name: str) -> np.ndarray:
         """Reads one tensor from disk as a numpy array of its stored dtype and shape."""
         info = self.tensors[name]
-        with open(info.file, "rb") as f:
+        f, _ = open_regular(info.file)
+        with f:
             f.seek(info.start)
             buf = f.read(info.nbytes)
         if len(buf) != info.nbytes:
-            raise CheckpointError(f"{info.file}: truncated while reading tensor '{name}'")
+            raise CheckpointError(f"{info.file}: truncated while reading tensor {name!r}")
         return np.frombuffer(buf, dtype=info.dtype).reshape(info.shape)
 
     @property

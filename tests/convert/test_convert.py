@@ -14,11 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from checkpoints import snap_experts_to_mxfp4
+from checkpoints import big_kimi_linear_checkpoint, snap_experts_to_mxfp4
 from tolerances import assert_close
 
 import k3jax
-from k3jax.checkpoint.convert import convert, main, verify_checkpoint
+from k3jax.checkpoint.convert import convert, main
+from k3jax.checkpoint.verify import verify_checkpoint
 from k3jax.checkpoint.orbax_format import MANIFEST
 from k3jax.checkpoint.safetensors_io import SafetensorsCheckpoint
 from k3jax.checkpoint.writer import save_checkpoint
@@ -64,13 +65,8 @@ def test_restores_directly_into_a_mesh(oracle_dir, tmp_path):
     assert_close("sharded restore", model.logits(ref["input_ids"]), ref["full_logits"], tol=1e-4)
 
 
-def _big_checkpoint(path: Path, experts: int = 48) -> None:
-    cfg = k3jax.tiny_kimi_linear(hidden=128, num_experts=experts, expert_intermediate_size=256)
-    save_checkpoint(k3jax.CausalLM.random(cfg, seed=0, dtype="bfloat16"), path, shards=3)  # real checkpoints are bf16
-
-
 def test_sigkill_mid_run_then_resume_gives_the_same_result(tmp_path):
-    _big_checkpoint(tmp_path / "src", experts=128)
+    big_kimi_linear_checkpoint(tmp_path / "src", experts=128)
     clean = tmp_path / "clean"
     convert(tmp_path / "src", clean, dtype="float32")
     dst = tmp_path / "dst"
@@ -146,7 +142,7 @@ def test_peak_memory_does_not_grow_with_model_size(tmp_path):
     rss = {}
     for experts in (8, 128):
         src = tmp_path / f"src{experts}"
-        _big_checkpoint(src, experts)
+        big_kimi_linear_checkpoint(src, experts)
         size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
         probe = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
                  "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")

@@ -145,3 +145,46 @@ def test_one_vocabulary_of_implementation_options():
         cfg.with_impls(mlp="dense")
     with pytest.raises(ConfigError, match=r"mla.decode_impl.*expected one of \('absorbed', 'naive', 'pallas'\)"):
         cfg.with_impls(mla="flash")
+
+
+def _tiny_released(**changes) -> dict:
+    raw = copy.deepcopy(RELEASED_KIMI_LINEAR)
+    raw["num_hidden_layers"] = 4
+    raw["linear_attn_config"].update(kda_layers=[1, 2, 3], full_attn_layers=[4])
+    raw.update(changes)
+    return raw
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(num_attention_heads="32"), "num_attention_heads"),
+    (dict(hidden_size=[2304]), "hidden_size"),
+    (dict(num_hidden_layers=4.0), "num_hidden_layers"),
+    (dict(rms_norm_eps="1e-5"), "rms_norm_eps"),
+    (dict(routed_scaling_factor="2.4"), "routed_scaling_factor"),
+    (dict(topk_group="1"), "topk_group"),
+    (dict(eos_token_id=["2"]), "eos_token_id"),
+    (dict(bos_token_id=[1]), "bos_token_id"),
+    (dict(model_max_length="long"), "model_max_length"),
+    (dict(linear_attn_config=[1, 2]), "linear_attn_config"),
+    (dict(linear_attn_config={"kda_layers": 3, "full_attn_layers": [4]}), "kda_layers"),
+    (dict(linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [4], "gate_lower_bound": "-5"}),
+     "gate_lower_bound"),
+    (dict(layer_types=[["linear_attention"]] * 4, linear_attn_config=None), "layer_types"),
+    (dict(hidden_act=["silu"]), "hidden_act"),
+    (dict(quantization_config={"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+                               "config_groups": {"group_0": None}}), "quantization_config"),
+    (dict(quantization_config=["mxfp4"]), "quantization_config"),
+    (dict(num_hidden_layers=10 ** 9), "num_hidden_layers"),
+    (dict(num_nextn_predict_layers=10 ** 9), "num_nextn_predict_layers"),
+    (dict(activation_situ_beta="4", hidden_act="situ"), "activation_situ_beta"),
+])
+def test_wrong_types_name_the_field(change, field):
+    with pytest.raises(ConfigError, match=field) as err:
+        from_hf_config(_tiny_released(**change))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("raw", [None, [1, 2], "kimi_linear"])
+def test_config_that_is_not_an_object(raw):
+    with pytest.raises(ConfigError, match="expected a JSON object"):
+        from_hf_config(raw)
