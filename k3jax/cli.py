@@ -1,4 +1,4 @@
-"""`k3jax` command line: generate text, convert checkpoints."""
+"""`k3jax` command line: generate text, convert and verify checkpoints."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 import k3jax
 from k3jax.checkpoint.convert import main as convert_main
+from k3jax.checkpoint.verify import verify_main
 from k3jax.config import IMPL_OPTIONS
 from k3jax.generate import GenerationInterrupted
 
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
     sub.add_parser("convert", add_help=False,
                    help="convert a Hugging Face checkpoint to a k3jax (Orbax) checkpoint (see k3jax convert -h)")
+    sub.add_parser("verify", add_help=False, help="verify a converted k3jax checkpoint (see k3jax verify -h)")
     return parser
 
 
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     if argv and argv[0] == "convert":
         return convert_main(argv[1:], prog="k3jax convert")
+    if argv and argv[0] == "verify":
+        return verify_main(argv[1:], prog="k3jax verify")
     args = build_parser().parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     logging.getLogger("k3jax").setLevel(args.log_level.upper())

@@ -31,3 +31,13 @@ def test_implementation_flags_use_the_option_names(capsys):
         main(["generate", "--model", "tiny-k3", "--prompt", "x", "--kda", "fast"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'fast'" in capsys.readouterr().err
+
+
+def test_verify_subcommand(oracle_dir, tmp_path, capsys):
+    from k3jax.checkpoint.convert import convert
+
+    convert(oracle_dir / "hf" / "kl_alt", tmp_path / "ck")
+    assert main(["verify", str(tmp_path / "ck")]) == 0
+    assert "OK" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.startswith("k3jax verify: error:")
