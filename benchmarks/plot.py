@@ -40,14 +40,19 @@ def plot_decode(out: str) -> str:
         ax.plot(xs, [points[x] for x in xs], style, label=label)
     floors = {1: 1.465, 64: 15.91}   # bytes that must move / 4.3 TB/s (B=64: measured 162 experts per layer)
     ax.plot(sorted(floors), [floors[x] for x in sorted(floors)], "k:", label="memory floor (4.3 TB/s)")
+    return _finish(fig, ax, "batch (rows decoding together)", "time per output token step (ms)",
+                   "Kimi-Linear-48B shape, bf16, one H200", os.path.join(out, "decode_tpot.png"))
+
+
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: str) -> str:
+    """Log-log axes, labels, grid and legend; saves the PNG and returns its path."""
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("batch (rows decoding together)")
-    ax.set_ylabel("time per output token step (ms)")
-    ax.set_title("Kimi-Linear-48B shape, bf16, one H200")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    path = os.path.join(out, "decode_tpot.png")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
@@ -62,17 +67,8 @@ def plot_moe(out: str) -> str:
         if pts:
             ax.plot(*zip(*pts), style, label=name)
     ax.plot([r["tokens"] for r in rows], [r["floor_ms"] for r in rows], "k:", label="floor (bytes or FLOPs)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens (top-8 of 256 experts, 2304 x 1024)")
-    ax.set_ylabel("routed-expert MLP (ms, host-timed)")
-    ax.set_title("Routed experts on one H200, bf16")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    path = os.path.join(out, "moe_experts.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return _finish(fig, ax, "tokens (top-8 of 256 experts, 2304 x 1024)", "routed-expert MLP (ms, host-timed)",
+                   "Routed experts on one H200, bf16", os.path.join(out, "moe_experts.png"))
 
 
 def main(argv=None) -> int:
