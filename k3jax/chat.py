@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from k3jax.chat_template import render_chat_template
+
 THINKING_EFFORTS = ("low", "high", "max")
 _TOOLS_PREAMBLE = ("# Tools\n\nThe following tools are available. Each is described by a JSON Schema "
                    "of its parameters.\n")  # k3jax wording; see the module docstring
@@ -205,8 +207,19 @@ def encode_segments(segments: Sequence[Segment], tokenizer) -> list[int]:
 
 
 def encode_chat(messages: Sequence[dict], tokenizer, *, family: str, **options) -> list[int]:
-    """Renders `messages` for `family` ("kimi_k3" or "kimi_linear") and encodes them."""
+    """Renders `messages` for `family` and encodes them: K3 through its XTML renderer; Kimi-Linear
+    through the checkpoint's own Jinja chat template when the tokenizer carries one (tools and
+    tool calls included, exactly as transformers renders it), else the built-in K2-family form."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("a chat prompt must be a non-empty list of {'role': ..., 'content': ...} messages")
-    render = render_k3 if family == "kimi_k3" else render_kimi_linear
-    return encode_segments(render(messages, **options), tokenizer)
+    if family == "kimi_k3":
+        return encode_segments(render_k3(messages, **options), tokenizer)
+    if tokenizer.chat_template is not None:
+        text = render_chat_template(tokenizer.chat_template, messages, tools=options.pop("tools", None),
+                                    add_generation_prompt=options.pop("add_generation_prompt", True),
+                                    bos_token=tokenizer.special_names.get(tokenizer.bos_token_id),
+                                    eos_token=tokenizer.special_names.get(tokenizer.eos_token_id), **options)
+        return tokenizer.encode_with_specials(text)
+    if options.get("tools"):
+        raise ValueError("tools need the checkpoint's chat template (tokenizer_config.json has no chat_template)")
+    return encode_segments(render_kimi_linear(messages, **options), tokenizer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from importlib import resources
 
 from tiktoken._educational import bpe_train
 
@@ -40,6 +41,13 @@ for i in range(10):
 
 BUILTIN = ("tiny-k3", "tiny-kimi-linear")
 
+# The K2-family chat template (arch §9.3) the built-in Kimi-Linear tokenizer ships
+# (k3jax/templates/kimi_linear_chat.jinja), in the form released checkpoints use: tools declared in a
+# system message, tool calls in a section of call / argument markers, tool results as messages of
+# role "tool". Loading a real checkpoint uses that checkpoint's own template instead.
+KIMI_LINEAR_CHAT_TEMPLATE = (resources.files("k3jax") / "templates" / "kimi_linear_chat.jinja").read_text()
+
+
 
 @functools.lru_cache(maxsize=None)
 def tiny_tokenizer(family: str = "kimi_k3", base_vocab: int = 400) -> KimiTokenizer:
@@ -52,7 +60,9 @@ def tiny_tokenizer(family: str = "kimi_k3", base_vocab: int = 400) -> KimiTokeni
     layout = K3_SPECIALS if family == "kimi_k3" else KIMI_LINEAR_SPECIALS
     eos = "<|end_of_msg|>" if family == "kimi_k3" else "<|im_end|>"
     specials = {len(ranks) + off: name for off, name in layout.items()}
-    return KimiTokenizer(ranks, specials, bos_token="[BOS]", eos_token=eos, name=f"tiny-{family}")
+    template = None if family == "kimi_k3" else KIMI_LINEAR_CHAT_TEMPLATE
+    return KimiTokenizer(ranks, specials, bos_token="[BOS]", eos_token=eos, name=f"tiny-{family}",
+                         chat_template=template)
 
 
 def builtin_config(name: str) -> tuple[ModelConfig, KimiTokenizer]:

@@ -31,6 +31,7 @@ KIMI_PATTERN = "|".join([
 NUM_RESERVED_SPECIAL = 256
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
 
 
 class TokenizerError(ValueError):
@@ -41,7 +42,7 @@ class KimiTokenizer:
     """Encode/decode with the Kimi BPE. Special ids are base .. base + 255."""
 
     def __init__(self, ranks: dict[bytes, int], special_names: dict[int, str], *, bos_token: str | None = None,
-                 eos_token: str | None = None, name: str = "kimi"):
+                 eos_token: str | None = None, name: str = "kimi", chat_template: str | None = None):
         self.num_base = len(ranks)
         if sorted(ranks.values()) != list(range(self.num_base)):
             raise TokenizerError("tiktoken ranks must be exactly 0 .. N-1")
@@ -55,6 +56,7 @@ class KimiTokenizer:
                                           special_tokens=self.special_ids)
         self.bos_token_id = self.special_ids.get(bos_token) if bos_token else None
         self.eos_token_id = self.special_ids.get(eos_token) if eos_token else None
+        self.chat_template = chat_template  # the checkpoint's Jinja chat template, when it ships one
 
     @property
     def vocab_size(self) -> int:
@@ -74,6 +76,11 @@ class KimiTokenizer:
     def encode(self, text: str) -> list[int]:
         """Ordinary text -> ids; special-token strings inside `text` are encoded as plain text."""
         return self.encoding.encode_ordinary(text)
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """Text whose special-token strings become special ids (a rendered chat template's output,
+        as transformers tokenizes it)."""
+        return self.encoding.encode(text, allowed_special="all")
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         ids = [int(i) for i in ids]
@@ -104,7 +111,7 @@ class KimiTokenizer:
                     ranks[base64.b64decode(token, validate=True)] = int(rank)
                 except ValueError:
                     raise TokenizerError(f"{model_file}: line {lineno} is not 'base64 rank'") from None
-        special, bos, eos = {}, None, None
+        special, bos, eos, template = {}, None, None, None
         config_file = os.path.join(path, CONFIG_FILE)
         if os.path.exists(config_file):
             try:
@@ -115,7 +122,13 @@ class KimiTokenizer:
             for tid, entry in (cfg.get("added_tokens_decoder") or {}).items():
                 special[int(tid)] = entry["content"] if isinstance(entry, dict) else str(entry)
             bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
-        return cls(ranks, special, bos_token=bos, eos_token=eos, name=os.path.basename(path.rstrip("/")) or "kimi")
+            template = _default_template(cfg.get("chat_template"))
+        template_file = os.path.join(path, TEMPLATE_FILE)
+        if os.path.exists(template_file):  # transformers 4.43+ writes the template to its own file
+            with open(template_file) as f:
+                template = f.read()
+        return cls(ranks, special, bos_token=bos, eos_token=eos, name=os.path.basename(path.rstrip("/")) or "kimi",
+                   chat_template=template)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         path = os.fspath(path)
@@ -129,6 +142,8 @@ class KimiTokenizer:
         cfg = {"tokenizer_class": "TikTokenTokenizer", "added_tokens_decoder": named,
                "bos_token": self.special_names.get(self.bos_token_id) if self.bos_token_id is not None else None,
                "eos_token": self.special_names.get(self.eos_token_id) if self.eos_token_id is not None else None}
+        if self.chat_template is not None:
+            cfg["chat_template"] = self.chat_template
         with open(os.path.join(path, CONFIG_FILE), "w") as f:
             json.dump(cfg, f, indent=1, ensure_ascii=False)
 
@@ -137,3 +152,13 @@ def _token_text(entry) -> str | None:
     if entry is None:
         return None
     return entry["content"] if isinstance(entry, dict) else str(entry)
+
+
+def _default_template(entry) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {name, template} (the "default")."""
+    if entry is None or isinstance(entry, str):
+        return entry
+    if isinstance(entry, list):
+        named = {t.get("name"): t.get("template") for t in entry if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    raise TokenizerError(f"{CONFIG_FILE}: chat_template must be a string or a list of named templates")

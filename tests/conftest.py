@@ -36,6 +36,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 from k3jax.config import tiny_kimi_linear  # noqa: E402
 
 ORACLE_SCRIPT = ROOT / "tests" / "oracle" / "make_references.py"
+CHAT_TEMPLATE = ROOT / "k3jax" / "templates" / "kimi_linear_chat.jinja"
 
 
 def oracle_python() -> Path:
@@ -48,8 +49,9 @@ def oracle_python() -> Path:
 
 @pytest.fixture(scope="session")
 def oracle_dir() -> Path:
-    """Outside-reference data from the torch oracle venv, built once and cached by script content."""
-    digest = hashlib.sha256(ORACLE_SCRIPT.read_bytes()).hexdigest()[:16]
+    """Outside-reference data from the torch oracle venv, built once and cached by the content of
+    the script and of the chat template it renders."""
+    digest = hashlib.sha256(ORACLE_SCRIPT.read_bytes() + CHAT_TEMPLATE.read_bytes()).hexdigest()[:16]
     out = CACHE / "oracle" / digest
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{digest}.lock", "w") as lock:

@@ -41,3 +41,11 @@ def test_verify_subcommand(oracle_dir, tmp_path, capsys):
     assert "OK" in capsys.readouterr().out
     assert main(["verify", str(tmp_path)]) == 1
     assert capsys.readouterr().err.startswith("k3jax verify: error:")
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["convert"], ["verify"]])
+def test_every_help_has_examples(capsys, command):
+    with pytest.raises(SystemExit) as exit_info:
+        main(command + ["--help"])
+    assert exit_info.value.code == 0
+    assert "examples:" in capsys.readouterr().out

@@ -242,7 +242,11 @@ def _write_metadata(work: str, source: _Source, plan, params, done: dict, own_em
 def main(argv=None, prog: str = "convert") -> int:
     ap = argparse.ArgumentParser(prog=prog, description="Convert a Hugging Face Kimi-Linear / K3 checkpoint into a "
                                                        "k3jax (Orbax) checkpoint, streaming and resumable.",
-                                 epilog="Check an existing converted checkpoint with `k3jax verify DST` "
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="examples:\n"
+                                        f"  {prog} /data/Kimi-Linear-48B-A3B-Instruct /data/kl-k3jax --workers 8\n"
+                                        f"  {prog} /data/Kimi-K3 /data/k3-k3jax --dtype keep --verify\n"
+                                        "Check an existing converted checkpoint with `k3jax verify DST` "
                                         "(or `python -m convert verify DST`).")
     ap.add_argument("src", help="Hugging Face directory: config.json + *.safetensors [+ index]")
     ap.add_argument("dst", help="output directory (must not exist; a re-run after a crash resumes DST.partial)")

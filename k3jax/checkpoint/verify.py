@@ -76,7 +76,10 @@ def verify_checkpoint(dst, src=None, *, prompt_len: int = 8) -> VerifyReport:
 
 def verify_main(argv=None, prog: str = "k3jax verify") -> int:
     """The `verify` command: exit status 0 when the checkpoint is intact, 1 (one line on stderr) if not."""
-    ap = argparse.ArgumentParser(prog=prog, description="Verify a converted k3jax checkpoint: the manifest checksum, "
+    ap = argparse.ArgumentParser(prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=f"examples:\n  {prog} /data/kl-k3jax\n"
+                                        f"  {prog} /data/kl-k3jax --source /data/Kimi-Linear-48B-A3B-Instruct",
+                                 description="Verify a converted k3jax checkpoint: the manifest checksum, "
                                  "and every array re-read (crc32c per chunk) against its recorded SHA-256.")
     ap.add_argument("dst", help="a checkpoint directory written by `k3jax convert`")
     ap.add_argument("--source", help="also compare a short logits run with this Hugging Face directory")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 
 from k3jax.chat import Special, encode_chat, render_k3, render_kimi_linear
-from k3jax.tiny import tiny_tokenizer
+from k3jax.chat_template import TemplateError, render_chat_template
+from k3jax.tiny import KIMI_LINEAR_CHAT_TEMPLATE, tiny_tokenizer
 from k3jax.tokenizer import KimiTokenizer, TokenizerError
 
 
@@ -100,7 +102,48 @@ def test_kimi_linear_format():
     assert seg == [Special("<|im_system|>"), "system", Special("<|im_middle|>"), "S", Special("<|im_end|>"),
                    Special("<|im_user|>"), "user", Special("<|im_middle|>"), "U", Special("<|im_end|>"),
                    Special("<|im_assistant|>"), "assistant", Special("<|im_middle|>")]
-    ids = encode_chat([{"role": "user", "content": "U"}], tok, family="kimi_linear")
+    bare = copy.copy(tok)
+    bare.chat_template = None  # a checkpoint without a template: the built-in K2-family form
+    ids = encode_chat([{"role": "user", "content": "U"}], bare, family="kimi_linear")
     assert ids[0] == tok.special_id("<|im_user|>") and ids[-1] == tok.special_id("<|im_middle|>")
     with pytest.raises(ValueError, match="non-empty list"):
         encode_chat([], tok, family="kimi_linear")
+    with pytest.raises(ValueError, match="tools need the checkpoint's chat template"):
+        encode_chat([{"role": "user", "content": "U"}], bare, family="kimi_linear", tools=[{"type": "function"}])
+
+
+@pytest.fixture(scope="module")
+def chat_cases(oracle_dir):
+    return json.loads((oracle_dir / "chat" / "cases.json").read_text())
+
+
+def test_chat_template_renders_as_transformers_does(chat_cases):
+    """The checkpoint-template path against transformers' own Jinja rendering (tools, tool calls,
+    content parts, non-ASCII, with and without the generation prompt)."""
+    assert chat_cases["template"] == KIMI_LINEAR_CHAT_TEMPLATE
+    for name, case in chat_cases["cases"].items():
+        ours = render_chat_template(chat_cases["template"], case["messages"], tools=case["tools"],
+                                    add_generation_prompt=case["add_generation_prompt"], bos_token="[BOS]",
+                                    eos_token="<|im_end|>")
+        assert ours == case["rendered"], name
+
+
+def test_chat_template_tokens_keep_markers_special(chat_cases, tmp_path):
+    tok = tiny_tokenizer("kimi_linear")
+    tok.save_pretrained(tmp_path / "tok")
+    loaded = KimiTokenizer.from_pretrained(tmp_path / "tok")
+    assert loaded.chat_template == tok.chat_template  # saved in tokenizer_config.json, read back
+    case = chat_cases["cases"]["tools_and_calls"]
+    ids = encode_chat(case["messages"], loaded, family="kimi_linear", tools=case["tools"])
+    assert loaded.decode(ids) == case["rendered"]
+    for marker in ("<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|im_end|>"):
+        assert loaded.special_id(marker) in ids  # markers are single special ids, not text
+    (tmp_path / "tok" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert KimiTokenizer.from_pretrained(tmp_path / "tok").chat_template.endswith("!")  # the file wins
+
+
+def test_chat_template_errors_are_one_line():
+    with pytest.raises(TemplateError, match="does not parse"):
+        render_chat_template("{% for %}", [{"role": "user", "content": "x"}])
+    with pytest.raises(TemplateError, match="unknown role robot"):
+        render_chat_template(KIMI_LINEAR_CHAT_TEMPLATE, [{"role": "robot", "content": "x"}])

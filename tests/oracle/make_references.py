@@ -8,6 +8,8 @@ Writes:
                             run in bf16), cached step-by-step decode logits and 16 greedy tokens
                             from HF `generate` with their logits.
   OUT_DIR/fla/kda_cases.npz fla naive_recurrent_kda / naive_chunk_kda inputs and outputs.
+  OUT_DIR/chat/cases.json   transformers' rendering of the built-in Kimi-Linear chat template
+                            (k3jax/templates/kimi_linear_chat.jinja) for chats with tools and tool calls.
 Never import triton here: with it, transformers switches kimi_linear to GPU-only kernels.
 """
 
@@ -141,11 +143,56 @@ def build_fla(out_dir: str) -> None:
         json.dump(meta, f)
 
 
+TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "k3jax", "templates", "kimi_linear_chat.jinja")
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Adds two integers.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "a": {"type": "integer"}, "b": {"type": "integer"}},
+                                               "required": ["a", "b"]}}},
+         {"type": "function", "function": {"name": "météo", "description": "Wetter für eine Stadt",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CHATS = {
+    "plain": ([{"role": "user", "content": "Hello! 你好"}], None, True),
+    "system_and_turns": ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}], None, True),
+    "no_generation_prompt": ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], None, False),
+    "content_parts": ([{"role": "user", "content": [{"type": "text", "text": "part one, "},
+                                                    {"type": "text", "text": "part two"}]}], None, True),
+    "tools_and_calls": ([{"role": "user", "content": "What is 2 + 2, and the weather in Zürich?"},
+                         {"role": "assistant", "content": "",
+                          "tool_calls": [{"id": "functions.add:0", "type": "function",
+                                          "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}},
+                                         {"id": "functions.météo:1", "type": "function",
+                                          "function": {"name": "météo", "arguments": {"city": "Zürich"}}}]},
+                         {"role": "tool", "tool_call_id": "functions.add:0", "content": "4"},
+                         {"role": "tool", "tool_call_id": "functions.météo:1", "content": "sunny, 21°C"}],
+                        TOOLS, True),
+}
+
+
+def build_chat(out_dir: str) -> None:
+    """transformers' own Jinja rendering of the chat template for every chat above."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    with open(TEMPLATE) as f:
+        template = f.read()
+    cases = {}
+    for name, (messages, tools, add_generation_prompt) in CHATS.items():
+        out = render_jinja_template([messages], tools=tools, chat_template=template,
+                                    add_generation_prompt=add_generation_prompt, bos_token="[BOS]",
+                                    eos_token="<|im_end|>")
+        rendered = out[0] if isinstance(out, tuple) else out
+        cases[name] = {"messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
+                       "rendered": rendered[0] if isinstance(rendered, list) else rendered}
+    with open(os.path.join(out_dir, "cases.json"), "w") as f:
+        json.dump({"template": template, "cases": cases}, f, ensure_ascii=False, indent=1)
+
+
 def main() -> None:
     out = sys.argv[1]
-    os.makedirs(os.path.join(out, "hf"), exist_ok=True)
-    os.makedirs(os.path.join(out, "fla"), exist_ok=True)
+    for part in ("hf", "fla", "chat"):
+        os.makedirs(os.path.join(out, part), exist_ok=True)
     torch.set_num_threads(2)
+    build_chat(os.path.join(out, "chat"))
     build_fla(os.path.join(out, "fla"))
     build_hf(os.path.join(out, "hf"))
 
