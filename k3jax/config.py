@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from k3jax.errors import ConfigError, require, require_choice, require_positive
 from k3jax.layers.activation import Activation
 from k3jax.layers.attn_res import ATTN_RES_IMPLS, AttnResImpl
-from k3jax.layers.mla_attention import MLA_DECODE_IMPLS, MLADecodeImpl
+from k3jax.layers.mla_attention import MLA_DECODE_IMPLS, MLA_PREFILL_IMPLS, MLADecodeImpl, MLAPrefillImpl
 from k3jax.layers.moe_experts import EXPERT_IMPLS, ExpertImpl
 from pallas_kernels.kda import KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl
 from pallas_kernels.moe_gmm import GMM_IMPLS, SKINNY_IMPLS, GmmImpl, SkinnyImpl
@@ -73,6 +73,7 @@ class MLAConfig:
     use_output_gate: bool = False
     latent_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (HF default; arch §5.5)
     decode_impl: MLADecodeImpl = "absorbed"  # attention over the latent cache (MLA_DECODE_IMPLS)
+    prefill_impl: MLAPrefillImpl = "flash"   # a fresh prompt over its own tokens (MLA_PREFILL_IMPLS)
 
     def __post_init__(self):
         for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
@@ -82,6 +83,7 @@ class MLAConfig:
         if self.q_lora_rank is not None:
             require_positive(self.q_lora_rank, "q_lora_rank")
         require_choice(self.decode_impl, MLA_DECODE_IMPLS, "mla.decode_impl")
+        require_choice(self.prefill_impl, MLA_PREFILL_IMPLS, "mla.prefill_impl")
 
     @property
     def qk_head_dim(self) -> int:
@@ -296,9 +298,9 @@ class ModelConfig:
     def with_impls(self, **choices: str | None) -> "ModelConfig":
         """A copy with other implementation choices (the math is unchanged).
 
-        Options (IMPL_OPTIONS): kda, kda_decode, mla, moe, gmm, attn_res, linear; None leaves a choice
-        as it is, and a choice for a part the model lacks is ignored. The same names are used by
-        `k3jax.load(...)`, `CausalLM.with_impls(...)` and the CLI.
+        Options (IMPL_OPTIONS): kda, kda_decode, mla, mla_prefill, moe, gmm, attn_res, linear; None
+        leaves a choice as it is, and a choice for a part the model lacks is ignored. The same names
+        are used by `k3jax.load(...)`, `CausalLM.with_impls(...)` and the CLI.
         """
         out = self
         for name, value in choices.items():
@@ -322,6 +324,7 @@ IMPL_OPTIONS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "kda": ("kda", "impl", KDA_IMPLS),
     "kda_decode": ("kda", "decode_impl", KDA_DECODE_IMPLS),
     "mla": ("mla", "decode_impl", MLA_DECODE_IMPLS),
+    "mla_prefill": ("mla", "prefill_impl", MLA_PREFILL_IMPLS),
     "moe": ("moe", "impl", EXPERT_IMPLS),
     "gmm": ("moe", "gmm_impl", GMM_IMPLS),
     "attn_res": ("attn_res", "impl", ATTN_RES_IMPLS),

@@ -12,7 +12,7 @@ from flax import nnx
 
 from k3jax.config import MLAConfig
 from k3jax.layers.linear import Linear
-from k3jax.layers.mla_attention import attention_naive, cache_attention
+from k3jax.layers.mla_attention import cache_attention, prefill_attention
 from k3jax.layers.norms import RMSNorm
 from k3jax.state import MLACache, SeqInfo
 from pallas_kernels.moe_gmm import SkinnyImpl
@@ -50,7 +50,8 @@ class MultiHeadLatentAttention(nnx.Module):
     def __call__(self, x_BTD: jax.Array, seq: SeqInfo, cache: MLACache | None, *, fresh: bool):
         """Returns (out [B, T, D], updated cache or None).
 
-        fresh=True means no row has history: attention runs over this call's tokens (naive form).
+        fresh=True means no row has history: attention runs over this call's tokens with the
+        `prefill_impl` form.
         Otherwise the new latents are written first and attention reads the whole cache with the
         `decode_impl` form; query token t of row b sits at slot start + t - pad.
         """
@@ -70,9 +71,7 @@ class MultiHeadLatentAttention(nnx.Module):
         kwargs = dict(scale=cfg.scale, v_dim=cfg.v_head_dim)
 
         if cache is None or fresh:
-            idx = jnp.arange(t)
-            mask = seq.valid[:, None, :] & (idx[None, :, None] >= idx[None, None, :])
-            attn = attention_naive(q_nope, q_pe, latent, w_kv_b, mask, **kwargs)
+            attn = prefill_attention(cfg.prefill_impl, q_nope, q_pe, latent, w_kv_b, seq.valid, **kwargs)
             if cache is not None:
                 cache = MLACache(latent=write_cache(cache.latent, latent, seq))
         else:

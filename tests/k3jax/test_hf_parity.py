@@ -50,10 +50,12 @@ def test_logits_and_greedy_match_hf(oracle_dir, name):
 
 
 def test_every_reference_implementation_matches_hf(oracle_dir):
-    """Recurrent KDA, naive MLA decode and the dense expert path are selectable and exact too."""
+    """Recurrent KDA, naive MLA prefill and decode and the dense expert path are selectable and exact too."""
     path, ref = reference(oracle_dir, "kl_mla_first")
-    model = k3jax.load(path, kda="recurrent", mla="naive", moe="dense")
-    assert (model.config.kda.impl, model.config.mla.decode_impl, model.config.moe.impl) == ("recurrent", "naive", "dense")
+    model = k3jax.load(path, kda="recurrent", mla="naive", mla_prefill="naive", moe="dense")
+    mla = model.config.mla
+    assert (model.config.kda.impl, mla.decode_impl, mla.prefill_impl, model.config.moe.impl) == (
+        "recurrent", "naive", "naive", "dense")
     check_prefill_and_steps(model, ref)
 
 

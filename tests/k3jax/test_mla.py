@@ -1,13 +1,22 @@
-"""MLA attention: absorbed == naive == numpy, and every latent-cache implementation agrees."""
+"""MLA attention: absorbed == naive == numpy, every latent-cache implementation agrees, and the
+blockwise prefill equals the naive one without a [T, T] buffer."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from tolerances import assert_close
 
-from k3jax.layers.mla_attention import MLA_DECODE_IMPLS, attention_absorbed, attention_naive, cache_attention
+from k3jax.config import tiny_kimi_linear
+from k3jax.layers.mla import MultiHeadLatentAttention
+from k3jax.layers.mla_attention import (MLA_DECODE_IMPLS, attention_absorbed, attention_flash, attention_naive,
+                                        cache_attention, prefill_attention)
+from k3jax.state import SeqInfo
 
 
 def test_mla_absorbed_equals_naive(rng):
@@ -52,3 +61,82 @@ def test_cache_attention_implementations_agree(rng, impl):
     out = cache_attention(impl, q_nope, q_pe, poisoned if impl == "pallas" else clean, w_kv_b, jnp.asarray(last),
                           **kw)
     assert_close(impl, out, ref)
+
+
+def _prefill_inputs(rng, b, t, dtype, h=4, n=16, p=8, r=12, v=10):
+    """Random prefill operands for left-padded rows (pads 0, t // 3, t - 1) with huge garbage in the
+    padding of the queries and latents."""
+    pads = np.array([0, t // 3, t - 1][:b])
+    valid = np.arange(t)[None, :] >= pads[:, None]
+
+    def garbage(shape):
+        return rng.standard_normal(shape) * np.where(valid, 1.0, 1e4).reshape(b, t, *[1] * (len(shape) - 2))
+
+    q_nope = jnp.asarray(garbage((b, t, h, n)), dtype)
+    q_pe = jnp.asarray(garbage((b, t, h, p)), dtype)
+    latent = jnp.asarray(garbage((b, t, r + p)), dtype)
+    w_kv_b = jnp.asarray(rng.standard_normal((r, h * (n + v))) / np.sqrt(r), dtype)
+    return (q_nope, q_pe, latent, w_kv_b, jnp.asarray(valid)), dict(scale=(n + p) ** -0.5, v_dim=v)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("t,blocks", [
+    (37, dict(block_q=8, block_k=8)),    # several blocks, T not a multiple of the block
+    (50, dict(block_q=16, block_k=6)),   # query and key blocks of different sizes
+    (29, dict(block_q=6, block_k=16)),
+    (20, {}),                            # T smaller than the default block
+    (1, {}),                             # one query token
+])
+def test_flash_prefill_equals_naive(rng, dtype, t, blocks):
+    args, kw = _prefill_inputs(rng, 3, t, jnp.dtype(dtype))
+    valid = np.asarray(args[-1])
+    ref = prefill_attention("naive", *args, **kw)
+    out = attention_flash(*args, **kw, **blocks)
+    assert out.dtype == ref.dtype == jnp.dtype(dtype)
+    assert_close("flash vs naive (real tokens)", out[valid], ref[valid])
+    # Padding queries see no key: zeros, not NaN and not the garbage.
+    np.testing.assert_array_equal(np.asarray(out[~valid], np.float32), 0.0)
+
+
+def test_layer_prefill_impls_agree(rng):
+    """The layer dispatches on prefill_impl; two blocks of the default size, left-padded rows."""
+    cfg = tiny_kimi_linear().mla
+    x = jnp.asarray(rng.standard_normal((2, 600, cfg.hidden_size)), jnp.float32)
+    seq = SeqInfo.make(jnp.asarray(np.arange(600)[None, :] >= np.array([[0], [170]])))
+    outs = {}
+    for impl in ("naive", "flash"):
+        layer = MultiHeadLatentAttention(dataclasses.replace(cfg, prefill_impl=impl), dtype=jnp.float32,
+                                         rngs=nnx.Rngs(0))
+        outs[impl], _ = layer(x, seq, None, fresh=True)
+    valid = np.asarray(seq.valid)
+    assert_close("layer flash vs naive", outs["flash"][valid], outs["naive"][valid])
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """Elements of the largest array any equation of a jaxpr (and of its sub-jaxprs) produces."""
+    largest = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            largest = max(largest, int(np.prod(getattr(var.aval, "shape", ()))))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    largest = max(largest, _largest_intermediate(inner))
+    return largest
+
+
+def test_flash_prefill_memory_is_linear_in_tokens(rng):
+    """At T = 4096 (tiny MLA shape) no [T, T]-sized array is traced, and XLA's compiled temporary
+    memory grows about linearly from T = 2048 to 4096 (the naive form: about 4x)."""
+    def temp_bytes(impl, t):
+        args, kw = _prefill_inputs(rng, 1, t, jnp.float32)
+        fn = jax.jit(lambda *a: prefill_attention(impl, *a, **kw))
+        return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes, jax.make_jaxpr(fn)(*args)
+
+    (flash_2k, _), (flash_4k, jaxpr) = temp_bytes("flash", 2048), temp_bytes("flash", 4096)
+    (naive_2k, _), (naive_4k, naive_jaxpr) = temp_bytes("naive", 2048), temp_bytes("naive", 4096)
+    assert _largest_intermediate(jaxpr.jaxpr) < 4096 * 4096 <= _largest_intermediate(naive_jaxpr.jaxpr)
+    assert flash_4k < 2.5 * flash_2k, f"flash temp {flash_2k} -> {flash_4k} bytes from T = 2048 to 4096"
+    assert naive_4k > 3.5 * naive_2k  # the check can see quadratic growth
+    assert flash_4k < 4096 * 4096 * 4 // 2  # well under one fp32 [T, T] buffer
