@@ -14,6 +14,7 @@ nothing behind.
 from __future__ import annotations
 
 import argparse
+import logging
 import concurrent.futures
 import hashlib
 import json
@@ -38,6 +39,8 @@ from k3jax.checkpoint.verify import verify_checkpoint
 from k3jax.checkpoint.workdir import WorkDir
 from k3jax.hf_config import from_hf_config
 from k3jax.model import abstract_model
+
+logger = logging.getLogger(__name__)
 
 DTYPES = ("bfloat16", "float32", "keep")
 COPIED_FILES = ("config.json", "generation_config.json", "tiktoken.model", "tokenizer_config.json",
@@ -178,6 +181,8 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
             work.release()
             raise
     work.commit()
+    logger.info("converted %s -> %s: %d tensors (%.1f MB), %d reused from an interrupted run", src, dst, len(done),
+                total / 1e6, resumed)
     return ConvertReport(tensors=len(done), skipped=skipped, bytes_read=total,
                          seconds=time.perf_counter() - start, resumed=resumed)
 

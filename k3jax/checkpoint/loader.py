@@ -11,6 +11,7 @@ NaN or Inf weights, naming the tensors.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 import jax
@@ -27,6 +28,8 @@ from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoi
 from k3jax.hf_config import from_hf_config, load_hf_config
 from k3jax.model import abstract_model
 from k3jax.sharding import param_shardings
+
+logger = logging.getLogger(__name__)
 
 def load_causal_lm(path: str | os.PathLike, dtype="float32", *, a_log_policy: str | None = None,
                    progress: bool | None = None, mesh=None, _check_finite: bool = True, **impls) -> CausalLM:
@@ -85,6 +88,8 @@ def load_causal_lm(path: str | os.PathLike, dtype="float32", *, a_log_policy: st
     if _check_finite:
         _check_hf_finite(ckpt, plan, {p: v.get_value() for p, v in loaded})
     report = LoadReport(tensors=sum(len(v) for v in plan.values()), skipped=skipped, bytes_read=read)
+    logger.info("loaded %s: %d tensors (%.1f MB, %d skipped) as %s", path, report.tensors, read / 1e6, skipped,
+                cfg.model_type)
     return CausalLM(nnx.merge(graphdef, nnx.from_flat_state(loaded)), mesh=mesh, load_report=report)
 
 
@@ -124,4 +129,5 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: boo
         raise_nonfinite(f"checkpoint {path}", [param_name(p) + expert_label(e) for p, e in bad.items()])
     loaded = [(p, var.replace(values[p])) for p, var in nnx.to_flat_state(state)]
     report = LoadReport(tensors=len(loaded), skipped=int(manifest.get("skipped_tensors", 0)), bytes_read=0)
+    logger.info("restored %s: %d parameters (k3jax checkpoint)", path, report.tensors)
     return CausalLM(nnx.merge(graphdef, nnx.from_flat_state(loaded)), mesh=mesh, load_report=report)
