@@ -83,7 +83,9 @@ def _broken_pipe() -> int:
     return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extra_commands: dict | None = None) -> argparse.ArgumentParser:
+    """The `k3jax` parser; `extra_commands` (name -> (help, main)) are fronts outside k3jax (serve/)
+    that the `k3jax` console script adds (serve.cli)."""
     parser = argparse.ArgumentParser(prog="k3jax", description="Kimi K3 / Kimi-Linear inference in JAX",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="examples:\n  k3jax generate --model tiny-k3 --prompt 'Hello' --stream\n"
@@ -120,17 +122,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("convert", add_help=False,
                    help="convert a Hugging Face checkpoint to a k3jax (Orbax) checkpoint (see k3jax convert -h)")
     sub.add_parser("verify", add_help=False, help="verify a converted k3jax checkpoint (see k3jax verify -h)")
+    for name, (help_text, _) in (extra_commands or {}).items():
+        sub.add_parser(name, add_help=False, help=f"{help_text} (see k3jax {name} -h)")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, extra_commands: dict | None = None) -> int:
+    """Runs `k3jax ARGV`. extra_commands: name -> (help, main(argv, prog)) of commands served by
+    packages that build on k3jax (the `k3jax` console script passes serve/'s)."""
     if argv is None:
         argv = sys.argv[1:]
-    if argv and argv[0] == "convert":
-        return convert_main(argv[1:], prog="k3jax convert")
-    if argv and argv[0] == "verify":
-        return verify_main(argv[1:], prog="k3jax verify")
-    args = build_parser().parse_args(argv)
+    commands = {"convert": convert_main, "verify": verify_main,
+                **{name: run for name, (_, run) in (extra_commands or {}).items()}}
+    if argv and argv[0] in commands:
+        return commands[argv[0]](argv[1:], prog=f"k3jax {argv[0]}")
+    args = build_parser(extra_commands).parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     logging.getLogger("k3jax").setLevel(args.log_level.upper())
     return args.func(args)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("k3jax", "pallas_kernels", "convert")
+PACKAGES = ("k3jax", "pallas_kernels", "convert", "serve")
 # import name -> distribution name, where they differ
 DISTRIBUTIONS = {"orbax": "orbax-checkpoint", "jinja2": "jinja2", "ml_dtypes": "ml_dtypes"}
 
