@@ -2,6 +2,7 @@
 
     python benchmarks/plot.py decode   # TPOT against batch, before / after, with the floors
     python benchmarks/plot.py moe      # routed-expert MLP time against tokens, every implementation
+    python benchmarks/plot.py speculative  # verify cost against q; speed-up against accepted length
     python benchmarks/plot.py all
 
 Inputs are the JSON records under benchmarks/results/h200/; the PNGs are written beside RESULTS.md.
@@ -71,12 +72,47 @@ def plot_moe(out: str) -> str:
                    "Routed experts on one H200, bf16", os.path.join(out, "moe_experts.png"))
 
 
+def plot_speculative(out: str, name: str = "speculative_run2_planted.json") -> str:
+    """Left: verify + commit time over one decode step against q, with the memory-floor ratio.
+    Right: end-to-end speed-up over plain decoding against tokens per verify step (replay drafts)."""
+    record = _load(name)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    for b, style in ((1, "o"), (8, "s"), (64, "D")):
+        rows = [r for r in record["verify"] if r["batch"] == b]
+        if rows:
+            line, = left.plot([r["q"] for r in rows], [r["ratio_to_decode"] for r in rows], style + "-", label=f"B={b}")
+            left.plot([r["q"] for r in rows], [r["floor_ratio"] for r in rows], style + ":", color=line.get_color(),
+                      label=f"B={b} floor ratio (uniform routing)")
+    left.axhline(1.3, color="k", lw=0.8, ls="--", label="target q=4, B=1")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("q (tokens verified per row)")
+    left.set_ylabel("verify + commit / one decode step")
+    left.set_title("Verify cost, Kimi-Linear-48B shape, bf16")
+    for b, style in ((1, "o-"), (8, "s-")):
+        rows = sorted((r for r in record["end_to_end"] if r["batch"] == b), key=lambda r: r["mean_accepted_length"])
+        if rows:
+            right.plot([r["mean_accepted_length"] for r in rows], [r["speedup"] for r in rows], style,
+                       label=f"B={b}, k={rows[0]['k']}")
+    right.axhline(2.0, color="k", lw=0.8, ls="--", label="target at 4 tokens/step, B=1")
+    right.axvline(4.0, color="k", lw=0.5, ls=":")
+    right.set_xlabel("tokens per verify step (accepted drafts + 1)")
+    right.set_ylabel("tokens/s over plain decoding")
+    right.set_title("Replay drafts, greedy, 64 new tokens")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "speculative.png")
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=["decode", "moe", "all"])
+    ap.add_argument("which", choices=["decode", "moe", "speculative", "all"])
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args(argv)
-    for name, fn in (("decode", plot_decode), ("moe", plot_moe)):
+    for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative)):
         if args.which in (name, "all"):
             print("wrote", fn(args.out))
     return 0

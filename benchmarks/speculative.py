@@ -39,7 +39,8 @@ from flax import nnx  # noqa: E402
 
 import k3jax  # noqa: E402
 from benchmarks.common import environment, median_time, table, write  # noqa: E402
-from benchmarks.decode import build  # noqa: E402
+from benchmarks.common import HBM_ACHIEVABLE  # noqa: E402
+from benchmarks.decode import build, step_bytes  # noqa: E402
 from k3jax.steps import commit_step, decode_step, verify_step  # noqa: E402
 
 
@@ -79,14 +80,25 @@ def verify_rows(model, batches, qs, prompt_len, iters, on_row=lambda rows: None)
             window = jnp.asarray(rng.integers(3, 300, (b, q)), jnp.int32)
             verify_s, _ = median_time(lambda: verify(model.params, state, window), iters=iters)
             agreement = argmax_agreement(model, decode, verify, state, window)
+            size = jnp.dtype(model.dtype).itemsize
+            floors = verify_floor_ms(cfg, b, q, prompt_len, size), verify_floor_ms(cfg, b, 1, prompt_len, size)
             row = {"batch": b, "q": q, "decode_ms": decode_s * 1e3, "verify_ms": verify_s * 1e3,
-                   "ratio_to_decode": verify_s / decode_s, "argmax_agreement": agreement}
+                   "ratio_to_decode": verify_s / decode_s, "floor_ms": floors[0], "floor_ratio": floors[0] / floors[1],
+                   "argmax_agreement": agreement}
             print(f"B={b} q={q}: verify+commit {verify_s * 1e3:.3f} ms = {row['ratio_to_decode']:.2f}x one decode step "
                   f"({decode_s * 1e3:.3f} ms); argmax equal to step decoding at {agreement:.0%} of positions",
                   flush=True)
             rows.append(row)
             on_row(rows)
     return rows
+
+
+def verify_floor_ms(cfg, batch: int, q: int, ctx: int, dtype_bytes: int) -> float:
+    """Memory floor of one verify step (ms at 4.3 TB/s): the weights that B*q tokens touch (uniform
+    routing: q tokens of a row pick their experts independently on random weights), each row's KDA
+    state read and written once, and the MLA latents."""
+    tokens, rows = step_bytes(cfg, batch * q, ctx, dtype_bytes), step_bytes(cfg, batch, ctx, dtype_bytes)
+    return (tokens["weights"] + rows["kda_state"] + rows["mla_kv"]) / HBM_ACHIEVABLE * 1e3
 
 
 def argmax_agreement(model, decode, verify, state, window) -> float:
@@ -186,7 +198,8 @@ def main(argv=None) -> int:
         part()
     verify, e2e = record["verify"], record["end_to_end"]
     path = write(name, record)
-    print(table(verify, ["batch", "q", "decode_ms", "verify_ms", "ratio_to_decode", "argmax_agreement"]))
+    print(table(verify, ["batch", "q", "decode_ms", "verify_ms", "ratio_to_decode", "floor_ms", "floor_ratio",
+                         "argmax_agreement"]))
     print(table(e2e, ["batch", "k", "error_rate", "mean_accepted_length", "tok_per_s", "plain_tok_per_s", "speedup",
                       "identical_output"]))
     print(f"wrote {path}")

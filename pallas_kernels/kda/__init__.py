@@ -3,7 +3,7 @@ forms, the Pallas kernels and the one dispatch site (`ops`)."""
 
 from pallas_kernels.kda.chunk import kda_chunk_pallas
 from pallas_kernels.kda.chunk_xla import kda_chunk_xla
-from pallas_kernels.kda.decode import kda_decode_pallas
+from pallas_kernels.kda.decode import kda_decode_pallas, kda_decode_steps_pallas
 from pallas_kernels.kda.decode_steps import kda_decode_steps
 from pallas_kernels.kda.decode_xla import kda_decode_xla
 from pallas_kernels.kda.gate import forget_gate, gated_rms_norm, l2_normalize, softplus
@@ -19,6 +19,7 @@ __all__ = [
     "KDADecodeInputs", "KDADecodeWeights", "ChunkBlocks", "DecodeBlocks",
     # Implementations
     "kda_recurrent_reference", "kda_chunk_xla", "kda_chunk_pallas", "kda_decode_xla", "kda_decode_pallas",
+    "kda_decode_steps_pallas",
     # Shared scalar math and validation
     "forget_gate", "gated_rms_norm", "l2_normalize", "softplus", "validate_inputs",
 ]

@@ -1,6 +1,8 @@
-"""Fused KDA decode step as one Pallas kernel (Triton lowering): per (row, head) program, the conv
+"""Fused KDA decode steps as Pallas kernels (Triton lowering): per (row, head) program, the conv
 window update + SiLU, q/k L2 norm, forget gate, beta, delta-rule update of the fp32 [K, V] state
-(in place) and the sigmoid-gated output RMSNorm. Twin: `decode_xla.kda_decode_xla`.
+(in place) and the sigmoid-gated output RMSNorm. `kda_decode_pallas` runs one token (twin:
+`decode_xla.kda_decode_xla`); `kda_decode_steps_pallas` runs T tokens with the state kept on chip
+(twin: the scan of one-token steps in `decode_steps.kda_decode_steps`).
 """
 
 from __future__ import annotations
@@ -19,28 +21,61 @@ from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
 from pallas_kernels.kda.tuning import DecodeBlocks
 
 
-def _decode_kernel(x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref, z_ref, nw_ref, s_ref,
-                   out_ref, conv_out_ref, s_out_ref, *, width, lower_bound, norm_eps, scale):
+def _token(x, hist, w_ref, f, dt, a, beta_logit, z, nw, s, *, width, lower_bound, norm_eps, scale):
+    """One token of one (row, head): x [3][K] pre-conv q | k | v, hist [3][W-1][K] the previous
+    pre-conv inputs (oldest first), s [K, V] fp32. Returns (out [K] in x's dtype, new s)."""
     f32 = jnp.float32
-    dtype = x_ref.dtype
+    dtype = x[0].dtype
     acts = []
     for i in range(3):  # q, k, v
-        xi = x_ref[i, :]
-        pre = w_ref[width - 1, i, :].astype(f32) * xi.astype(f32)
+        pre = w_ref[width - 1, i, :].astype(f32) * x[i].astype(f32)
         for j in range(width - 1):
-            hist = conv_ref[j, i, :]
-            pre += w_ref[j, i, :].astype(f32) * hist.astype(f32)
-            conv_out_ref[j, i, :] = conv_ref[j + 1, i, :] if j + 1 < width - 1 else xi
+            pre += w_ref[j, i, :].astype(f32) * hist[i][j].astype(f32)
         acts.append(jax.nn.silu(pre).astype(dtype))
     q, k, v = l2_normalize(acts[0]) * scale, l2_normalize(acts[1]), acts[2].astype(f32)
-    g = forget_gate(f_ref[...].astype(f32) + dt_ref[...].astype(f32), a_ref[...].astype(f32), lower_bound)
-    beta = jax.nn.sigmoid(b_ref[...].astype(f32))
-    s = s_ref[...] * jnp.exp(g)[:, None]                     # [K, V]
+    g = forget_gate(f.astype(f32) + dt.astype(f32), a.astype(f32), lower_bound)
+    beta = jax.nn.sigmoid(beta_logit.astype(f32))
+    s = s * jnp.exp(g)[:, None]                              # [K, V]
     pred = jnp.sum(s * k[:, None], axis=0)                   # [V]
     s = s + k[:, None] * (beta * (v - pred))[None, :]
-    s_out_ref[...] = s
     o = jnp.sum(s * q[:, None], axis=0).astype(dtype)
-    out_ref[...] = gated_rms_norm(o, z_ref[...], nw_ref[...], norm_eps).astype(out_ref.dtype)
+    return gated_rms_norm(o, z, nw, norm_eps).astype(dtype), s
+
+
+def _decode_kernel(x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref, z_ref, nw_ref, s_ref,
+                   out_ref, conv_out_ref, s_out_ref, *, width, **settings):
+    x = [x_ref[i, :] for i in range(3)]
+    hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(3)]
+    out, s = _token(x, hist, w_ref, f_ref[...], dt_ref[...], a_ref[...], b_ref[...], z_ref[...], nw_ref[...],
+                    s_ref[...], width=width, **settings)
+    for i in range(3):
+        window = hist[i][1:] + [x[i]]
+        for j in range(width - 1):
+            conv_out_ref[j, i, :] = window[j]
+    s_out_ref[...] = s
+    out_ref[...] = out.astype(out_ref.dtype)
+
+
+def _steps_kernel(keep_ref, x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref, z_ref, nw_ref, s_ref,
+                  out_ref, conv_out_ref, s_out_ref, *, steps, width, **settings):
+    """T tokens of one (row, head) with the state held on chip; the conv window and state advance
+    over the first keep tokens only."""
+    keep = keep_ref[...]
+    hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(3)]
+    s = s_ref[...]
+    dt, a, nw = dt_ref[...], a_ref[...], nw_ref[...]
+    for t in range(steps):
+        x = [x_ref[t, i, :] for i in range(3)]
+        out, s_new = _token(x, hist, w_ref, f_ref[t, :], dt, a, b_ref[t], z_ref[t, :], nw, s, width=width,
+                            **settings)
+        out_ref[t, :] = out.astype(out_ref.dtype)
+        advance = t < keep
+        s = jnp.where(advance, s_new, s)
+        hist = [[jnp.where(advance, new, old) for new, old in zip(h[1:] + [xi], h)] for h, xi in zip(hist, x)]
+    for i in range(3):
+        for j in range(width - 1):
+            conv_out_ref[j, i, :] = hist[i][j]
+    s_out_ref[...] = s
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
@@ -96,4 +131,62 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
         name="kda_decode",
     )(inputs.x_qkv, conv_state, weights.conv_w, inputs.f, weights.dt_bias, weights.a, inputs.beta_logit, inputs.z,
       weights.o_norm_w, state.astype(jnp.float32))
+    return out, new_conv, new_state
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array,
+                            state: jax.Array, keep: jax.Array, *, blocks: DecodeBlocks = DecodeBlocks(),
+                            interpret: bool | None = None):
+    """T fused decode steps per row in one kernel (speculative verify and commit): per (row, head)
+    program the state stays on chip across the T tokens; row b's conv window and state advance over
+    its first keep[b] tokens only. Same contract as `decode_steps.kda_decode_steps`.
+
+    Args:
+      inputs: KDADecodeInputs with a token axis (x_qkv [B, T, 3, H, K], f [B, T, H, K],
+        beta_logit [B, T, H], z [B, T, H, K]). weights: KDADecodeWeights (K a power of two).
+      conv_state: [B, W-1, 3, H, K]. state: [B, H, K, K] fp32 (aliased to the output state).
+      keep: [B] int32 in 0..T.
+    Returns:
+      (out [B, T, H, K], conv_state and state after each row's kept tokens)
+    """
+    b, t, _, h, kd = inputs.x_qkv.shape
+    width = weights.conv_w.shape[0]
+    if not is_pow2(kd):
+        raise ValueError(f"kda_decode_steps_pallas: the head dim must be a power of two, got {kd}")
+    scale = kd ** -0.5 if weights.scale is None else weights.scale
+    interpret = default_interpret() if interpret is None else interpret
+    kernel = functools.partial(_steps_kernel, steps=t, width=width, lower_bound=weights.lower_bound,
+                               norm_eps=weights.norm_eps, scale=scale)
+    row_tokens_head = lambda i, j: (i, 0, j, 0)
+    out, new_conv, new_state = pl.pallas_call(
+        kernel,
+        grid=(b, h),
+        in_specs=[
+            pl.BlockSpec((None,), lambda i, j: (i,)),                                   # keep
+            pl.BlockSpec((None, t, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),         # x_qkv
+            pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),  # conv_state
+            pl.BlockSpec((width, 3, None, kd), lambda i, j: (0, 0, j, 0)),              # conv_w
+            pl.BlockSpec((None, t, None, kd), row_tokens_head),                         # f
+            pl.BlockSpec((None, kd), lambda i, j: (j, 0)),                              # dt_bias
+            pl.BlockSpec((None, kd), lambda i, j: (j, 0)),                              # a
+            pl.BlockSpec((None, t, None), lambda i, j: (i, 0, j)),                      # beta_logit
+            pl.BlockSpec((None, t, None, kd), row_tokens_head),                         # z
+            pl.BlockSpec((kd,), lambda i, j: (0,)),                                     # o_norm_w
+            pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0)),              # state
+        ],
+        out_specs=[
+            pl.BlockSpec((None, t, None, kd), row_tokens_head),
+            pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),
+            pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((b, t, h, kd), inputs.x_qkv.dtype),
+                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+                   jax.ShapeDtypeStruct(state.shape, jnp.float32)],
+        input_output_aliases={10: 2},
+        compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_decode_steps",
+    )(keep.astype(jnp.int32), inputs.x_qkv, conv_state, weights.conv_w, inputs.f, weights.dt_bias, weights.a,
+      inputs.beta_logit, inputs.z, weights.o_norm_w, state.astype(jnp.float32))
     return out, new_conv, new_state

@@ -1,7 +1,9 @@
 """Several fused KDA decode steps per row in one call (speculative verification and its commit).
 
-`kda_decode_steps` runs the one-token step (`ops.kda_decode`) over T tokens with `lax.scan`, so the
-outputs and states are exactly those of T separate decode calls. With `keep` [B], row b only
+With impl "xla", `kda_decode_steps` runs the one-token step (`ops.kda_decode`) over T tokens with
+`lax.scan`, so the outputs and states are exactly those of T separate decode calls (the reference);
+with "pallas" it is one kernel per call (`decode.kda_decode_steps_pallas`) that keeps each (row,
+head) state on chip across the T tokens. With `keep` [B], row b only
 advances its conv window and recurrent state over its first keep[b] tokens: the commit of a verify
 step replays the accepted tokens this way instead of storing a state per token (outputs past a
 row's keep are then not meaningful).
@@ -12,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kda.decode import kda_decode_steps_pallas
 from pallas_kernels.kda.ops import KDADecodeImpl, kda_decode
 from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
 
@@ -25,7 +28,7 @@ def kda_decode_steps(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_st
         beta_logit [B, T, H], z [B, T, H, K].
       weights: the layer's KDADecodeWeights. conv_state: [B, W-1, 3, H, K]. state: [B, H, K, V] fp32.
       keep: [B] int32 tokens each row keeps (0..T); None keeps all T.
-      impl: the one-step implementation (KDA_DECODE_IMPLS).
+      impl: "xla" (a scan of the pure-JAX step) or "pallas" (one kernel over the T tokens).
     Returns:
       (out [B, T, H, K], conv_state and state after each row's kept tokens)
     """
@@ -34,6 +37,9 @@ def kda_decode_steps(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_st
     b, t = inputs.x_qkv.shape[:2]
     if keep is not None and keep.shape != (b,):
         raise ValueError(f"kda_decode_steps: keep must be [{b}], got {keep.shape}")
+    if impl == "pallas":
+        keep = jnp.full((b,), t, jnp.int32) if keep is None else keep
+        return kda_decode_steps_pallas(inputs, weights, conv_state, state, keep)
 
     def step(carry, xs):
         conv, s = carry
