@@ -65,6 +65,17 @@ def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int, touched: float | Non
             "total": weights + kda_state + mla_kv}
 
 
+def add_model_arguments(ap: argparse.ArgumentParser, default: str) -> None:
+    """The options `build` reads."""
+    ap.add_argument("--model", default=default, help="tiny-k3, tiny-kimi-linear or kimi-linear-48b")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--moe", default=None, help="routed-expert implementation (k3jax option 'moe')")
+    ap.add_argument("--gmm", default=None, help="grouped matmul implementation (k3jax option 'gmm')")
+    ap.add_argument("--linear", default=None, help="few-row projection implementation (k3jax option 'linear')")
+    ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
+                    help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
+
+
 def build(args) -> k3jax.CausalLM:
     impls = {"moe": args.moe, "gmm": args.gmm, "linear": args.linear}
     if args.kernels == "pallas":
@@ -177,17 +188,11 @@ def prefill_row(gen, cfg, spec: str, rng) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny-kimi-linear", help="tiny-k3, tiny-kimi-linear or kimi-linear-48b")
+    add_model_arguments(ap, default="tiny-kimi-linear")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--moe", default=None, help="routed-expert implementation (k3jax option 'moe')")
-    ap.add_argument("--gmm", default=None, help="grouped matmul implementation (k3jax option 'gmm')")
-    ap.add_argument("--linear", default=None, help="few-row projection implementation (k3jax option 'linear')")
-    ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
-                    help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
     ap.add_argument("--profile", action="store_true", help="profile 16 decode steps per batch size")
     ap.add_argument("--prefill", nargs="*", default=[], help="prefill rows as BxT, e.g. 1x8192 64x1024")
     ap.add_argument("--name", default=None)

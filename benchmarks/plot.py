@@ -3,6 +3,7 @@
     python benchmarks/plot.py decode   # TPOT against batch, before / after, with the floors
     python benchmarks/plot.py moe      # routed-expert MLP time against tokens, every implementation
     python benchmarks/plot.py speculative  # verify cost against q; speed-up against accepted length
+    python benchmarks/plot.py server   # server load: throughput, TPOT and TTFT against concurrent clients
     python benchmarks/plot.py all
 
 Inputs are the JSON records under benchmarks/results/h200/; the PNGs are written beside RESULTS.md.
@@ -104,17 +105,53 @@ def plot_speculative(out: str, name: str = "speculative_run2_planted.json") -> s
     fig.tight_layout()
     path = os.path.join(out, "speculative.png")
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+SERVER_LOAD = "server_load_kimi-linear-48b.json"
+
+
+def plot_server_load(path: str, record: dict | None = None) -> str:
+    """Output tokens/s and p50/p99 TPOT and TTFT against concurrent clients (benchmarks/server_load.py)."""
+    record = record or _load(SERVER_LOAD)
+    rows = [r for r in record["levels"] if r["completed"]]
+    xs = [r["concurrency"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.2))
+    left.plot(xs, [r["tok_per_s"] for r in rows], "o-", label="output tokens/s")
+    slots = record["settings"]["max_num_seqs"]
+    if xs and max(xs) > slots:
+        left.axvline(slots, color="grey", ls=":", label=f"engine slots ({slots}); more clients queue")
+    for key, label, style in (("tpot_p50_ms", "TPOT p50", "o-"), ("tpot_p99_ms", "TPOT p99", "o--"),
+                              ("ttft_p50_ms", "TTFT p50", "s-"), ("ttft_p99_ms", "TTFT p99", "s--")):
+        right.plot(xs, [float("nan") if r[key] is None else r[key] for r in rows], style, label=label)
+    st = record["settings"]
+    title = f"{record['model']} {record['dtype']}, {st['prompt_len']} + {st['max_tokens']} tokens, streamed"
+    for ax, ylabel in ((left, "output tokens/s (server)"), (right, "ms (client-side)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
     return path
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=["decode", "moe", "speculative", "all"])
+    ap.add_argument("which", choices=["decode", "moe", "speculative", "server", "all"])
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args(argv)
     for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative)):
         if args.which in (name, "all"):
             print("wrote", fn(args.out))
+    if args.which == "server" or (args.which == "all" and os.path.exists(os.path.join(H200, SERVER_LOAD))):
+        print("wrote", plot_server_load(os.path.join(args.out, "server_load.png")))
     return 0
 
 

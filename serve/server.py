@@ -43,6 +43,21 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     return ap
 
 
+def build_engine(model: k3jax.CausalLM, args: argparse.Namespace, *, tokenizer=None) -> Engine:
+    """The continuous-batching engine over a loaded model, from `build_parser`'s settings
+    (`tokenizer`: one to use instead of the model's)."""
+    return Engine(model, EngineConfig(max_slots=args.max_num_seqs, max_len=args.max_model_len,
+                                      chunk_steps=args.chunk_steps, max_logprobs=args.max_logprobs,
+                                      penalties=args.enable_penalties), tokenizer=tokenizer)
+
+
+def build_server(engine: Engine, args: argparse.Namespace) -> OpenAIServer:
+    """The engine's service thread and the OpenAI app over it (`.app`); close `.service` when done.
+    benchmarks/server_load.py builds a server this way around a random-weight model."""
+    service = EngineService(engine, max_waiting=args.max_waiting)
+    return OpenAIServer(service, model_name=args.served_model_name or args.model, max_model_len=args.max_model_len)
+
+
 def main(argv=None, prog: str = "k3jax serve") -> int:
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s", level=logging.INFO)
@@ -51,16 +66,12 @@ def main(argv=None, prog: str = "k3jax serve") -> int:
         model = k3jax.load_model(args.model, dtype=args.dtype, **impl_choices(args))
         if mesh is not None:
             model = model.shard(mesh)
-        engine = Engine(model, EngineConfig(max_slots=args.max_num_seqs, max_len=args.max_model_len,
-                                            chunk_steps=args.chunk_steps, max_logprobs=args.max_logprobs,
-                                            penalties=args.enable_penalties))
+        server = build_server(build_engine(model, args), args)
     except (ValueError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    service = EngineService(engine, max_waiting=args.max_waiting)
-    server = OpenAIServer(service, model_name=args.served_model_name or args.model, max_model_len=args.max_model_len)
     try:
         uvicorn.run(server.app, host=args.host, port=args.port, log_level="warning")
     finally:
-        service.close()
+        server.service.close()
     return 0
