@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests moe moe-sweep gemv decode decode-before kda mla speculative speculative-tests server-load)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests moe moe-sweep gemv decode decode-before kda mla speculative speculative-tests speculative-verify server-load)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -55,6 +55,9 @@ for step in "$@"; do
     server-load) OUT=$W timeout 200 python3 benchmarks/server_load.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --concurrency 1 4 16 64 256 --duration 15 --budget 170 2>&1 | quiet \
               | tee "$W/server_load.log" ;;
+    speculative-verify) OUT=$W timeout 180 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \
+              --kernels pallas --moe auto --batch 1 8 64 --q 1 2 4 8 --verify-only --name speculative_verify \
+              2>&1 | quiet | tee "$W/speculative_verify.log" ;;
     *) echo "unknown step $step" ;;
   esac
   echo "== step $step took $(( $(date +%s) - start )) s" | tee -a "$W/steps.txt"

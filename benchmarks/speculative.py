@@ -40,7 +40,7 @@ from flax import nnx  # noqa: E402
 import k3jax  # noqa: E402
 from benchmarks.common import environment, median_time, table, write  # noqa: E402
 from benchmarks.common import HBM_ACHIEVABLE  # noqa: E402
-from benchmarks.decode import build, step_bytes  # noqa: E402
+from benchmarks.decode import add_model_arguments, build, step_bytes  # noqa: E402
 from k3jax.steps import commit_step, decode_step, verify_step  # noqa: E402
 
 
@@ -149,7 +149,7 @@ def end_to_end_rows(model, batches, k, error_rates, prompt_len, new_tokens, repe
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny-k3", help="tiny-k3, tiny-kimi-linear or kimi-linear-48b")
+    add_model_arguments(ap, default="tiny-k3")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--e2e-batch", type=int, nargs="+", default=None,
                     help="batch sizes of the end-to-end rows (default: those of --batch)")
@@ -160,13 +160,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--moe", default=None)
-    ap.add_argument("--gmm", default=None)
-    ap.add_argument("--linear", default=None)
-    ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla")
     ap.add_argument("--embed-std", type=float, default=1.0, help="embedding scale of the planted greedy chain")
     ap.add_argument("--no-plant", action="store_true", help="end-to-end rows on the plain random weights")
+    ap.add_argument("--verify-only", action="store_true", help="skip the end-to-end rows")
     ap.add_argument("--e2e-first", action="store_true", help="run the end-to-end rows before the verify rows")
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
@@ -194,7 +190,8 @@ def main(argv=None) -> int:
         end_to_end_rows(planted, args.e2e_batch or args.batch, args.k, args.error_rates, args.prompt_len,
                         args.new_tokens, args.repeats, perm=perm, on_row=save("end_to_end"))
 
-    for part in ([run_e2e, run_verify] if args.e2e_first else [run_verify, run_e2e]):
+    parts = [run_verify] if args.verify_only else [run_e2e, run_verify] if args.e2e_first else [run_verify, run_e2e]
+    for part in parts:
         part()
     verify, e2e = record["verify"], record["end_to_end"]
     path = write(name, record)
