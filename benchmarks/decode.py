@@ -65,6 +65,16 @@ def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int, touched: float | Non
             "total": weights + kda_state + mla_kv}
 
 
+def add_build_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options `build` reads besides --model: --dtype, --moe, --gmm, --linear, --kernels."""
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--moe", default=None, help="routed-expert implementation (k3jax option 'moe')")
+    ap.add_argument("--gmm", default=None, help="grouped matmul implementation (k3jax option 'gmm')")
+    ap.add_argument("--linear", default=None, help="few-row projection implementation (k3jax option 'linear')")
+    ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
+                    help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
+
+
 def build(args) -> k3jax.CausalLM:
     impls = {"moe": args.moe, "gmm": args.gmm, "linear": args.linear}
     if args.kernels == "pallas":
@@ -182,12 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--moe", default=None, help="routed-expert implementation (k3jax option 'moe')")
-    ap.add_argument("--gmm", default=None, help="grouped matmul implementation (k3jax option 'gmm')")
-    ap.add_argument("--linear", default=None, help="few-row projection implementation (k3jax option 'linear')")
-    ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
-                    help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
+    add_build_arguments(ap)
     ap.add_argument("--profile", action="store_true", help="profile 16 decode steps per batch size")
     ap.add_argument("--prefill", nargs="*", default=[], help="prefill rows as BxT, e.g. 1x8192 64x1024")
     ap.add_argument("--name", default=None)
