@@ -13,9 +13,10 @@ requests in input order, --slots at a time, and each batch runs until its longes
 (rows stop on the device, the batch's steps do not). Continuous batching: one engine with --slots
 slots, admitting a waiting request whenever a slot frees. Each method runs the whole workload once
 to compile (first_s), then --repeats timed runs (median); tokens/s = generated tokens / wall time
-of the workload, prefills included. `useful` is the share of the decode row-steps computed that
-produced a requested token (static: padded rows x steps of each batch; continuous: slots x chunk
-steps of each engine step).
+of the workload, prefills included. `decode_steps`: decode-loop steps run; `ms_per_step`: wall time
+over them (prefills and host work included); `useful`: the share of the decode row-steps computed
+that produced a requested token (static: rows padded to a power of two x steps of each batch;
+continuous: slots x steps).
 """
 
 from __future__ import annotations
@@ -48,34 +49,36 @@ def workload(args, vocab: int) -> list[tuple[list[int], k3jax.SamplingParams]]:
             for t, o in zip(lengths, outputs)]
 
 
-def run_static(gen: k3jax.Generator, requests, slots: int) -> tuple[int, int]:
-    """(generated tokens, decode row-steps computed) of the workload in fixed batches."""
-    tokens = row_steps = 0
+def run_static(gen: k3jax.Generator, requests, slots: int) -> tuple[int, int, int]:
+    """(generated tokens, decode steps, decode row-steps computed) of the workload in fixed batches."""
+    tokens = steps = row_steps = 0
     for i in range(0, len(requests), slots):
         batch = requests[i:i + slots]
         out = gen.generate([p for p, _ in batch], [sp for _, sp in batch])
         tokens += sum(len(r.token_ids) for r in out)
+        steps += out.timings.steps
         row_steps += (1 << (len(batch) - 1).bit_length()) * out.timings.steps   # rows padded to a power of two
-    return tokens, row_steps
+    return tokens, steps, row_steps
 
 
-def run_continuous(engine: Engine, requests) -> tuple[int, int]:
-    """(generated tokens, decode row-steps computed): the engine fed from the list as slots free."""
+def run_continuous(engine: Engine, requests) -> tuple[int, int, int]:
+    """(generated tokens, decode steps, decode row-steps computed): the engine fed from the list
+    as slots free (steps read from the engine's loop counter, a private field)."""
     queue = list(enumerate(requests))[::-1]
-    tokens = row_steps = 0
+    tokens = steps = 0
     while queue or engine.has_work():
         while queue and engine.num_waiting < engine.config.max_slots:
             i, (prompt, sp) = queue.pop()
             engine.add(str(i), prompt, sp)
         for update in engine.step():
             tokens += sum(len(t) for t in update.new_tokens.values())
-        row_steps += engine.config.max_slots * engine.config.chunk_steps   # every slot runs every chunk
-    return tokens, row_steps
+        steps += int(engine._carry.step)
+    return tokens, steps, steps * engine.config.max_slots   # every slot runs every step
 
 
 def measure(name: str, fn, repeats: int) -> dict:
     t0 = time.perf_counter()
-    tokens, row_steps = fn()                 # compiles every shape the workload needs
+    tokens, steps, row_steps = fn()          # compiles every shape the workload needs
     first = time.perf_counter() - t0
     walls = []
     for _ in range(repeats):
@@ -83,8 +86,8 @@ def measure(name: str, fn, repeats: int) -> dict:
         fn()
         walls.append(time.perf_counter() - t0)
     wall = statistics.median(walls)
-    row = {"method": name, "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall,
-           "useful": tokens / row_steps, "first_s": first, "walls_s": walls}
+    row = {"method": name, "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall, "decode_steps": steps,
+           "ms_per_step": wall / steps * 1e3, "useful": tokens / row_steps, "first_s": first, "walls_s": walls}
     print(f"{name}: {tokens} tokens in {wall:.2f} s = {tokens / wall:.1f} tok/s (first run {first:.1f} s)", flush=True)
     return row
 
@@ -121,7 +124,8 @@ def main(argv=None) -> int:
     rows = [measure("static", lambda: run_static(gen, requests, args.slots), args.repeats),
             measure("continuous", lambda: run_continuous(engine, requests), args.repeats)]
     speedup = rows[1]["tok_per_s"] / rows[0]["tok_per_s"]
-    print(table(rows, ["method", "tokens", "wall_s", "tok_per_s", "useful", "first_s"]))
+    print(table(rows, ["method", "tokens", "wall_s", "tok_per_s", "decode_steps", "ms_per_step", "useful",
+                       "first_s"]))
     print(f"continuous / static: {speedup:.2f}x")
     record = {"benchmark": "batch_job", "model": args.model, "dtype": args.dtype, "requests": args.requests,
               "slots": args.slots, "chunk_steps": args.chunk_steps, "max_len": max_len,
