@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="the CPU workload: " + ", ".join(
         f"{k}={v}" for k, v in SMALL.items()))
-    ap.add_argument("--model", default="kimi-linear-48b", help="kimi-linear-48b (random weights), tiny-*, or a directory")
+    ap.add_argument("--model", default="kimi-linear-48b",
+                    help="kimi-linear-48b (random weights), tiny-k3, tiny-kimi-linear or a checkpoint directory")
     ap.add_argument("--requests", type=int, default=1024)
     ap.add_argument("--slots", type=int, default=64, help="engine slots = static batch size")
     ap.add_argument("--prompt-min", type=int, default=64)

@@ -67,7 +67,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                "--process-id $RANK\n"
                "Input lines: OpenAI batch lines ({\"custom_id\", \"body\": {\"messages\" | \"prompt\", ...}}) or "
                "{\"id\", \"prompt\", ...}.\nRe-running the same command resumes an interrupted job.")
-    ap.add_argument("--model", required=True, help="checkpoint directory, or a built-in model: tiny-k3, tiny-kimi-linear")
+    ap.add_argument("--model", required=True,
+                    help="checkpoint directory, or a built-in model: tiny-k3, tiny-kimi-linear")
     ap.add_argument("--input", required=True, help="JSONL file of requests")
     ap.add_argument("--output", required=True,
                     help="JSONL file of results (its job directory OUTPUT.job holds the parts meanwhile)")
@@ -82,7 +83,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     engine = ap.add_argument_group("engine size (per replica)")
     engine.add_argument("--max-slots", type=int, default=64, help="completions decoding together (default 64)")
     engine.add_argument("--max-len", type=int, default=None,
-                        help=f"tokens per completion, prompt included (default: {DEFAULT_MAX_LEN} or the model's limit)")
+                        help=f"tokens per completion, prompt included (default: {DEFAULT_MAX_LEN}, or the model's "
+                             "limit when lower)")
     engine.add_argument("--chunk-steps", type=int, default=16, help="decode steps between admissions (default 16)")
     job = ap.add_argument_group("job")
     job.add_argument("--commit-every", type=int, default=256,
@@ -129,7 +131,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m serve.batch") -> 
 
 
 def _join(args) -> None:
-    ids = None if args.local_device_ids is None else [int(i) for i in args.local_device_ids.split(",")]
+    try:
+        ids = None if args.local_device_ids is None else [int(i) for i in args.local_device_ids.split(",")]
+    except ValueError:
+        given = args.local_device_ids
+        raise ValueError(f"--local-device-ids must be comma-separated integers, got {given!r}") from None
     try:
         jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id, local_device_ids=ids)
     except (RuntimeError, ValueError) as e:

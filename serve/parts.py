@@ -104,6 +104,8 @@ class JobDir:
         the job directory belongs to another job."""
         state = self.read()
         if state is None:
+            if not os.path.isdir(os.path.dirname(self.output)):
+                raise JobError(f"the directory of {self.output} does not exist")
             if os.path.lexists(self.output):
                 raise JobError(f"{self.output} exists and was not written by a batch job ({self.path} is missing); "
                                "remove it or choose another --output")

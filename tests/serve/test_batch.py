@@ -158,29 +158,32 @@ def test_an_empty_input_gives_an_empty_output(tmp_path, capsys):
         assert "0 requests (0 failed)" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["duplicate", "missing input", "foreign output", "bad mesh", "zero slots",
-                                  "unknown model", "max-len over the limit"])
-def test_refusals_are_one_line_and_leave_nothing_behind(tmp_path, capsys, case):
-    lines, extra, model = [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}], [], MODEL
-    expect = {"duplicate": "duplicate id 'a' on lines 1 and 3", "missing input": "cannot read",
-              "foreign output": "exists and was not written by a batch job", "bad mesh": "bad mesh spec",
-              "zero slots": "--max-slots must be a positive integer", "unknown model": "unknown model 'nope'",
-              "max-len over the limit": "exceeds the model's context limit"}[case]
-    if case == "duplicate":
-        lines = lines + [{"id": "a", "prompt": "z"}]
-    if case == "missing input":
-        lines = None
+REFUSALS = {  # case: (extra arguments, what the one error line says)
+    "duplicate ids": ([], "duplicate id 'a' on lines 1 and 3"),
+    "missing input": (["--input", "nowhere.jsonl"], "cannot read nowhere.jsonl"),
+    "foreign output": ([], "exists and was not written by a batch job"),
+    "no output directory": (["--output", "missing/out.jsonl"], "does not exist"),
+    "bad mesh": (["--mesh", "data=x"], "bad mesh spec"),
+    "zero slots": (["--max-slots", "0"], "--max-slots must be a positive integer"),
+    "unknown model": (["--model", "nope"], "unknown model 'nope'"),
+    "max-len over the limit": (["--max-len", str(1 << 21)], "exceeds the model's context limit"),
+    "bad device ids": (["--local-device-ids", "0,x"], "--local-device-ids must be"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_refusals_are_one_line_and_leave_nothing_behind(tmp_path, capsys, monkeypatch, case):
+    monkeypatch.chdir(tmp_path)
+    extra, expect = REFUSALS[case]
+    lines = [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}]
+    lines += [{"id": "a", "prompt": "z"}] if case == "duplicate ids" else []
+    write_input(tmp_path / "in.jsonl", lines)
     if case == "foreign output":
         (tmp_path / "out.jsonl").write_text("keep me\n")
-    extra = {"bad mesh": ["--mesh", "data=x"], "zero slots": ["--max-slots", "0"],
-             "max-len over the limit": ["--max-len", str(1 << 21)]}.get(case, [])
-    inp = write_input(tmp_path / "in.jsonl", lines) if lines is not None else str(tmp_path / "in.jsonl")
     before = sorted(os.listdir(tmp_path))
-    argv = ["--model", "nope" if case == "unknown model" else model, "--input", inp,
-            "--output", str(tmp_path / "out.jsonl"), "--mesh", "data=1", *ENGINE, *extra]
-    assert batch.main(argv, prog="run-batch") == 2
+    argv = ["--model", MODEL, "--input", "in.jsonl", "--output", "out.jsonl", "--mesh", "data=1", *ENGINE, *extra]
+    assert batch.main(argv, prog="run-batch") == 2       # argparse: the last of a repeated option wins
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("run-batch: error: ") and expect in err[0], err
     assert sorted(os.listdir(tmp_path)) == before
-    if case == "foreign output":
-        assert (tmp_path / "out.jsonl").read_text() == "keep me\n"
+    assert case != "foreign output" or (tmp_path / "out.jsonl").read_text() == "keep me\n"

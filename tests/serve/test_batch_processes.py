@@ -83,7 +83,8 @@ def free_port() -> int:
 def in_process(tmp_path: Path, inp: str, mesh: str) -> bytes:
     """The same job in this test process (8 CPU devices): the reference output."""
     out = tmp_path / f"reference-{mesh}.jsonl"
-    assert batch.main(["--model", "tiny-kimi-linear", "--input", inp, "--output", str(out), "--mesh", mesh, *ENGINE]) == 0
+    argv = ["--model", "tiny-kimi-linear", "--input", inp, "--output", str(out), "--mesh", mesh, *ENGINE]
+    assert batch.main(argv) == 0
     return out.read_bytes()
 
 
