@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests moe moe-sweep gemv decode decode-before kda mla)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests moe moe-sweep gemv decode decode-before kda mla speculative speculative-tests)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -47,6 +47,11 @@ for step in "$@"; do
           fi ;;
     kda) OUT=$W timeout 420 python3 benchmarks/kda.py 2>&1 | quiet | tee "$W/kda.log" ;;
     mla) OUT=$W timeout 300 python3 benchmarks/mla_decode.py 2>&1 | quiet | tee "$W/mla.log" ;;
+    speculative-tests) K3JAX_TEST_DEVICE=gpu timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+              tests/pallas_kernels/test_kda_decode_steps.py 2>&1 | quiet | tail -5 | tee "$W/speculative_tests.log" ;;
+    speculative) OUT=$W timeout 540 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \
+              --kernels pallas --moe auto --batch 1 8 64 --q 1 2 4 8 --e2e-batch 1 8 --k 4 --e2e-first \
+              --embed-std 4 --error-rates 1 0.25 0.1 0 --new-tokens 64 2>&1 | quiet | tee "$W/speculative.log" ;;
     *) echo "unknown step $step" ;;
   esac
   echo "== step $step took $(( $(date +%s) - start )) s" | tee -a "$W/steps.txt"

@@ -10,9 +10,10 @@ from k3jax.checkpoint.loader import load_causal_lm
 from k3jax.config import (IMPL_OPTIONS, RENAMED_IMPL_OPTIONS, Activation, AttnResConfig, ConfigError, KDAConfig,
                           MLAConfig, MLPConfig, ModelConfig, MoEConfig, tiny_k3, tiny_kimi_linear)
 from k3jax.generate import GenerationInterrupted, Generator, generate
-from k3jax.outputs import CompletionOutput, GenerationOutput, GenerationResult, StreamChunk
+from k3jax.outputs import CompletionOutput, GenerationOutput, GenerationResult, SpeculativeStats, StreamChunk
 from k3jax.hf_config import from_hf_config, load_hf_config, read_generation_config, to_hf_config
 from k3jax.sampling import SamplingParams
+from k3jax.speculative import SpeculativeConfig
 from k3jax.state import DecodeState, KDAState, MLACache, init_decode_state
 from k3jax.tiny import BUILTIN, builtin_config
 from k3jax.tokenizer import KimiTokenizer
@@ -25,7 +26,7 @@ __all__ = [
     "CausalLM", "load", "load_model",
     # Generation
     "generate", "Generator", "SamplingParams", "GenerationOutput", "GenerationResult", "StreamChunk",
-    "GenerationInterrupted", "CompletionOutput",
+    "GenerationInterrupted", "CompletionOutput", "SpeculativeConfig", "SpeculativeStats",
     "KimiTokenizer",
     # Configuration
     "ModelConfig", "KDAConfig", "MLAConfig", "MLPConfig", "MoEConfig", "AttnResConfig", "Activation",

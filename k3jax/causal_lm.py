@@ -122,12 +122,13 @@ class CausalLM:
         return self.with_config(self.config.with_impls(**impls))
 
     # ----- public API -----
-    def init_state(self, batch_size: int, max_len: int) -> DecodeState:
-        """A fresh state for `batch_size` rows and up to `max_len` tokens per row."""
+    def init_state(self, batch_size: int, max_len: int, *, scratch: int = 0) -> DecodeState:
+        """A fresh state for `batch_size` rows and up to `max_len` tokens per row, plus `scratch`
+        cache slots past them for tentative tokens (speculative verify windows)."""
         if max_len > self.config.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds the model's context limit "
                              f"{self.config.max_position_embeddings}")
-        return self.placement.put_state(init_decode_state(self.config, batch_size, max_len, self.dtype))
+        return self.placement.put_state(init_decode_state(self.config, batch_size, max_len + scratch, self.dtype))
 
     def logits(self, token_ids, attention_mask=None) -> jax.Array:
         """Full forward. token_ids [B, T] -> logits [B, T, Vocab] float32."""

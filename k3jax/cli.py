@@ -12,6 +12,7 @@ from k3jax.checkpoint.convert import main as convert_main
 from k3jax.checkpoint.verify import verify_main
 from k3jax.config import IMPL_OPTIONS
 from k3jax.generate import GenerationInterrupted
+from k3jax.speculative import SpeculativeConfig
 
 
 def add_impl_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +55,10 @@ def _generate(args: argparse.Namespace) -> int:
             def stream(chunk):
                 prefix = f"[{chunk.index}] " if len(prompts) > 1 else ""
                 print(prefix + (chunk.text or ""), end="" if len(prompts) == 1 else "\n", flush=True)
-        out = k3jax.generate(model, prompts, sampling, stream=stream, chat_options=chat_options)
+        speculative = (None if args.speculative is None
+                       else SpeculativeConfig.parse(args.speculative, args.num_speculative_tokens))
+        out = k3jax.generate(model, prompts, sampling, stream=stream, chat_options=chat_options,
+                             speculative=speculative)
     except (ValueError, OSError) as e:
         if isinstance(e, BrokenPipeError):
             return _broken_pipe()
@@ -72,6 +76,11 @@ def _generate(args: argparse.Namespace) -> int:
     t = out.timings
     print(f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_s * 1e3:.0f} ms for {t.new_tokens} tokens "
           f"({t.tokens_per_s:.1f} tok/s; first call includes compilation)")
+    if t.speculative is not None:
+        s = t.speculative
+        rates = ", ".join(f"{r:.2f}" for r in s.acceptance_rate)
+        print(f"speculative {s.method}: {s.mean_accepted_length:.2f} tokens per verify step over {s.steps} steps, "
+              f"acceptance by draft position [{rates}]")
     return 0
 
 
@@ -83,7 +92,9 @@ def _broken_pipe() -> int:
     return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extra_commands: dict | None = None) -> argparse.ArgumentParser:
+    """The `k3jax` parser; `extra_commands` (name -> (help, main)) are fronts outside k3jax (serve/)
+    that the `k3jax` console script adds (serve.cli)."""
     parser = argparse.ArgumentParser(prog="k3jax", description="Kimi K3 / Kimi-Linear inference in JAX",
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="examples:\n  k3jax generate --model tiny-k3 --prompt 'Hello' --stream\n"
@@ -96,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text from a prompt", formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog="examples:\n  k3jax generate --model tiny-k3 --prompt 'def fibonacci(n):' --stream\n"
                                 "  k3jax generate --model DIR --chat --prompt 'Hi!' --temperature 0.7 --seed 1 "
-                                "--dtype bfloat16 --kda pallas")
+                                "--dtype bfloat16 --kda pallas\n"
+                                "  k3jax generate --model tiny-k3 --prompt 'def f(x):' --speculative mtp "
+                                "--num-speculative-tokens 3")
     gen.add_argument("--model", required=True, help="checkpoint directory, or a built-in model: tiny-k3, tiny-kimi-linear")
     gen.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
     gen.add_argument("--chat", action="store_true", help="render the prompt as a user chat message")
@@ -114,23 +127,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    gen.add_argument("--speculative", choices=["mtp", "ngram"], default=None,
+                     help="speculative decoding with drafts from the model's MTP layer or prompt lookup")
+    gen.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts verified per step (default 3)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     add_impl_arguments(gen)
     gen.set_defaults(func=_generate)
     sub.add_parser("convert", add_help=False,
                    help="convert a Hugging Face checkpoint to a k3jax (Orbax) checkpoint (see k3jax convert -h)")
     sub.add_parser("verify", add_help=False, help="verify a converted k3jax checkpoint (see k3jax verify -h)")
+    for name, (help_text, _) in (extra_commands or {}).items():
+        sub.add_parser(name, add_help=False, help=f"{help_text} (see k3jax {name} -h)")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, extra_commands: dict | None = None) -> int:
+    """Runs `k3jax ARGV`. extra_commands: name -> (help, main(argv, prog)) of commands served by
+    packages that build on k3jax (the `k3jax` console script passes serve/'s)."""
     if argv is None:
         argv = sys.argv[1:]
-    if argv and argv[0] == "convert":
-        return convert_main(argv[1:], prog="k3jax convert")
-    if argv and argv[0] == "verify":
-        return verify_main(argv[1:], prog="k3jax verify")
-    args = build_parser().parse_args(argv)
+    commands = {"convert": convert_main, "verify": verify_main,
+                **{name: run for name, (_, run) in (extra_commands or {}).items()}}
+    if argv and argv[0] in commands:
+        return commands[argv[0]](argv[1:], prog=f"k3jax {argv[0]}")
+    args = build_parser(extra_commands).parse_args(argv)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     logging.getLogger("k3jax").setLevel(args.log_level.upper())
     return args.func(args)

@@ -26,10 +26,14 @@ import numpy as np
 
 from k3jax.causal_lm import CausalLM
 from k3jax.decode_loop import STOPPED, LoopInputs, LoopState, decode_chunk, init_loop_state
-from k3jax.outputs import CompletionOutput, GenerationOutput, GenerationResult, GenerationTimings, StreamChunk
+from k3jax.outputs import (CompletionOutput, GenerationOutput, GenerationResult, GenerationTimings, SpeculativeStats,
+                           StreamChunk)
 from k3jax.requests import (Row, check_sampling, completion_output, default_sampling, encode_prompt, expand_rows,
                             is_message_list, logprob_slots, match_stop, sampler_values, stop_id_matrix)
 from k3jax.sampling import SamplingParams
+from k3jax.speculative import SpeculativeConfig
+from k3jax.speculative.loop import init_spec_loop, spec_decode_chunk
+from k3jax.speculative.sources import check_supported, prepare
 from k3jax.stop_strings import StopMatch
 from k3jax.streaming import StreamAdapter
 
@@ -90,6 +94,11 @@ class Generator:
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.compiled_chunk = jax.jit(functools.partial(decode_chunk, model.graphdef),
                                       static_argnames=("filters", "pad_id"), donate_argnames=("carry",))
+        self.compiled_spec_init = jax.jit(functools.partial(init_spec_loop, model.graphdef),
+                                          static_argnames=("source", "max_tokens", "pad_id", "logprobs_k", "filters"),
+                                          donate_argnames=("state",))
+        self.compiled_spec_chunk = jax.jit(functools.partial(spec_decode_chunk, model.graphdef),
+                                           static_argnames=("source", "filters"), donate_argnames=("carry",))
 
     # ----- prompts -----
     def encode_prompt(self, prompt, *, chat_options: dict | None = None) -> list[int]:
@@ -103,7 +112,7 @@ class Generator:
     # ----- generation -----
     def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  stream: Callable[[StreamChunk], None] | None = None, stream_every: int = 8,
-                 chat_options: dict | None = None) -> GenerationOutput:
+                 chat_options: dict | None = None, speculative: SpeculativeConfig | None = None) -> GenerationOutput:
         """Generates for a batch of prompts (one prompt may be passed bare).
 
         Args:
@@ -112,6 +121,9 @@ class Generator:
             `default_sampling()`).
           stream: called with StreamChunk(s) of new tokens every `stream_every` decode steps.
           chat_options: renderer options (K3: thinking, thinking_effort, tools, ...).
+          speculative: decode with drafts verified q = k + 1 tokens at a time (SpeculativeConfig);
+            greedy output is identical to decoding without it, sampled output keeps the
+            distribution. Statistics land in `timings.speculative`.
         Returns:
           GenerationOutput: one GenerationResult per prompt, each with SamplingParams.n completions.
         Raises:
@@ -132,6 +144,13 @@ class Generator:
         vocab = self.model.config.vocab_size
         for sp in params:
             check_sampling(sp, vocab, self.tokenizer)
+        if speculative is not None:
+            if not isinstance(speculative, SpeculativeConfig):
+                raise ValueError("speculative must be a SpeculativeConfig")
+            check_supported(speculative, self.model.config)
+            if any(sp.penalized for sp in params):
+                raise ValueError("repetition, presence and frequency penalties are not supported with "
+                                 "speculative decoding")
         encoded = [self.encode_prompt(p, chat_options=chat_options) for p in prompts]
         limit = self.model.config.max_position_embeddings
         for i, (ids, sp) in enumerate(zip(encoded, params)):
@@ -174,19 +193,27 @@ class Generator:
         filters = any(p.filters for p in params)
         logger.debug("generate: %d rows in a %d-row bucket, prompt width %d, %d steps", n, batch, width, steps)
 
+        run = dict(ids=ids, mask=mask, max_len=max_len, inputs=inputs, batch=batch, n=n, steps=steps,
+                   pad_id=pad_id, seen=seen, logprobs_k=logprobs_k, filters=filters)
         t0 = time.perf_counter()
-        logits, state = self.model.prefill(ids, mask, max_len=max_len)
-        logits.block_until_ready()
+        source = None
+        if speculative is None:
+            carry = self._prefill_plain(**run)
+        else:
+            carry, source = self._prefill_speculative(speculative, width=width, **run)
         t1 = time.perf_counter()
         matches: dict[int, StopMatch] = {}
         with self.model.placement.context(), _sigint_as_flag() as interrupted:
-            carry = init_loop_state(state, logits, put(np.arange(batch) >= n), max_steps=steps, pad_id=pad_id,
-                                    seen=seen, logprobs_k=logprobs_k)
             done = False
             while not done and not interrupted.is_set():
                 limit_step = min(steps, int(carry.step) + chunk)
-                carry = self.compiled_chunk(self.model.params, carry, inputs, np.int32(limit_step), filters=filters,
-                                            pad_id=pad_id)
+                if speculative is None:
+                    carry = self.compiled_chunk(self.model.params, carry, inputs, np.int32(limit_step),
+                                                filters=filters, pad_id=pad_id)
+                else:
+                    carry = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
+                                                     step_limit=np.int32(limit_step), source=source,
+                                                     filters=filters)
                 if any(row_stops) or adapter is not None:
                     carry = self._match_stops(carry, rows, matches, adapter)
                 all_done, step = jax.device_get((carry.done.all(), carry.step))
@@ -206,11 +233,53 @@ class Generator:
             completions[row.index].append(completion_output(self.tokenizer, row, toks, finish[r], matches.get(r), lp))
         results = [GenerationResult(encoded[i], outs) for i, outs in enumerate(completions)]
         timings = GenerationTimings(prefill_s=t1 - t0, decode_s=t2 - t1, new_tokens=int(count[:n].sum()),
-                                    steps=int(count[:n].max()))
+                                    steps=int(count[:n].max()),
+                                    speculative=None if speculative is None else self._spec_stats(speculative, carry, n))
         output = GenerationOutput(results, timings, {"rows": batch, "prompt": width, "steps": steps})
         if interrupted.is_set():
             raise GenerationInterrupted(output)
         return output
+
+    def _prefill_plain(self, *, ids, mask, max_len, inputs, batch, n, steps, pad_id, seen, logprobs_k, filters):
+        logits, state = self.model.prefill(ids, mask, max_len=max_len)
+        logits.block_until_ready()
+        with self.model.placement.context():
+            return init_loop_state(state, logits, self.model.placement.put_rows(np.arange(batch) >= n),
+                                   max_steps=steps, pad_id=pad_id, seen=seen, logprobs_k=logprobs_k)
+
+    def _prefill_speculative(self, spec: SpeculativeConfig, *, ids, mask, max_len, inputs, batch, n, steps, width,
+                             pad_id, seen, logprobs_k, filters):
+        """Prefill, the first token and the first drafts: (carry, draft source). The cache gets two
+        windows of scratch slots past max_len: a verify window and the draft chain after it."""
+        model = self.model
+        scratch = 2 * spec.window
+        source, extra = prepare(spec, model.config, batch=batch, rows=n, prompt_width=width, max_tokens=steps,
+                                capacity=max_len + scratch, dtype=model.dtype)
+        put = model.placement.put_rows
+        state = model.init_state(batch, max_len, scratch=scratch)
+        with model.placement.context():
+            if source.needs_hidden:
+                logits, hidden, state = model.steps.prefill_hidden(model.params, put(ids), put(mask), state)
+            else:
+                logits, state = model.steps.prefill(model.params, put(ids), put(mask), state, fresh=True,
+                                                    all_logits=False)
+                hidden = None
+            carry = self.compiled_spec_init(model.params, source=source, logits_BV=logits, hidden_BTD=hidden,
+                                            state=state, ids_BT=put(ids), valid_BT=put(mask.astype(bool)),
+                                            extra=jax.tree.map(lambda x: put(x) if np.ndim(x) else x, extra),
+                                            inputs=inputs, done_B=put(np.arange(batch) >= n), max_tokens=steps,
+                                            pad_id=pad_id, logprobs_k=logprobs_k, filters=filters)
+        carry.count.block_until_ready()
+        return carry, source
+
+    @staticmethod
+    def _spec_stats(spec: SpeculativeConfig, carry, n: int) -> SpeculativeStats:
+        steps, accepted_at = jax.device_get((carry.stats.steps, carry.stats.accepted_at))
+        total = int(steps[:n].sum())
+        per_position = accepted_at[:n].sum(axis=0)
+        return SpeculativeStats(method=spec.method, num_draft_tokens=spec.num_draft_tokens, steps=total,
+                                accepted=int(per_position.sum()),
+                                acceptance_rate=[float(x) / total if total else float("nan") for x in per_position])
 
     def _match_stops(self, carry: LoopState, rows: list[Row], matches: dict[int, StopMatch],
                      adapter: StreamAdapter | None) -> LoopState:

@@ -16,7 +16,7 @@ from k3jax.layers.attn_res import AttnResPoint
 from k3jax.layers.linear import Embedding, Linear
 from k3jax.layers.norms import RMSNorm
 from k3jax.mtp import MTPLayer
-from k3jax.state import DecodeState, SeqInfo
+from k3jax.state import DecodeState, KDAPending, SeqInfo
 
 
 class KimiModel(nnx.Module):
@@ -112,6 +112,14 @@ class KimiForCausalLM(nnx.Module):
         """Pre-norm hidden [..., D] -> logits [..., Vocab] fp32 (final norm, then LM head)."""
         with jax.named_scope("lm_head"):
             return self.lm_head(self.model.norm(hidden_BTD), out_dtype=jnp.float32)
+
+    def commit(self, state: DecodeState, start_B: jax.Array, keep_B: jax.Array) -> DecodeState:
+        """The state after keeping the first keep_B[b] tokens (0..Q) of a tentative window that
+        started at start_B[b]: KDA layers replay them (`KimiDeltaAttention.commit`), MLA caches keep
+        their slots and roll back by length."""
+        layers = tuple(self.model.layers[i].self_attn.commit(s, keep_B) if isinstance(s, KDAPending) else s
+                       for i, s in enumerate(state.layers))
+        return DecodeState(layers=layers, lengths=(start_B + keep_B).astype(jnp.int32))
 
     def mtp_embedding(self) -> jax.Array:
         """The table the MTP layers embed with: their own when the checkpoint has one, else the model's."""

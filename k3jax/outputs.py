@@ -46,11 +46,30 @@ class GenerationResult:
 
 
 @dataclass
+class SpeculativeStats:
+    """Speculative decoding over one call. steps: verify steps summed over completions. accepted:
+    drafts accepted. acceptance_rate: per draft position i, the fraction of steps that accepted
+    draft i (and so every draft before it)."""
+
+    method: str
+    num_draft_tokens: int
+    steps: int
+    accepted: int
+    acceptance_rate: list[float]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens produced per verify step (accepted drafts plus the target's own token)."""
+        return 1.0 + self.accepted / self.steps if self.steps else float("nan")
+
+
+@dataclass
 class GenerationTimings:
     prefill_s: float
     decode_s: float
     new_tokens: int
     steps: int
+    speculative: SpeculativeStats | None = None
 
     @property
     def tokens_per_s(self) -> float:

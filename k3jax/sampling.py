@@ -162,13 +162,10 @@ def apply_penalties(logits_BV: jax.Array, params: SamplerInputs, counts_BV: jax.
     return logits - params.frequency[:, None] * counts - params.presence[:, None] * (counts > 0)
 
 
-def sample(logits_BV: jax.Array, params: SamplerInputs, position_B: jax.Array, *, filters: bool) -> jax.Array:
-    """Picks one token per row. The random stream of a row depends only on (seed, position).
-
-    filters (static): apply top-k / top-p (one sort of the vocabulary); off compiles them away.
-    """
+def sampling_logits(logits_BV: jax.Array, params: SamplerInputs, *, filters: bool) -> jax.Array:
+    """The log-weights a sampled row draws from: logits / temperature, with tokens outside top-k /
+    top-p at -inf (filters, static: one sort of the vocabulary; off compiles it away). fp32 [B, V]."""
     logits = logits_BV.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temp = jnp.where(params.temperature > 0, params.temperature, 1.0)[:, None]
     scaled = logits / temp
     if filters:
@@ -181,7 +178,20 @@ def sample(logits_BV: jax.Array, params: SamplerInputs, position_B: jax.Array, *
         keep &= (before < params.top_p[:, None]) | (rank == 0)
         masked = jnp.where(keep, ranked, -jnp.inf)
         scaled = jnp.full_like(scaled, -jnp.inf).at[jnp.arange(scaled.shape[0])[:, None], order].set(masked)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seed, position_B)
+    return scaled
+
+
+def sampling_keys(params: SamplerInputs, position_B: jax.Array) -> jax.Array:
+    """One PRNG key per row: a function of (seed, position) only."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seed, position_B)
+
+
+def sample(logits_BV: jax.Array, params: SamplerInputs, position_B: jax.Array, *, filters: bool) -> jax.Array:
+    """Picks one token per row: argmax where temperature == 0, else a draw from
+    `sampling_logits`. The random stream of a row depends only on (seed, position)."""
+    greedy = jnp.argmax(logits_BV.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    scaled = sampling_logits(logits_BV, params, filters=filters)
+    keys = sampling_keys(params, position_B)
     drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
     return jnp.where(params.temperature > 0, drawn, greedy)
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
 import jax
 import jax.numpy as jnp
 
@@ -18,6 +19,21 @@ class KDAState:
     recurrent: [B, H, K, V] fp32 delta-rule state (fla layout: keys on rows).
     """
 
+    conv: jax.Array
+    recurrent: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class KDAPending:
+    """A KDA layer after a tentative (speculative verify) call of Q tokens: the state before the
+    call plus what replaying any prefix of the Q tokens needs (`KimiDeltaAttention.commit`).
+
+    inputs: KDADecodeInputs with a token axis (x_qkv [B, Q, 3, H, K], f, beta_logit, z).
+    conv: [B, W-1, 3P] and recurrent: [B, H, K, V] the state before the call.
+    """
+
+    inputs: object
     conv: jax.Array
     recurrent: jax.Array
 
@@ -78,19 +94,23 @@ class SeqInfo:
 
     valid: [B, T] bool, real tokens. pad: [B] int32 left pads per row.
     start: [B] int32 tokens the row had consumed before this call (cache write offset).
+    tentative (static): the tokens are a speculative verify window; KDA layers return a
+    KDAPending (replayable) instead of the advanced state, and MLA slots past the accepted
+    tokens are discarded by the commit's lengths.
     """
 
     valid: jax.Array
     pad: jax.Array
     start: jax.Array
+    tentative: bool = field(default=False, metadata=dict(static=True))
 
     @classmethod
-    def make(cls, valid_BT: jax.Array, start_B: jax.Array | None = None) -> "SeqInfo":
+    def make(cls, valid_BT: jax.Array, start_B: jax.Array | None = None, *, tentative: bool = False) -> "SeqInfo":
         valid_BT = valid_BT.astype(bool)
         pad = (valid_BT.shape[1] - jnp.sum(valid_BT, axis=1)).astype(jnp.int32)
         if start_B is None:
             start_B = jnp.zeros((valid_BT.shape[0],), jnp.int32)
-        return cls(valid=valid_BT, pad=pad, start=start_B.astype(jnp.int32))
+        return cls(valid=valid_BT, pad=pad, start=start_B.astype(jnp.int32), tentative=tentative)
 
     def slot_index(self) -> jax.Array:
         """[B, T] int32 cache slot of each real token (start + t - pad); -1 for padding."""

@@ -40,6 +40,28 @@ def prefill(graphdef, params, tokens_BT, valid_BT, state: DecodeState, *, fresh:
     return model.logits(hidden if all_logits else hidden[:, -1]), state
 
 
+def prefill_hidden(graphdef, params, tokens_BT, valid_BT, state: DecodeState):
+    """A fresh prompt into `state`, keeping what draft models read: (logits [B, Vocab] of the last
+    position, pre-norm hidden [B, T, D] of every position, new state)."""
+    model = nnx.merge(graphdef, params)
+    hidden, state = model(tokens_BT, SeqInfo.make(valid_BT, state.lengths), state, fresh=True)
+    return model.logits(hidden[:, -1]), hidden, state
+
+
+def verify_step(graphdef, params, state: DecodeState, tokens_BQ):
+    """A tentative window of Q tokens per row (speculative verification): (logits [B, Q, Vocab],
+    pre-norm hidden [B, Q, D], pending state). Commit the tokens to keep with `commit_step`."""
+    model = nnx.merge(graphdef, params)
+    seq = SeqInfo.make(jnp.ones(tokens_BQ.shape, bool), state.lengths, tentative=True)
+    hidden, pending = model(tokens_BQ, seq, state, fresh=False)
+    return model.logits(hidden), hidden, pending
+
+
+def commit_step(graphdef, params, pending: DecodeState, start_B, keep_B) -> DecodeState:
+    """The state after the first keep_B[b] tokens of a verify window that started at start_B[b]."""
+    return nnx.merge(graphdef, params).commit(pending, start_B, keep_B)
+
+
 def decode_step(graphdef, params, state: DecodeState, tokens_B) -> tuple[jax.Array, DecodeState]:
     """One token per row: (logits [B, Vocab], new state)."""
     model = nnx.merge(graphdef, params)
@@ -64,6 +86,7 @@ class CompiledSteps:
     logits: Callable
     hidden: Callable
     prefill: Callable
+    prefill_hidden: Callable
     decode: Callable
     mtp: Callable
 
@@ -75,6 +98,7 @@ def compile_steps(graphdef) -> CompiledSteps:
         logits=jax.jit(bind(forward_logits)),
         hidden=jax.jit(bind(forward_hidden)),
         prefill=jax.jit(bind(prefill), static_argnames=("fresh", "all_logits")),
+        prefill_hidden=jax.jit(bind(prefill_hidden)),
         decode=jax.jit(bind(decode_step), donate_argnames=("state",)),
         mtp=jax.jit(bind(mtp_step), static_argnames=("layer",)),
     )

@@ -23,6 +23,18 @@ def test_generate_errors_are_one_line(capsys):
     assert "top_p must be a finite number in (0.0, 1.0], got 0.0" in capsys.readouterr().err
 
 
+def test_speculative_flags(capsys):
+    assert main(["generate", "--model", "tiny-k3", "--prompt", "def f(x):", "--max-tokens", "6", "--speculative", "mtp",
+                 "--num-speculative-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative mtp:" in out and "tokens per verify step" in out
+    assert main(["generate", "--model", "tiny-kimi-linear", "--prompt", "x", "--speculative", "mtp"]) == 2
+    assert "needs MTP layers" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny-k3", "--prompt", "x", "--speculative", "ngram",
+                 "--num-speculative-tokens", "0"]) == 2
+    assert "num_draft_tokens must be an integer in [1, 16], got 0" in capsys.readouterr().err
+
+
 def test_implementation_flags_use_the_option_names(capsys):
     assert main(["generate", "--model", "tiny-kimi-linear", "--prompt", "Hi", "--max-new-tokens", "3",
                  "--kda", "recurrent", "--mla", "naive", "--moe", "dense"]) == 0

@@ -16,8 +16,8 @@ from k3jax.config import KDAConfig
 from k3jax.layers.linear import Linear
 from k3jax.layers.norms import GatedRMSNorm
 from k3jax.layers.params import normal, param, uniform
-from k3jax.state import KDAState, SeqInfo
-from pallas_kernels.kda import KDADecodeInputs, KDADecodeWeights, kda, kda_decode
+from k3jax.state import KDAPending, KDAState, SeqInfo
+from pallas_kernels.kda import KDADecodeInputs, KDADecodeWeights, kda, kda_decode, kda_decode_steps
 from pallas_kernels.kda import forget_gate as gate_from_logits
 from pallas_kernels.kda import l2_normalize
 from pallas_kernels.moe_gmm import SkinnyImpl
@@ -103,7 +103,9 @@ class KimiDeltaAttention(nnx.Module):
         mixed = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
         mixed = jnp.where(valid, mixed, 0).astype(dtype)
         conv_state = (jnp.zeros((b, cfg.conv_size - 1, 3 * p), dtype) if state is None else state.conv)
-        taps = jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
+        taps = self._taps()
+        if state is not None and seq.tentative:
+            return self._verify(x_BTD, mixed, taps, state)
         if t == 1 and state is not None:
             return self._decode_step(x_BTD, mixed, taps, state)
         pre, new_conv = short_conv(mixed, conv_state, taps, seq.pad)
@@ -127,20 +129,54 @@ class KimiDeltaAttention(nnx.Module):
     def _gate_logits(self, x_BTD):
         return self.g_proj(x_BTD) if self.cfg.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x_BTD))
 
+    def _decode_inputs(self, x_BTD, mixed_BTC) -> KDADecodeInputs:
+        """The fused decode step's per-token inputs, with the token axis: x_qkv [B, T, 3, H, K], ..."""
+        cfg = self.cfg
+        b, t, h, k = x_BTD.shape[0], x_BTD.shape[1], cfg.num_heads, cfg.head_dim
+        return KDADecodeInputs(
+            x_qkv=mixed_BTC.reshape(b, t, 3, h, k),
+            f=self.f_b_proj(self.f_a_proj(x_BTD)).reshape(b, t, h, k),
+            beta_logit=self.b_proj(x_BTD),
+            z=self._gate_logits(x_BTD).reshape(b, t, h, k))
+
+    def _decode_weights(self, taps_WC) -> KDADecodeWeights:
+        cfg = self.cfg
+        h, k, w = cfg.num_heads, cfg.head_dim, cfg.conv_size
+        return KDADecodeWeights(
+            conv_w=taps_WC.reshape(w, 3, h, k), dt_bias=self.dt_bias[...].reshape(h, k),
+            a=jnp.broadcast_to(decay_rates(self.A_log[...], cfg), (h, k)), o_norm_w=self.o_norm.weight[...],
+            lower_bound=cfg.gate_lower_bound, norm_eps=cfg.norm_eps, scale=k ** -0.5)
+
+    def _taps(self) -> jax.Array:
+        return jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
+
     def _decode_step(self, x_BTD, mixed_BTC, taps_WC, state: KDAState):
         """One token per row through the fused decode step (`kda_decode`, impl cfg.decode_impl)."""
         cfg = self.cfg
         b, h, k, w = x_BTD.shape[0], cfg.num_heads, cfg.head_dim, cfg.conv_size
-        inputs = KDADecodeInputs(
-            x_qkv=mixed_BTC[:, 0].reshape(b, 3, h, k),
-            f=self.f_b_proj(self.f_a_proj(x_BTD))[:, 0].reshape(b, h, k),
-            beta_logit=self.b_proj(x_BTD)[:, 0],
-            z=self._gate_logits(x_BTD)[:, 0].reshape(b, h, k))
-        weights = KDADecodeWeights(
-            conv_w=taps_WC.reshape(w, 3, h, k), dt_bias=self.dt_bias[...].reshape(h, k),
-            a=jnp.broadcast_to(decay_rates(self.A_log[...], cfg), (h, k)), o_norm_w=self.o_norm.weight[...],
-            lower_bound=cfg.gate_lower_bound, norm_eps=cfg.norm_eps, scale=k ** -0.5)
-        out, conv, s = kda_decode(inputs, weights, state.conv.reshape(b, w - 1, 3, h, k), state.recurrent,
-                                  impl=cfg.decode_impl)
+        inputs = jax.tree.map(lambda a: a[:, 0], self._decode_inputs(x_BTD, mixed_BTC))
+        out, conv, s = kda_decode(inputs, self._decode_weights(taps_WC), state.conv.reshape(b, w - 1, 3, h, k),
+                                  state.recurrent, impl=cfg.decode_impl)
         out = self.o_proj(out.reshape(b, 1, h * k))
         return out, KDAState(conv=conv.reshape(b, w - 1, 3 * h * k), recurrent=s)
+
+    def _verify(self, x_BTD, mixed_BTC, taps_WC, state: KDAState):
+        """A speculative window of T tokens per row: the outputs of T fused decode steps (exactly
+        what decoding them one by one gives) and a KDAPending to commit any prefix of them."""
+        cfg = self.cfg
+        b, t, h, k, w = *x_BTD.shape[:2], cfg.num_heads, cfg.head_dim, cfg.conv_size
+        inputs = self._decode_inputs(x_BTD, mixed_BTC)
+        out, _, _ = kda_decode_steps(inputs, self._decode_weights(taps_WC), state.conv.reshape(b, w - 1, 3, h, k),
+                                     state.recurrent, impl=cfg.decode_impl)
+        out = self.o_proj(out.reshape(b, t, h * k))
+        return out, KDAPending(inputs=inputs, conv=state.conv, recurrent=state.recurrent)
+
+    def commit(self, pending: KDAPending, keep_B: jax.Array) -> KDAState:
+        """The state after the first keep_B[b] tokens of a verify window (0 keeps the old state),
+        replayed through the same fused steps as decoding."""
+        cfg = self.cfg
+        b, h, k, w = pending.conv.shape[0], cfg.num_heads, cfg.head_dim, cfg.conv_size
+        _, conv, s = kda_decode_steps(pending.inputs, self._decode_weights(self._taps()),
+                                      pending.conv.reshape(b, w - 1, 3, h, k), pending.recurrent, keep=keep_B,
+                                      impl=cfg.decode_impl)
+        return KDAState(conv=conv.reshape(b, w - 1, 3 * h * k), recurrent=s)

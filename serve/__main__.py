@@ -1,0 +1,5 @@
+import sys
+
+from serve.server import main
+
+sys.exit(main(prog="python -m serve"))

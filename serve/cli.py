@@ -1,0 +1,19 @@
+"""The `k3jax` console script: k3jax's own commands (generate, convert, verify) plus the serving
+fronts of this package (serve), which k3jax itself must not import."""
+
+from __future__ import annotations
+
+import sys
+
+from k3jax import cli
+from serve import server
+
+COMMANDS = {"serve": ("serve a model over OpenAI's HTTP API", server.main)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(argv, extra_commands=COMMANDS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
