@@ -10,7 +10,7 @@ import os
 import pytest
 
 import k3jax
-from serve import batch
+from serve import batch, cli
 from serve.parts import JobDir, PartWriter
 from serve.requests_file import Defaults, parse_line
 
@@ -156,6 +156,16 @@ def test_an_empty_input_gives_an_empty_output(tmp_path, capsys):
         rc, out = run(tmp_path, lines, output=f"out{len(lines)}.jsonl")
         assert rc == 0 and out.read_bytes() == b""
         assert "0 requests (0 failed)" in capsys.readouterr().err
+
+
+def test_k3jax_run_batch_is_the_job(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_input(tmp_path / "in.jsonl", [])
+    argv = ["run-batch", "--model", MODEL, "--input", "in.jsonl", "--output", "out.jsonl", "--mesh", "data=1", *ENGINE]
+    assert cli.main(argv) == 0 and (tmp_path / "out.jsonl").read_bytes() == b""
+    assert capsys.readouterr().err.startswith("k3jax run-batch: 0 requests (0 failed)")
+    assert cli.main([*argv, "--max-slots", "0"]) == 2
+    assert capsys.readouterr().err.startswith("k3jax run-batch: error: --max-slots must be a positive integer")
 
 
 REFUSALS = {  # case: (extra arguments, what the one error line says)
