@@ -66,8 +66,13 @@ def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int, touched: float | Non
 
 
 def add_model_arguments(ap: argparse.ArgumentParser, default: str) -> None:
-    """The options `build` reads."""
+    """The options `build` reads: --model and `add_build_arguments`."""
     ap.add_argument("--model", default=default, help="tiny-k3, tiny-kimi-linear or kimi-linear-48b")
+    add_build_arguments(ap)
+
+
+def add_build_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options `build` reads besides --model: --dtype, --moe, --gmm, --linear, --kernels."""
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--moe", default=None, help="routed-expert implementation (k3jax option 'moe')")
     ap.add_argument("--gmm", default=None, help="grouped matmul implementation (k3jax option 'gmm')")

@@ -194,7 +194,8 @@ class Engine:
         if not take:
             return
         k = _pow2(len(take))
-        width = next(b for b in PROMPT_BUCKETS + (self.config.max_len,) if b >= max(len(r.prompt_ids) for r in take))
+        longest, max_len = max(len(r.prompt_ids) for r in take), self.config.max_len
+        width = min(next((b for b in PROMPT_BUCKETS if b >= longest), max_len), max_len)  # add() kept longest <= max_len
         ids = np.full((k, width), self.pad_id, np.int32)
         mask = np.zeros((k, width), np.int32)
         for j, row in enumerate(take):

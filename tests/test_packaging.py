@@ -1,5 +1,5 @@
 """Packaging: every third-party import of the packages is a declared dependency, and the built
-wheel installs into a clean virtual environment and runs the CLI."""
+wheel installs into a clean virtual environment and runs the CLI and the batch job."""
 
 from __future__ import annotations
 
@@ -58,3 +58,7 @@ def test_wheel_installs_into_a_clean_venv_and_runs(tmp_path):
     assert version.returncode == 0 and version.stdout.startswith("k3jax "), version.stderr[-2000:]
     out = run(str(cli), "generate", "--model", "tiny-kimi-linear", "--prompt", "Hi", "--chat", "--max-tokens", "3")
     assert out.returncode == 0 and "--- prompt 0" in out.stdout, out.stderr[-2000:]
+    (tmp_path / "empty.jsonl").write_text("")
+    job = run(str(tmp_path / "venv" / "bin" / "python"), "-m", "serve.batch", "--model", "tiny-kimi-linear",
+              "--input", "empty.jsonl", "--output", "out.jsonl")
+    assert job.returncode == 0 and (tmp_path / "out.jsonl").read_text() == "", job.stderr[-2000:]

@@ -73,6 +73,15 @@ def test_slots_are_reused_without_recompiling(model):
     assert (engine._chunk._cache_size(), engine._insert._cache_size(), model.steps.prefill._cache_size()) == sizes
 
 
+def test_a_prompt_whose_bucket_exceeds_max_len(model):
+    """max_len 100 is no prompt bucket: a 70-token prompt is prefilled at width 100, not 128."""
+    engine = Engine(model, EngineConfig(max_slots=2, max_len=100, chunk_steps=4))
+    prompt, sp = list(range(5, 75)), k3jax.SamplingParams(max_tokens=30, ignore_eos=True)
+    engine.add("a", prompt, sp)
+    results, _ = run_all(engine)
+    assert results["a"].token_ids == k3jax.Generator(model).generate([prompt], sp)[0].token_ids
+
+
 def test_bad_requests_are_refused_on_the_way_in(model):
     engine = Engine(model, EngineConfig(max_slots=2, max_len=32))
     engine.add("a", [5, 6], k3jax.SamplingParams(max_tokens=4))
