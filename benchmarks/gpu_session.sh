@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests moe moe-sweep gemv decode decode-before kda mla speculative speculative-tests speculative-verify server-load)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests moe moe-sweep gemv decode decode-before kda mla speculative speculative-tests speculative-verify server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -58,6 +58,10 @@ for step in "$@"; do
     speculative-verify) OUT=$W timeout 180 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --batch 1 8 64 --q 1 2 4 8 --verify-only --name speculative_verify \
               2>&1 | quiet | tee "$W/speculative_verify.log" ;;
+    batch-job) OUT=$W timeout 240 python3 benchmarks/batch_job.py --model kimi-linear-48b --dtype bfloat16 \
+              --kernels pallas --moe auto --requests 1024 --slots 64 --prompt-min 65 --prompt-max 128 --output-min 16 \
+              --output-median 32 --output-max 128 --chunk-steps 16 --warmup-threads 8 --time-limit 220 2>&1 | quiet \
+              | tee "$W/batch_job.log" ;;
     *) echo "unknown step $step" ;;
   esac
   echo "== step $step took $(( $(date +%s) - start )) s" | tee -a "$W/steps.txt"
