@@ -70,6 +70,7 @@ class EngineService:
         self._ids = itertools.count()
         self._stop = False
         self._counts = (0, 0)  # (running, waiting in the engine), written by the engine thread after each step
+        self._live = 0  # requests accepted by submit and not ended yet (under self._wake)
         self.ttft, self.tpot = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)
         self.finished = collections.Counter()
         self.generated_tokens = 0
@@ -85,6 +86,7 @@ class EngineService:
         with self._wake:
             if self.num_waiting >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting")
+            self._live += 1
             pending = _Pending(request_id, prompt_ids, sampling, asyncio.get_running_loop(), asyncio.Queue())
             self._inbox.append(pending)
             self._wake.notify()
@@ -107,8 +109,13 @@ class EngineService:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not decoding yet: queued here or waiting in the engine (as of its last step)."""
-        return self._counts[1] + len(self._inbox)
+        """Requests not decoding yet: every accepted request that has not ended, less those decoding
+        as of the engine's last step (a request handed to the engine since then counts as waiting)."""
+        return max(0, self._live - self._counts[0])
+
+    def _ended(self, n: int = 1) -> None:
+        with self._wake:
+            self._live -= n
 
     # ----- the engine thread -----
     def _run(self) -> None:
@@ -126,10 +133,12 @@ class EngineService:
                     self._pending[pending.request_id] = pending
                 except Exception as e:  # noqa: BLE001 - the request fails, the server goes on
                     self._deliver(pending, e)
+                    self._ended()
             for request_id in cancels:
                 if self._pending.pop(request_id, None) is not None:
                     self.engine.abort(request_id)
                     self.finished["cancelled"] += 1
+                    self._ended()
             try:
                 updates = self.engine.step()
             except Exception as e:  # noqa: BLE001 - fail every running request, keep serving
@@ -137,6 +146,7 @@ class EngineService:
                 for pending in list(self._pending.values()):
                     self.engine.abort(pending.request_id)
                     self._deliver(pending, e)
+                self._ended(len(self._pending))
                 self._pending.clear()
                 continue
             self._counts = (self.engine.num_running, self.engine.num_waiting)
@@ -153,6 +163,7 @@ class EngineService:
                 pending.tokens += new
                 if update.result is not None:
                     del self._pending[update.request_id]
+                    self._ended()
                     self.finished[update.result.finish_reason] += 1
                     if pending.first_token is not None and pending.tokens > 1:
                         self.tpot.observe((now - pending.first_token) / (pending.tokens - 1))
