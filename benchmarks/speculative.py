@@ -35,35 +35,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 import k3jax  # noqa: E402
 from benchmarks.common import environment, median_time, table, write  # noqa: E402
 from benchmarks.common import HBM_ACHIEVABLE  # noqa: E402
 from benchmarks.decode import add_model_arguments, build, step_bytes  # noqa: E402
 from k3jax.steps import commit_step, decode_step, verify_step  # noqa: E402
+from k3jax.synthetic import plant_greedy_chain  # noqa: E402
 
 
 def verify_and_commit(graphdef, params, state, tokens_BQ):
     logits, _, pending = verify_step(graphdef, params, state, tokens_BQ)
     b, q = tokens_BQ.shape
     return logits, commit_step(graphdef, params, pending, state.lengths, jnp.full((b,), q, jnp.int32))
-
-
-def plant_greedy_chain(model, *, seed: int = 0, embed_std: float = 1.0):
-    """The model with a planted greedy chain: embeddings ~ N(0, embed_std^2) (they dominate the
-    residual stream) and unembedding column perm[t] = embedding t / |embedding t|, so greedy
-    decoding after token t picks perm[t] by a wide margin. Returns (model, perm [V])."""
-    module = nnx.clone(model.module)  # the given model keeps its weights
-    emb, head = module.model.embed_tokens.embedding, module.lm_head.kernel
-    v, d = emb.shape
-    key = jax.random.key(seed)
-    e = jax.random.normal(key, (v, d), jnp.float32) * embed_std
-    perm = jax.random.permutation(jax.random.fold_in(key, 1), v)
-    unit = e / jnp.linalg.norm(e, axis=1, keepdims=True)
-    emb[...] = e.astype(emb.dtype)
-    head[...] = jnp.zeros((d, v), head.dtype).at[:, perm].set(unit.T.astype(head.dtype))
-    return k3jax.CausalLM(module, tokenizer=model.tokenizer), np.asarray(perm)
 
 
 def verify_rows(model, batches, qs, prompt_len, iters, on_row=lambda rows: None) -> list[dict]:

@@ -41,6 +41,10 @@ def _generate(args: argparse.Namespace) -> int:
                                         stop=tuple(args.stop or ()), repetition_penalty=args.repetition_penalty,
                                         presence_penalty=args.presence_penalty,
                                         frequency_penalty=args.frequency_penalty)
+        if args.speculative is None and args.num_speculative_tokens is not None:
+            raise ValueError("--num-speculative-tokens needs --speculative mtp|ngram")
+        drafts = 3 if args.num_speculative_tokens is None else args.num_speculative_tokens
+        speculative = None if args.speculative is None else SpeculativeConfig.parse(args.speculative, drafts)
         model = k3jax.load_model(args.model, dtype=args.dtype, **impl_choices(args))
         if model.tokenizer is None:
             raise ValueError(f"{args.model} has no tiktoken.model, so text prompts cannot be encoded")
@@ -55,8 +59,6 @@ def _generate(args: argparse.Namespace) -> int:
             def stream(chunk):
                 prefix = f"[{chunk.index}] " if len(prompts) > 1 else ""
                 print(prefix + (chunk.text or ""), end="" if len(prompts) == 1 else "\n", flush=True)
-        speculative = (None if args.speculative is None
-                       else SpeculativeConfig.parse(args.speculative, args.num_speculative_tokens))
         out = k3jax.generate(model, prompts, sampling, stream=stream, chat_options=chat_options,
                              speculative=speculative)
     except (ValueError, OSError) as e:
@@ -129,7 +131,8 @@ def build_parser(extra_commands: dict | None = None) -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.add_argument("--speculative", choices=["mtp", "ngram"], default=None,
                      help="speculative decoding with drafts from the model's MTP layer or prompt lookup")
-    gen.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts verified per step (default 3)")
+    gen.add_argument("--num-speculative-tokens", type=int, default=None,
+                     help="drafts verified per step (default 3; needs --speculative)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     add_impl_arguments(gen)
     gen.set_defaults(func=_generate)

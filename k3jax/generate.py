@@ -122,8 +122,10 @@ class Generator:
           stream: called with StreamChunk(s) of new tokens every `stream_every` decode steps.
           chat_options: renderer options (K3: thinking, thinking_effort, tools, ...).
           speculative: decode with drafts verified q = k + 1 tokens at a time (SpeculativeConfig);
-            greedy output is identical to decoding without it, sampled output keeps the
-            distribution. Statistics land in `timings.speculative`.
+            greedy output equals decoding without it token for token in exact arithmetic (tested
+            in fp32; in bf16 a near-tie between the top logits can resolve the other way, since a
+            q-token window sums in another order than q one-token steps), sampled output keeps
+            the distribution. Statistics land in `timings.speculative`.
         Returns:
           GenerationOutput: one GenerationResult per prompt, each with SamplingParams.n completions.
         Raises:

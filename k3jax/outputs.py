@@ -48,7 +48,8 @@ class GenerationResult:
 @dataclass
 class SpeculativeStats:
     """Speculative decoding over one call. steps: verify steps summed over completions. accepted:
-    drafts accepted. acceptance_rate: per draft position i, the fraction of steps that accepted
+    drafts accepted that reached the output (a stop token or the length limit inside an accepted
+    run cuts the rest). acceptance_rate: per draft position i, the fraction of steps that kept
     draft i (and so every draft before it)."""
 
     method: str

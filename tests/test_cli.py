@@ -33,6 +33,8 @@ def test_speculative_flags(capsys):
     assert main(["generate", "--model", "tiny-k3", "--prompt", "x", "--speculative", "ngram",
                  "--num-speculative-tokens", "0"]) == 2
     assert "num_draft_tokens must be an integer in [1, 16], got 0" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny-k3", "--prompt", "x", "--num-speculative-tokens", "2"]) == 2
+    assert "--num-speculative-tokens needs --speculative" in capsys.readouterr().err
 
 
 def test_implementation_flags_use_the_option_names(capsys):

@@ -28,7 +28,8 @@ from k3jax.steps import commit_step, verify_step
 @dataclass
 class SpecStats:
     """steps: [B] verify steps each row took part in. accepted_at: [B, K] how often the draft at
-    window position i was accepted."""
+    window position i was accepted and reached the output (a stop token or the length limit inside
+    an accepted run cuts it)."""
 
     steps: jax.Array
     accepted_at: jax.Array
@@ -124,6 +125,7 @@ def spec_decode_chunk(graphdef, params, source, carry: SpecLoopState, inputs: Lo
             first_stop = jnp.min(jnp.where(stops, j, k + 1), axis=1)
             emitted = jnp.minimum(jnp.minimum(accepted + 1, first_stop + 1), inputs.max_new - c.count)
             emitted = jnp.where(live, emitted, 0)
+            kept_drafts = jnp.maximum(emitted - 1, 0)  # accepted drafts that reach the output
             stopped = live & (first_stop < emitted)
             at_limit = live & ~stopped & (c.count + emitted >= inputs.max_new)
             slots = jnp.where(j < emitted[:, None], c.count[:, None] + j, width)
@@ -137,7 +139,7 @@ def spec_decode_chunk(graphdef, params, source, carry: SpecLoopState, inputs: Lo
         with jax.named_scope("draft"):
             drafts, source_state = source.next(graphdef, params, c.source, outcome)
         stats = SpecStats(steps=c.stats.steps + live.astype(jnp.int32),
-                          accepted_at=c.stats.accepted_at + (live[:, None] & (j[:, :k] < accepted[:, None])))
+                          accepted_at=c.stats.accepted_at + (live[:, None] & (j[:, :k] < kept_drafts[:, None])))
         finish = jnp.where(stopped, STOPPED, jnp.where(at_limit, LENGTH, c.finish))
         return SpecLoopState(state=state, pending=jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0],
                              drafts=drafts, source=source_state, tokens=tokens, count=count,

@@ -22,6 +22,11 @@ from k3jax.state import SeqInfo
 
 @dataclass(frozen=True)
 class MTPDrafts:
+    """The model's MTP layer as the draft source: k drafts per step, each from the MTP output of the
+    position before it (a chain). Source state: the MTP layer's own latent cache (MLACache
+    [B, S, R + P]), written at the target's positions, so it rolls back with the target by length.
+    init -> (drafts [B, k], cache); next -> (drafts [B, k], cache)."""
+
     k: int
 
     needs_hidden = True
@@ -44,7 +49,7 @@ class MTPDrafts:
         """cache: the MTP layer's empty latent cache (MLACache)."""
         model = nnx.merge(graphdef, params)
         mtp = model.mtp[0]
-        b, w = prompt.ids.shape
+        w = prompt.ids.shape[1]
         length = jnp.sum(prompt.valid, axis=1).astype(jnp.int32)
         following = jnp.concatenate([prompt.ids[:, 1:], prompt.first[:, None]], axis=1)
         positions = jnp.maximum(jnp.arange(w)[None, :] - (w - length)[:, None], 0)

@@ -26,6 +26,9 @@ class Recording:
 
 @dataclass(frozen=True)
 class ReplayDrafts:
+    """Drafts read from a Recording at the row's generated count. Source state: the Recording.
+    init -> (drafts [B, k], recording); next -> (drafts [B, k], recording)."""
+
     k: int
     vocab_size: int
 

@@ -20,6 +20,7 @@ from k3jax.speculative.context import PromptView, VerifyOutcome
 from k3jax.speculative.mtp_drafts import MTPDrafts
 from k3jax.speculative.ngram import lookup
 from k3jax.state import MLACache
+from k3jax.synthetic import plant_greedy_chain
 
 VOCAB = 512
 
@@ -67,11 +68,28 @@ def test_greedy_output_equals_plain_decoding(gen, prompts, plain, spec):
     stats = out.timings.speculative
     assert stats.method == spec.method and stats.num_draft_tokens == 3 and len(stats.acceptance_rate) == 3
     after_prefill = sum(len(t) for t in _tokens(out)) - len(prompts)  # the first token comes from the prefill
-    # Each step emits its accepted drafts and one token of the target's, except where the length
-    # limit cuts an accepted run (at most k drafts per row lost there).
-    assert stats.steps <= after_prefill <= stats.steps + stats.accepted <= after_prefill + 3 * len(prompts)
+    # Each step emits the drafts it kept and one token of the target's (statistics count only the
+    # drafts that reach the output, so a run the length limit cuts counts what it emitted).
+    assert after_prefill == stats.steps + stats.accepted
     if spec.method == "replay":
         assert 0 < stats.accepted < 3 * stats.steps
+
+
+def test_prompt_lookup_drafts_are_accepted_on_a_planted_chain(model):
+    """Prompt lookup finds the continuation in the prompt: drafts are accepted, output unchanged."""
+    planted, perm = plant_greedy_chain(model, seed=5)
+    chain = [17]
+    for _ in range(11):
+        chain.append(int(perm[chain[-1]]))
+    prompt = chain[:10] + chain[:2]          # the text after the last two tokens is in the prompt
+    gen = k3jax.Generator(planted)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    plain = gen.generate([prompt], params)
+    assert _tokens(plain)[0][:8] == chain[2:10]  # the planted chain is what greedy decoding follows
+    out = gen.generate([prompt], params, speculative=SpeculativeConfig("ngram", 3))
+    assert _tokens(out) == _tokens(plain)
+    stats = out.timings.speculative
+    assert stats.accepted >= 6 and stats.acceptance_rate[0] > 0.5, stats
 
 
 def test_accept_all_with_the_limit_and_a_stop_token_inside_an_accepted_run(gen, prompts, plain):
@@ -86,9 +104,13 @@ def test_accept_all_with_the_limit_and_a_stop_token_inside_an_accepted_run(gen, 
     assert _tokens(out) == _tokens(reference)
     assert _finishes(out) == _finishes(reference) == ["stop", "length", "length"]
     assert len(_tokens(out)[1]) == 7
+    # Every draft is accepted, but only drafts that reach the output count: rows 0 and 1 end inside
+    # their second run (the stop token, the limit: 1 + 4 + 2 tokens) keeping one of its drafts;
+    # row 2 takes 4 full steps (1 + 4 * 4 = 17). 8 steps, drafts kept at positions 0/1/2: 8/6/6.
     stats = out.timings.speculative
-    assert stats.acceptance_rate == [1.0, 1.0, 1.0]
-    assert stats.mean_accepted_length == 4.0
+    assert stats.steps == 8 and stats.accepted == 20
+    assert stats.acceptance_rate == [1.0, 0.75, 0.75]
+    assert stats.mean_accepted_length == 3.5
 
 
 def test_every_draft_rejected_at_position_zero(gen, prompts, plain):
@@ -269,3 +291,8 @@ def test_bad_speculative_settings_are_named(gen, prompts):
         SpeculativeConfig("replay")
     with pytest.raises(ValueError, match="must be a SpeculativeConfig"):
         gen.generate(prompts[0], SamplingParams(max_tokens=4), speculative="ngram")
+    with pytest.raises(ValueError, match="replay_error_rate must be a number in"):
+        SpeculativeConfig("replay", replay_tokens=[[1]], replay_error_rate="0.5")
+    with pytest.raises(ValueError, match="replay_tokens row 0 must hold non-negative integer token ids"):
+        SpeculativeConfig("replay", replay_tokens=[[1, -2]])
+    assert SpeculativeConfig("ngram", num_draft_tokens=np.int64(2)).num_draft_tokens == 2
