@@ -14,6 +14,8 @@ from k3jax.config import IMPL_OPTIONS
 from k3jax.generate import GenerationInterrupted
 from k3jax.speculative import SpeculativeConfig
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 def add_impl_arguments(parser: argparse.ArgumentParser) -> None:
     """--kda, --kda-decode, --mla, --moe, --gmm, --attn-res: the implementation options, named as in
@@ -103,7 +105,7 @@ def build_parser(extra_commands: dict | None = None) -> argparse.ArgumentParser:
                                             "  k3jax convert /data/Kimi-Linear-48B-A3B /data/kl-k3jax --workers 8\n"
                                             "  k3jax --version")
     parser.add_argument("--version", action="version", version=f"k3jax {k3jax.__version__}")
-    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+    parser.add_argument("--log-level", default="warning", choices=LOG_LEVELS,
                         help="logging level of the k3jax logger (default: warning)")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -151,10 +153,22 @@ def main(argv: list[str] | None = None, extra_commands: dict | None = None) -> i
         argv = sys.argv[1:]
     commands = {"convert": convert_main, "verify": verify_main,
                 **{name: run for name, (_, run) in (extra_commands or {}).items()}}
-    if argv and argv[0] in commands:
-        return commands[argv[0]](argv[1:], prog=f"k3jax {argv[0]}")
-    args = build_parser(extra_commands).parse_args(argv)
+    parser = build_parser(extra_commands)
+    level = parser.get_default("log_level")
+    if argv and argv[0].startswith("--log-level"):  # the global option before a delegated command
+        if "=" in argv[0]:
+            given, rest = argv[0].split("=", 1)[1], argv[1:]
+        else:
+            given, rest = (argv[1] if len(argv) > 1 else ""), argv[2:]
+        if rest and rest[0] in commands:
+            if given not in LOG_LEVELS:
+                parser.error(f"argument --log-level: invalid choice: {given!r} (choose from {', '.join(LOG_LEVELS)})")
+            level, argv = given, rest
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    if argv and argv[0] in commands:
+        logging.getLogger("k3jax").setLevel(level.upper())
+        return commands[argv[0]](argv[1:], prog=f"k3jax {argv[0]}")
+    args = parser.parse_args(argv)
     logging.getLogger("k3jax").setLevel(args.log_level.upper())
     return args.func(args)
 

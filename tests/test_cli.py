@@ -63,3 +63,20 @@ def test_every_help_has_examples(capsys, command):
         main(command + ["--help"])
     assert exit_info.value.code == 0
     assert "examples:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", [["--log-level", "info"], ["--log-level=info"]])
+def test_the_log_level_reaches_delegated_commands(tmp_path, capsys, flag):
+    import logging
+
+    logger = logging.getLogger("k3jax")
+    before = logger.level
+    try:
+        assert main([*flag, "verify", str(tmp_path / "missing")]) == 1   # verification failed: no manifest
+        assert logger.level == logging.INFO
+        assert "k3jax verify: error:" in capsys.readouterr().err
+    finally:
+        logger.setLevel(before)
+    with pytest.raises(SystemExit):
+        main(["--log-level", "loud", "verify", str(tmp_path)])
+    assert "invalid choice: 'loud'" in capsys.readouterr().err
