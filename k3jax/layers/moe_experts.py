@@ -96,7 +96,7 @@ def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF
         global id of this shard's first expert.
     """
     if impl == "auto":  # the kernel reads touched experts only; without it gather does, for few tokens
-        small = x_ND.shape[0] <= GATHER_MAX_TOKENS and resolve_gmm_impl(gmm) != "pallas"
+        small = x_ND.shape[0] <= GATHER_MAX_TOKENS and resolve_gmm_impl(gmm, *w1_EDF.shape[1:]) != "pallas"
         impl = "gather" if small else "ragged"
     args = (x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
     if impl == "ragged":

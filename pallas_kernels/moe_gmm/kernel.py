@@ -61,11 +61,24 @@ def _kernel(sched_ref, lhs_ref, *refs, bm, bn, bk, k_dim, spec, scaled):
                   mask=jnp.broadcast_to(row_mask[:, None], (bm, bn)))
 
 
+def _largest_block(dim: int, block: int) -> int | None:
+    """The largest power of two in [16, block] dividing dim (None when dim is not a multiple of 16)."""
+    b = block
+    while b >= 16 and dim % b:
+        b //= 2
+    return b if b >= 16 else None
+
+
+def tiles(k_dim: int, n_dim: int) -> bool:
+    """Whether the kernel can run a [K] x [K, N] weight: both sides multiples of 16."""
+    return k_dim % 16 == 0 and n_dim % 16 == 0
+
+
 def _blocks_for(k_dim: int, n_dim: int, blocks: TileBlocks) -> tuple[int, int]:
-    bn, bk = min(blocks.block_n, n_dim), min(blocks.block_k, k_dim)
-    if not (is_pow2(bn) and is_pow2(bk) and bn >= 16 and bk >= 16 and n_dim % bn == 0 and k_dim % bk == 0):
-        raise ValueError(f"grouped matmul (pallas): K={k_dim} and N={n_dim} must be multiples of power-of-two "
-                         f"blocks >= 16 (block_k={blocks.block_k}, block_n={blocks.block_n})")
+    bn, bk = _largest_block(n_dim, blocks.block_n), _largest_block(k_dim, blocks.block_k)
+    if not (is_pow2(blocks.block_n) and is_pow2(blocks.block_k)) or bn is None or bk is None:
+        raise ValueError(f"grouped matmul (pallas): K={k_dim} and N={n_dim} must be multiples of 16 and the "
+                         f"blocks powers of two (block_k={blocks.block_k}, block_n={blocks.block_n})")
     return bn, bk
 
 

@@ -21,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
-from pallas_kernels.moe_gmm.kernel import grouped_glu_pallas, grouped_matmul_pallas
+from pallas_kernels.moe_gmm.kernel import grouped_glu_pallas, grouped_matmul_pallas, tiles
 from pallas_kernels.moe_gmm.reference import grouped_glu_reference, grouped_matmul_reference
 from pallas_kernels.moe_gmm.tuning import GmmBlocks, TileBlocks
 
@@ -36,10 +36,12 @@ SKINNY_IMPLS: tuple[str, ...] = get_args(SkinnyImpl)
 SKINNY_MAX_ROWS = 16
 
 
-def resolve_gmm_impl(impl: GmmImpl) -> str:
-    """"auto" -> "pallas" on a GPU backend, "xla" elsewhere; other names unchanged."""
+def resolve_gmm_impl(impl: GmmImpl, k_dim: int | None = None, n_dim: int | None = None) -> str:
+    """"auto" -> "pallas" on a GPU backend when the weight's sides [K, N] (if given) tile, else "xla";
+    other names unchanged."""
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        fits = k_dim is None or n_dim is None or tiles(k_dim, n_dim)
+        return "pallas" if jax.default_backend() == "gpu" and fits else "xla"
     if impl not in GMM_IMPLS:
         raise ValueError(f"grouped_matmul: unknown impl {impl!r}; expected one of {GMM_IMPLS}")
     return impl
@@ -78,7 +80,7 @@ def grouped_matmul(lhs, rhs, group_sizes, row_scale=None, *, impl: GmmImpl = "au
       [M, N] in lhs's dtype (fp32 with row_scale).
     """
     _check(lhs, rhs, group_sizes)
-    impl = resolve_gmm_impl(impl)
+    impl = resolve_gmm_impl(impl, *rhs.shape[1:])
     if impl == "pallas":
         return grouped_matmul_pallas(lhs, rhs, group_sizes, row_scale)
     out = grouped_matmul_reference(lhs, rhs, group_sizes) if impl == "xla" else _mgpu(lhs, rhs, group_sizes, blocks)
@@ -121,7 +123,7 @@ def grouped_glu(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), im
     """act(lhs[r] @ w_gate[g(r)], lhs[r] @ w_up[g(r)]) for rows sorted by group: the gated first
     half of an expert MLP. Shapes as `grouped_matmul` with w_gate, w_up [G, K, F]; -> [M, F]."""
     _check(lhs, w_gate, group_sizes)
-    impl = resolve_gmm_impl(impl)
+    impl = resolve_gmm_impl(impl, *w_gate.shape[1:])
     if impl == "pallas":
         return grouped_glu_pallas(lhs, w_gate, w_up, group_sizes, spec=spec)
     if impl == "xla":
