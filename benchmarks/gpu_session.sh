@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests moe moe-sweep gemv decode decode-before kda mla speculative speculative-tests speculative-verify server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests moe moe-sweep gemv decode decode-fast decode-before checkpoint-read kda mla speculative speculative-tests speculative-verify server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -28,6 +28,11 @@ for step in "$@"; do
     decode) OUT=$W timeout 420 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --batch 1 64 --new-tokens 32 --profile --prefill 1x8192 64x1024 --name decode_after 2>&1 \
               | quiet | tee "$W/decode.log" ;;
+    decode-fast) OUT=$W timeout 360 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
+              --moe auto --batch 1 64 --new-tokens 32 --profile --name decode_fast 2>&1 | quiet | tee "$W/decode.log" ;;
+    skinny-tests) K3JAX_TEST_DEVICE=gpu timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+              tests/pallas_kernels/test_skinny.py 2>&1 | quiet | tail -8 | tee "$W/skinny_tests.log" ;;
+    checkpoint-read) OUT=$W timeout 200 python3 benchmarks/checkpoint_read.py 2>&1 | quiet | tee "$W/checkpoint_read.log" ;;
     decode-xla-linear) OUT=$W timeout 240 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --linear xla --batch 1 --new-tokens 32 --name decode_xla_linear 2>&1 | quiet \
               | tail -6 | tee "$W/decode_xla_linear.log" ;;

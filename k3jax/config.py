@@ -16,7 +16,8 @@ from k3jax.layers.attn_res import ATTN_RES_IMPLS, AttnResImpl
 from k3jax.layers.mla_attention import MLA_DECODE_IMPLS, MLA_PREFILL_IMPLS, MLADecodeImpl, MLAPrefillImpl
 from k3jax.layers.moe_experts import EXPERT_IMPLS, ExpertImpl
 from pallas_kernels.kda import KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl
-from pallas_kernels.moe_gmm import GMM_IMPLS, SKINNY_IMPLS, GmmImpl, SkinnyImpl
+from pallas_kernels.moe_gmm import GMM_IMPLS, GmmImpl
+from pallas_kernels.skinny import SKINNY_IMPLS, SkinnyImpl
 
 __all__ = ["Activation", "AttnResConfig", "ConfigError", "ExpertParallel", "KDAConfig", "MLAConfig", "MLPConfig",
            "ModelConfig", "MoEConfig", "IMPL_OPTIONS", "kimi_linear_48b_a3b", "tiny_k3", "tiny_kimi_linear"]
@@ -230,7 +231,7 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
     model_type: str = "kimi_linear"
-    linear_impl: SkinnyImpl = "auto"  # projections of few rows (pallas_kernels.moe_gmm.SKINNY_IMPLS)
+    linear_impl: SkinnyImpl = "auto"  # projections of few rows (pallas_kernels.skinny.SKINNY_IMPLS)
 
     def __post_init__(self):
         require_positive(self.vocab_size, "vocab_size")

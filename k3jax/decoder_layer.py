@@ -16,7 +16,7 @@ from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import MoE
 from k3jax.layers.norms import RMSNorm
 from k3jax.state import SeqInfo
-from pallas_kernels.moe_gmm import SkinnyImpl
+from pallas_kernels.skinny import SkinnyImpl
 
 
 class DecoderLayer(nnx.Module):

@@ -13,14 +13,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import KDAConfig
-from k3jax.layers.linear import Linear
+from k3jax.layers.linear import Linear, linears
 from k3jax.layers.norms import GatedRMSNorm
 from k3jax.layers.params import normal, param, uniform
 from k3jax.state import KDAPending, KDAState, SeqInfo
 from pallas_kernels.kda import KDADecodeInputs, KDADecodeWeights, kda, kda_decode, kda_decode_steps
 from pallas_kernels.kda import forget_gate as gate_from_logits
 from pallas_kernels.kda import l2_normalize
-from pallas_kernels.moe_gmm import SkinnyImpl
+from pallas_kernels.skinny import SkinnyImpl
 
 
 def decay_rates(a_log: jax.Array, cfg: KDAConfig) -> jax.Array:
@@ -100,44 +100,54 @@ class KimiDeltaAttention(nnx.Module):
         dtype = x_BTD.dtype
         valid = seq.valid[:, :, None]
 
-        mixed = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
+        mixed, proj = self._projections(x_BTD)
         mixed = jnp.where(valid, mixed, 0).astype(dtype)
         conv_state = (jnp.zeros((b, cfg.conv_size - 1, 3 * p), dtype) if state is None else state.conv)
         taps = self._taps()
         if state is not None and seq.tentative:
-            return self._verify(x_BTD, mixed, taps, state)
+            return self._verify(x_BTD, mixed, proj, taps, state)
         if t == 1 and state is not None:
-            return self._decode_step(x_BTD, mixed, taps, state)
+            return self._decode_step(x_BTD, mixed, proj, taps, state)
         pre, new_conv = short_conv(mixed, conv_state, taps, seq.pad)
         act = jax.nn.silu(pre).astype(dtype)
         q, kk, v = (act[..., i * p:(i + 1) * p].reshape(b, t, h, k) for i in range(3))
 
-        f = self.f_b_proj(self.f_a_proj(x_BTD)).reshape(b, t, h, k)
-        g = forget_gate(f, self.A_log[...], self.dt_bias[...].reshape(h, k), cfg)
+        f_logits, beta_logits, z = proj
+        g = forget_gate(f_logits.reshape(b, t, h, k), self.A_log[...], self.dt_bias[...].reshape(h, k), cfg)
         g = jnp.where(valid[..., None], g, 0.0)
-        beta = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
+        beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
         beta = jnp.where(valid, beta, 0.0)
 
         o, s = kda(l2_normalize(q), l2_normalize(kk), v, g, beta, scale=k ** -0.5,
                    initial_state=None if state is None else state.recurrent,
                    impl=cfg.impl, chunk_size=cfg.chunk_size)
 
-        out = self.o_norm(o, self._gate_logits(x_BTD).reshape(b, t, h, k), dtype).reshape(b, t, p)
+        out = self.o_norm(o, z.reshape(b, t, h, k), dtype).reshape(b, t, p)
         out = self.o_proj(out)
         return out, (None if state is None else KDAState(conv=new_conv, recurrent=s))
 
-    def _gate_logits(self, x_BTD):
-        return self.g_proj(x_BTD) if self.cfg.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x_BTD))
+    def _projections(self, x_BTD):
+        """Every projection of the layer input: (mixed [B, T, 3P] = q|k|v before the conv, and
+        (decay logits f [B, T, P], beta logits [B, T, H], output-gate logits z [B, T, P])).
+        On the few-row (decode) path they take two launches: everything that reads x, then the
+        low-rank second halves."""
+        first = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj]
+        first.append(self.g_proj if self.cfg.use_full_rank_gate else self.g_a_proj)
+        (q, k, v, f_a, beta, g_first), = linears([(x_BTD, first)])
+        if self.cfg.use_full_rank_gate:
+            (f,), = linears([(f_a, [self.f_b_proj])])
+            z = g_first
+        else:
+            (f,), (z,) = linears([(f_a, [self.f_b_proj]), (g_first, [self.g_b_proj])])
+        return jnp.concatenate([q, k, v], axis=-1), (f, beta, z)
 
-    def _decode_inputs(self, x_BTD, mixed_BTC) -> KDADecodeInputs:
+    def _decode_inputs(self, mixed_BTC, proj) -> KDADecodeInputs:
         """The fused decode step's per-token inputs, with the token axis: x_qkv [B, T, 3, H, K], ..."""
         cfg = self.cfg
-        b, t, h, k = x_BTD.shape[0], x_BTD.shape[1], cfg.num_heads, cfg.head_dim
-        return KDADecodeInputs(
-            x_qkv=mixed_BTC.reshape(b, t, 3, h, k),
-            f=self.f_b_proj(self.f_a_proj(x_BTD)).reshape(b, t, h, k),
-            beta_logit=self.b_proj(x_BTD),
-            z=self._gate_logits(x_BTD).reshape(b, t, h, k))
+        b, t, h, k = mixed_BTC.shape[0], mixed_BTC.shape[1], cfg.num_heads, cfg.head_dim
+        f, beta, z = proj
+        return KDADecodeInputs(x_qkv=mixed_BTC.reshape(b, t, 3, h, k), f=f.reshape(b, t, h, k), beta_logit=beta,
+                               z=z.reshape(b, t, h, k))
 
     def _decode_weights(self, taps_WC) -> KDADecodeWeights:
         cfg = self.cfg
@@ -150,22 +160,22 @@ class KimiDeltaAttention(nnx.Module):
     def _taps(self) -> jax.Array:
         return jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
 
-    def _decode_step(self, x_BTD, mixed_BTC, taps_WC, state: KDAState):
+    def _decode_step(self, x_BTD, mixed_BTC, proj, taps_WC, state: KDAState):
         """One token per row through the fused decode step (`kda_decode`, impl cfg.decode_impl)."""
         cfg = self.cfg
         b, h, k, w = x_BTD.shape[0], cfg.num_heads, cfg.head_dim, cfg.conv_size
-        inputs = jax.tree.map(lambda a: a[:, 0], self._decode_inputs(x_BTD, mixed_BTC))
+        inputs = jax.tree.map(lambda a: a[:, 0], self._decode_inputs(mixed_BTC, proj))
         out, conv, s = kda_decode(inputs, self._decode_weights(taps_WC), state.conv.reshape(b, w - 1, 3, h, k),
                                   state.recurrent, impl=cfg.decode_impl)
         out = self.o_proj(out.reshape(b, 1, h * k))
         return out, KDAState(conv=conv.reshape(b, w - 1, 3 * h * k), recurrent=s)
 
-    def _verify(self, x_BTD, mixed_BTC, taps_WC, state: KDAState):
+    def _verify(self, x_BTD, mixed_BTC, proj, taps_WC, state: KDAState):
         """A speculative window of T tokens per row: the outputs of T fused decode steps (exactly
         what decoding them one by one gives) and a KDAPending to commit any prefix of them."""
         cfg = self.cfg
         b, t, h, k, w = *x_BTD.shape[:2], cfg.num_heads, cfg.head_dim, cfg.conv_size
-        inputs = self._decode_inputs(x_BTD, mixed_BTC)
+        inputs = self._decode_inputs(mixed_BTC, proj)
         out, _, _ = kda_decode_steps(inputs, self._decode_weights(taps_WC), state.conv.reshape(b, w - 1, 3, h, k),
                                      state.recurrent, impl=cfg.decode_impl)
         out = self.o_proj(out.reshape(b, t, h * k))

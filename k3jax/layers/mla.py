@@ -11,11 +11,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MLAConfig
-from k3jax.layers.linear import Linear
+from k3jax.layers.linear import Linear, linears
 from k3jax.layers.mla_attention import cache_attention, prefill_attention
 from k3jax.layers.norms import RMSNorm
 from k3jax.state import MLACache, SeqInfo
-from pallas_kernels.moe_gmm import SkinnyImpl
+from pallas_kernels.skinny import SkinnyImpl
 
 
 def write_cache(latent_BSL: jax.Array, new_BTL: jax.Array, seq: SeqInfo) -> jax.Array:
@@ -58,13 +58,13 @@ class MultiHeadLatentAttention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x_BTD.shape
         h = cfg.num_heads
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(x_BTD)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        # Everything that reads x in one launch on the few-row (decode) path.
+        first = [self.q_proj if cfg.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa]
+        (q, kv, *gate_logits), = linears([(x_BTD, first + ([self.g_proj] if cfg.use_output_gate else []))])
+        if cfg.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.reshape(b, t, h, cfg.qk_head_dim)
         q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
-        kv = self.kv_a_proj_with_mqa(x_BTD)
         latent = jnp.concatenate([self.kv_a_layernorm(kv[..., :cfg.kv_lora_rank]), kv[..., cfg.kv_lora_rank:]],
                                  axis=-1)
         w_kv_b = self.kv_b_proj.kernel[...]
@@ -79,6 +79,6 @@ class MultiHeadLatentAttention(nnx.Module):
             attn = cache_attention(cfg.decode_impl, q_nope, q_pe, cache.latent, w_kv_b, seq.slot_index(), **kwargs)
         attn = attn.reshape(b, t, h * cfg.v_head_dim)
         if cfg.use_output_gate:  # K3: sigmoid gate from the layer input on the concatenated heads
-            gate = jax.nn.sigmoid(self.g_proj(x_BTD).astype(jnp.float32))
+            gate = jax.nn.sigmoid(gate_logits[0].astype(jnp.float32))
             attn = attn.astype(jnp.float32) * gate
         return self.o_proj(attn.astype(x_BTD.dtype)), cache

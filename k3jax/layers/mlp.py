@@ -7,8 +7,8 @@ from flax import nnx
 
 from k3jax.config import MLPConfig
 from k3jax.layers.activation import gated_activation
-from k3jax.layers.linear import Linear
-from pallas_kernels.moe_gmm import SkinnyImpl
+from k3jax.layers.linear import Linear, linears
+from pallas_kernels.skinny import SkinnyImpl
 
 
 class MLP(nnx.Module):
@@ -24,4 +24,5 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., D] -> [..., D]."""
-        return self.down_proj(gated_activation(self.gate_proj(x), self.up_proj(x), self.activation))
+        (gate, up), = linears([(x, [self.gate_proj, self.up_proj])])   # one launch on the few-row path
+        return self.down_proj(gated_activation(gate, up, self.activation))

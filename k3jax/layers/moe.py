@@ -20,7 +20,7 @@ from k3jax.layers.moe_experts import local_experts
 from k3jax.layers.moe_parallel import expert_parallel
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import normal, param, zeros
-from pallas_kernels.moe_gmm import SkinnyImpl
+from pallas_kernels.skinny import SkinnyImpl
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -2,8 +2,7 @@
 
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.kernel import grouped_glu_pallas, grouped_matmul_pallas
-from pallas_kernels.moe_gmm.ops import (GMM_IMPLS, SKINNY_IMPLS, SKINNY_MAX_ROWS, GmmImpl, SkinnyImpl, grouped_glu,
-                                       grouped_matmul, resolve_gmm_impl, skinny_matmul)
+from pallas_kernels.moe_gmm.ops import GMM_IMPLS, GmmImpl, grouped_glu, grouped_matmul, resolve_gmm_impl
 from pallas_kernels.moe_gmm.reference import grouped_glu_reference, grouped_matmul_reference
 from pallas_kernels.moe_gmm.schedule import max_tiles, tile_schedule
 from pallas_kernels.moe_gmm.tuning import GmmBlocks, TileBlocks
@@ -11,7 +10,6 @@ from pallas_kernels.moe_gmm.tuning import GmmBlocks, TileBlocks
 __all__ = [
     # Ops (dispatch by implementation name)
     "grouped_matmul", "grouped_glu", "GmmImpl", "GMM_IMPLS", "resolve_gmm_impl",
-    "skinny_matmul", "SkinnyImpl", "SKINNY_IMPLS", "SKINNY_MAX_ROWS",
     # Implementations and references
     "grouped_matmul_pallas", "grouped_glu_pallas", "grouped_matmul_reference", "grouped_glu_reference",
     # Activation, schedule and tile settings

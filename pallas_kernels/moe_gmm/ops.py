@@ -23,17 +23,10 @@ from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.kernel import grouped_glu_pallas, grouped_matmul_pallas, tiles
 from pallas_kernels.moe_gmm.reference import grouped_glu_reference, grouped_matmul_reference
-from pallas_kernels.moe_gmm.tuning import GmmBlocks, TileBlocks
+from pallas_kernels.moe_gmm.tuning import GmmBlocks
 
 GmmImpl = Literal["auto", "xla", "pallas", "mgpu"]
 GMM_IMPLS: tuple[str, ...] = get_args(GmmImpl)
-# Projections with few rows (decode): "xla" (a dot; XLA turns one-row dots into multiply + reduce
-# kernels), "pallas" (the row-tiled kernel with one group, streaming the weight once) or "auto"
-# ("pallas" on a GPU backend, "xla" elsewhere). Rows beyond SKINNY_MAX_ROWS, or sides the kernel's
-# blocks do not tile, always take the dot.
-SkinnyImpl = Literal["auto", "xla", "pallas"]
-SKINNY_IMPLS: tuple[str, ...] = get_args(SkinnyImpl)
-SKINNY_MAX_ROWS = 16
 
 
 def resolve_gmm_impl(impl: GmmImpl, k_dim: int | None = None, n_dim: int | None = None) -> str:
@@ -85,37 +78,6 @@ def grouped_matmul(lhs, rhs, group_sizes, row_scale=None, *, impl: GmmImpl = "au
         return grouped_matmul_pallas(lhs, rhs, group_sizes, row_scale)
     out = grouped_matmul_reference(lhs, rhs, group_sizes) if impl == "xla" else _mgpu(lhs, rhs, group_sizes, blocks)
     return out if row_scale is None else out.astype(jnp.float32) * row_scale.astype(jnp.float32)[:, None]
-
-
-def _skinny_blocks(k_dim: int, n_dim: int) -> TileBlocks | None:
-    """Tiles for a few rows times one weight, None when the sides do not tile: 64-column blocks
-    when they give a program per SM (132 on an H200), else 32 (64-byte rows still stream well)."""
-    bn = next((b for b in (64, 32, 16) if n_dim % b == 0 and (b != 64 or n_dim // b >= 128)), None)
-    bk = next((b for b in (256, 128, 64, 32, 16) if k_dim % b == 0), None)
-    if bn is None or bk is None:
-        return None
-    return TileBlocks(block_m=16, block_n=bn, block_k=bk, num_warps=4, num_stages=4)
-
-
-def skinny_matmul(x_MK, w_KN, *, impl: SkinnyImpl = "auto", out_dtype=None):
-    """x [M, K] @ w [K, N] for a few rows M (decode-time projections).
-
-    Args:
-      impl: one of SKINNY_IMPLS. out_dtype: result dtype (default x's; fp32 accumulation always).
-    Returns:
-      [M, N].
-    """
-    m, k_dim = x_MK.shape
-    n_dim = w_KN.shape[1]
-    if impl not in SKINNY_IMPLS:
-        raise ValueError(f"skinny_matmul: unknown impl {impl!r}; expected one of {SKINNY_IMPLS}")
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-    blocks = _skinny_blocks(k_dim, n_dim) if impl == "pallas" and m <= SKINNY_MAX_ROWS else None
-    if blocks is None:
-        return jnp.dot(x_MK, w_KN, preferred_element_type=out_dtype)
-    out = grouped_matmul_pallas(x_MK, w_KN[None], jnp.full((1,), m, jnp.int32), blocks=blocks)
-    return out if out_dtype is None else out.astype(out_dtype)
 
 
 def grouped_glu(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), impl: GmmImpl = "auto",

@@ -8,6 +8,7 @@ import pytest
 from tolerances import assert_close
 
 import k3jax
+from k3jax.config import tiny_k3
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +78,14 @@ def test_chunked_prefill_continuation_with_uneven_rows(model, rng):
         assert_close(f"row {i}", logits[i], alone[0], dtype=model.dtype)
 
 
-def test_decode_projections_through_the_kernel_equal_the_dot(model, rng):
-    """linear="pallas" (few-row projections through the row-tiled kernel) == XLA's dot."""
+@pytest.mark.parametrize("family", ["kimi_linear", "k3"])
+def test_decode_projections_through_the_kernel_equal_the_dot(model, family, rng):
+    """linear="pallas" (the few-row projections of a step fused into few launches of the skinny
+    kernel: KDA's q|k|v|f_a|b|g, MLA's q|kv_a|g, the MLPs' gate|up) == one XLA dot each. Both
+    families: Kimi-Linear's low-rank output gate, K3's full-rank gate, q-LoRA, MLA output gate and
+    latent MoE."""
+    if family == "k3":
+        model = k3jax.CausalLM.random(tiny_k3(), seed=5)
     ids = rng.integers(0, model.config.vocab_size, (2, 12))
     outs = []
     for impl in ("xla", "pallas"):

@@ -10,7 +10,7 @@ from tolerances import assert_close, kernel_dtype
 
 from pallas_kernels.moe_gmm import (GluSpec, GmmBlocks, TileBlocks, grouped_glu, grouped_glu_pallas,
                                     grouped_glu_reference, grouped_matmul, grouped_matmul_pallas,
-                                    grouped_matmul_reference, max_tiles, skinny_matmul, tile_schedule)
+                                    grouped_matmul_reference, max_tiles, tile_schedule)
 
 SPECS = [GluSpec(), GluSpec("situ", 4.0, 25.0), GluSpec("situ", 2.0, None)]
 
@@ -117,14 +117,3 @@ def test_sides_that_are_not_powers_of_two_take_smaller_blocks(rng, interpret):
     out = grouped_glu_pallas(lhs, w[0], w[1], gs, spec=SPECS[1], blocks=TileBlocks(16, 128, 128), interpret=interpret)
     assert_close("n=96", out, grouped_glu_reference(lhs, w[0], w[1], gs, spec=SPECS[1]),
                  dtype=kernel_dtype("float32", interpret))
-
-
-@pytest.mark.parametrize("m,k,n", [(1, 256, 512), (5, 128, 96), (16, 64, 32)])
-def test_skinny_matmul_through_the_kernel(rng, interpret, m, k, n):
-    """Decode-time projections: a few rows times one weight, the kernel with a single group."""
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
-    out = skinny_matmul(x, w, impl="pallas", out_dtype=jnp.float32)
-    assert out.shape == (m, n) and out.dtype == jnp.float32
-    assert_close("skinny", out, jnp.dot(x, w, preferred_element_type=jnp.float32), dtype="bfloat16")
-    assert skinny_matmul(x, w[:, :7], impl="pallas").shape == (m, 7)  # sides that do not tile: the dot

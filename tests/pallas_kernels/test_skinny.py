@@ -1,0 +1,101 @@
+"""Few-row projections in one launch (`pallas_kernels.skinny`): the launch plan covers every
+weight's columns and reduction axis exactly once, and the fused kernel (interpret mode on the CPU,
+compiled on a GPU) matches one XLA dot per weight."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import assert_close, kernel_dtype
+
+from pallas_kernels.skinny import (SkinnyBlocks, fused_projections, fused_projections_pallas,
+                                   fused_projections_reference, plan, skinny_matmul)
+
+SMALL = SkinnyBlocks(block_n=32, block_k=32, target_programs=24, min_split_k=32)
+
+
+def test_plan_covers_every_block_once():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        groups = tuple((16 * int(rng.integers(1, 40)), tuple(16 * int(rng.integers(1, 20)) for _ in
+                                                               range(int(rng.integers(1, 4)))))
+                       for _ in range(int(rng.integers(1, 4))))
+        segments = plan(groups, SMALL)
+        assert [s.weight for s in segments] == list(range(sum(len(w) for _, w in groups)))
+        nxt, seen = 0, set()
+        for s in segments:
+            assert s.first == nxt and s.programs == s.n_dim // s.bn * s.splits
+            assert s.n_dim % s.bn == 0 and (s.k_dim // s.splits) % s.bk == 0 and s.k_dim % s.splits == 0
+            nxt = s.first + s.programs
+            for c in range(s.n_dim // s.bn):
+                for part in range(s.splits):
+                    key = (s.group, s.out_col + c * s.bn, part)
+                    assert key not in seen
+                    seen.add(key)
+        for g, (k, widths) in enumerate(groups):  # every output column of every group, every slice
+            splits = {s.splits for s in segments if s.group == g}
+            assert len(splits) == 1
+            cols = sorted(c for (gg, c, p) in seen if gg == g and p == 0)
+            assert sum(s.bn for s in segments if s.group == g for _ in range(s.n_dim // s.bn)) == sum(widths)
+            assert len(cols) == len(set(cols))
+
+
+def test_narrow_weights_split_the_reduction_axis():
+    """4096 -> 2304 (an output projection of the 48B shape): 36 column blocks alone would leave most
+    SMs idle, so the reduction axis is cut until there are about two programs per SM."""
+    (seg,) = plan(((4096, (2304,)),), SkinnyBlocks())
+    assert seg.splits == 8 and seg.programs == 288
+    fused = plan(((2304, (4096, 4096, 4096, 128, 32, 128)),), SkinnyBlocks())
+    assert {s.splits for s in fused} == {2} and sum(s.programs for s in fused) == 2 * (192 + 2 + 1 + 2)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_kernel_matches_the_dots(rng, interpret, m, dtype):
+    """Three groups in one launch: two weights on one input (one split over K), one on another
+    input with a different K, one whose K is too short to split."""
+    xs = (jnp.asarray(rng.standard_normal((m, 256)), dtype), jnp.asarray(rng.standard_normal((m, 64)), dtype),
+          jnp.asarray(rng.standard_normal((m, 32)), dtype))
+    weights = (jnp.asarray(rng.standard_normal((256, 96)) / 16, dtype),
+               jnp.asarray(rng.standard_normal((256, 32)) / 16, dtype),
+               jnp.asarray(rng.standard_normal((64, 64)) / 8, dtype),
+               jnp.asarray(rng.standard_normal((32, 16)) / 8, dtype))
+    counts = (2, 1, 1)
+    assert [s.splits for s in plan(((256, (96, 32)), (64, (64,)), (32, (16,))), SMALL)] == [4, 4, 2, 1]
+    for out_dtype in (None, jnp.float32):
+        got = fused_projections_pallas(xs, weights, counts=counts, out_dtype=out_dtype, blocks=SMALL,
+                                       interpret=interpret)
+        want = fused_projections_reference(xs, weights, counts=counts, out_dtype=out_dtype)
+        for g, (a, b) in enumerate(zip(got, want)):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert_close(f"group {g}", a, b, dtype=kernel_dtype(dtype, interpret))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 256, 512), (5, 128, 96), (16, 64, 32)])
+def test_one_weight_through_the_dispatch_site(rng, interpret, m, k, n):
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    out = skinny_matmul(x, w, impl="pallas", out_dtype=jnp.float32)
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    assert_close("skinny", out, jnp.dot(x, w, preferred_element_type=jnp.float32), dtype="bfloat16")
+
+
+def test_weights_that_do_not_tile_take_the_dot(rng):
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    w7 = jnp.asarray(rng.standard_normal((64, 7)), jnp.float32)
+    w32 = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    odd, even, mixed = fused_projections([(x, (w7,)), (x, (w32,)), (x, (w32, w7, w32))], impl="pallas")
+    assert_close("n=7", odd, x @ w7, dtype="float32")
+    assert_close("n=32", even, x @ w32, dtype="float32")
+    assert_close("32|7|32", mixed, jnp.concatenate([x @ w32, x @ w7, x @ w32], axis=-1), dtype="float32")
+    many = jnp.asarray(rng.standard_normal((17, 64)), jnp.float32)   # more rows than a tile: the dot
+    assert_close("17 rows", skinny_matmul(many, w32, impl="pallas"), many @ w32, dtype="float32")
+
+
+def test_errors():
+    x = jnp.zeros((2, 64))
+    with pytest.raises(ValueError, match="unknown impl"):
+        fused_projections([(x, (jnp.zeros((64, 32)),))], impl="cuda")
+    with pytest.raises(ValueError, match="does not match"):
+        fused_projections_pallas((x,), (jnp.zeros((32, 32)),), counts=(1,))
