@@ -31,7 +31,8 @@ for step in "$@"; do
     decode-fast) OUT=$W timeout 360 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --batch 1 64 --new-tokens 32 --profile --name decode_fast 2>&1 | quiet | tee "$W/decode.log" ;;
     skinny-tests) K3JAX_TEST_DEVICE=gpu timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-              tests/pallas_kernels/test_skinny.py 2>&1 | quiet | tail -8 | tee "$W/skinny_tests.log" ;;
+              tests/pallas_kernels/test_skinny.py tests/pallas_kernels/test_moe_gmm.py -k "not mgpu" 2>&1 | quiet | tail -8 \
+              | tee "$W/skinny_tests.log" ;;
     checkpoint-read) OUT=$W timeout 200 python3 benchmarks/checkpoint_read.py 2>&1 | quiet | tee "$W/checkpoint_read.log" ;;
     decode-xla-linear) OUT=$W timeout 240 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --linear xla --batch 1 --new-tokens 32 --name decode_xla_linear 2>&1 | quiet \

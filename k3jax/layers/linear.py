@@ -29,27 +29,29 @@ class Linear(nnx.Module):
         return linears([(x, (self,))], out_dtype=out_dtype)[0][0]
 
 
-def _few_rows(groups) -> bool:
-    """Whether a set of projections takes the fused few-row kernel: at most SKINNY_MAX_ROWS rows
-    and every layer's impl resolving to "pallas"."""
-    rows = {x.size // x.shape[-1] for x, _ in groups}
+def takes_fused_kernel(groups) -> bool:
+    """Whether projections (groups of (x, layers[, out_dtype])) take the fused few-row kernel: at
+    most SKINNY_MAX_ROWS rows and every layer's impl resolving to "pallas". Layers are `Linear`s
+    or anything with a `kernel` [in, out] and an `impl`."""
+    rows = {g[0].size // g[0].shape[-1] for g in groups}
     return (len(rows) == 1 and max(rows) <= SKINNY_MAX_ROWS
-            and all(resolve_skinny_impl(lin.impl) == "pallas" for _, layers in groups for lin in layers))
+            and all(resolve_skinny_impl(lin.impl) == "pallas" for g in groups for lin in g[1]))
 
 
-def linears(groups: Sequence[tuple[jax.Array, Sequence[Linear]]], *, out_dtype=None) -> list[list[jax.Array]]:
-    """Applies each group's layers to the group's input: per group, per layer, x [..., in] ->
-    [..., out]. Few-row calls (decode) run every group in ONE kernel launch
-    (`pallas_kernels.skinny.fused_projections`: each weight read once, narrow weights split over
-    the reduction axis); other calls are one XLA dot per layer."""
-    if not _few_rows(groups):
-        return [[jnp.einsum("...i,io->...o", x.astype(lin.kernel.dtype), lin.kernel[...],
-                            preferred_element_type=out_dtype) for lin in layers] for x, layers in groups]
-    flat = [(x.reshape(-1, x.shape[-1]).astype(layers[0].kernel.dtype), tuple(lin.kernel[...] for lin in layers))
-            for x, layers in groups]
-    outs = fused_projections(flat, impl="pallas", out_dtype=out_dtype)
+def linears(groups: Sequence[tuple], *, out_dtype=None) -> list[list[jax.Array]]:
+    """Applies each group's layers to the group's input: groups of (x [..., in], layers) or (x, layers,
+    out_dtype); per group, per layer, [..., out]. Few-row calls (decode) run every group in ONE kernel
+    launch (`pallas_kernels.skinny.fused_projections`: each weight read once, narrow weights split
+    over the reduction axis); other calls are one XLA dot per layer."""
+    dtypes = [g[2] if len(g) > 2 else out_dtype for g in groups]
+    if not takes_fused_kernel(groups):
+        return [[jnp.einsum("...i,io->...o", g[0].astype(lin.kernel.dtype), lin.kernel[...], preferred_element_type=dt)
+                 for lin in g[1]] for g, dt in zip(groups, dtypes)]
+    flat = [(g[0].reshape(-1, g[0].shape[-1]).astype(g[1][0].kernel.dtype), tuple(lin.kernel[...] for lin in g[1]))
+            for g in groups]
+    outs = fused_projections(flat, impl="pallas", out_dtype=tuple(dtypes))
     result = []
-    for (x, layers), out in zip(groups, outs):
+    for (x, layers, *_), out in zip(groups, outs):
         cols, pieces = 0, []
         for lin in layers:
             n = lin.kernel.shape[1]

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import MoEConfig
-from k3jax.layers.linear import Linear
+from k3jax.layers.activation import gated_activation
+from k3jax.layers.linear import Linear, linears, takes_fused_kernel
 from k3jax.layers.mlp import MLP
 from k3jax.layers.moe_experts import local_experts
 from k3jax.layers.moe_parallel import expert_parallel
@@ -36,6 +37,11 @@ def route(x_ND: jax.Array, w_DE: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -
       (+1e-20) when configured, times routed_scaling_factor.
     """
     logits = jnp.einsum("nd,de->ne", x_ND.astype(jnp.float32), w_DE.astype(jnp.float32), precision=_HIGHEST)
+    return route_logits(logits, bias_E, cfg)
+
+
+def route_logits(logits: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    """`route` from the router logits [N, E] fp32 on."""
     if cfg.score_function == "sigmoid":
         scores = jax.nn.sigmoid(logits)
     else:
@@ -66,10 +72,12 @@ def routed_experts(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg: MoEConfig) -> 
 
 
 class Router(nnx.Module):
-    """Checkpoint names: gate.weight [E, D] and gate.e_score_correction_bias [E] (fp32)."""
+    """Checkpoint names: gate.weight [E, D] and gate.e_score_correction_bias [E] (fp32). `impl`: how
+    its logits run on the few-row path (with the shared experts' projections, see MoE)."""
 
-    def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs, impl: SkinnyImpl = "auto"):
         self.cfg = cfg
+        self.impl = impl
         self.kernel = param(rngs, (cfg.hidden_size, cfg.num_experts), dtype, normal(), ("embed", "experts_router"))
         self.e_score_correction_bias = param(rngs, (cfg.num_experts,), jnp.float32, zeros(), ("experts_router",))
 
@@ -97,7 +105,7 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs, linear_impl: SkinnyImpl = "auto"):
         self.cfg = cfg
-        self.gate = Router(cfg, dtype=dtype, rngs=rngs)
+        self.gate = Router(cfg, dtype=dtype, rngs=rngs, impl=linear_impl)
         self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
         self.shared_experts = (MLP(cfg.shared, dtype=dtype, rngs=rngs, linear_impl=linear_impl)
                                if cfg.shared is not None else None)
@@ -113,8 +121,18 @@ class MoE(nnx.Module):
         cfg = self.cfg
         b, t, d = x_BTD.shape
         x_ND = x_BTD.reshape(b * t, d)
-        with jax.named_scope("router"):
-            weights, experts = self.gate(x_ND)
+        shared = self.shared_experts
+        fused = [(x_ND, [self.gate], jnp.float32)] + ([(x_ND, [shared.gate_proj, shared.up_proj])] if shared else [])
+        if takes_fused_kernel(fused):
+            # Decode: the router logits and the shared experts' gate|up read x in one launch (bf16 x
+            # and weights, exact products, fp32 sums: the fp32 router up to the order of summation).
+            with jax.named_scope("router"):
+                (logits,), *shared_gate_up = linears(fused)
+                weights, experts = route_logits(logits, self.gate.e_score_correction_bias[...], cfg)
+        else:
+            shared_gate_up = None
+            with jax.named_scope("router"):
+                weights, experts = self.gate(x_ND)
         with jax.named_scope("routed_experts"):
             expert_in = x_ND if cfg.latent_size is None else self.routed_expert_down_proj(x_ND)
             routed = routed_experts(expert_in, weights, experts, self.experts.w1[...], self.experts.w3[...],
@@ -124,7 +142,12 @@ class MoE(nnx.Module):
                     routed = self.routed_expert_norm(routed)
                 routed = self.routed_expert_up_proj(routed)
         out = routed.reshape(b, t, d)
-        if self.shared_experts is not None:
+        if shared is not None:
             with jax.named_scope("shared_experts"):
-                out = out + self.shared_experts(x_BTD)
+                if shared_gate_up:
+                    gate, up = shared_gate_up[0]
+                    y = shared.down_proj(gated_activation(gate, up, shared.activation)).reshape(b, t, d)
+                else:
+                    y = shared(x_BTD)
+                out = out + y
         return out

@@ -16,14 +16,19 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.activation import Activation, gated_activation
-from pallas_kernels.moe_gmm import GmmImpl, grouped_glu, grouped_matmul, resolve_gmm_impl
+from pallas_kernels.moe_gmm import GmmImpl, grouped_glu, grouped_matmul, pair_glu, pair_matmul, resolve_gmm_impl
 
 # "dense": every expert on every token (the reference); "ragged": pairs sorted by expert, grouped
-# matmuls; "gather": each token's expert weights gathered (small batches); "auto": ragged with the
-# Pallas grouped matmul (GPU), otherwise gather up to GATHER_MAX_TOKENS tokens and ragged beyond.
-ExpertImpl = Literal["ragged", "dense", "gather", "auto"]
+# matmuls; "pairs": token-expert pairs unsorted, one kernel tile each (no sort, schedule or scatter:
+# a few tokens at decode); "gather": each token's expert weights gathered (small batches); "auto":
+# with the Pallas kernel (GPU) pairs up to PAIRS_MAX_TOKENS tokens and ragged beyond, otherwise
+# gather up to GATHER_MAX_TOKENS tokens and ragged beyond.
+ExpertImpl = Literal["ragged", "dense", "gather", "pairs", "auto"]
 EXPERT_IMPLS: tuple[str, ...] = get_args(ExpertImpl)
 GATHER_MAX_TOKENS = 256
+# Unsorted pairs read an expert once per pair that chose it; at a few tokens repeats are rare and
+# skipping the sort saves several small kernels per layer.
+PAIRS_MAX_TOKENS = 8
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -75,6 +80,19 @@ def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
     return jnp.sum(unsorted.reshape(n, k, -1), axis=1)
 
 
+def experts_pairs(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
+                  gmm: GmmImpl = "auto", expert_offset=0) -> jax.Array:
+    """Token-expert pairs in token order, one kernel tile per pair (no sort): the gated half and the
+    down projection (routing weight in its epilogue), summed over each token's X choices. -> [N, D] fp32."""
+    n, k = experts_NX.shape
+    index, inside = _local_index(experts_NX, w1_EDF.shape[0], expert_offset)
+    index, inside = index.reshape(-1), inside.reshape(-1)
+    xs = jnp.repeat(x_ND, k, axis=0)                                          # [N*X, D], pair p = token p // X
+    h = pair_glu(xs, w1_EDF, w3_EDF, index, inside, spec=act.glu_spec, impl=gmm)
+    y = pair_matmul(h, w2_EFD, index, inside, jnp.where(inside, weights_NX.reshape(-1), 0.0), impl=gmm)
+    return jnp.sum(y.reshape(n, k, -1), axis=1)
+
+
 def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
                    expert_offset=0) -> jax.Array:
     """Gathers each token's chosen expert weights (reads only the touched experts). -> [N, D] fp32."""
@@ -96,11 +114,16 @@ def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF
         global id of this shard's first expert.
     """
     if impl == "auto":  # the kernel reads touched experts only; without it gather does, for few tokens
-        small = x_ND.shape[0] <= GATHER_MAX_TOKENS and resolve_gmm_impl(gmm, *w1_EDF.shape[1:]) != "pallas"
-        impl = "gather" if small else "ragged"
+        n, kernel = x_ND.shape[0], resolve_gmm_impl(gmm, *w1_EDF.shape[1:]) == "pallas"
+        if kernel:
+            impl = "pairs" if n <= PAIRS_MAX_TOKENS else "ragged"
+        else:
+            impl = "gather" if n <= GATHER_MAX_TOKENS else "ragged"
     args = (x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
     if impl == "ragged":
         return experts_ragged(*args, gmm=gmm, expert_offset=expert_offset)
+    if impl == "pairs":
+        return experts_pairs(*args, gmm=gmm, expert_offset=expert_offset)
     if impl == "gather":
         return experts_gather(*args, expert_offset=expert_offset)
     if impl == "dense":

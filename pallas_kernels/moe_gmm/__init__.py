@@ -1,17 +1,20 @@
 """Grouped matmuls for routed experts (rows sorted by expert)."""
 
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
-from pallas_kernels.moe_gmm.kernel import grouped_glu_pallas, grouped_matmul_pallas
-from pallas_kernels.moe_gmm.ops import GMM_IMPLS, GmmImpl, grouped_glu, grouped_matmul, resolve_gmm_impl
-from pallas_kernels.moe_gmm.reference import grouped_glu_reference, grouped_matmul_reference
+from pallas_kernels.moe_gmm.kernel import grouped_glu_pallas, grouped_matmul_pallas, pair_glu_pallas, pair_matmul_pallas
+from pallas_kernels.moe_gmm.ops import (GMM_IMPLS, GmmImpl, grouped_glu, grouped_matmul, pair_glu, pair_matmul,
+                                       resolve_gmm_impl)
+from pallas_kernels.moe_gmm.reference import (grouped_glu_reference, grouped_matmul_reference, pair_glu_reference,
+                                              pair_matmul_reference)
 from pallas_kernels.moe_gmm.schedule import max_tiles, tile_schedule
 from pallas_kernels.moe_gmm.tuning import GmmBlocks, TileBlocks
 
 __all__ = [
     # Ops (dispatch by implementation name)
-    "grouped_matmul", "grouped_glu", "GmmImpl", "GMM_IMPLS", "resolve_gmm_impl",
+    "grouped_matmul", "grouped_glu", "pair_matmul", "pair_glu", "GmmImpl", "GMM_IMPLS", "resolve_gmm_impl",
     # Implementations and references
     "grouped_matmul_pallas", "grouped_glu_pallas", "grouped_matmul_reference", "grouped_glu_reference",
+    "pair_matmul_pallas", "pair_glu_pallas", "pair_matmul_reference", "pair_glu_reference",
     # Activation, schedule and tile settings
     "GluSpec", "glu", "tile_schedule", "max_tiles", "GmmBlocks", "TileBlocks",
 ]

@@ -82,12 +82,18 @@ def _blocks_for(k_dim: int, n_dim: int, blocks: TileBlocks) -> tuple[int, int]:
     return bn, bk
 
 
-def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: TileBlocks, interpret):
+def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: TileBlocks, interpret, pairs=None):
+    """`pairs` = (group [M], valid [M]): one tile per row instead of the group schedule (rows unsorted)."""
     m, k_dim = lhs.shape
     n_dim = weights[0].shape[2]
     bn, bk = _blocks_for(k_dim, n_dim, blocks)
     bm = blocks.block_m
-    sched = tile_schedule(group_sizes, m, bm)
+    if pairs is None:
+        sched = tile_schedule(group_sizes, m, bm)
+    else:
+        group, valid = pairs
+        rows = jnp.arange(m, dtype=jnp.int32)
+        sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), rows, rows + valid.astype(jnp.int32)])
     scaled = row_scale is not None
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec, scaled=scaled)
     operands = (sched, lhs, *weights) + ((row_scale.astype(jnp.float32),) if scaled else ())
@@ -99,8 +105,8 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
         interpret=default_interpret() if interpret is None else interpret,
         name="grouped_glu" if spec is not None else "grouped_matmul",
     )(*operands)
-    covered = jnp.arange(m)[:, None] < jnp.sum(group_sizes)
-    return jnp.where(covered, out, jnp.zeros((), out_dtype))  # rows past the groups are never written
+    covered = jnp.arange(m)[:, None] < jnp.sum(group_sizes) if pairs is None else pairs[1][:, None]
+    return jnp.where(covered, out, jnp.zeros((), out_dtype))  # rows outside every tile are never written
 
 
 def _validate(lhs, weights, group_sizes):
@@ -147,3 +153,31 @@ def grouped_glu_pallas(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpe
     blocks = blocks or TileBlocks.for_rows(lhs.shape[0] / w_gate.shape[0])
     return _call(lhs, (w_gate, w_up), group_sizes, None, spec=spec, out_dtype=lhs.dtype, blocks=blocks,
                  interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret"))
+def pair_glu_pallas(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), blocks: TileBlocks | None = None,
+                    interpret: bool | None = None):
+    """Unsorted rows, one tile each: out[r] = act(lhs[r] @ w_gate[group[r]], lhs[r] @ w_up[group[r]]) where
+    valid[r], else 0. For a few rows (decode) this skips the sort and the schedule; a group chosen by
+    several rows is read once per row.
+
+    Args:
+      lhs: [M, K]. w_gate, w_up: [G, K, F]. group: [M] int32 in [0, G). valid: [M] bool.
+    Returns:
+      [M, F] in lhs's dtype.
+    """
+    _validate(lhs, (w_gate, w_up), jnp.zeros((w_gate.shape[0],), jnp.int32))
+    return _call(lhs, (w_gate, w_up), None, None, spec=spec, out_dtype=lhs.dtype,
+                 blocks=blocks or TileBlocks.for_rows(1), interpret=interpret, pairs=(group, valid))
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def pair_matmul_pallas(lhs, rhs, group, valid, row_scale=None, *, blocks: TileBlocks | None = None,
+                       interpret: bool | None = None):
+    """Unsorted rows, one tile each: out[r] = lhs[r] @ rhs[group[r]] (times row_scale[r]) where valid[r],
+    else 0. Shapes as `pair_glu_pallas` with rhs [G, K, N]; -> [M, N] (fp32 with row_scale)."""
+    _validate(lhs, (rhs,), jnp.zeros((rhs.shape[0],), jnp.int32))
+    out_dtype = jnp.float32 if row_scale is not None else lhs.dtype
+    return _call(lhs, (rhs,), None, row_scale, spec=None, out_dtype=out_dtype, blocks=blocks or TileBlocks.for_rows(1),
+                 interpret=interpret, pairs=(group, valid))

@@ -21,8 +21,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
-from pallas_kernels.moe_gmm.kernel import grouped_glu_pallas, grouped_matmul_pallas, tiles
-from pallas_kernels.moe_gmm.reference import grouped_glu_reference, grouped_matmul_reference
+from pallas_kernels.moe_gmm.kernel import (grouped_glu_pallas, grouped_matmul_pallas, pair_glu_pallas,
+                                           pair_matmul_pallas, tiles)
+from pallas_kernels.moe_gmm.reference import (grouped_glu_reference, grouped_matmul_reference, pair_glu_reference,
+                                              pair_matmul_reference)
 from pallas_kernels.moe_gmm.tuning import GmmBlocks
 
 GmmImpl = Literal["auto", "xla", "pallas", "mgpu"]
@@ -91,3 +93,23 @@ def grouped_glu(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), im
     if impl == "xla":
         return grouped_glu_reference(lhs, w_gate, w_up, group_sizes, spec=spec)
     return glu(_mgpu(lhs, w_gate, group_sizes, blocks), _mgpu(lhs, w_up, group_sizes, blocks), spec)
+
+
+def _pair_impl(impl: GmmImpl, k_dim: int, n_dim: int) -> str:
+    """The per-row paths exist as the Pallas kernel and the gather reference ("mgpu" takes the latter)."""
+    return "pallas" if resolve_gmm_impl(impl, k_dim, n_dim) == "pallas" else "xla"
+
+
+def pair_matmul(lhs, rhs, group, valid, row_scale=None, *, impl: GmmImpl = "auto"):
+    """Unsorted rows, each with its own group: out[r] = lhs[r] @ rhs[group[r]] (* row_scale[r]) where
+    valid[r], else 0. lhs [M, K], rhs [G, K, N], group [M] int32, valid [M] bool -> [M, N]."""
+    if _pair_impl(impl, *rhs.shape[1:]) == "pallas":
+        return pair_matmul_pallas(lhs, rhs, group, valid, row_scale)
+    return pair_matmul_reference(lhs, rhs, group, valid, row_scale)
+
+
+def pair_glu(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), impl: GmmImpl = "auto"):
+    """Unsorted rows: act(lhs[r] @ w_gate[group[r]], lhs[r] @ w_up[group[r]]) where valid[r], else 0."""
+    if _pair_impl(impl, *w_gate.shape[1:]) == "pallas":
+        return pair_glu_pallas(lhs, w_gate, w_up, group, valid, spec=spec)
+    return pair_glu_reference(lhs, w_gate, w_up, group, valid, spec=spec)

@@ -20,3 +20,18 @@ def grouped_matmul_reference(lhs, rhs, group_sizes, row_scale=None):
 def grouped_glu_reference(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec()):
     """act(lhs @ w_gate[g], lhs @ w_up[g]) per row -> [M, F] in lhs's dtype."""
     return glu(jax.lax.ragged_dot(lhs, w_gate, group_sizes), jax.lax.ragged_dot(lhs, w_up, group_sizes), spec)
+
+
+def pair_matmul_reference(lhs, rhs, group, valid, row_scale=None):
+    """Unsorted rows: lhs[r] @ rhs[group[r]] (times row_scale[r]) where valid[r], else 0 (gathers each
+    row's weight). -> [M, N] in lhs's dtype (fp32 with row_scale)."""
+    out = jnp.einsum("mk,mkn->mn", lhs, rhs[group])
+    if row_scale is not None:
+        out = out.astype(jnp.float32) * row_scale.astype(jnp.float32)[:, None]
+    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
+
+
+def pair_glu_reference(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec()):
+    """Unsorted rows: act(lhs[r] @ w_gate[group[r]], lhs[r] @ w_up[group[r]]) where valid[r], else 0."""
+    out = glu(jnp.einsum("mk,mkn->mn", lhs, w_gate[group]), jnp.einsum("mk,mkn->mn", lhs, w_up[group]), spec)
+    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))

@@ -60,12 +60,14 @@ def _kernel(*refs, segments: tuple[Segment, ...], n_groups: int, m: int):
 @functools.partial(jax.jit, static_argnames=("counts", "out_dtype", "blocks", "interpret"))
 def fused_projections_pallas(xs, weights, *, counts: tuple[int, ...], out_dtype=None,
                              blocks: SkinnyBlocks = SkinnyBlocks(), interpret: bool | None = None):
+    # out_dtype: one dtype for every group, or a tuple with one per group.
     """out_g = x_g @ concat(weights of group g, axis=1), all groups in one launch.
 
     Args:
       xs: per group an input [M, K_g] (the same M <= 16 for all). weights: flat list, counts[g] of
         them [K_g, N] for group g in turn; every side a multiple of 16.
-      out_dtype: result dtype (default the first input's); accumulation is always fp32.
+      out_dtype: result dtype, or a tuple of one per group (default each input's); accumulation is
+        always fp32.
     Returns:
       a tuple of [M, sum N] per group.
     """
@@ -73,7 +75,8 @@ def fused_projections_pallas(xs, weights, *, counts: tuple[int, ...], out_dtype=
     if m > ROWS or any(x.shape[0] != m for x in xs):
         raise ValueError(f"fused projections: every input needs the same row count <= {ROWS}; got "
                          f"{[x.shape for x in xs]}")
-    out_dtype = jnp.dtype(out_dtype or xs[0].dtype)
+    dtypes = tuple(out_dtype) if isinstance(out_dtype, tuple) else (out_dtype,) * len(xs)
+    dtypes = tuple(jnp.dtype(d or x.dtype) for d, x in zip(dtypes, xs))
     groups, at = [], 0
     for g, (x, c) in enumerate(zip(xs, counts)):
         ws = weights[at:at + c]
@@ -85,7 +88,7 @@ def fused_projections_pallas(xs, weights, *, counts: tuple[int, ...], out_dtype=
     segments = plan(tuple(groups), blocks)
     splits = {s.group: s.splits for s in segments}
     out_shape = tuple(
-        jax.ShapeDtypeStruct((m, sum(widths)), out_dtype) if splits[g] == 1
+        jax.ShapeDtypeStruct((m, sum(widths)), dtypes[g]) if splits[g] == 1
         else jax.ShapeDtypeStruct((splits[g], m, sum(widths)), jnp.float32)
         for g, (_, widths) in enumerate(groups))
     outs = pl.pallas_call(
@@ -96,4 +99,4 @@ def fused_projections_pallas(xs, weights, *, counts: tuple[int, ...], out_dtype=
         interpret=default_interpret() if interpret is None else interpret,
         name="fused_projections",
     )(*xs, *weights)
-    return tuple(o if splits[g] == 1 else jnp.sum(o, axis=0).astype(out_dtype) for g, o in enumerate(outs))
+    return tuple(o if splits[g] == 1 else jnp.sum(o, axis=0).astype(dtypes[g]) for g, o in enumerate(outs))

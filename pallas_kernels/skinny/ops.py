@@ -39,12 +39,14 @@ def fused_projections(groups: Sequence[tuple[jax.Array, Sequence[jax.Array]]], *
 
     Args:
       groups: (x [M, K_g], weights [K_g, N] ...) per group, the same M for all.
-      impl: one of SKINNY_IMPLS. out_dtype: result dtype (default each input's); fp32 accumulation.
+      impl: one of SKINNY_IMPLS. out_dtype: result dtype, or a tuple of one per group (default each
+        input's); fp32 accumulation.
       blocks: the kernel's launch plan settings.
     Returns:
       per group [M, sum N].
     """
     impl = resolve_skinny_impl(impl)
+    dtypes = tuple(out_dtype) if isinstance(out_dtype, (tuple, list)) else (out_dtype,) * len(groups)
     rows = {x.shape[0] for x, _ in groups}
     use_kernel = impl == "pallas" and len(rows) == 1 and max(rows) <= SKINNY_MAX_ROWS
     # Weights the kernel takes (sides multiples of 16), per group; the rest are dots.
@@ -55,7 +57,8 @@ def fused_projections(groups: Sequence[tuple[jax.Array, Sequence[jax.Array]]], *
         xs = tuple(groups[g][0] for g in chosen)
         weights = tuple(w for g in chosen for w, p in zip(groups[g][1], picked[g]) if p)
         outs = fused_projections_pallas(xs, weights, counts=tuple(sum(picked[g]) for g in chosen),
-                                        out_dtype=out_dtype or xs[0].dtype, blocks=blocks)
+                                        out_dtype=tuple(jnp.dtype(dtypes[g] or groups[g][0].dtype) for g in chosen),
+                                        blocks=blocks)
         fused = dict(zip(chosen, outs))
     results = []
     for g, (x, ws) in enumerate(groups):
@@ -68,7 +71,7 @@ def fused_projections(groups: Sequence[tuple[jax.Array, Sequence[jax.Array]]], *
                 pieces.append(fused[g][:, col:col + w.shape[1]])
                 col += w.shape[1]
             else:
-                pieces.append(fused_projections_reference((x,), (w,), counts=(1,), out_dtype=out_dtype)[0])
+                pieces.append(fused_projections_reference((x,), (w,), counts=(1,), out_dtype=dtypes[g])[0])
         results.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1))
     return results
 

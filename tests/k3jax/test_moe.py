@@ -72,8 +72,9 @@ def test_expert_implementations_equal_dense_reference(rng, act):
     dense = experts_dense(x, weights, experts, *ws, act)
     for impl in EXPERT_IMPLS:
         assert_close(f"{impl} vs dense", local_experts(impl, x, weights, experts, *ws, act), dense)
-    for gmm in ("pallas", "xla"):  # the ragged path through each grouped matmul
-        assert_close(f"ragged/{gmm}", local_experts("ragged", x, weights, experts, *ws, act, gmm=gmm), dense)
+    for gmm in ("pallas", "xla"):  # the ragged and pairs paths through each grouped matmul
+        for impl in ("ragged", "pairs"):
+            assert_close(f"{impl}/{gmm}", local_experts(impl, x, weights, experts, *ws, act, gmm=gmm), dense)
     # Independent loop over tokens.
     ref = np.zeros(x.shape)
     for i in range(n):
@@ -92,9 +93,10 @@ def test_shards_of_experts_sum_to_the_whole(rng, impl):
     whole = experts_dense(x, weights, experts, *ws, act)
     parts = [local_experts(impl, x, weights, experts, *(w[o:o + 3] for w in ws), act, expert_offset=o, gmm="xla")
              for o in (0, 3)]
-    parts_kernel = [local_experts("ragged", x, weights, experts, *(w[o:o + 3] for w in ws), act, expert_offset=o,
-                                  gmm="pallas") for o in (0, 3)]
-    assert_close("sum of shards (kernel)", parts_kernel[0] + parts_kernel[1], whole)
+    for path in ("ragged", "pairs"):
+        parts_kernel = [local_experts(path, x, weights, experts, *(w[o:o + 3] for w in ws), act, expert_offset=o,
+                                      gmm="pallas") for o in (0, 3)]
+        assert_close(f"sum of shards ({path} kernel)", parts_kernel[0] + parts_kernel[1], whole)
     assert_close("sum of shards", parts[0] + parts[1], whole)
 
 

@@ -10,7 +10,8 @@ from tolerances import assert_close, kernel_dtype
 
 from pallas_kernels.moe_gmm import (GluSpec, GmmBlocks, TileBlocks, grouped_glu, grouped_glu_pallas,
                                     grouped_glu_reference, grouped_matmul, grouped_matmul_pallas,
-                                    grouped_matmul_reference, max_tiles, tile_schedule)
+                                    grouped_matmul_reference, max_tiles, pair_glu_pallas, pair_matmul_pallas,
+                                    tile_schedule)
 
 SPECS = [GluSpec(), GluSpec("situ", 4.0, 25.0), GluSpec("situ", 2.0, None)]
 
@@ -117,3 +118,31 @@ def test_sides_that_are_not_powers_of_two_take_smaller_blocks(rng, interpret):
     out = grouped_glu_pallas(lhs, w[0], w[1], gs, spec=SPECS[1], blocks=TileBlocks(16, 128, 128), interpret=interpret)
     assert_close("n=96", out, grouped_glu_reference(lhs, w[0], w[1], gs, spec=SPECS[1]),
                  dtype=kernel_dtype("float32", interpret))
+
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pair_tiles_match_ragged_dot(rng, interpret, dtype):
+    """One tile per unsorted row (decode's token-expert pairs): equal to sorting the rows by group
+    and running lax.ragged_dot; invalid rows (another shard's pairs) come out zero even when NaN."""
+    m, k, n, g = 12, 64, 32, 5
+    lhs = np.asarray(rng.standard_normal((m, k)), np.float32)
+    group = rng.integers(0, g, m).astype(np.int32)
+    valid = rng.uniform(size=m) > 0.25
+    lhs[~valid] = np.nan
+    w = [jnp.asarray(rng.standard_normal((g, k, n)) / 8, dtype) for _ in range(2)]
+    scale = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+    order = np.argsort(np.where(valid, group, g), kind="stable")
+    sizes = jnp.asarray(np.bincount(group[valid], minlength=g), jnp.int32)
+    clean = jnp.asarray(np.where(valid[:, None], lhs, 0.0), dtype)
+    sorted_lhs = clean[order]
+    unsort = np.argsort(order)
+    tol = kernel_dtype(dtype, interpret)
+    x = jnp.asarray(lhs, dtype)
+    got = pair_matmul_pallas(x, w[0], jnp.asarray(group), jnp.asarray(valid), scale, interpret=interpret)
+    want = grouped_matmul_reference(sorted_lhs, w[0], sizes, scale[order])[unsort]
+    assert_close("pair matmul", got, want, dtype=tol)
+    got = pair_glu_pallas(x, w[0], w[1], jnp.asarray(group), jnp.asarray(valid), spec=SPECS[1], interpret=interpret)
+    want = grouped_glu_reference(sorted_lhs, w[0], w[1], sizes, spec=SPECS[1])[unsort]
+    assert_close("pair glu", got, want, dtype=tol)
+    assert not np.asarray(got[~valid], np.float32).any()
