@@ -59,7 +59,7 @@ for step in "$@"; do
               --kernels pallas --moe auto --batch 1 8 64 --q 1 2 4 8 --e2e-batch 1 8 --k 4 --e2e-first \
               --embed-std 4 --error-rates 1 0.25 0.1 0 --new-tokens 64 2>&1 | quiet | tee "$W/speculative.log" ;;
     server-load) OUT=$W timeout 200 python3 benchmarks/server_load.py --model kimi-linear-48b --dtype bfloat16 \
-              --kernels pallas --moe auto --concurrency 1 4 16 64 256 --duration 15 --budget 170 2>&1 | quiet \
+              --kernels pallas --moe auto --concurrency ${SERVER_LEVELS:-1 4 16 64 256} --duration 15 --budget 170 2>&1 | quiet \
               | tee "$W/server_load.log" ;;
     speculative-verify) OUT=$W timeout 180 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --batch 1 8 64 --q 1 2 4 8 --verify-only --name speculative_verify \
