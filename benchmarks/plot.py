@@ -30,12 +30,18 @@ def _load(name: str) -> dict:
         return json.load(f)
 
 
+def _tpot(name: str) -> dict:
+    return {r["batch"]: r["tpot_ms"] for r in _load(name)["rows"]}
+
+
 def plot_decode(out: str) -> str:
     """TPOT against batch for the Kimi-Linear-48B shape: each recorded run, and the floors."""
     runs = [("before (gather experts, XLA dots)", {1: 9.05, 64: 220.56}, "o--"),  # 2026-11-29 baseline runs
             ("+ row-tiled expert kernel", {r["batch"]: r["tpot_ms"] for r in _load("decode_run3_measured_experts.json")["rows"]},
              "s-"),
-            ("+ few-row projections through the kernel", {1: 5.10, 64: 20.60}, "D-")]  # decode_run4_skinny.log
+            ("+ few-row projections through the kernel", {1: 5.10, 64: 20.60}, "D-"),  # decode_run4_skinny.log
+            ("+ one launch per shared input", _tpot("decode_run5_fused_projections.json"), "^-"),
+            ("+ unsorted expert pairs, router in the shared launch", _tpot("decode_run6_pairs_router.json"), "v-")]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, points, style in runs:
         xs = sorted(points)
@@ -110,12 +116,18 @@ def plot_speculative(out: str, name: str = "speculative_run2_planted.json") -> s
 
 
 SERVER_LOAD = "server_load_kimi-linear-48b.json"
+SERVER_LOAD_MORE = "server_load_run2_64_256.json"  # 64 and 256 clients, a later commit (e10e856)
 
 
 def plot_server_load(path: str, record: dict | None = None) -> str:
     """Output tokens/s and p50/p99 TPOT and TTFT against concurrent clients (benchmarks/server_load.py)."""
-    record = record or _load(SERVER_LOAD)
-    rows = [r for r in record["levels"] if r["completed"]]
+    if record is None:  # the first run's levels, then any levels a later run added
+        record = _load(SERVER_LOAD)
+        more = os.path.join(H200, SERVER_LOAD_MORE)
+        if os.path.exists(more):
+            with open(more) as f:
+                record = {**record, "levels": record["levels"] + json.load(f)["levels"]}
+    rows = sorted((r for r in record["levels"] if r["completed"]), key=lambda r: r["concurrency"])
     xs = [r["concurrency"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10.5, 4.2))
     left.plot(xs, [r["tok_per_s"] for r in rows], "o-", label="output tokens/s")
