@@ -15,7 +15,7 @@ from k3jax.hf_config import from_hf_config, load_hf_config, read_generation_conf
 from k3jax.sampling import SamplingParams
 from k3jax.speculative import SpeculativeConfig
 from k3jax.state import DecodeState, KDAState, MLACache, init_decode_state
-from k3jax.tiny import BUILTIN, builtin_config
+from k3jax.tiny import BUILTIN, TRAINED, builtin_config, trained_path
 from k3jax.tokenizer import KimiTokenizer
 
 enable_compilation_cache()
@@ -49,8 +49,11 @@ def load(path, dtype="float32", **options) -> CausalLM:
 
 
 def load_model(name_or_path, dtype="float32", *, seed: int = 0, **options) -> CausalLM:
-    """A built-in tiny model by name ("tiny-k3", "tiny-kimi-linear") or a checkpoint directory
+    """A built-in tiny model by name ("tiny-k3", "tiny-kimi-linear": random weights; "tiny-k3-python":
+    trained on the Python standard library, shipped in the package) or a checkpoint directory
     (`load`). Built-in models carry their tokenizer (`model.tokenizer`)."""
+    if name_or_path in TRAINED:
+        return load(trained_path(name_or_path), dtype=dtype, **options)
     if name_or_path in BUILTIN:
         cfg, tok = builtin_config(name_or_path)
         model = CausalLM.random(cfg, seed=seed, dtype=dtype, tokenizer=tok)
@@ -60,5 +63,5 @@ def load_model(name_or_path, dtype="float32", *, seed: int = 0, **options) -> Ca
         return model.with_impls(**impls) if impls else model
     if os.path.isdir(os.fspath(name_or_path)):
         return load(name_or_path, dtype=dtype, **options)
-    raise ValueError(f"unknown model {name_or_path!r}: not a built-in model ({', '.join(BUILTIN)}) "
+    raise ValueError(f"unknown model {name_or_path!r}: not a built-in model ({', '.join(BUILTIN + tuple(TRAINED))}) "
                      "and not a checkpoint directory")

@@ -40,6 +40,12 @@ for i in range(10):
 """
 
 BUILTIN = ("tiny-k3", "tiny-kimi-linear")
+# Built-in trained models: name -> directory under k3jax/models/ (a Hugging Face checkpoint in the
+# released layout, its tokenizer, the training record and SHA256SUMS). Trained by
+# scripts/train_tiny_k3_python.py; see the README.md in the directory.
+TRAINED = {"tiny-k3-python": "tiny_k3_python"}
+CHECKSUMS = "SHA256SUMS"
+EVAL_SLICE = "eval_slice.txt"
 
 # The K2-family chat template (arch §9.3) the built-in Kimi-Linear tokenizer ships
 # (k3jax/templates/kimi_linear_chat.jinja), in the form released checkpoints use: tools declared in a
@@ -77,3 +83,39 @@ def builtin_config(name: str) -> tuple[ModelConfig, KimiTokenizer]:
     cfg = dataclasses.replace(cfg, bos_token_id=tok.bos_token_id, eos_token_id=(tok.eos_token_id,),
                               pad_token_id=tok.special_id("[PAD]"))
     return cfg, tok
+
+
+def trained_path(name: str) -> str:
+    """Directory of a built-in trained model (TRAINED), its files checked against SHA256SUMS."""
+    if name not in TRAINED:
+        raise ValueError(f"unknown trained built-in model {name!r}; trained models: {', '.join(TRAINED)}")
+    path = str(resources.files("k3jax") / "models" / TRAINED[name])
+    verify_checksums(path)
+    return path
+
+
+def verify_checksums(path: str) -> None:
+    """Raises ValueError naming the first file of `path` whose SHA-256 differs from SHA256SUMS."""
+    import hashlib
+    import os
+    with open(os.path.join(path, CHECKSUMS)) as f:
+        for line in f:
+            digest, fname = line.split()
+            with open(os.path.join(path, fname), "rb") as g:
+                if hashlib.sha256(g.read()).hexdigest() != digest:
+                    raise ValueError(f"{path}/{fname}: SHA-256 differs from {CHECKSUMS}")
+
+
+def eval_slice_loss(model, path: str) -> tuple[float, int]:
+    """Mean next-token cross-entropy (nats) of `model` over the shipped held-out slice of `path`
+    ([BOS] + the slice's tokens, one row), and the number of predicted tokens."""
+    import os
+
+    import jax
+    import numpy as np
+    with open(os.path.join(path, EVAL_SLICE), encoding="utf-8") as f:
+        ids = np.asarray([model.tokenizer.bos_token_id] + model.tokenizer.encode(f.read()), np.int32)[None]
+    logits = model.logits(ids[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -np.take_along_axis(np.asarray(logp), ids[:, 1:, None], axis=-1)
+    return float(nll.mean()), int(nll.size)
