@@ -118,6 +118,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stdlib", default=None,
+                   help="directory of the stdlib's *.py files (default: this interpreter's own stdlib)")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
     from k3jax.tiny import K3_SPECIALS
     from k3jax.tokenizer import KIMI_PATTERN, KimiTokenizer
 
-    stdlib = sysconfig.get_paths()["stdlib"]
+    stdlib = args.stdlib or sysconfig.get_paths()["stdlib"]
     train_names, held_names = select_files(stdlib)
     train_texts, held_texts = read(stdlib, train_names), read(stdlib, held_names)
     corpus_sha = hashlib.sha256("\0".join(train_texts + held_texts).encode()).hexdigest()
