@@ -4,8 +4,8 @@ Hugging Face checkpoint in the released K3 layout plus its tokenizer, checksums 
 
     PYTHONPATH=. python scripts/train_tiny_k3_python.py --out k3jax/models/tiny_k3_python
 
-Everything is fixed by --seed: the file selection (sorted top-level *.py of the stdlib, HELDOUT modules
-kept out), the BPE, the initial weights, the training windows. JAX + optax, our own model code, the
+Everything is fixed by --seed: the file selection (every *.py of the stdlib outside test suites and
+data packages, sorted by path, HELDOUT modules kept out), the BPE, the initial weights, the training windows. JAX + optax, our own model code, the
 pure-JAX chunked KDA path for gradients (no Pallas). Loss: next-token cross-entropy of the main model plus
 MTP_WEIGHT times the next-next-token cross-entropy of the MTP layer (arch §7 alignment: the MTP layer at
 position p reads the target's pre-norm hidden state at p and the embedding of token p + 1).
@@ -32,9 +32,19 @@ FIB_PROMPT = "def fibonacci(n):"  # shipped held-out text the CI test scores (in
 
 
 # ----- data -----
+SKIP_DIRS = {"__pycache__", "site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data"}
+
+
 def select_files(stdlib: str) -> tuple[list[str], list[str]]:
-    """Sorted top-level *.py files of the stdlib directory: (training files, held-out files)."""
-    names = sorted(n for n in os.listdir(stdlib) if n.endswith(".py") and os.path.isfile(os.path.join(stdlib, n)))
+    """Every *.py file under the stdlib directory, by relative path in sorted order, skipping test
+    suites, installed packages and data-only packages (SKIP_DIRS): (training files, held-out files)."""
+    names = []
+    for root, dirs, files in os.walk(stdlib):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS]
+        rel = os.path.relpath(root, stdlib)
+        names += [os.path.normpath(os.path.join(rel, f)) for f in files
+                  if f.endswith(".py") and os.path.isfile(os.path.join(root, f))]
+    names.sort()
     return [n for n in names if n not in HELDOUT], [n for n in names if n in HELDOUT]
 
 
@@ -276,7 +286,8 @@ def main(argv=None) -> int:
         "clip 1.0", "mtp_loss_weight": MTP_WEIGHT,
         "python": sys.version.split()[0], "jax": jax.__version__, "optax": optax.__version__,
         "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
-        "data": {"source": "sysconfig.get_paths()['stdlib'], top-level *.py, sorted by name", "stdlib": stdlib,
+        "data": {"source": "the stdlib's *.py files by relative path, sorted, without the directories "
+                           + ", ".join(sorted(SKIP_DIRS)), "stdlib": stdlib,
                  "train_files": train_names, "heldout_files": held_names, "corpus_sha256": corpus_sha,
                  "train_tokens": int(train_ids.size), "heldout_tokens": int(held_ids.size),
                  "separator": "[BOS] before each file"},
