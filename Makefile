@@ -4,7 +4,7 @@
 PYTEST_ARGS ?=
 
 demo: venv
-	.venv/bin/k3jax generate --model tiny-k3 --prompt "The quick brown fox" --max-new-tokens 24 --stream
+	.venv/bin/k3jax generate --model tiny-k3 --prompt "def fibonacci(n):" --max-new-tokens 64 --repetition-penalty 1.3 --stream
 
 test: venv oracle-venv
 	.venv/bin/python -m pytest -n 2 $(PYTEST_ARGS)

@@ -239,7 +239,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="the CPU workload: " + ", ".join(
         f"{k}={v}" for k, v in SMALL.items()))
     ap.add_argument("--model", default="kimi-linear-48b",
-                    help="kimi-linear-48b (random weights), tiny-k3, tiny-kimi-linear or a checkpoint directory")
+                    help="kimi-linear-48b (random weights), tiny-k3, tiny-k3-random, tiny-kimi-linear or a checkpoint directory")
     ap.add_argument("--requests", type=int, default=1024)
     ap.add_argument("--slots", type=int, default=64, help="engine slots = static batch size (default 64)")
     ap.add_argument("--prompt-min", type=int, default=65, help="prompt tokens at least (default 65)")

@@ -67,7 +67,7 @@ def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int, touched: float | Non
 
 def add_model_arguments(ap: argparse.ArgumentParser, default: str) -> None:
     """The options `build` reads: --model and `add_build_arguments`."""
-    ap.add_argument("--model", default=default, help="tiny-k3, tiny-kimi-linear or kimi-linear-48b")
+    ap.add_argument("--model", default=default, help="tiny-k3, tiny-k3-random, tiny-kimi-linear or kimi-linear-48b")
     add_build_arguments(ap)
 
 

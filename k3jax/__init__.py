@@ -49,8 +49,8 @@ def load(path, dtype="float32", **options) -> CausalLM:
 
 
 def load_model(name_or_path, dtype="float32", *, seed: int = 0, **options) -> CausalLM:
-    """A built-in tiny model by name ("tiny-k3", "tiny-kimi-linear": random weights; "tiny-k3-python":
-    trained on the Python standard library, shipped in the package) or a checkpoint directory
+    """A built-in tiny model by name ("tiny-k3": trained on the Python standard library, shipped in the
+    package; "tiny-k3-random", "tiny-kimi-linear": random weights) or a checkpoint directory
     (`load`). Built-in models carry their tokenizer (`model.tokenizer`)."""
     if name_or_path in TRAINED:
         return load(trained_path(name_or_path), dtype=dtype, **options)

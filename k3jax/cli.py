@@ -115,8 +115,8 @@ def build_parser(extra_commands: dict | None = None) -> argparse.ArgumentParser:
                                 "  k3jax generate --model tiny-k3 --prompt 'def f(x):' --speculative mtp "
                                 "--num-speculative-tokens 3")
     gen.add_argument("--model", required=True,
-                     help="checkpoint directory, or a built-in model: tiny-k3, tiny-kimi-linear (random weights), "
-                          "tiny-k3-python (trained on the Python standard library)")
+                     help="checkpoint directory, or a built-in model: tiny-k3 (trained on the Python standard "
+                          "library), tiny-k3-random, tiny-kimi-linear (random weights)")
     gen.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
     gen.add_argument("--chat", action="store_true", help="render the prompt as a user chat message")
     gen.add_argument("--system", default=None, help="system message (with --chat)")

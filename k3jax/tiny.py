@@ -1,7 +1,11 @@
-"""Built-in tiny models: deterministic random weights plus a small Kimi-layout tokenizer trained
-offline on an embedded corpus, so everything runs on a fresh machine without downloads.
+"""Built-in tiny models, so everything runs on a fresh machine without downloads:
 
-    model, tokenizer = k3jax.load_model("tiny-k3")
+- "tiny-k3": a tiny K3 trained on the Python standard library (weights and tokenizer shipped in
+  k3jax/models/tiny_k3, checked against their SHA-256 sums on load; scripts/train_tiny_k3.py);
+- "tiny-k3-random", "tiny-kimi-linear": deterministic random weights plus a small Kimi-layout
+  tokenizer trained offline on an embedded corpus (the tests' models).
+
+    model = k3jax.load_model("tiny-k3"); model.tokenizer
 """
 
 from __future__ import annotations
@@ -39,11 +43,11 @@ for i in range(10):
 你好，世界！今天天气很好。我们在测试一个小模型。
 """
 
-BUILTIN = ("tiny-k3", "tiny-kimi-linear")
+BUILTIN = ("tiny-k3-random", "tiny-kimi-linear")
 # Built-in trained models: name -> directory under k3jax/models/ (a Hugging Face checkpoint in the
 # released layout, its tokenizer, the training record and SHA256SUMS). Trained by
-# scripts/train_tiny_k3_python.py; see the README.md in the directory.
-TRAINED = {"tiny-k3-python": "tiny_k3_python"}
+# scripts/train_tiny_k3.py; see the README.md in the directory.
+TRAINED = {"tiny-k3": "tiny_k3"}
 CHECKSUMS = "SHA256SUMS"
 EVAL_SLICE = "eval_slice.txt"
 
@@ -72,7 +76,7 @@ def tiny_tokenizer(family: str = "kimi_k3", base_vocab: int = 400) -> KimiTokeni
 
 
 def builtin_config(name: str) -> tuple[ModelConfig, KimiTokenizer]:
-    if name == "tiny-k3":
+    if name == "tiny-k3-random":
         tok = tiny_tokenizer("kimi_k3")
         cfg = tiny_k3(vocab_size=tok.vocab_size)
     elif name == "tiny-kimi-linear":

@@ -44,7 +44,7 @@ from k3jax.config import IMPL_OPTIONS
 from k3jax.engine import Engine, EngineConfig
 from k3jax.hf_config import read_generation_config
 from k3jax.sampling import SamplingParams
-from k3jax.tiny import BUILTIN, builtin_config
+from k3jax.tiny import BUILTIN, TRAINED, builtin_config, trained_path
 
 from serve.parts import JobDir, JobError, PartWriter, Summary
 from serve.records import error_record, result_record
@@ -68,7 +68,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                "Input lines: OpenAI batch lines ({\"custom_id\", \"body\": {\"messages\" | \"prompt\", ...}}) or "
                "{\"id\", \"prompt\", ...}.\nRe-running the same command resumes an interrupted job.")
     ap.add_argument("--model", required=True,
-                    help="checkpoint directory, or a built-in model: tiny-k3, tiny-kimi-linear")
+                    help="checkpoint directory, or a built-in model: tiny-k3, tiny-k3-random, tiny-kimi-linear")
     ap.add_argument("--input", required=True, help="JSONL file of requests")
     ap.add_argument("--output", required=True,
                     help="JSONL file of results (its job directory OUTPUT.job holds the parts meanwhile)")
@@ -153,7 +153,8 @@ def model_identity(name: str, dtype: str, impls: dict) -> dict:
     (small ones by content, large ones by size), with the dtype and implementation choices."""
     if name in BUILTIN:
         files = {"builtin": name}
-    elif os.path.isdir(name):
+    elif name in TRAINED or os.path.isdir(name):
+        name = trained_path(name) if name in TRAINED else name
         files = {}
         for entry in sorted(os.scandir(name), key=lambda e: e.name):
             if entry.is_dir():
@@ -164,7 +165,7 @@ def model_identity(name: str, dtype: str, impls: dict) -> dict:
             else:
                 files[entry.name] = entry.stat().st_size
     else:
-        raise ValueError(f"unknown model {name!r}: not a built-in model ({', '.join(BUILTIN)}) "
+        raise ValueError(f"unknown model {name!r}: not a built-in model ({', '.join((*TRAINED, *BUILTIN))}) "
                          "and not a checkpoint directory")
     return {"files": files, "dtype": dtype, "impls": impls}
 
@@ -280,7 +281,8 @@ class Job:
             config, tokenizer = builtin_config(self.args.model)
             return k3jax.CausalLM.random(config.with_impls(**self.impls), dtype=self.args.dtype, mesh=mesh,
                                          tokenizer=tokenizer)
-        return k3jax.load(self.args.model, dtype=self.args.dtype, mesh=mesh, **self.impls)
+        path = trained_path(self.args.model) if self.args.model in TRAINED else self.args.model
+        return k3jax.load(path, dtype=self.args.dtype, mesh=mesh, **self.impls)
 
     # ----- the work -----
     def _run_replicas(self, engines: dict[int, Engine | None]) -> _Counts:

@@ -27,7 +27,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                                         "  then: curl localhost:8000/v1/chat/completions -H 'Content-Type: "
                                         "application/json' -d '{\"model\": \"tiny-k3\", \"messages\": "
                                         "[{\"role\": \"user\", \"content\": \"Hi\"}]}'")
-    ap.add_argument("--model", required=True, help="checkpoint directory, or a built-in model: tiny-k3, tiny-kimi-linear")
+    ap.add_argument("--model", required=True, help="checkpoint directory, or a built-in model: tiny-k3, tiny-k3-random, tiny-kimi-linear")
     ap.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)

@@ -19,21 +19,21 @@ def test_generate_errors_are_one_line(capsys):
     assert main(["generate", "--model", "tiny-gpt", "--prompt", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("k3jax generate: error: unknown model 'tiny-gpt'") and "\n" not in err
-    assert main(["generate", "--model", "tiny-k3", "--prompt", "x", "--top-p", "0"]) == 2
+    assert main(["generate", "--model", "tiny-k3-random", "--prompt", "x", "--top-p", "0"]) == 2
     assert "top_p must be a finite number in (0.0, 1.0], got 0.0" in capsys.readouterr().err
 
 
 def test_speculative_flags(capsys):
-    assert main(["generate", "--model", "tiny-k3", "--prompt", "def f(x):", "--max-tokens", "6", "--speculative", "mtp",
+    assert main(["generate", "--model", "tiny-k3-random", "--prompt", "def f(x):", "--max-tokens", "6", "--speculative", "mtp",
                  "--num-speculative-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "speculative mtp:" in out and "tokens per verify step" in out
     assert main(["generate", "--model", "tiny-kimi-linear", "--prompt", "x", "--speculative", "mtp"]) == 2
     assert "needs MTP layers" in capsys.readouterr().err
-    assert main(["generate", "--model", "tiny-k3", "--prompt", "x", "--speculative", "ngram",
+    assert main(["generate", "--model", "tiny-k3-random", "--prompt", "x", "--speculative", "ngram",
                  "--num-speculative-tokens", "0"]) == 2
     assert "num_draft_tokens must be an integer in [1, 16], got 0" in capsys.readouterr().err
-    assert main(["generate", "--model", "tiny-k3", "--prompt", "x", "--num-speculative-tokens", "2"]) == 2
+    assert main(["generate", "--model", "tiny-k3-random", "--prompt", "x", "--num-speculative-tokens", "2"]) == 2
     assert "--num-speculative-tokens needs --speculative" in capsys.readouterr().err
 
 
@@ -42,7 +42,7 @@ def test_implementation_flags_use_the_option_names(capsys):
                  "--kda", "recurrent", "--mla", "naive", "--moe", "dense"]) == 0
     assert "tok/s" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "--model", "tiny-k3", "--prompt", "x", "--kda", "fast"])
+        main(["generate", "--model", "tiny-k3-random", "--prompt", "x", "--kda", "fast"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'fast'" in capsys.readouterr().err
 

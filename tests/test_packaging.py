@@ -48,7 +48,7 @@ def test_wheel_installs_into_a_clean_venv_and_runs(tmp_path):
     assert built.returncode == 0, built.stderr[-2000:]
     wheel = next((tmp_path / "dist").glob("k3jax-*.whl"))
     shipped = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"k3jax/models/tiny_k3_python/{n}" for n in ("model.safetensors", "SHA256SUMS", "tiktoken.model")} <= shipped
+    assert {f"k3jax/models/tiny_k3/{n}" for n in ("model.safetensors", "SHA256SUMS", "tiktoken.model")} <= shipped
     made = run(sys.executable, "-m", "venv", str(tmp_path / "venv"))
     assert made.returncode == 0, made.stderr
     pip = run(str(tmp_path / "venv" / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
@@ -61,7 +61,7 @@ def test_wheel_installs_into_a_clean_venv_and_runs(tmp_path):
     assert version.returncode == 0 and version.stdout.startswith("k3jax "), version.stderr[-2000:]
     out = run(str(cli), "generate", "--model", "tiny-kimi-linear", "--prompt", "Hi", "--chat", "--max-tokens", "3")
     assert out.returncode == 0 and "--- prompt 0" in out.stdout, out.stderr[-2000:]
-    trained = run(str(cli), "generate", "--model", "tiny-k3-python", "--prompt", "def f(x):", "--max-tokens", "3")
+    trained = run(str(cli), "generate", "--model", "tiny-k3", "--prompt", "def f(x):", "--max-tokens", "3")
     assert trained.returncode == 0 and "--- prompt 0" in trained.stdout, trained.stderr[-2000:]
     (tmp_path / "empty.jsonl").write_text("")
     job = run(str(tmp_path / "venv" / "bin" / "python"), "-m", "serve.batch", "--model", "tiny-kimi-linear",

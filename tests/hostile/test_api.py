@@ -78,7 +78,7 @@ def test_requests_that_fit_the_context_are_served(model):
 
 def _cli(*args, **popen):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "k3jax", "generate", "--model", "tiny-k3", *args],
+    return subprocess.Popen([sys.executable, "-m", "k3jax", "generate", "--model", "tiny-k3-random", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, **popen)
 
 

@@ -11,7 +11,7 @@ import pytest
 import serve.parts as parts
 from serve.parts import JobDir, JobError, PartWriter, Summary
 
-FP = {"model": {"files": {"builtin": "tiny-k3"}}, "sampling": {"seed": 0}, "input": "abc", "max_len": None}
+FP = {"model": {"files": {"builtin": "tiny-k3-random"}}, "sampling": {"seed": 0}, "input": "abc", "max_len": None}
 
 
 def record(key: str, failed: bool = False, tokens: int = 3) -> dict:

@@ -24,7 +24,7 @@ from k3jax.stop_strings import decode_text
 from serve.k3_output import K3AnswerParser
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = "tiny-k3"
+MODEL = "tiny-k3-random"
 
 
 def _free_port() -> int:

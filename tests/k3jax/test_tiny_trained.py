@@ -1,6 +1,5 @@
-"""The shipped trained model `tiny-k3-python` (k3jax/models/tiny_k3_python, trained by
-scripts/train_tiny_k3_python.py): its files match their checksums, it loads by name through the
-checkpoint loader with every K3 feature on, and its held-out loss (fp32, CPU) stays within 1% of the
+"""The shipped trained model `tiny-k3` (k3jax/models/tiny_k3, trained by scripts/train_tiny_k3.py):
+its files match their checksums, it loads by name through the checkpoint loader with every K3 feature on, and its held-out loss (fp32, CPU) stays within 1% of the
 value recorded when it was trained, so a numerical regression of the forward pass shows up here."""
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import pytest
 import k3jax
 from k3jax.tiny import CHECKSUMS, eval_slice_loss, trained_path, verify_checksums
 
-NAME = "tiny-k3-python"
+NAME = "tiny-k3"
 
 
 @pytest.fixture(scope="module")

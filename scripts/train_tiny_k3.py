@@ -1,8 +1,8 @@
-"""Trains `tiny-k3-python`: a tiny Kimi K3 (every K3 feature on) on the Python standard library's own
+"""Trains `tiny-k3`: a tiny Kimi K3 (every K3 feature on) on the Python standard library's own
 source, with the project's tokenizer (Kimi layout, BPE trained here on the same text), and writes it as a
 Hugging Face checkpoint in the released K3 layout plus its tokenizer, checksums and a training record.
 
-    PYTHONPATH=. python scripts/train_tiny_k3_python.py --out k3jax/models/tiny_k3_python
+    PYTHONPATH=. python scripts/train_tiny_k3.py --out k3jax/models/tiny_k3
 
 Everything is fixed by --seed: the file selection (every *.py of the stdlib outside test suites and
 data packages, sorted by path, HELDOUT modules kept out), the BPE, the initial weights, the training windows. JAX + optax, our own model code, the
@@ -28,7 +28,10 @@ import regex
 HELDOUT = ("bisect.py", "colorsys.py", "fractions.py", "heapq.py", "textwrap.py")
 MTP_WEIGHT = 0.3
 EVAL_SLICE = "eval_slice.txt"
-FIB_PROMPT = "def fibonacci(n):"  # shipped held-out text the CI test scores (independent of the local stdlib)
+FIB_PROMPT = "def fibonacci(n):"
+# The demo's sampling (`make demo`): greedy with a repetition penalty (plain greedy decoding of a model
+# this small falls into a loop of one line).
+DEMO_SAMPLING = {"max_new_tokens": 64, "temperature": 0.0, "repetition_penalty": 1.3}
 
 
 # ----- data -----
@@ -130,13 +133,13 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stdlib", default=None,
                    help="directory of the stdlib's *.py files (default: this interpreter's own stdlib)")
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seq", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--base-vocab", type=int, default=1024)
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=500)
     p.add_argument("--finalize-only", action="store_true", help="only re-run the finalize step on --out")
     p.add_argument("--time-steps", type=int, default=0, help="only time this many steps, write nothing")
     args = p.parse_args(argv)
@@ -166,7 +169,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     ranks = bpe_train(train_texts, args.base_vocab, KIMI_PATTERN)
     specials = {len(ranks) + off: name for off, name in K3_SPECIALS.items()}
-    tok = KimiTokenizer(ranks, specials, bos_token="[BOS]", eos_token="<|end_of_msg|>", name="tiny-k3-python")
+    tok = KimiTokenizer(ranks, specials, bos_token="[BOS]", eos_token="<|end_of_msg|>", name="tiny-k3")
     print(f"BPE {len(ranks)} ranks in {time.time() - t0:.1f}s; vocab {tok.vocab_size}", flush=True)
 
     def stream(texts):
@@ -278,7 +281,7 @@ def main(argv=None) -> int:
     import subprocess
     rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     record = {
-        "model": "tiny-k3-python",
+        "model": "tiny-k3",
         "command": "PYTHONPATH=. python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:] if argv is None
                                                      else [os.path.relpath(__file__)] + list(argv)),
         "git_commit": rev, "seed": args.seed, "steps": args.steps, "batch": args.batch, "seq": args.seq,
@@ -292,7 +295,7 @@ def main(argv=None) -> int:
                  "train_tokens": int(train_ids.size), "heldout_tokens": int(held_ids.size),
                  "separator": "[BOS] before each file"},
         "tokenizer": {"base_ranks": len(ranks), "vocab_size": tok.vocab_size,
-                      "trainer": "scripts/train_tiny_k3_python.py bpe_train (byte-level, Kimi split pattern)"},
+                      "trainer": "scripts/train_tiny_k3.py bpe_train (byte-level, Kimi split pattern)"},
         "parameters": int(n_params),
         "train_seconds": round(train_time, 1), "total_seconds": round(time.time() - t_start, 1),
         "final": {"train_loss": train_eval[0], "train_mtp_loss": train_eval[1], "heldout_loss": held_eval[0],
@@ -309,20 +312,21 @@ def main(argv=None) -> int:
 
 def finalize(out: str) -> None:
     """Loads the written checkpoint by the ordinary loader (fp32), records the loss on the shipped
-    held-out slice (what the CI test checks) and the greedy sample for `def fibonacci(n):` in
+    held-out slice (what the CI test checks) and the demo's sample for `def fibonacci(n):` in
     training.json, then writes SHA256SUMS over every file of the directory."""
     import k3jax
     from k3jax.tiny import CHECKSUMS, eval_slice_loss
     model = k3jax.load(out, dtype="float32")
     loss, n = eval_slice_loss(model, out)
-    sample = k3jax.generate(model, [FIB_PROMPT], k3jax.SamplingParams(max_new_tokens=48, temperature=0.0))
+    sample = k3jax.generate(model, [FIB_PROMPT], k3jax.SamplingParams(**DEMO_SAMPLING))
     text = sample.results[0].outputs[0].text if hasattr(sample, "results") else str(sample)
     path = os.path.join(out, "training.json")
     with open(path) as f:
         record = json.load(f)
     record["eval_slice"] = {"file": EVAL_SLICE, "source": "first 6000 characters of the held-out textwrap.py",
                             "predicted_tokens": n, "loss": loss, "dtype": "float32"}
-    record["greedy_sample"] = {"prompt": FIB_PROMPT, "max_new_tokens": 48, "text": text}
+    record.pop("greedy_sample", None)
+    record["demo_sample"] = {"prompt": FIB_PROMPT, **DEMO_SAMPLING, "text": text}
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
     print(f"eval slice: {n} tokens, loss {loss:.5f}\n{FIB_PROMPT}{text}", flush=True)
