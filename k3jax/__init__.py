@@ -36,9 +36,10 @@ __all__ = [
 ]
 
 
-def load(path, dtype="float32", **options) -> CausalLM:
+def load(path, dtype="auto", **options) -> CausalLM:
     """Loads a checkpoint directory: Hugging Face (config.json + safetensors [+ index]) or a k3jax
-    checkpoint written by `k3jax convert`. Options: see `k3jax.checkpoint.loader.load_causal_lm`
+    checkpoint written by `k3jax convert`, in `dtype` ("auto": the checkpoint's own, bf16 for the
+    released models; "float32" or "bfloat16" on request). Options: see `k3jax.checkpoint.loader.load_causal_lm`
     (a_log_policy=, progress=, mesh=, and implementation choices kda=, kda_decode=, mla=, moe=,
     gmm=, attn_res=). The model carries the directory's tokenizer when it holds tiktoken.model."""
     model = load_causal_lm(path, dtype=dtype, **options)
@@ -48,15 +49,15 @@ def load(path, dtype="float32", **options) -> CausalLM:
                     generation_config=read_generation_config(path))
 
 
-def load_model(name_or_path, dtype="float32", *, seed: int = 0, **options) -> CausalLM:
+def load_model(name_or_path, dtype="auto", *, seed: int = 0, **options) -> CausalLM:
     """A built-in tiny model by name ("tiny-k3": trained on the Python standard library, shipped in the
     package; "tiny-k3-random", "tiny-kimi-linear": random weights) or a checkpoint directory
-    (`load`). Built-in models carry their tokenizer (`model.tokenizer`)."""
+    (`load`). Built-in models carry their tokenizer (`model.tokenizer`); "auto" is float32 for them."""
     if name_or_path in TRAINED:
         return load(trained_path(name_or_path), dtype=dtype, **options)
     if name_or_path in BUILTIN:
         cfg, tok = builtin_config(name_or_path)
-        model = CausalLM.random(cfg, seed=seed, dtype=dtype, tokenizer=tok)
+        model = CausalLM.random(cfg, seed=seed, dtype="float32" if dtype == "auto" else dtype, tokenizer=tok)
         impls = {k: options.pop(k) for k in list(options) if k in IMPL_OPTIONS or k in RENAMED_IMPL_OPTIONS}
         if options:
             raise ValueError(f"options {sorted(options)} apply to checkpoint directories, not built-in models")

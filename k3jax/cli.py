@@ -137,7 +137,9 @@ def build_parser(extra_commands: dict | None = None) -> argparse.ArgumentParser:
                      help="speculative decoding with drafts from the model's MTP layer or prompt lookup")
     gen.add_argument("--num-speculative-tokens", type=int, default=None,
                      help="drafts verified per step (default 3; needs --speculative)")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                     help="weights and activations (auto: the checkpoint's own, bf16 for the released "
+                          "models; float32 for the built-in tiny models)")
     add_impl_arguments(gen)
     gen.set_defaults(func=_generate)
     sub.add_parser("convert", add_help=False,

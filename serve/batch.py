@@ -75,7 +75,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--mesh", default=None,
                     help="data=..,expert=..,tensor=.. over all devices of the job; replicas over data (default: one "
                          "replica per device; without data=, replicas fill the devices)")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                     help="weights and activations (auto: the checkpoint's own, bf16 for the released "
+                          "models; float32 for the built-in tiny models)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="tokens per request that gives no max_tokens (default: the model's generation config, or 64)")
     ap.add_argument("--seed", type=int, default=0,
@@ -279,7 +281,8 @@ class Job:
             return loaded.shard(mesh)
         if self.args.model in BUILTIN:
             config, tokenizer = builtin_config(self.args.model)
-            return k3jax.CausalLM.random(config.with_impls(**self.impls), dtype=self.args.dtype, mesh=mesh,
+            dtype = "float32" if self.args.dtype == "auto" else self.args.dtype
+            return k3jax.CausalLM.random(config.with_impls(**self.impls), dtype=dtype, mesh=mesh,
                                          tokenizer=tokenizer)
         path = trained_path(self.args.model) if self.args.model in TRAINED else self.args.model
         return k3jax.load(path, dtype=self.args.dtype, mesh=mesh, **self.impls)

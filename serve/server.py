@@ -31,7 +31,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                     help="weights and activations (auto: the checkpoint's own, bf16 for the released "
+                          "models; float32 for the built-in tiny models)")
     ap.add_argument("--mesh", default=None, help="e.g. data=1,expert=4,tensor=2 over this host's devices")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="completions decoding together (engine slots)")
     ap.add_argument("--max-model-len", type=int, default=4096, help="tokens per sequence, prompt plus output")

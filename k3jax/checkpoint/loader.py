@@ -11,6 +11,7 @@ NaN or Inf weights, naming the tensors.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 
@@ -31,14 +32,51 @@ from k3jax.sharding import param_shardings
 
 logger = logging.getLogger(__name__)
 
-def load_causal_lm(path: str | os.PathLike, dtype="float32", *, a_log_policy: str | None = None,
+# What dtype="auto" keeps; any other declared or stored dtype (float16, float8, ...) loads as float32.
+_AUTO_DTYPES = ("bfloat16", "float32")
+
+
+def _declared_dtype(path) -> str | None:
+    """config.json's `dtype` / `torch_dtype` (top level or text_config), None when absent or unreadable."""
+    try:
+        with open(os.path.join(os.fspath(path), "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return None
+    for cfg in (raw, raw.get("text_config") if isinstance(raw, dict) else None):
+        if isinstance(cfg, dict):
+            for key in ("dtype", "torch_dtype"):
+                if isinstance(cfg.get(key), str):
+                    return cfg[key]
+    return None
+
+
+def checkpoint_dtype(path: str | os.PathLike) -> str:
+    """What dtype="auto" loads a checkpoint in: a converted checkpoint's stored dtype; a Hugging Face
+    checkpoint's declared dtype (config.json), else the floating dtype holding most of its stored
+    bytes. bfloat16 and float32 are kept; anything else loads as float32."""
+    if is_k3jax_checkpoint(path):
+        found = read_manifest(path)["dtype"]
+    else:
+        found = _declared_dtype(path)
+        if found is None:
+            by_dtype: dict[str, int] = {}
+            for info in SafetensorsCheckpoint(path).tensors.values():
+                if np.issubdtype(info.dtype, np.floating) or info.dtype.name == "bfloat16":
+                    by_dtype[info.dtype.name] = by_dtype.get(info.dtype.name, 0) + info.nbytes
+            found = max(by_dtype, key=by_dtype.get) if by_dtype else None
+    return found if found in _AUTO_DTYPES else "float32"
+
+
+def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str | None = None,
                    progress: bool | None = None, mesh=None, _check_finite: bool = True, **impls) -> CausalLM:
     """Loads a checkpoint directory as a `CausalLM`: Hugging Face (config.json + *.safetensors
     [+ index]) tensor by tensor, or a k3jax (Orbax) checkpoint written by `k3jax convert`.
 
     Args:
-      dtype: "float32" or "bfloat16" for the weights and activations; A_log, dt_bias, conv taps,
-        o_norm and the router correction bias always stay fp32.
+      dtype: "auto" (the checkpoint's own, `checkpoint_dtype`: bf16 for the released models),
+        "float32" or "bfloat16" for the weights and activations; A_log, dt_bias, conv taps, o_norm
+        and the router correction bias always stay fp32.
       a_log_policy: how a K3 A_log longer than the head count is read ("per_head" or "per_channel").
       progress: show a progress bar (default: on a terminal, for checkpoints over 256 MB).
       mesh: place every parameter directly in its sharding (k3jax.sharding rules) as it is read.
@@ -51,7 +89,7 @@ def load_causal_lm(path: str | os.PathLike, dtype="float32", *, a_log_policy: st
     checkpoint holds that does not match the config, cannot be read, fails a checksum, or is not
     finite; ConfigError for a bad config.
     """
-    dt = resolve_dtype(dtype)
+    dt = resolve_dtype(checkpoint_dtype(path) if isinstance(dtype, str) and dtype == "auto" else dtype)
     if is_k3jax_checkpoint(path):
         return _load_converted(path, dt, impls, a_log_policy, mesh, _check_finite)
     cfg = load_hf_config(path).with_impls(**impls)

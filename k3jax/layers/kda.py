@@ -17,7 +17,8 @@ from k3jax.layers.linear import Linear, linears
 from k3jax.layers.norms import GatedRMSNorm
 from k3jax.layers.params import normal, param, uniform
 from k3jax.state import KDAPending, KDAState, SeqInfo
-from pallas_kernels.kda import KDADecodeInputs, KDADecodeWeights, kda, kda_decode, kda_decode_steps
+from pallas_kernels.kda import (KDADecodeInputs, KDADecodeWeights, kda, kda_decode, kda_decode_steps,
+                                kda_verify_outputs)
 from pallas_kernels.kda import forget_gate as gate_from_logits
 from pallas_kernels.kda import l2_normalize
 from pallas_kernels.skinny import SkinnyImpl
@@ -176,8 +177,8 @@ class KimiDeltaAttention(nnx.Module):
         cfg = self.cfg
         b, t, h, k, w = *x_BTD.shape[:2], cfg.num_heads, cfg.head_dim, cfg.conv_size
         inputs = self._decode_inputs(mixed_BTC, proj)
-        out, _, _ = kda_decode_steps(inputs, self._decode_weights(taps_WC), state.conv.reshape(b, w - 1, 3, h, k),
-                                     state.recurrent, impl=cfg.decode_impl)
+        out = kda_verify_outputs(inputs, self._decode_weights(taps_WC), state.conv.reshape(b, w - 1, 3, h, k),
+                                 state.recurrent, impl=cfg.decode_impl)
         out = self.o_proj(out.reshape(b, t, h * k))
         return out, KDAPending(inputs=inputs, conv=state.conv, recurrent=state.recurrent)
 

@@ -4,7 +4,7 @@ forms, the Pallas kernels and the one dispatch site (`ops`)."""
 from pallas_kernels.kda.chunk import kda_chunk_pallas
 from pallas_kernels.kda.chunk_xla import kda_chunk_xla
 from pallas_kernels.kda.decode import kda_decode_pallas, kda_decode_steps_pallas
-from pallas_kernels.kda.decode_steps import kda_decode_steps
+from pallas_kernels.kda.decode_steps import kda_decode_steps, kda_verify_outputs
 from pallas_kernels.kda.decode_xla import kda_decode_xla
 from pallas_kernels.kda.gate import forget_gate, gated_rms_norm, l2_normalize, softplus
 from pallas_kernels.kda.ops import KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl, kda, kda_decode
@@ -14,7 +14,8 @@ from pallas_kernels.kda.tuning import ChunkBlocks, DecodeBlocks
 
 __all__ = [
     # Ops (dispatch by implementation name)
-    "kda", "kda_decode", "kda_decode_steps", "KDAImpl", "KDA_IMPLS", "KDADecodeImpl", "KDA_DECODE_IMPLS",
+    "kda", "kda_decode", "kda_decode_steps", "kda_verify_outputs", "KDAImpl", "KDA_IMPLS", "KDADecodeImpl",
+    "KDA_DECODE_IMPLS",
     # Arguments and launch settings
     "KDADecodeInputs", "KDADecodeWeights", "ChunkBlocks", "DecodeBlocks",
     # Implementations

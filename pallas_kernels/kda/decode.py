@@ -57,9 +57,10 @@ def _decode_kernel(x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref, z_ref, n
 
 
 def _steps_kernel(keep_ref, x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref, z_ref, nw_ref, s_ref,
-                  out_ref, conv_out_ref, s_out_ref, *, steps, width, **settings):
+                  out_ref, *state_out_refs, steps, width, **settings):
     """T tokens of one (row, head) with the state held on chip; the conv window and state advance
-    over the first keep tokens only."""
+    over the first keep tokens only and are written when `state_out_refs` (conv, state) are given
+    (outputs-only calls, the speculative verify, write nothing else)."""
     keep = keep_ref[...]
     hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(3)]
     s = s_ref[...]
@@ -72,6 +73,9 @@ def _steps_kernel(keep_ref, x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref,
         advance = t < keep
         s = jnp.where(advance, s_new, s)
         hist = [[jnp.where(advance, new, old) for new, old in zip(h[1:] + [xi], h)] for h, xi in zip(hist, x)]
+    if not state_out_refs:
+        return
+    conv_out_ref, s_out_ref = state_out_refs
     for i in range(3):
         for j in range(width - 1):
             conv_out_ref[j, i, :] = hist[i][j]
@@ -134,10 +138,10 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
     return out, new_conv, new_state
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("outputs_only", "blocks", "interpret"))
 def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array,
-                            state: jax.Array, keep: jax.Array, *, blocks: DecodeBlocks = DecodeBlocks(),
-                            interpret: bool | None = None):
+                            state: jax.Array, keep: jax.Array, *, outputs_only: bool = False,
+                            blocks: DecodeBlocks = DecodeBlocks(), interpret: bool | None = None):
     """T fused decode steps per row in one kernel (speculative verify and commit): per (row, head)
     program the state stays on chip across the T tokens; row b's conv window and state advance over
     its first keep[b] tokens only. Same contract as `decode_steps.kda_decode_steps`.
@@ -147,8 +151,10 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
         beta_logit [B, T, H], z [B, T, H, K]). weights: KDADecodeWeights (K a power of two).
       conv_state: [B, W-1, 3, H, K]. state: [B, H, K, K] fp32 (aliased to the output state).
       keep: [B] int32 in 0..T.
+      outputs_only: write only `out` (the verify step: no state traffic, no aliasing); keep is then
+        unused.
     Returns:
-      (out [B, T, H, K], conv_state and state after each row's kept tokens)
+      (out [B, T, H, K], conv_state and state after each row's kept tokens), or out alone.
     """
     b, t, _, h, kd = inputs.x_qkv.shape
     width = weights.conv_w.shape[0]
@@ -159,7 +165,15 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
     kernel = functools.partial(_steps_kernel, steps=t, width=width, lower_bound=weights.lower_bound,
                                norm_eps=weights.norm_eps, scale=scale)
     row_tokens_head = lambda i, j: (i, 0, j, 0)
-    out, new_conv, new_state = pl.pallas_call(
+    out_specs = [pl.BlockSpec((None, t, None, kd), row_tokens_head),
+                 pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),
+                 pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, t, h, kd), inputs.x_qkv.dtype),
+                 jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+                 jax.ShapeDtypeStruct(state.shape, jnp.float32)]
+    if outputs_only:
+        out_specs, out_shape = out_specs[:1], out_shape[:1]
+    results = pl.pallas_call(
         kernel,
         grid=(b, h),
         in_specs=[
@@ -175,18 +189,12 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
             pl.BlockSpec((kd,), lambda i, j: (0,)),                                     # o_norm_w
             pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0)),              # state
         ],
-        out_specs=[
-            pl.BlockSpec((None, t, None, kd), row_tokens_head),
-            pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),
-            pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct((b, t, h, kd), inputs.x_qkv.dtype),
-                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-                   jax.ShapeDtypeStruct(state.shape, jnp.float32)],
-        input_output_aliases={10: 2},
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={} if outputs_only else {10: 2},
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
-        name="kda_decode_steps",
+        name="kda_verify_outputs" if outputs_only else "kda_decode_steps",
     )(keep.astype(jnp.int32), inputs.x_qkv, conv_state, weights.conv_w, inputs.f, weights.dt_bias, weights.a,
       inputs.beta_logit, inputs.z, weights.o_norm_w, state.astype(jnp.float32))
-    return out, new_conv, new_state
+    return results[0] if outputs_only else tuple(results)

@@ -54,3 +54,16 @@ def kda_decode_steps(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_st
     time_major = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), inputs)
     (conv, s), out = jax.lax.scan(step, (conv_state, state), (time_major, jnp.arange(t, dtype=jnp.int32)))
     return jnp.moveaxis(out, 0, 1), conv, s
+
+
+def kda_verify_outputs(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array, state: jax.Array,
+                       *, impl: KDADecodeImpl = "xla") -> jax.Array:
+    """The outputs of T decode steps per row and nothing else (a speculative verify window: the
+    commit later replays the kept tokens). Same inputs as `kda_decode_steps`; -> out [B, T, H, K].
+    With "pallas" the kernel writes no state, so no state pass and no copy of an aliased input."""
+    if impl == "pallas":
+        if inputs.x_qkv.ndim != 5:
+            raise ValueError(f"kda_verify_outputs: x_qkv must be [B, T, 3, H, K], got {inputs.x_qkv.shape}")
+        keep = jnp.full((inputs.x_qkv.shape[0],), inputs.x_qkv.shape[1], jnp.int32)
+        return kda_decode_steps_pallas(inputs, weights, conv_state, state, keep, outputs_only=True)
+    return kda_decode_steps(inputs, weights, conv_state, state, impl=impl)[0]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tolerances import assert_close
 
-from pallas_kernels.kda import KDADecodeInputs, KDADecodeWeights, kda_decode, kda_decode_steps
+from pallas_kernels.kda import KDADecodeInputs, KDADecodeWeights, kda_decode, kda_decode_steps, kda_verify_outputs
 
 
 def _inputs(rng, b, t, h, kd, width=4):
@@ -41,6 +41,16 @@ def test_steps_equal_one_token_calls_and_keep_stops_each_row(rng, interpret, imp
         assert_close(f"row {row} conv after {kept}", new_conv[row], snapshots[kept][0][row])
         assert_close(f"row {row} state after {kept}", new_state[row], snapshots[kept][1][row])
     assert not np.allclose(np.asarray(new_state[0]), np.asarray(new_state[2]))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_verify_outputs_equal_the_steps_outputs(rng, interpret, impl):
+    """The outputs-only window (the verify step: no state written) equals the full steps' outputs."""
+    inputs, weights, conv, state = _inputs(rng, 2, 4, 2, 16)
+    out = kda_verify_outputs(inputs, weights, conv, state, impl=impl)
+    full, _, _ = kda_decode_steps(inputs, weights, conv, state, impl="xla")
+    assert out.shape == full.shape
+    assert_close("outputs only", out, full)
 
 
 def test_steps_name_a_bad_keep(rng):
