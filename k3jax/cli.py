@@ -9,8 +9,15 @@ import sys
 
 import k3jax
 from k3jax.checkpoint.convert import main as convert_main
+from k3jax.checkpoint.loader import checkpoint_dtype
+from k3jax.checkpoint.orbax_format import is_k3jax_checkpoint, read_manifest
+from k3jax.checkpoint.safetensors_io import CheckpointError
 from k3jax.checkpoint.verify import verify_main
-from k3jax.config import IMPL_OPTIONS
+from k3jax.config import IMPL_OPTIONS, kimi_k3, kimi_linear_48b_a3b
+from k3jax.hf_config import from_hf_config, load_hf_config
+from k3jax.memory_plan import GB, format_plan, plan_memory
+from k3jax.sharding import MeshSpec
+from k3jax.tiny import BUILTIN, TRAINED, builtin_config, trained_path
 from k3jax.generate import GenerationInterrupted
 from k3jax.speculative import SpeculativeConfig
 
@@ -96,6 +103,38 @@ def _broken_pipe() -> int:
     return 2
 
 
+PLAN_PRESETS = {"kimi-linear-48b": kimi_linear_48b_a3b, "k3": kimi_k3}
+
+
+def _plan_config(name: str, dtype: str):
+    """(config, dtype) of a preset, a built-in tiny model or a checkpoint directory."""
+    if name in PLAN_PRESETS:
+        return PLAN_PRESETS[name](), "bfloat16" if dtype == "auto" else dtype
+    if name in BUILTIN:
+        return builtin_config(name)[0], "float32" if dtype == "auto" else dtype
+    path = trained_path(name) if name in TRAINED else name
+    if not os.path.isdir(path):
+        raise ValueError(f"unknown model {name!r}: not a preset ({', '.join(PLAN_PRESETS)}), a built-in model "
+                         f"({', '.join((*TRAINED, *BUILTIN))}) or a checkpoint directory")
+    cfg = (from_hf_config(read_manifest(path)["hf_config"]) if is_k3jax_checkpoint(path) else load_hf_config(path))
+    return cfg, checkpoint_dtype(path) if dtype == "auto" else dtype
+
+
+def _plan(args) -> int:
+    try:
+        if args.batch < 1 or args.context < 1 or args.device_memory_gb <= 0:
+            raise ValueError("--batch, --context and --device-memory-gb must be positive")
+        mesh = MeshSpec.parse(args.mesh)
+        cfg, dtype = _plan_config(args.model, args.dtype)
+        plan = plan_memory(cfg, mesh, batch=args.batch, context=args.context, dtype=dtype,
+                           capacity=int(args.device_memory_gb * GB), name=args.model)
+    except (ValueError, OSError, CheckpointError) as e:
+        print(f"k3jax plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
+
+
 def build_parser(extra_commands: dict | None = None) -> argparse.ArgumentParser:
     """The `k3jax` parser; `extra_commands` (name -> (help, main)) are fronts outside k3jax (serve/)
     that the `k3jax` console script adds (serve.cli)."""
@@ -142,6 +181,19 @@ def build_parser(extra_commands: dict | None = None) -> argparse.ArgumentParser:
                           "models; float32 for the built-in tiny models)")
     add_impl_arguments(gen)
     gen.set_defaults(func=_generate)
+    plan = sub.add_parser("plan", help="per-device memory of a model on a mesh: weights, KDA state, MLA cache, "
+                          "activations (exit 1 when it does not fit)", formatter_class=argparse.RawDescriptionHelpFormatter,
+                          epilog="examples:\n  k3jax plan --model kimi-linear-48b --batch 64 --context 4096\n"
+                                 "  k3jax plan --model k3 --mesh expert=32 --batch 16 --context 131072")
+    plan.add_argument("--model", required=True,
+                      help=f"checkpoint directory, a preset ({', '.join(PLAN_PRESETS)}) or a built-in tiny model")
+    plan.add_argument("--mesh", default="", help="e.g. data=1,expert=8,tensor=2 (default: one device)")
+    plan.add_argument("--batch", type=int, default=1, help="rows decoding together (default 1)")
+    plan.add_argument("--context", type=int, default=4096, help="tokens per row, prompt and output (default 4096)")
+    plan.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                      help="auto: the checkpoint's own; bfloat16 for the presets; float32 for the tiny models")
+    plan.add_argument("--device-memory-gb", type=float, default=141.0, help="memory of one device (H200: 141)")
+    plan.set_defaults(func=_plan)
     sub.add_parser("convert", add_help=False,
                    help="convert a Hugging Face checkpoint to a k3jax (Orbax) checkpoint (see k3jax convert -h)")
     sub.add_parser("verify", add_help=False, help="verify a converted k3jax checkpoint (see k3jax verify -h)")

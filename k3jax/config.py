@@ -354,6 +354,30 @@ def kimi_linear_48b_a3b() -> ModelConfig:
     )
 
 
+def kimi_k3() -> ModelConfig:
+    """The released Kimi K3 text model as published (arch §1.2-1.5): 93 layers (MLA at 1-based layers
+    4, 8, ..., 92 and 93, the other 69 KDA with 96 heads), hidden 7168, layer 0 dense (33792), 896
+    routed experts top-16 of width 3072 on a 3584-wide latent, 2 shared experts, SiTU, AttnRes
+    blocks of 12, MXFP4 routed experts in the checkpoint; about 2.8T parameters."""
+    hidden, layers = 7168, 93
+    full = set(range(4, 93, 4)) | {93}
+    act = Activation("situ", 4.0, 25.0)
+    return ModelConfig(
+        vocab_size=163840, hidden_size=hidden,
+        mixers=tuple("mla" if i + 1 in full else "kda" for i in range(layers)),
+        ffns=("dense",) + ("moe",) * (layers - 1),
+        kda=KDAConfig(hidden_size=hidden, num_heads=96, head_dim=128, gate_lower_bound=-5.0, use_full_rank_gate=True),
+        mla=MLAConfig(hidden_size=hidden, num_heads=96, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                      v_head_dim=128, q_lora_rank=1536, use_output_gate=True),
+        mlp=MLPConfig(hidden_size=hidden, intermediate_size=33792, activation=act),
+        moe=MoEConfig(hidden_size=hidden, num_experts=896, num_experts_per_token=16, expert_intermediate_size=3072,
+                      num_shared_experts=2, activation=act, latent_size=3584, latent_use_norm=True),
+        attn_res=AttnResConfig(block_size=12),
+        max_position_embeddings=1048576, quantization="mxfp4",
+        bos_token_id=163584, eos_token_id=(163586,), pad_token_id=163839, model_type="kimi_k3",
+    )
+
+
 def tiny_kimi_linear(*, vocab_size: int = 512, num_layers: int = 4, hidden: int = 64, num_experts: int = 8,
                      expert_intermediate_size: int = 32) -> ModelConfig:
     """A tiny Kimi-Linear-shaped config for tests and the demo (KDA/MLA alternating, layer 0 dense)."""

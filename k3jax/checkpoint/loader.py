@@ -27,8 +27,9 @@ from k3jax.checkpoint.orbax_format import is_k3jax_checkpoint, param_name, read_
 from k3jax.checkpoint.plan import listing, plan_tensors, progress_bar, read_param_slice, stored_nbytes
 from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from k3jax.hf_config import from_hf_config, load_hf_config
+from k3jax.memory_plan import check_weights_fit, device_capacity
 from k3jax.model import abstract_model
-from k3jax.sharding import param_shardings
+from k3jax.sharding import MeshSpec, param_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,14 @@ def checkpoint_dtype(path: str | os.PathLike) -> str:
     return found if found in _AUTO_DTYPES else "float32"
 
 
+def _refuse_what_cannot_fit(cfg, dtype, mesh) -> None:
+    """Before any tensor is read: a ValueError with the numbers when the weights alone exceed one
+    device of the mesh (or the default device); nothing is checked where the memory is unknown."""
+    spec = MeshSpec() if mesh is None else MeshSpec(**{a: int(mesh.shape[a]) for a in ("data", "expert", "tensor")})
+    device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+    check_weights_fit(cfg, spec, dtype, device_capacity(device))
+
+
 def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str | None = None,
                    progress: bool | None = None, mesh=None, _check_finite: bool = True, **impls) -> CausalLM:
     """Loads a checkpoint directory as a `CausalLM`: Hugging Face (config.json + *.safetensors
@@ -93,6 +102,7 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
     if is_k3jax_checkpoint(path):
         return _load_converted(path, dt, impls, a_log_policy, mesh, _check_finite)
     cfg = load_hf_config(path).with_impls(**impls)
+    _refuse_what_cannot_fit(cfg, dt, mesh)
     if a_log_policy is not None and cfg.kda is not None:
         cfg = cfg.replace(kda=dataclasses.replace(cfg.kda, a_log_policy=a_log_policy))
     ckpt = SafetensorsCheckpoint(path)
@@ -149,6 +159,7 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: boo
     if a_log_policy is not None and cfg.kda is not None and a_log_policy != cfg.kda.a_log_policy:
         raise CheckpointError(f"{path}: converted with a_log_policy={cfg.kda.a_log_policy!r}; convert again to "
                               f"use {a_log_policy!r}")
+    _refuse_what_cannot_fit(cfg, dt, mesh)
     graphdef, state = nnx.split(abstract_model(cfg, dt))
     if mesh is not None:
         shardings = param_shardings(state, mesh)
