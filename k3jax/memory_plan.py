@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.model import abstract_model
 from k3jax.sharding import LOGICAL_RULES, MeshSpec
 from k3jax.state import KDAState, MLACache, init_decode_state
 
@@ -84,7 +85,6 @@ def weight_bytes(cfg: ModelConfig, mesh: MeshSpec, dtype) -> tuple[int, int]:
 def _param_table(cfg: ModelConfig, dtype: str) -> tuple:
     """Per parameter: (logical axes, shape, bytes, whether it is a routed expert weight), from the
     abstract model (building K3's takes seconds, so the table is kept per config)."""
-    from k3jax.model import abstract_model  # the model module imports layers; keep planning imports light
     _, state = nnx.split(abstract_model(cfg, dtype))
     table = []
     for path, var in nnx.to_flat_state(state):
