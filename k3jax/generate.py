@@ -26,6 +26,7 @@ import numpy as np
 
 from k3jax.causal_lm import CausalLM
 from k3jax.decode_loop import STOPPED, LoopInputs, LoopState, decode_chunk, init_loop_state
+from k3jax.memory_plan import check_generation_fits, device_capacity, mesh_spec_of
 from k3jax.outputs import (CompletionOutput, GenerationOutput, GenerationResult, GenerationTimings, SpeculativeStats,
                            StreamChunk)
 from k3jax.requests import (Row, check_sampling, completion_output, default_sampling, encode_prompt, expand_rows,
@@ -39,7 +40,8 @@ from k3jax.streaming import StreamAdapter
 
 logger = logging.getLogger(__name__)
 
-PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+# Up to the models' 1M-token context; what fits is decided by memory (`memory_plan.check_generation_fits`).
+PROMPT_BUCKETS = tuple(1 << i for i in range(4, 21))
 STEP_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 CHUNK_STEPS = 32  # decode steps per return to the host when not streaming
 STOP_STRING_CHUNK_STEPS = 8  # ... and when stop strings spanning tokens must be found on the host
@@ -186,6 +188,10 @@ class Generator:
         logprobs_k = logprob_slots(params)
         # Every row needs at most `limit` slots (checked above); the bucketed width is left padding.
         max_len = min(width + steps, limit)
+        model = self.model
+        device = jax.devices()[0] if model.mesh is None else model.mesh.devices.flat[0]
+        check_generation_fits(model.config, mesh_spec_of(model.mesh), model.dtype, batch=batch, capacity_tokens=max_len,
+                              prompt_tokens=width, capacity=device_capacity(device))
         row_stops = [row.sampling.stop for row in rows]
         adapter = None if stream is None else StreamAdapter(stream, [(r.index, r.completion) for r in rows],
                                                             self.tokenizer, row_stops,

@@ -189,6 +189,29 @@ def check_weights_fit(cfg: ModelConfig, mesh: MeshSpec, dtype, capacity: int | N
             f"{capacity / GB:,.1f} GB; use more expert or tensor shards (`k3jax plan` shows the split)")
 
 
+def mesh_spec_of(mesh) -> MeshSpec:
+    """The MeshSpec of a (data, expert, tensor) jax Mesh, or one device for None."""
+    return MeshSpec() if mesh is None else MeshSpec(**{a: int(mesh.shape[a]) for a in ("data", "expert", "tensor")})
+
+
+def check_generation_fits(cfg: ModelConfig, mesh: MeshSpec, dtype, *, batch: int, capacity_tokens: int,
+                          prompt_tokens: int, capacity: int | None) -> None:
+    """Raises ValueError with the numbers when the weights, the decode state of `batch` rows with
+    `capacity_tokens` cache slots and the prefill of `prompt_tokens` tokens per row cannot fit one
+    device (nothing is checked where the device memory is unknown)."""
+    if capacity is None:
+        return
+    weights, _ = weight_bytes(cfg, mesh, dtype)
+    kda, mla = state_bytes(cfg, mesh, batch, capacity_tokens, dtype)
+    acts = activation_bytes(cfg, mesh, batch, prompt_tokens, dtype)
+    if weights + kda + mla + acts > capacity:
+        raise ValueError(
+            f"{batch} rows of {prompt_tokens} prompt tokens ({capacity_tokens} cache slots each) do not fit one device: "
+            f"weights {weights / GB:,.1f} GB + KDA state {kda / GB:,.1f} GB + MLA cache {mla / GB:,.1f} GB + "
+            f"prefill activations ~{acts / GB:,.1f} GB > {capacity / GB:,.1f} GB; use fewer or shorter prompts "
+            f"or more devices (`k3jax plan`)")
+
+
 def device_capacity(device=None) -> int | None:
     """Bytes one accelerator holds (its allocator limit), None where unknown (the CPU)."""
     device = device or jax.devices()[0]

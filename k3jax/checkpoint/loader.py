@@ -27,9 +27,9 @@ from k3jax.checkpoint.orbax_format import is_k3jax_checkpoint, param_name, read_
 from k3jax.checkpoint.plan import listing, plan_tensors, progress_bar, read_param_slice, stored_nbytes
 from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from k3jax.hf_config import from_hf_config, load_hf_config
-from k3jax.memory_plan import check_weights_fit, device_capacity
+from k3jax.memory_plan import check_weights_fit, device_capacity, mesh_spec_of
 from k3jax.model import abstract_model
-from k3jax.sharding import MeshSpec, param_shardings
+from k3jax.sharding import param_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +72,8 @@ def checkpoint_dtype(path: str | os.PathLike) -> str:
 def _refuse_what_cannot_fit(cfg, dtype, mesh) -> None:
     """Before any tensor is read: a ValueError with the numbers when the weights alone exceed one
     device of the mesh (or the default device); nothing is checked where the memory is unknown."""
-    spec = MeshSpec() if mesh is None else MeshSpec(**{a: int(mesh.shape[a]) for a in ("data", "expert", "tensor")})
     device = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
-    check_weights_fit(cfg, spec, dtype, device_capacity(device))
+    check_weights_fit(cfg, mesh_spec_of(mesh), dtype, device_capacity(device))
 
 
 def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str | None = None,

@@ -4,6 +4,8 @@ match the published sizes; `load` refuses weights that cannot fit before reading
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -84,3 +86,17 @@ def test_load_refuses_weights_that_cannot_fit(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "device_capacity", lambda device: 100 * GB)
     monkeypatch.undo()
     assert k3jax.load(tmp_path / "ck").config.num_layers == tiny_k3().num_layers
+
+
+def test_generate_refuses_prompts_whose_state_cannot_fit(monkeypatch):
+    """Prompts are refused for memory (with the numbers), not for length, where the device memory is
+    known; on the CPU it is not, and nothing is refused."""
+    gen = importlib.import_module("k3jax.generate")   # the module (k3jax.generate is also the function)
+    model = k3jax.load_model("tiny-k3-random")
+    params = k3jax.SamplingParams(max_tokens=4)
+    weights = weight_bytes(model.config, MeshSpec(), "float32")[0]
+    monkeypatch.setattr(gen, "device_capacity", lambda device: weights + 1000)
+    with pytest.raises(ValueError, match=r"do not fit one device: weights .* GB \+ KDA state .* MLA cache .* > "):
+        k3jax.generate(model, [[5] * 40], params)
+    monkeypatch.setattr(gen, "device_capacity", lambda device: 100 * GB)
+    assert len(k3jax.generate(model, [[5] * 40], params).results[0].outputs[0].token_ids) == 4
