@@ -97,10 +97,13 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
     checkpoint holds that does not match the config, cannot be read, fails a checksum, or is not
     finite; ConfigError for a bad config.
     """
-    dt = resolve_dtype(checkpoint_dtype(path) if isinstance(dtype, str) and dtype == "auto" else dtype)
+    auto = isinstance(dtype, str) and dtype == "auto"
+    dt = None if auto else resolve_dtype(dtype)
     if is_k3jax_checkpoint(path):
+        dt = resolve_dtype(checkpoint_dtype(path)) if auto else dt
         return _load_converted(path, dt, impls, a_log_policy, mesh, _check_finite)
-    cfg = load_hf_config(path).with_impls(**impls)
+    cfg = load_hf_config(path).with_impls(**impls)   # a directory without config.json fails here first
+    dt = resolve_dtype(checkpoint_dtype(path)) if auto else dt
     _refuse_what_cannot_fit(cfg, dt, mesh)
     if a_log_policy is not None and cfg.kda is not None:
         cfg = cfg.replace(kda=dataclasses.replace(cfg.kda, a_log_policy=a_log_policy))
