@@ -23,7 +23,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.model import abstract_model
-from k3jax.sharding import LOGICAL_RULES, MeshSpec
+from k3jax.sharding import MeshSpec, logical_spec
 from k3jax.state import KDAState, MLACache, init_decode_state
 
 GB = 1e9
@@ -60,14 +60,8 @@ class MemoryPlan:
 
 
 def _split(axes, shape, sizes: dict[str, int]) -> int:
-    """How many ways a parameter of these logical axes is split over the mesh (rules of
-    k3jax.sharding.logical_spec: an axis the mesh axis does not divide stays whole)."""
-    ways = 1
-    for name, dim in zip(axes, shape):
-        axis = LOGICAL_RULES.get(name) if name is not None else None
-        if axis is not None and sizes[axis] > 1 and dim % sizes[axis] == 0:
-            ways *= sizes[axis]
-    return ways
+    """How many ways a parameter of these logical axes is split over the mesh (k3jax.sharding.logical_spec)."""
+    return math.prod(sizes[axis] for axis in logical_spec(axes, shape, sizes=sizes) if axis is not None)
 
 
 def weight_bytes(cfg: ModelConfig, mesh: MeshSpec, dtype) -> tuple[int, int]:

@@ -96,13 +96,15 @@ def make_mesh(spec: MeshSpec, devices=None) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
-def logical_spec(axes, shape=None, mesh: Mesh | None = None) -> P:
-    """PartitionSpec for logical axis names; an axis whose size the mesh axis does not divide stays whole."""
+def logical_spec(axes, shape=None, mesh: Mesh | None = None, *, sizes=None) -> P:
+    """PartitionSpec for logical axis names; an axis whose size the mesh axis does not divide stays whole.
+    `sizes` (mesh axis -> devices) stands in for a mesh that has no devices here (planning)."""
+    sizes = mesh.shape if mesh is not None else sizes
     out = []
     for i, name in enumerate(axes):
         axis = LOGICAL_RULES.get(name) if name is not None else None
-        if axis is not None and mesh is not None:
-            n = mesh.shape[axis]
+        if axis is not None and sizes is not None:
+            n = sizes[axis]
             if n == 1 or (shape is not None and shape[i] % n):
                 axis = None
         out.append(axis)

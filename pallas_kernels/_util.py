@@ -12,3 +12,16 @@ def default_interpret() -> bool:
 
 def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
+
+
+def largest_block(dim: int, block: int) -> int | None:
+    """The largest power of two in [16, block] dividing dim (None when dim is not a multiple of 16)."""
+    b = block
+    while b >= 16 and dim % b:
+        b //= 2
+    return b if b >= 16 else None
+
+
+def tiles_by_16(k_dim: int, n_dim: int) -> bool:
+    """Whether a [K, N] weight can run in the row-tiled kernels: both sides multiples of 16."""
+    return k_dim % 16 == 0 and n_dim % 16 == 0

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._util import default_interpret, is_pow2
+from pallas_kernels._util import default_interpret, is_pow2, largest_block
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.schedule import tile_schedule
 from pallas_kernels.moe_gmm.tuning import TileBlocks
@@ -61,21 +61,8 @@ def _kernel(sched_ref, lhs_ref, *refs, bm, bn, bk, k_dim, spec, scaled):
                   mask=jnp.broadcast_to(row_mask[:, None], (bm, bn)))
 
 
-def _largest_block(dim: int, block: int) -> int | None:
-    """The largest power of two in [16, block] dividing dim (None when dim is not a multiple of 16)."""
-    b = block
-    while b >= 16 and dim % b:
-        b //= 2
-    return b if b >= 16 else None
-
-
-def tiles(k_dim: int, n_dim: int) -> bool:
-    """Whether the kernel can run a [K] x [K, N] weight: both sides multiples of 16."""
-    return k_dim % 16 == 0 and n_dim % 16 == 0
-
-
 def _blocks_for(k_dim: int, n_dim: int, blocks: TileBlocks) -> tuple[int, int]:
-    bn, bk = _largest_block(n_dim, blocks.block_n), _largest_block(k_dim, blocks.block_k)
+    bn, bk = largest_block(n_dim, blocks.block_n), largest_block(k_dim, blocks.block_k)
     if not (is_pow2(blocks.block_n) and is_pow2(blocks.block_k)) or bn is None or bk is None:
         raise ValueError(f"grouped matmul (pallas): K={k_dim} and N={n_dim} must be multiples of 16 and the "
                          f"blocks powers of two (block_k={blocks.block_k}, block_n={blocks.block_n})")

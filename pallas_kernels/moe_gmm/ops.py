@@ -20,9 +20,10 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
+from pallas_kernels._util import tiles_by_16
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.kernel import (grouped_glu_pallas, grouped_matmul_pallas, pair_glu_pallas,
-                                           pair_matmul_pallas, tiles)
+                                           pair_matmul_pallas)
 from pallas_kernels.moe_gmm.reference import (grouped_glu_reference, grouped_matmul_reference, pair_glu_reference,
                                               pair_matmul_reference)
 from pallas_kernels.moe_gmm.tuning import GmmBlocks
@@ -35,7 +36,7 @@ def resolve_gmm_impl(impl: GmmImpl, k_dim: int | None = None, n_dim: int | None 
     """"auto" -> "pallas" on a GPU backend when the weight's sides [K, N] (if given) tile, else "xla";
     other names unchanged."""
     if impl == "auto":
-        fits = k_dim is None or n_dim is None or tiles(k_dim, n_dim)
+        fits = k_dim is None or n_dim is None or tiles_by_16(k_dim, n_dim)
         return "pallas" if jax.default_backend() == "gpu" and fits else "xla"
     if impl not in GMM_IMPLS:
         raise ValueError(f"grouped_matmul: unknown impl {impl!r}; expected one of {GMM_IMPLS}")

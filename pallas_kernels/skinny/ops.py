@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.skinny.kernel import ROWS, fused_projections_pallas
-from pallas_kernels.skinny.plan import SkinnyBlocks, fits
+from pallas_kernels._util import tiles_by_16
+from pallas_kernels.skinny.plan import SkinnyBlocks
 from pallas_kernels.skinny.reference import fused_projections_reference
 
 SkinnyImpl = Literal["auto", "xla", "pallas"]
@@ -50,7 +51,7 @@ def fused_projections(groups: Sequence[tuple[jax.Array, Sequence[jax.Array]]], *
     rows = {x.shape[0] for x, _ in groups}
     use_kernel = impl == "pallas" and len(rows) == 1 and max(rows) <= SKINNY_MAX_ROWS
     # Weights the kernel takes (sides multiples of 16), per group; the rest are dots.
-    picked = [[use_kernel and fits(x.shape[1], w.shape[1]) for w in ws] for x, ws in groups]
+    picked = [[use_kernel and tiles_by_16(x.shape[1], w.shape[1]) for w in ws] for x, ws in groups]
     chosen = [g for g, p in enumerate(picked) if any(p)]
     fused = {}
     if chosen:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pallas_kernels._util import largest_block
+
 
 @dataclass(frozen=True)
 class SkinnyBlocks:
@@ -46,19 +48,6 @@ class Segment:
     @property
     def programs(self) -> int:
         return self.n_dim // self.bn * self.splits
-
-
-def largest_block(dim: int, block: int) -> int | None:
-    """The largest power of two in [16, block] dividing dim (None when dim is not a multiple of 16)."""
-    b = block
-    while b >= 16 and dim % b:
-        b //= 2
-    return b if b >= 16 else None
-
-
-def fits(k_dim: int, n_dim: int) -> bool:
-    """Whether a [K, N] weight can run in the kernel: both sides multiples of 16."""
-    return k_dim % 16 == 0 and n_dim % 16 == 0
 
 
 def _splits(k_dim: int, bk: int, columns: int, blocks: SkinnyBlocks) -> int:
