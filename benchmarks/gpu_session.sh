@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests moe moe-sweep gemv decode decode-fast decode-before checkpoint-read kda mla speculative speculative-tests speculative-verify server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests moe moe-sweep gemv decode decode-fast decode-before checkpoint-read kda mla speculative speculative-tests speculative-verify speculative-e2e server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -58,10 +58,13 @@ for step in "$@"; do
     speculative) OUT=$W timeout 540 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --batch 1 8 64 --q 1 2 4 8 --e2e-batch 1 8 --k 4 --e2e-first \
               --embed-std 4 --error-rates 1 0.25 0.1 0 --new-tokens 64 2>&1 | quiet | tee "$W/speculative.log" ;;
+    speculative-e2e) OUT=$W timeout 330 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \
+              --kernels pallas --moe auto --batch 1 --q 5 --e2e-batch 1 --k 4 --e2e-first --embed-std 4 \
+              --error-rates 1 0.25 0.1 0 --new-tokens 64 --name speculative_e2e 2>&1 | quiet | tee "$W/speculative_e2e.log" ;;
     server-load) OUT=$W timeout 200 python3 benchmarks/server_load.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --concurrency ${SERVER_LEVELS:-1 4 16 64 256} --duration 15 --budget 170 2>&1 | quiet \
               | tee "$W/server_load.log" ;;
-    speculative-verify) OUT=$W timeout 180 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \
+    speculative-verify) OUT=$W timeout 300 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --batch 1 8 64 --q 1 2 4 8 --verify-only --name speculative_verify \
               2>&1 | quiet | tee "$W/speculative_verify.log" ;;
     batch-job) OUT=$W timeout 240 python3 benchmarks/batch_job.py --model kimi-linear-48b --dtype bfloat16 \
