@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests moe moe-sweep gemv decode decode-fast decode-before checkpoint-read kda mla speculative speculative-tests speculative-verify speculative-e2e server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests moe moe-sweep gemv decode decode-fast decode-before checkpoint-read kda mla speculative speculative-tests speculative-verify speculative-e2e prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -61,6 +61,10 @@ for step in "$@"; do
     speculative-e2e) OUT=$W timeout 330 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --batch 1 --q 5 --e2e-batch 1 --k 4 --e2e-first --embed-std 4 \
               --error-rates 1 0.25 0.1 0 --new-tokens 64 --name speculative_e2e 2>&1 | quiet | tee "$W/speculative_e2e.log" ;;
+    prefill) JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1 OUT=$W \
+              timeout ${PREFILL_LIMIT:-560} python3 benchmarks/prefill.py --model kimi-linear-48b --dtype bfloat16 \
+              --kernels pallas --moe auto --prefill ${PREFILL_ROWS:-1x8192 64x1024 1x32768 1x131072} \
+              --profile 1x8192 --name prefill 2>&1 | quiet | tee "$W/prefill.log" ;;
     server-load) OUT=$W timeout 200 python3 benchmarks/server_load.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --concurrency ${SERVER_LEVELS:-1 4 16 64 256} --duration 15 --budget 170 2>&1 | quiet \
               | tee "$W/server_load.log" ;;
@@ -75,7 +79,7 @@ for step in "$@"; do
   esac
   echo "== step $step took $(( $(date +%s) - start )) s" | tee -a "$W/steps.txt"
 done
-rm -rf "$W/hlo_dump"
+rm -rf "$W/hlo_dump" "$W/hlo_dump_prefill"
 tar czf "$OUT/results.tgz" -C "$W" --exclude='trace_*' . 2>/dev/null
 tar czf "$OUT/traces.tgz" -C "$W" $(cd "$W" && ls -d trace_* 2>/dev/null) 2>/dev/null || true
 cat "$W/steps.txt"

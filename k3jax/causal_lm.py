@@ -28,6 +28,17 @@ from k3jax.tokenizer import KimiTokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _CACHE_BUCKET = 128
+MIN_PREFILL_CHUNK = 64  # tokens per row of one prefill chunk, however many rows share the call
+
+
+def prefill_chunk_length(batch: int, width: int, tokens_per_call: int) -> int:
+    """Tokens per row of each prefill call for a [batch, width] prompt: the whole width when
+    batch * width <= tokens_per_call (or tokens_per_call is 0), else the largest power of two with
+    batch * chunk <= tokens_per_call (at least MIN_PREFILL_CHUNK)."""
+    if tokens_per_call == 0 or batch * width <= tokens_per_call:
+        return width
+    chunk = max(tokens_per_call // batch, 1)
+    return min(width, max(1 << (chunk.bit_length() - 1), MIN_PREFILL_CHUNK))
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -170,9 +181,20 @@ class CausalLM:
             return self.steps.mtp(self.params, hidden, put(ids), put(np.asarray(positions, np.int32)), put(mask),
                                   layer=layer)
 
+    def prefill_calls(self, batch: int, width: int) -> list[tuple[int, bool]]:
+        """The prefill calls a fresh [batch, width] prompt runs: (tokens per row, fresh) each. More
+        than one when batch * width exceeds the config's prefill_chunk_tokens: the prompt is
+        left-padded to a multiple of the chunk and each chunk continues the state."""
+        chunk = prefill_chunk_length(batch, width, self.config.prefill_chunk_tokens)
+        return [(chunk, i == 0) for i in range(-(-width // chunk))]
+
     def prefill(self, token_ids, attention_mask=None, *, state: DecodeState | None = None,
                 max_len: int | None = None, all_logits: bool = False):
         """Runs the prompt and returns (logits, state).
+
+        A prompt of more than `config.prefill_chunk_tokens` tokens over all rows runs as chunks of
+        the same length (`prefill_calls`), each continuing the state of the one before: the
+        result equals one call (tested), and prefill memory stays bounded by the chunk.
 
         Args:
           token_ids: [B, T] ints (left-padded when rows differ in length).
@@ -194,9 +216,23 @@ class CausalLM:
             state = self.init_state(b, max_len)
         else:
             self._check_room(state, b, mask.sum(axis=1))
+        chunk = prefill_chunk_length(b, t, self.config.prefill_chunk_tokens)
         put = self.placement.put_rows
         with self.placement.context():
-            return self.steps.prefill(self.params, put(ids), put(mask), state, fresh=fresh, all_logits=all_logits)
+            if chunk >= t:
+                return self.steps.prefill(self.params, put(ids), put(mask), state, fresh=fresh, all_logits=all_logits)
+            lead = -t % chunk  # left padding up to a multiple of the chunk: rows stay left-padded
+            ids = np.pad(ids, ((0, 0), (lead, 0)))
+            mask = np.pad(mask, ((0, 0), (lead, 0)))
+            parts = []
+            for i in range(ids.shape[1] // chunk):
+                cols = slice(i * chunk, (i + 1) * chunk)
+                # The first call must not donate a state the caller still holds.
+                step = self.steps.prefill if i == 0 and not fresh else self.steps.prefill_donated
+                logits, state = step(self.params, put(ids[:, cols]), put(mask[:, cols]), state,
+                                     fresh=fresh and i == 0, all_logits=all_logits)
+                parts.append(logits)
+            return (jnp.concatenate(parts, axis=1)[:, lead:] if all_logits else logits), state
 
     def decode_step(self, state: DecodeState, next_tokens):
         """Feeds one token per row. next_tokens [B] -> (logits [B, Vocab] fp32, new state)."""

@@ -232,10 +232,15 @@ class ModelConfig:
     pad_token_id: int | None = None
     model_type: str = "kimi_linear"
     linear_impl: SkinnyImpl = "auto"  # projections of few rows (pallas_kernels.skinny.SKINNY_IMPLS)
+    # Prompt tokens per prefill call (rows x chunk length): a longer prompt runs as chunks that continue
+    # the state, so prefill memory stays bounded; 0 runs every prompt in one call (the reference).
+    prefill_chunk_tokens: int = 16384
 
     def __post_init__(self):
         require_positive(self.vocab_size, "vocab_size")
         require_choice(self.linear_impl, SKINNY_IMPLS, "linear_impl")
+        require(isinstance(self.prefill_chunk_tokens, int) and self.prefill_chunk_tokens >= 0, "prefill_chunk_tokens",
+                f"must be a non-negative integer, got {self.prefill_chunk_tokens!r}")
         require_positive(self.hidden_size, "hidden_size")
         require(len(self.mixers) > 0, "num_hidden_layers", "the model has no layers")
         require(len(self.ffns) == len(self.mixers), "mlp_layer_types",

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from k3jax.causal_lm import CausalLM
+from k3jax.causal_lm import CausalLM, prefill_chunk_length
 from k3jax.decode_loop import STOPPED, LoopInputs, LoopState, decode_chunk, init_loop_state
 from k3jax.memory_plan import check_generation_fits, device_capacity, mesh_spec_of
 from k3jax.outputs import (CompletionOutput, GenerationOutput, GenerationResult, GenerationTimings, SpeculativeStats,
@@ -190,8 +190,11 @@ class Generator:
         max_len = min(width + steps, limit)
         model = self.model
         device = jax.devices()[0] if model.mesh is None else model.mesh.devices.flat[0]
+        # The plain path prefills in chunks (CausalLM.prefill); the speculative one in one call.
+        per_call = width if speculative is not None else prefill_chunk_length(batch, width,
+                                                                               model.config.prefill_chunk_tokens)
         check_generation_fits(model.config, mesh_spec_of(model.mesh), model.dtype, batch=batch, capacity_tokens=max_len,
-                              prompt_tokens=width, capacity=device_capacity(device))
+                              prompt_tokens=per_call, capacity=device_capacity(device))
         row_stops = [row.sampling.stop for row in rows]
         adapter = None if stream is None else StreamAdapter(stream, [(r.index, r.completion) for r in rows],
                                                             self.tokenizer, row_stops,

@@ -191,7 +191,7 @@ def mesh_spec_of(mesh) -> MeshSpec:
 def check_generation_fits(cfg: ModelConfig, mesh: MeshSpec, dtype, *, batch: int, capacity_tokens: int,
                           prompt_tokens: int, capacity: int | None) -> None:
     """Raises ValueError with the numbers when the weights, the decode state of `batch` rows with
-    `capacity_tokens` cache slots and the prefill of `prompt_tokens` tokens per row cannot fit one
+    `capacity_tokens` cache slots and a prefill call of `prompt_tokens` tokens per row cannot fit one
     device (nothing is checked where the device memory is unknown)."""
     if capacity is None:
         return
@@ -200,7 +200,8 @@ def check_generation_fits(cfg: ModelConfig, mesh: MeshSpec, dtype, *, batch: int
     acts = activation_bytes(cfg, mesh, batch, prompt_tokens, dtype)
     if weights + kda + mla + acts > capacity:
         raise ValueError(
-            f"{batch} rows of {prompt_tokens} prompt tokens ({capacity_tokens} cache slots each) do not fit one device: "
+            f"{batch} rows ({capacity_tokens} cache slots each, prefill calls of {prompt_tokens} tokens per row) "
+            f"do not fit one device: "
             f"weights {weights / GB:,.1f} GB + KDA state {kda / GB:,.1f} GB + MLA cache {mla / GB:,.1f} GB + "
             f"prefill activations ~{acts / GB:,.1f} GB > {capacity / GB:,.1f} GB; use fewer or shorter prompts "
             f"or more devices (`k3jax plan`)")

@@ -86,18 +86,21 @@ class CompiledSteps:
     logits: Callable
     hidden: Callable
     prefill: Callable
+    prefill_donated: Callable
     prefill_hidden: Callable
     decode: Callable
     mtp: Callable
 
 
 def compile_steps(graphdef) -> CompiledSteps:
-    """jax.jit of every step function for `graphdef`; decode donates the state it is given."""
+    """jax.jit of every step function for `graphdef`; decode (and prefill_donated, the chunks of a
+    chunked prefill) donate the state they are given."""
     bind = lambda f: functools.partial(f, graphdef)
     return CompiledSteps(
         logits=jax.jit(bind(forward_logits)),
         hidden=jax.jit(bind(forward_hidden)),
         prefill=jax.jit(bind(prefill), static_argnames=("fresh", "all_logits")),
+        prefill_donated=jax.jit(bind(prefill), static_argnames=("fresh", "all_logits"), donate_argnames=("state",)),
         prefill_hidden=jax.jit(bind(prefill_hidden)),
         decode=jax.jit(bind(decode_step), donate_argnames=("state",)),
         mtp=jax.jit(bind(mtp_step), static_argnames=("layer",)),

@@ -43,6 +43,24 @@ def _mix(probs_BHQS: jax.Array, values) -> jax.Array:
     return jnp.einsum(spec, probs_BHQS.astype(values.dtype), values, preferred_element_type=jnp.float32)
 
 
+def online_softmax_init(b: int, h: int, q: int, v_dim: int):
+    """(running max, denominator, accumulator) before any key: [B, H, Q], [B, H, Q], [B, H, Q, V] fp32."""
+    return (jnp.full((b, h, q), _FLOOR, jnp.float32), jnp.zeros((b, h, q), jnp.float32),
+            jnp.zeros((b, h, q, v_dim), jnp.float32))
+
+
+def online_softmax_step(carry, q_parts, k_parts, values, visible_BQS: jax.Array, scale: float):
+    """One key block into the running (max, denominator, accumulator): scores of the query block
+    against the key block (summed over parts, scaled), invisible keys dropped."""
+    m_BHQ, l_BHQ, acc_BHQV = carry
+    s = _scores(q_parts, k_parts) * scale
+    s = jnp.where(visible_BQS[:, None], s, -jnp.inf)
+    m_new = jnp.maximum(m_BHQ, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None])
+    alpha = jnp.exp(m_BHQ - m_new)
+    return m_new, l_BHQ * alpha + p.sum(axis=-1), acc_BHQV * alpha[..., None] + _mix(p, values)
+
+
 def flash_attention(q_parts: tuple[jax.Array, ...], k_parts: tuple[jax.Array, ...], values: jax.Array,
                     valid_BT: jax.Array, *, scale: float, block_q: int = 512, block_k: int = 512) -> jax.Array:
     """Causal softmax attention of T tokens over themselves, blockwise.
@@ -71,21 +89,13 @@ def flash_attention(q_parts: tuple[jax.Array, ...], k_parts: tuple[jax.Array, ..
         q_pos = i * bq + jnp.arange(bq)
 
         def key_block(j, carry):
-            m_BHQ, l_BHQ, acc_BHQV = carry
             k_pos = j * bk + jnp.arange(bk)
             visible_BQS = (q_pos[:, None] >= k_pos[None, :])[None] & _block(valid_BT, j, bk)[:, None, :]
-            s = _scores(q_blk, tuple(_block(k, j, bk) for k in k_parts)) * scale
-            s = jnp.where(visible_BQS[:, None], s, -jnp.inf)
-            m_new = jnp.maximum(m_BHQ, s.max(axis=-1))
-            p = jnp.exp(s - m_new[..., None])
-            alpha = jnp.exp(m_BHQ - m_new)
-            acc = acc_BHQV * alpha[..., None] + _mix(p, _block(values, j, bk))
-            return m_new, l_BHQ * alpha + p.sum(axis=-1), acc
+            return online_softmax_step(carry, q_blk, tuple(_block(k, j, bk) for k in k_parts), _block(values, j, bk),
+                                       visible_BQS, scale)
 
-        init = (jnp.full((b, h, bq), _FLOOR, jnp.float32), jnp.zeros((b, h, bq), jnp.float32),
-                jnp.zeros((b, h, bq, v_dim), jnp.float32))
         last = jnp.minimum(((i + 1) * bq + bk - 1) // bk, nk)  # key blocks at or left of the diagonal
-        _, l_BHQ, acc_BHQV = lax.fori_loop(0, last, key_block, init)
+        _, l_BHQ, acc_BHQV = lax.fori_loop(0, last, key_block, online_softmax_init(b, h, bq, v_dim))
         return acc_BHQV / jnp.where(l_BHQ > 0, l_BHQ, 1.0)[..., None]
 
     out_NBHQV = lax.map(query_block, jnp.arange(nq))

@@ -12,7 +12,7 @@ from flax import nnx
 
 from k3jax.config import MLAConfig
 from k3jax.layers.linear import Linear, linears
-from k3jax.layers.mla_attention import cache_attention, prefill_attention
+from k3jax.layers.mla_attention import DECODE_MAX_QUERIES, cache_attention, chunk_attention, prefill_attention
 from k3jax.layers.norms import RMSNorm
 from k3jax.state import MLACache, SeqInfo
 from pallas_kernels.skinny import SkinnyImpl
@@ -52,8 +52,10 @@ class MultiHeadLatentAttention(nnx.Module):
 
         fresh=True means no row has history: attention runs over this call's tokens with the
         `prefill_impl` form.
-        Otherwise the new latents are written first and attention reads the whole cache with the
-        `decode_impl` form; query token t of row b sits at slot start + t - pad.
+        Otherwise the new latents are written first and attention reads the whole cache: with the
+        `decode_impl` form for up to DECODE_MAX_QUERIES tokens per row (decode steps, verify
+        windows), else with the `prefill_impl` form (continuation chunks of a chunked prefill);
+        query token t of row b sits at slot start + t - pad.
         """
         cfg = self.cfg
         b, t, _ = x_BTD.shape
@@ -76,7 +78,9 @@ class MultiHeadLatentAttention(nnx.Module):
                 cache = MLACache(latent=write_cache(cache.latent, latent, seq))
         else:
             cache = MLACache(latent=write_cache(cache.latent, latent, seq))
-            attn = cache_attention(cfg.decode_impl, q_nope, q_pe, cache.latent, w_kv_b, seq.slot_index(), **kwargs)
+            over_cache = cache_attention if t <= DECODE_MAX_QUERIES else chunk_attention
+            impl = cfg.decode_impl if t <= DECODE_MAX_QUERIES else cfg.prefill_impl
+            attn = over_cache(impl, q_nope, q_pe, cache.latent, w_kv_b, seq.slot_index(), **kwargs)
         attn = attn.reshape(b, t, h * cfg.v_head_dim)
         if cfg.use_output_gate:  # K3: sigmoid gate from the layer input on the concatenated heads
             gate = jax.nn.sigmoid(gate_logits[0].astype(jnp.float32))

@@ -12,8 +12,9 @@ from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from k3jax.layers.flash_attention import flash_attention
+from k3jax.layers.flash_attention import flash_attention, online_softmax_init, online_softmax_step
 from pallas_kernels.mla_decode import mla_decode_pallas
 
 # Attention over the latent cache (steps with history): "absorbed" (pure JAX, W_UK folded into
@@ -26,6 +27,10 @@ MLA_DECODE_IMPLS: tuple[str, ...] = get_args(MLADecodeImpl)
 # memory linear in T) or "naive" (the reference: a [B, H, T, T] score matrix).
 MLAPrefillImpl = Literal["flash", "naive"]
 MLA_PREFILL_IMPLS: tuple[str, ...] = get_args(MLAPrefillImpl)
+
+# Calls with more new tokens per row than this over a cache with history are prefill chunks: they
+# take `chunk_attention` (the prefill_impl form over the cache) instead of the decode kernel.
+DECODE_MAX_QUERIES = 16
 
 _MASKED = -1e30
 
@@ -85,6 +90,71 @@ def attention_flash(q_nope_BTHN, q_pe_BTHP, latent_BTL, w_kv_b, valid_BT, *, sca
     out = flash_attention((q_nope_BTHN, q_pe_BTHP), (k_nope, k_pe), values, valid_BT, scale=scale,
                           block_q=block_q, block_k=block_k)
     return out.astype(values.dtype)
+
+
+def attention_flash_cache(q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, *, scale: float, v_dim: int,
+                          block_q: int = 4096, block_k: int = 512):
+    """T query tokens per row over a latent cache that already holds them (a continuation chunk of a
+    chunked prefill), blockwise with an online softmax. Each key block's latents are expanded per
+    head inside the loop, so no per-head copy of the cache and no [T, S] buffer exists; query
+    blocks visit only the key blocks up to their last visible slot. Slots past a row's last
+    visible one are zeroed before use (a stale or poisoned cache cannot leak in).
+
+    Args:
+      q_nope_BTHN, q_pe_BTHP: per-head query parts. cache_BSL: [B, S, R + P] latents | k_pe.
+      w_kv_b: kv_b_proj kernel [R, H * (nope + v)].
+      last_slot_BT: [B, T] int32 the last slot each query sees (-1: none, a padding query).
+    Returns:
+      [B, T, H, V] in the query dtype (padding queries get zeros).
+    """
+    b, t, h, n = q_nope_BTHN.shape
+    s, r = cache_BSL.shape[1], w_kv_b.shape[0]
+    bq, bk = min(block_q, t), min(block_k, s)
+    nq, nk = -(-t // bq), -(-s // bk)
+    w_uk, w_uv = split_kv_b(w_kv_b, h, n, v_dim)
+    pad_q = lambda x, fill=0: jnp.pad(x, [(0, 0), (0, nq * bq - t)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    q_nope, q_pe, last = pad_q(q_nope_BTHN), pad_q(q_pe_BTHP), pad_q(last_slot_BT, -1)
+    cache = jnp.pad(cache_BSL, [(0, 0), (0, nk * bk - s), (0, 0)])
+    row_last_B = last_slot_BT.max(axis=1)
+
+    def query_block(i):
+        q_blk = (lax.dynamic_slice_in_dim(q_nope, i * bq, bq, 1), lax.dynamic_slice_in_dim(q_pe, i * bq, bq, 1))
+        last_BQ = lax.dynamic_slice_in_dim(last, i * bq, bq, 1)
+
+        def key_block(j, carry):
+            slots = j * bk + jnp.arange(bk)
+            lat = lax.dynamic_slice_in_dim(cache, j * bk, bk, 1)
+            lat = jnp.where((slots[None, :] <= row_last_B[:, None])[..., None], lat, 0)
+            c_kv, k_pe = lat[..., :r], lat[..., r:]
+            k_nope = jnp.einsum("bsr,rhn->bshn", c_kv, w_uk)
+            values = jnp.einsum("bsr,rhv->bshv", c_kv, w_uv)
+            visible_BQS = slots[None, None, :] <= last_BQ[:, :, None]
+            return online_softmax_step(carry, q_blk, (k_nope, k_pe), values, visible_BQS, scale)
+
+        trips = jnp.clip((last_BQ.max() + bk) // bk, 0, nk)  # key blocks up to the last visible slot
+        _, l_BHQ, acc_BHQV = lax.fori_loop(0, trips, key_block, online_softmax_init(b, h, bq, v_dim))
+        return acc_BHQV / jnp.where(l_BHQ > 0, l_BHQ, 1.0)[..., None]
+
+    out_NBHQV = lax.map(query_block, jnp.arange(nq))
+    out = out_NBHQV.transpose(1, 0, 3, 2, 4).reshape(b, nq * bq, h, v_dim)[:, :t]
+    return out.astype(q_nope_BTHN.dtype)
+
+
+def chunk_attention(impl: MLAPrefillImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, *, scale: float,
+                    v_dim: int) -> jax.Array:
+    """Attention of many new tokens per row over a cache that holds history and them (the
+    continuation chunks of a chunked prefill; the one dispatch site of that case).
+
+    "flash": blockwise over the cache (`attention_flash_cache`, memory linear in T and S);
+    "naive": the reference, a [B, H, T, S] score matrix over per-head keys.
+    Args and result as `cache_attention`.
+    """
+    kw = dict(scale=scale, v_dim=v_dim)
+    if impl == "flash":
+        return attention_flash_cache(q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, **kw)
+    if impl == "naive":
+        return cache_attention("naive", q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, **kw)
+    raise ValueError(f"MLA prefill: unknown impl {impl!r}; expected one of {MLA_PREFILL_IMPLS}")
 
 
 def prefill_attention(impl: MLAPrefillImpl, q_nope_BTHN, q_pe_BTHP, latent_BTL, w_kv_b, valid_BT, *,

@@ -1,5 +1,6 @@
 """Independent formulations of the same computation on a tiny random model:
-prefill + decode == longer prefill, left-padded batch == rows alone, chunked continuation."""
+prefill + decode == longer prefill, left-padded batch == rows alone, chunked continuation, a
+chunked prefill == one call."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from tolerances import assert_close
 
 import k3jax
+from k3jax.causal_lm import MIN_PREFILL_CHUNK, prefill_chunk_length
 from k3jax.config import tiny_k3
 
 
@@ -76,6 +78,40 @@ def test_chunked_prefill_continuation_with_uneven_rows(model, rng):
     for i in range(2):
         alone, _ = model.prefill(np.concatenate([first[i], more[i]])[None])
         assert_close(f"row {i}", logits[i], alone[0], dtype=model.dtype)
+
+
+def test_prefill_chunk_length():
+    assert prefill_chunk_length(1, 8192, 16384) == 8192          # fits one call
+    assert prefill_chunk_length(1, 131072, 16384) == 16384
+    assert prefill_chunk_length(64, 1024, 16384) == 256
+    assert prefill_chunk_length(3, 1000, 1000) == 256            # the largest power of two under 333
+    assert prefill_chunk_length(4096, 128, 16384) == MIN_PREFILL_CHUNK  # never below the minimum
+    assert prefill_chunk_length(64, 1024, 0) == 1024             # 0: one call
+
+
+def test_chunked_prefill_equals_one_call(model, rng):
+    """A prompt over the per-call budget runs as chunks that continue the state: the logits of every
+    position, the state, and the decode steps after it equal one call. Rows of 150, 70 and 5
+    tokens (rows 1 and 2 start after the first chunk; the width is not a multiple of it)."""
+    lengths = [150, 70, 5]
+    width = max(lengths)
+    ids = rng.integers(0, model.config.vocab_size, (3, width))
+    mask = np.arange(width)[None, :] >= width - np.array(lengths)[:, None]
+    ids = np.where(mask, ids, 0)
+    one = model.with_config(model.config.replace(prefill_chunk_tokens=0))
+    chunked = model.with_config(model.config.replace(prefill_chunk_tokens=3 * 64))  # 64-token chunks, 3 calls
+    assert chunked.prefill_calls(3, width) == [(64, True), (64, False), (64, False)]
+    ref_logits, ref_state = one.prefill(ids, mask, max_len=192, all_logits=True)
+    logits, state = chunked.prefill(ids, mask, max_len=192, all_logits=True)
+    assert_close("all logits (real tokens)", np.asarray(logits)[mask], np.asarray(ref_logits)[mask])
+    np.testing.assert_array_equal(state.lengths, lengths)
+    for i, (a, b) in enumerate(zip(state.layers, ref_state.layers)):
+        for name in a.__dataclass_fields__:
+            assert_close(f"layer {i} {name}", getattr(a, name), getattr(b, name))
+    last, state = chunked.prefill(ids, mask, max_len=192)
+    assert_close("last logits", last, np.asarray(ref_logits)[:, -1])
+    nxt = rng.integers(0, model.config.vocab_size, 3)
+    assert_close("decode after", chunked.decode_step(state, nxt)[0], one.decode_step(ref_state, nxt)[0])
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "k3"])

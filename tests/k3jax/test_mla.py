@@ -1,5 +1,6 @@
-"""MLA attention: absorbed == naive == numpy, every latent-cache implementation agrees, and the
-blockwise prefill equals the naive one without a [T, T] buffer."""
+"""MLA attention: absorbed == naive == numpy, every latent-cache implementation agrees, the
+blockwise prefill equals the naive one without a [T, T] buffer, and so does the blockwise attention
+of a continuation chunk over the cache."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from tolerances import assert_close
 
 from k3jax.config import tiny_kimi_linear
 from k3jax.layers.mla import MultiHeadLatentAttention
-from k3jax.layers.mla_attention import (MLA_DECODE_IMPLS, attention_absorbed, attention_flash, attention_naive,
-                                        cache_attention, prefill_attention)
+from k3jax.layers.mla_attention import (MLA_DECODE_IMPLS, attention_absorbed, attention_flash, attention_flash_cache,
+                                        attention_naive, cache_attention, chunk_attention, prefill_attention)
 from k3jax.state import SeqInfo
 
 
@@ -61,6 +62,37 @@ def test_cache_attention_implementations_agree(rng, impl):
     out = cache_attention(impl, q_nope, q_pe, poisoned if impl == "pallas" else clean, w_kv_b, jnp.asarray(last),
                           **kw)
     assert_close(impl, out, ref)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("blocks", [dict(block_q=8, block_k=16), dict(block_q=64, block_k=7), {}])
+def test_chunk_attention_over_the_cache_equals_naive(rng, dtype, blocks):
+    """A continuation chunk: 40 query tokens per row at the end of ragged histories (row 2 has 9
+    padding queries), slots past each row's last token poisoned with NaN, several query and key
+    blocks (sizes that do not divide T or S)."""
+    b, t, s, h, n, p, r, v = 3, 40, 150, 4, 16, 8, 32, 16
+    dt = jnp.dtype(dtype)
+    q_nope = jnp.asarray(rng.standard_normal((b, t, h, n)), dt)
+    q_pe = jnp.asarray(rng.standard_normal((b, t, h, p)), dt)
+    first = np.array([60, 40, 100])  # slot of each row's first query; row 2 has 9 left pads
+    pads = np.array([0, 0, 9])
+    cols = np.arange(t)
+    last = np.where(cols[None] >= pads[:, None], first[:, None] + cols[None] - pads[:, None], -1).astype(np.int32)
+    cache = rng.standard_normal((b, s, r + p))
+    ok = np.arange(s)[None, :, None] <= last.max(axis=1)[:, None, None]
+    w_kv_b = jnp.asarray(rng.standard_normal((r, h * (n + v))) / np.sqrt(r), dt)
+    kw = dict(scale=(n + p) ** -0.5, v_dim=v)
+    ref = cache_attention("naive", q_nope, q_pe, jnp.asarray(np.where(ok, cache, 0.0), dt), w_kv_b, jnp.asarray(last),
+                          **kw)
+    out = attention_flash_cache(q_nope, q_pe, jnp.asarray(np.where(ok, cache, np.nan), dt), w_kv_b, jnp.asarray(last),
+                                **kw, **blocks)
+    real = last >= 0
+    assert out.dtype == dt
+    assert_close("flash over the cache vs naive", out[real], ref[real])
+    np.testing.assert_array_equal(np.asarray(out[~real], np.float32), 0.0)  # padding queries: zeros, not NaN
+    dispatched = chunk_attention("flash", q_nope, q_pe, jnp.asarray(np.where(ok, cache, 0.0), dt), w_kv_b,
+                                 jnp.asarray(last), **kw)
+    assert_close("chunk_attention('flash')", dispatched[real], ref[real])
 
 
 def _prefill_inputs(rng, b, t, dtype, h=4, n=16, p=8, r=12, v=10):
