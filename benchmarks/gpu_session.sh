@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests moe moe-sweep gemv decode decode-fast decode-before checkpoint-read kda mla speculative speculative-tests speculative-verify speculative-e2e prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests moe moe-sweep gemv decode decode-fast decode-before checkpoint-read kda mla speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -61,6 +61,11 @@ for step in "$@"; do
     speculative-e2e) OUT=$W timeout 330 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --batch 1 --q 5 --e2e-batch 1 --k 4 --e2e-first --embed-std 4 \
               --error-rates 1 0.25 0.1 0 --new-tokens 64 --name speculative_e2e 2>&1 | quiet | tee "$W/speculative_e2e.log" ;;
+    prefill-tests) K3JAX_TEST_DEVICE=gpu timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+              tests/k3jax/test_mla.py -k "cudnn or rotated or chunk_attention or flash_prefill" 2>&1 | quiet | tail -5 \
+              | tee "$W/prefill_tests.log"
+          OUT=$W timeout 150 python3 benchmarks/mla_prefill.py --shape 48b --tokens 8192 --dtype bfloat16 \
+              --forms naive,cudnn,flash --iters 10 2>&1 | quiet | tail -8 | tee "$W/mla_prefill.log" ;;
     prefill) JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1 OUT=$W \
               timeout ${PREFILL_LIMIT:-560} python3 benchmarks/prefill.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --prefill ${PREFILL_ROWS:-1x8192 64x1024 1x32768 1x131072} \

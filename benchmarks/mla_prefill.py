@@ -1,11 +1,12 @@
 """MLA prefill attention (a fresh prompt over itself): naive against two blockwise forms.
 
     python benchmarks/mla_prefill.py                         # tiny config, T = 4096, on the CPU
-    python benchmarks/mla_prefill.py --shape 48b --tokens 2048
+    python benchmarks/mla_prefill.py --shape 48b --tokens 8192 --dtype bfloat16 --forms naive,cudnn,flash  # H200
 
-Forms: "naive" (the reference, [B, H, T, T] scores), "flash" (the library's choice: per-head keys
-and values expanded once, blockwise online softmax) and "flash_absorbed" (W_UK folded into the
-query, MQA over the R + P latents, W_UV after; the same blockwise loop). Reports the compiled
+Forms: "naive" (the reference, [B, H, T, T] scores), "cudnn" (cuDNN's fused flash attention, the GPU
+choice of "auto"; NVIDIA GPUs and 16-bit inputs only), "flash" (per-head keys and values expanded
+once, blockwise online softmax in JAX: the choice elsewhere) and "flash_absorbed" (W_UK folded
+into the query, MQA over the R + P latents, W_UV after; the same blockwise loop). Reports the compiled
 temporary memory (XLA's memory analysis) and the median time of each.
 """
 
@@ -44,6 +45,7 @@ def attention_flash_absorbed(q_nope_BTHN, q_pe_BTHP, latent_BTL, w_kv_b, valid_B
 def forms(block: int) -> dict:
     blocks = dict(block_q=block, block_k=block)
     return {"naive": lambda *a, **kw: prefill_attention("naive", *a, **kw),
+            "cudnn": lambda *a, **kw: prefill_attention("cudnn", *a, **kw),
             "flash": lambda *a, **kw: attention_flash(*a, **kw, **blocks),
             "flash_absorbed": lambda *a, **kw: attention_flash_absorbed(*a, **kw, **blocks)}
 

@@ -74,7 +74,7 @@ class MLAConfig:
     use_output_gate: bool = False
     latent_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (HF default; arch §5.5)
     decode_impl: MLADecodeImpl = "absorbed"  # attention over the latent cache (MLA_DECODE_IMPLS)
-    prefill_impl: MLAPrefillImpl = "flash"   # a fresh prompt over its own tokens (MLA_PREFILL_IMPLS)
+    prefill_impl: MLAPrefillImpl = "auto"    # a fresh prompt over its own tokens (MLA_PREFILL_IMPLS)
 
     def __post_init__(self):
         for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):

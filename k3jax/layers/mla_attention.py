@@ -23,9 +23,12 @@ from pallas_kernels.mla_decode import mla_decode_pallas
 MLADecodeImpl = Literal["absorbed", "naive", "pallas"]
 MLA_DECODE_IMPLS: tuple[str, ...] = get_args(MLADecodeImpl)
 
-# Attention of a fresh prompt over its own tokens (no history): "flash" (blockwise online softmax,
-# memory linear in T) or "naive" (the reference: a [B, H, T, T] score matrix).
-MLAPrefillImpl = Literal["flash", "naive"]
+# Attention of a fresh prompt over its own tokens (no history): "flash" (blockwise online softmax in
+# JAX, memory linear in T), "cudnn" (cuDNN's fused flash attention through jax.nn.dot_product_attention:
+# NVIDIA GPUs, bf16/fp16, Hopper for the 192/128 query/value head widths), "auto" (cudnn where it
+# takes the call, else flash) or "naive" (the reference: a [B, H, T, T] score matrix). Continuation
+# chunks over a cache take flash for auto and cudnn.
+MLAPrefillImpl = Literal["auto", "cudnn", "flash", "naive"]
 MLA_PREFILL_IMPLS: tuple[str, ...] = get_args(MLAPrefillImpl)
 
 # Calls with more new tokens per row than this over a cache with history are prefill chunks: they
@@ -92,6 +95,43 @@ def attention_flash(q_nope_BTHN, q_pe_BTHP, latent_BTL, w_kv_b, valid_BT, *, sca
     return out.astype(values.dtype)
 
 
+def _heads_qk(q_nope_BTHN, q_pe_BTHP, k_nope_BTHN, k_pe_BTP):
+    """Per-head queries and keys with the rope part appended: [B, T, H, nope + rope] each."""
+    b, t, h, _ = k_nope_BTHN.shape
+    k_pe = jnp.broadcast_to(k_pe_BTP[:, :, None], (b, t, h, k_pe_BTP.shape[-1]))
+    return jnp.concatenate([q_nope_BTHN, q_pe_BTHP], -1), jnp.concatenate([k_nope_BTHN, k_pe], -1)
+
+
+def attention_cudnn(q_nope_BTHN, q_pe_BTHP, latent_BTL, w_kv_b, valid_BT, *, scale: float, v_dim: int,
+                    implementation: str = "cudnn"):
+    """Causal attention of T fresh tokens over themselves through cuDNN's fused flash attention.
+
+    cuDNN masks padding at the END of a row (sequence lengths), so each left-padded row is rotated
+    to start with its real tokens, attended, and rotated back; padding queries get zeros. Raises
+    (at trace time) where cuDNN cannot take the call: no NVIDIA GPU, fp32, head widths it lacks.
+    `implementation="xla"` runs the same rotation and masking through XLA (tests on the CPU).
+    -> [B, T, H, V] in the latent dtype.
+    """
+    k_nope, k_pe, values = expand_kv(latent_BTL, w_kv_b, *q_nope_BTHN.shape[2:], v_dim)
+    q, k = _heads_qk(q_nope_BTHN.astype(k_nope.dtype), q_pe_BTHP.astype(k_nope.dtype), k_nope, k_pe)
+    t = valid_BT.shape[1]
+    pad_B = t - jnp.sum(valid_BT, axis=1).astype(jnp.int32)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    rotate = lambda x, idx: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
+    first = (pos + pad_B[:, None]) % t                         # row-major: real tokens first
+    q, k, values = rotate(q, first), rotate(k, first), rotate(values, first)
+    lengths = (t - pad_B).astype(jnp.int32)
+    # The public API takes one head width for queries, keys and values: the narrower side is zero-padded
+    # (zero key columns add nothing to a score; zero value columns are cut from the output).
+    width = max(q.shape[-1], v_dim)
+    widen = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+    q, k, values = widen(q), widen(k), widen(values)
+    out = jax.nn.dot_product_attention(q, k, values, scale=scale, is_causal=True, query_seq_lengths=lengths,
+                                       key_value_seq_lengths=lengths, implementation=implementation)
+    out = rotate(out[..., :v_dim], (pos - pad_B[:, None]) % t)
+    return jnp.where(valid_BT[:, :, None, None], out, 0).astype(latent_BTL.dtype)
+
+
 def attention_flash_cache(q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, *, scale: float, v_dim: int,
                           block_q: int = 4096, block_k: int = 512):
     """T query tokens per row over a latent cache that already holds them (a continuation chunk of a
@@ -150,11 +190,16 @@ def chunk_attention(impl: MLAPrefillImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_k
     Args and result as `cache_attention`.
     """
     kw = dict(scale=scale, v_dim=v_dim)
-    if impl == "flash":
+    if impl in ("flash", "cudnn", "auto"):
         return attention_flash_cache(q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, **kw)
     if impl == "naive":
         return cache_attention("naive", q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, **kw)
     raise ValueError(f"MLA prefill: unknown impl {impl!r}; expected one of {MLA_PREFILL_IMPLS}")
+
+
+def _cudnn_may_take(dtype) -> bool:
+    """cuDNN flash attention needs an NVIDIA GPU and 16-bit inputs."""
+    return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def prefill_attention(impl: MLAPrefillImpl, q_nope_BTHN, q_pe_BTHP, latent_BTL, w_kv_b, valid_BT, *,
@@ -169,6 +214,15 @@ def prefill_attention(impl: MLAPrefillImpl, q_nope_BTHN, q_pe_BTHP, latent_BTL, 
       [B, T, H, V] in the latent dtype.
     """
     kw = dict(scale=scale, v_dim=v_dim)
+    if impl == "auto":
+        impl = "cudnn" if _cudnn_may_take(latent_BTL.dtype) else "flash"
+        if impl == "cudnn":
+            try:  # cuDNN's own checks (version, head widths, arch) run while tracing
+                return attention_cudnn(q_nope_BTHN, q_pe_BTHP, latent_BTL, w_kv_b, valid_BT, **kw)
+            except (NotImplementedError, ValueError, RuntimeError):
+                impl = "flash"
+    if impl == "cudnn":
+        return attention_cudnn(q_nope_BTHN, q_pe_BTHP, latent_BTL, w_kv_b, valid_BT, **kw)
     if impl == "flash":
         return attention_flash(q_nope_BTHN, q_pe_BTHP, latent_BTL, w_kv_b, valid_BT, **kw)
     if impl == "naive":

@@ -74,10 +74,10 @@ def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
     xs = x_ND[order // k]
     h = grouped_glu(xs, w1_EDF, w3_EDF, sizes, spec=act.glu_spec, impl=gmm)
     scale = jnp.where(local, weights_NX.reshape(-1)[order], 0.0)
-    y = grouped_matmul(h, w2_EFD, sizes, scale, impl=gmm)                    # [N*X, D] fp32, sorted
-    y = jnp.where(local[:, None], y, 0.0)
-    unsorted = jnp.zeros_like(y).at[order].set(y, unique_indices=True)       # pair p back at row p
-    return jnp.sum(unsorted.reshape(n, k, -1), axis=1)
+    y = grouped_matmul(h, w2_EFD, sizes, scale, impl=gmm)  # [N*X, D] fp32, sorted; other shards' pairs are zero
+    # Pair p sits at sorted row rank[p]: a gather that XLA fuses into the sum (no scatter, no zeroed copy).
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+    return jnp.sum(y[rank].reshape(n, k, -1), axis=1)
 
 
 def experts_pairs(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
@@ -87,9 +87,10 @@ def experts_pairs(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Act
     n, k = experts_NX.shape
     index, inside = _local_index(experts_NX, w1_EDF.shape[0], expert_offset)
     index, inside = index.reshape(-1), inside.reshape(-1)
-    xs = jnp.repeat(x_ND, k, axis=0)                                          # [N*X, D], pair p = token p // X
-    h = pair_glu(xs, w1_EDF, w3_EDF, index, inside, spec=act.glu_spec, impl=gmm)
-    y = pair_matmul(h, w2_EFD, index, inside, jnp.where(inside, weights_NX.reshape(-1), 0.0), impl=gmm)
+    # pair p = token p // X: the kernel reads x's row for it (no repeated copy); pairs outside this
+    # shard come back as zeros, so the routing weight needs no mask.
+    h = pair_glu(x_ND, w1_EDF, w3_EDF, index, inside, spec=act.glu_spec, repeat=k, impl=gmm)
+    y = pair_matmul(h, w2_EFD, index, inside, weights_NX.reshape(-1), impl=gmm)
     return jnp.sum(y.reshape(n, k, -1), axis=1)
 
 

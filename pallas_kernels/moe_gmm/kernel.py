@@ -27,24 +27,40 @@ from pallas_kernels.moe_gmm.schedule import tile_schedule
 from pallas_kernels.moe_gmm.tuning import TileBlocks
 
 
-def _kernel(sched_ref, lhs_ref, *refs, bm, bn, bk, k_dim, spec, scaled):
-    """refs: w (plain) or w_gate, w_up (glu); then the row scale when `scaled`; then out."""
+def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat):
+    """refs: the schedule (sorted rows: one [3, tiles] ref; pairs: group [M] and valid [M]), lhs,
+    w (plain) or w_gate, w_up (glu); then the row scale when `scaled`; then out.
+
+    Pairs (`repeat` > 0): program `tile` computes output row `tile` from lhs row tile // repeat, and
+    writes zeros when the pair is not valid (no masking pass after the kernel)."""
+    pairs = repeat > 0
+    sched = refs[:2] if pairs else refs[:1]
+    lhs_ref, refs = refs[len(sched)], refs[len(sched) + 1:]
     n_weights = 1 if spec is None else 2
     w_refs, rest = refs[:n_weights], refs[n_weights:]
     scale_ref = rest[0] if scaled else None
     out_ref = rest[-1]
     tile, col = pl.program_id(0), pl.program_id(1)
-    group, first, last = sched_ref[0, tile], sched_ref[1, tile], sched_ref[2, tile]
+    if pairs:
+        group, first, last, src = sched[0][tile], tile, tile + sched[1][tile], tile // repeat
+    else:
+        group, first, last = sched[0][0, tile], sched[0][1, tile], sched[0][2, tile]
+        src = first
+    cols = pl.ds(col * bn, bn)
+
+    if pairs:
+        @pl.when(first >= last)
+        def _():
+            out_ref[pl.ds(first, 1), cols] = jnp.zeros((1, bn), out_ref.dtype)
 
     @pl.when(first < last)
     def _():
         rows = first + jnp.arange(bm)
         row_mask = rows < last
-        cols = pl.ds(col * bn, bn)
 
         def step(kk, accs):
             k0 = pl.multiple_of(kk * bk, bk)
-            a = plt.load(lhs_ref.at[pl.ds(first, bm), pl.ds(k0, bk)],
+            a = plt.load(lhs_ref.at[pl.ds(src, bm), pl.ds(k0, bk)],
                          mask=jnp.broadcast_to(row_mask[:, None], (bm, bk)), other=0.0)
             return tuple(acc + jnp.dot(a, w[group, pl.ds(k0, bk), cols], preferred_element_type=jnp.float32)
                          for acc, w in zip(accs, w_refs))
@@ -69,30 +85,37 @@ def _blocks_for(k_dim: int, n_dim: int, blocks: TileBlocks) -> tuple[int, int]:
     return bn, bk
 
 
-def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: TileBlocks, interpret, pairs=None):
-    """`pairs` = (group [M], valid [M]): one tile per row instead of the group schedule (rows unsorted)."""
-    m, k_dim = lhs.shape
+def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: TileBlocks, interpret, pairs=None,
+          repeat: int = 1):
+    """`pairs` = (group [M], valid [M]): one tile per output row instead of the group schedule (rows
+    unsorted); output row r reads lhs row r // repeat."""
+    k_dim = lhs.shape[1]
     n_dim = weights[0].shape[2]
     bn, bk = _blocks_for(k_dim, n_dim, blocks)
     bm = blocks.block_m
     if pairs is None:
-        sched = tile_schedule(group_sizes, m, bm)
+        m = lhs.shape[0]
+        sched = (tile_schedule(group_sizes, m, bm),)
+        tiles = sched[0].shape[1]
     else:
         group, valid = pairs
-        rows = jnp.arange(m, dtype=jnp.int32)
-        sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), rows, rows + valid.astype(jnp.int32)])
+        m = tiles = group.shape[0]
+        sched = (jnp.where(valid, group, 0).astype(jnp.int32), valid.astype(jnp.int32))
     scaled = row_scale is not None
-    kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec, scaled=scaled)
-    operands = (sched, lhs, *weights) + ((row_scale.astype(jnp.float32),) if scaled else ())
+    kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec, scaled=scaled,
+                               repeat=0 if pairs is None else repeat)
+    operands = (*sched, lhs, *weights) + ((row_scale.astype(jnp.float32),) if scaled else ())
     out = pl.pallas_call(
         kernel,
-        grid=(sched.shape[1], n_dim // bn),
+        grid=(tiles, n_dim // bn),
         out_shape=jax.ShapeDtypeStruct((m, n_dim), out_dtype),
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=default_interpret() if interpret is None else interpret,
         name="grouped_glu" if spec is not None else "grouped_matmul",
     )(*operands)
-    covered = jnp.arange(m)[:, None] < jnp.sum(group_sizes) if pairs is None else pairs[1][:, None]
+    if pairs is not None:  # every row is written (zeros where not valid)
+        return out
+    covered = jnp.arange(m)[:, None] < jnp.sum(group_sizes)
     return jnp.where(covered, out, jnp.zeros((), out_dtype))  # rows outside every tile are never written
 
 
@@ -142,29 +165,39 @@ def grouped_glu_pallas(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpe
                  interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret"))
-def pair_glu_pallas(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), blocks: TileBlocks | None = None,
-                    interpret: bool | None = None):
-    """Unsorted rows, one tile each: out[r] = act(lhs[r] @ w_gate[group[r]], lhs[r] @ w_up[group[r]]) where
-    valid[r], else 0. For a few rows (decode) this skips the sort and the schedule; a group chosen by
-    several rows is read once per row.
+def _validate_pairs(lhs, group, valid, repeat: int):
+    if repeat < 1 or group.shape != valid.shape or group.ndim != 1 or group.shape[0] != lhs.shape[0] * repeat:
+        raise ValueError(f"pair matmul: expected group and valid [M] with M = lhs rows x repeat; got lhs {lhs.shape}, "
+                         f"group {group.shape}, valid {valid.shape}, repeat {repeat}")
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "repeat", "blocks", "interpret"))
+def pair_glu_pallas(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), repeat: int = 1,
+                    blocks: TileBlocks | None = None, interpret: bool | None = None):
+    """Unsorted pairs, one tile each: out[r] = act(x @ w_gate[group[r]], x @ w_up[group[r]]) with
+    x = lhs[r // repeat] where valid[r], else 0. For a few rows (decode) this skips the sort and the
+    schedule; a group chosen by several rows is read once per row.
 
     Args:
-      lhs: [M, K]. w_gate, w_up: [G, K, F]. group: [M] int32 in [0, G). valid: [M] bool.
+      lhs: [M / repeat, K] (each row serves `repeat` consecutive pairs: a token's expert choices).
+      w_gate, w_up: [G, K, F]. group: [M] int32 in [0, G). valid: [M] bool.
     Returns:
       [M, F] in lhs's dtype.
     """
     _validate(lhs, (w_gate, w_up), jnp.zeros((w_gate.shape[0],), jnp.int32))
+    _validate_pairs(lhs, group, valid, repeat)
     return _call(lhs, (w_gate, w_up), None, None, spec=spec, out_dtype=lhs.dtype,
-                 blocks=blocks or TileBlocks.for_rows(1), interpret=interpret, pairs=(group, valid))
+                 blocks=blocks or TileBlocks.for_rows(1), interpret=interpret, pairs=(group, valid), repeat=repeat)
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
-def pair_matmul_pallas(lhs, rhs, group, valid, row_scale=None, *, blocks: TileBlocks | None = None,
+@functools.partial(jax.jit, static_argnames=("repeat", "blocks", "interpret"))
+def pair_matmul_pallas(lhs, rhs, group, valid, row_scale=None, *, repeat: int = 1, blocks: TileBlocks | None = None,
                        interpret: bool | None = None):
-    """Unsorted rows, one tile each: out[r] = lhs[r] @ rhs[group[r]] (times row_scale[r]) where valid[r],
-    else 0. Shapes as `pair_glu_pallas` with rhs [G, K, N]; -> [M, N] (fp32 with row_scale)."""
+    """Unsorted pairs, one tile each: out[r] = lhs[r // repeat] @ rhs[group[r]] (times row_scale[r])
+    where valid[r], else 0 (row_scale is not read there). Shapes as `pair_glu_pallas` with rhs
+    [G, K, N]; -> [M, N] (fp32 with row_scale)."""
     _validate(lhs, (rhs,), jnp.zeros((rhs.shape[0],), jnp.int32))
+    _validate_pairs(lhs, group, valid, repeat)
     out_dtype = jnp.float32 if row_scale is not None else lhs.dtype
     return _call(lhs, (rhs,), None, row_scale, spec=None, out_dtype=out_dtype, blocks=blocks or TileBlocks.for_rows(1),
-                 interpret=interpret, pairs=(group, valid))
+                 interpret=interpret, pairs=(group, valid), repeat=repeat)

@@ -101,16 +101,17 @@ def _pair_impl(impl: GmmImpl, k_dim: int, n_dim: int) -> str:
     return "pallas" if resolve_gmm_impl(impl, k_dim, n_dim) == "pallas" else "xla"
 
 
-def pair_matmul(lhs, rhs, group, valid, row_scale=None, *, impl: GmmImpl = "auto"):
-    """Unsorted rows, each with its own group: out[r] = lhs[r] @ rhs[group[r]] (* row_scale[r]) where
-    valid[r], else 0. lhs [M, K], rhs [G, K, N], group [M] int32, valid [M] bool -> [M, N]."""
+def pair_matmul(lhs, rhs, group, valid, row_scale=None, *, repeat: int = 1, impl: GmmImpl = "auto"):
+    """Unsorted pairs, each with its own group: out[r] = lhs[r // repeat] @ rhs[group[r]] (* row_scale[r])
+    where valid[r], else 0. lhs [M / repeat, K], rhs [G, K, N], group [M] int32, valid [M] bool -> [M, N]."""
     if _pair_impl(impl, *rhs.shape[1:]) == "pallas":
-        return pair_matmul_pallas(lhs, rhs, group, valid, row_scale)
-    return pair_matmul_reference(lhs, rhs, group, valid, row_scale)
+        return pair_matmul_pallas(lhs, rhs, group, valid, row_scale, repeat=repeat)
+    return pair_matmul_reference(lhs, rhs, group, valid, row_scale, repeat=repeat)
 
 
-def pair_glu(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), impl: GmmImpl = "auto"):
-    """Unsorted rows: act(lhs[r] @ w_gate[group[r]], lhs[r] @ w_up[group[r]]) where valid[r], else 0."""
+def pair_glu(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), repeat: int = 1, impl: GmmImpl = "auto"):
+    """Unsorted pairs: act(x @ w_gate[group[r]], x @ w_up[group[r]]) with x = lhs[r // repeat] where
+    valid[r], else 0."""
     if _pair_impl(impl, *w_gate.shape[1:]) == "pallas":
-        return pair_glu_pallas(lhs, w_gate, w_up, group, valid, spec=spec)
-    return pair_glu_reference(lhs, w_gate, w_up, group, valid, spec=spec)
+        return pair_glu_pallas(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat)
+    return pair_glu_reference(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat)

@@ -136,8 +136,8 @@ def test_one_vocabulary_of_implementation_options():
     assert (changed.kda.impl, changed.kda.decode_impl, changed.mla.decode_impl, changed.moe.impl,
             changed.moe.gmm_impl) == ("pallas", "pallas", "pallas", "gather", "xla")
     assert cfg.with_impls(attn_res="list") == cfg  # a choice for a part the model lacks is ignored
-    assert cfg.mla.prefill_impl == "flash" and cfg.with_impls(mla_prefill="naive").mla.prefill_impl == "naive"
-    with pytest.raises(ConfigError, match=r"mla.prefill_impl.*expected one of \('flash', 'naive'\)"):
+    assert cfg.mla.prefill_impl == "auto" and cfg.with_impls(mla_prefill="naive").mla.prefill_impl == "naive"
+    with pytest.raises(ConfigError, match=r"mla.prefill_impl.*expected one of \('auto', 'cudnn', 'flash', 'naive'\)"):
         cfg.with_impls(mla_prefill="pallas")
     for old, new in (("kda_impl", "kda"), ("mla_impl", "mla"), ("moe_impl", "moe"), ("attn_res_impl", "attn_res")):
         with pytest.raises(ConfigError, match=f"'{old}' is now called '{new}'"):

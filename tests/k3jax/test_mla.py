@@ -15,7 +15,8 @@ from tolerances import assert_close
 
 from k3jax.config import tiny_kimi_linear
 from k3jax.layers.mla import MultiHeadLatentAttention
-from k3jax.layers.mla_attention import (MLA_DECODE_IMPLS, attention_absorbed, attention_flash, attention_flash_cache,
+from k3jax.layers.mla_attention import (MLA_DECODE_IMPLS, attention_absorbed, attention_cudnn, attention_flash,
+                                        attention_flash_cache,
                                         attention_naive, cache_attention, chunk_attention, prefill_attention)
 from k3jax.state import SeqInfo
 
@@ -128,6 +129,41 @@ def test_flash_prefill_equals_naive(rng, dtype, t, blocks):
     assert_close("flash vs naive (real tokens)", out[valid], ref[valid])
     # Padding queries see no key: zeros, not NaN and not the garbage.
     np.testing.assert_array_equal(np.asarray(out[~valid], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rotated_padding_form_equals_naive(rng, dtype):
+    """The cuDNN form's own work (left-padded rows rotated to lead with their real tokens, sequence
+    lengths, rotated back, padding queries zeroed) through jax.nn.dot_product_attention's XLA
+    implementation, which runs anywhere; cuDNN itself is compared on the GPU
+    (`test_cudnn_prefill_equals_naive`)."""
+    args, kw = _prefill_inputs(rng, 3, 37, jnp.dtype(dtype))
+    valid = np.asarray(args[-1])
+    ref = prefill_attention("naive", *args, **kw)
+    out = attention_cudnn(*args, **kw, implementation="xla")
+    assert out.dtype == ref.dtype
+    assert_close("rotated form vs naive", out[valid], ref[valid])
+    np.testing.assert_array_equal(np.asarray(out[~valid], np.float32), 0.0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention runs on NVIDIA GPUs only; the "
+                    "rotation and masking around it are tested on the CPU (test_rotated_padding_form_equals_naive)")
+def test_cudnn_prefill_equals_naive(rng):
+    """bf16 at the 48B model's head widths (192 / 128), left-padded rows."""
+    args, kw = _prefill_inputs(rng, 3, 300, jnp.bfloat16, h=4, n=128, p=64, r=64, v=128)
+    valid = np.asarray(args[-1])
+    ref = prefill_attention("naive", *args, **kw)
+    for impl in ("cudnn", "auto"):
+        out = prefill_attention(impl, *args, **kw)
+        assert_close(impl, out[valid], ref[valid])
+
+
+def test_auto_prefill_is_flash_off_the_gpu(rng):
+    if jax.default_backend() == "gpu":
+        pytest.skip("on the GPU auto takes cuDNN (test_cudnn_prefill_equals_naive)")
+    args, kw = _prefill_inputs(rng, 2, 20, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(prefill_attention("auto", *args, **kw), np.float32),
+                                  np.asarray(prefill_attention("flash", *args, **kw), np.float32))
 
 
 def test_layer_prefill_impls_agree(rng):

@@ -10,8 +10,8 @@ from tolerances import assert_close, kernel_dtype
 
 from pallas_kernels.moe_gmm import (GluSpec, GmmBlocks, TileBlocks, grouped_glu, grouped_glu_pallas,
                                     grouped_glu_reference, grouped_matmul, grouped_matmul_pallas,
-                                    grouped_matmul_reference, max_tiles, pair_glu_pallas, pair_matmul_pallas,
-                                    tile_schedule)
+                                    grouped_matmul_reference, max_tiles, pair_glu_pallas, pair_glu_reference,
+                                    pair_matmul_pallas, pair_matmul_reference, tile_schedule)
 
 SPECS = [GluSpec(), GluSpec("situ", 4.0, 25.0), GluSpec("situ", 2.0, None)]
 
@@ -146,3 +146,32 @@ def test_pair_tiles_match_ragged_dot(rng, interpret, dtype):
     want = grouped_glu_reference(sorted_lhs, w[0], w[1], sizes, spec=SPECS[1])[unsort]
     assert_close("pair glu", got, want, dtype=tol)
     assert not np.asarray(got[~valid], np.float32).any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pairs_read_each_token_row_for_its_choices(rng, interpret, dtype):
+    """repeat = X: pair r reads token r // X (a token's X expert choices, no repeated copy of the
+    input); equal to the gather references on the repeated rows. Invalid pairs (another shard's
+    experts) come out zero without masking: their routing weight is NaN here and is never read."""
+    tokens, x_per, k, n, g = 4, 3, 64, 32, 6
+    m = tokens * x_per
+    lhs = jnp.asarray(rng.standard_normal((tokens, k)), dtype)
+    group = jnp.asarray(rng.integers(0, g, m), jnp.int32)
+    valid = rng.uniform(size=m) > 0.3
+    w = [jnp.asarray(rng.standard_normal((g, k, n)) / 8, dtype) for _ in range(2)]
+    scale = np.asarray(rng.uniform(0.1, 1.0, m), np.float32)
+    scale[~valid] = np.nan
+    tol = kernel_dtype(dtype, interpret)
+    got = pair_glu_pallas(lhs, w[0], w[1], group, jnp.asarray(valid), spec=SPECS[1], repeat=x_per, interpret=interpret)
+    want = pair_glu_reference(jnp.repeat(lhs, x_per, axis=0), w[0], w[1], group, jnp.asarray(valid), spec=SPECS[1])
+    assert_close("pair glu, repeat", got, want, dtype=tol)
+    assert_close("reference repeat", pair_glu_reference(lhs, w[0], w[1], group, jnp.asarray(valid), spec=SPECS[1],
+                                                        repeat=x_per), want, dtype=dtype)
+    h = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    w2 = jnp.asarray(rng.standard_normal((g, n, k)) / 8, dtype)
+    got = pair_matmul_pallas(h, w2, group, jnp.asarray(valid), jnp.asarray(scale), interpret=interpret)
+    want = pair_matmul_reference(h, w2, group, jnp.asarray(valid), jnp.asarray(np.where(valid, scale, 0.0)))
+    assert_close("pair matmul, unmasked scale", got, want, dtype=tol)
+    assert not np.asarray(got[~valid]).any()
+    with pytest.raises(ValueError, match="lhs rows x repeat"):
+        pair_glu_pallas(lhs, w[0], w[1], group[:-1], jnp.asarray(valid[:-1]), repeat=x_per, interpret=interpret)
