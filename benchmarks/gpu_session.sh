@@ -62,7 +62,8 @@ for step in "$@"; do
               --kernels pallas --moe auto --batch 1 --q 5 --e2e-batch 1 --k 4 --e2e-first --embed-std 4 \
               --error-rates 1 0.25 0.1 0 --new-tokens 64 --name speculative_e2e 2>&1 | quiet | tee "$W/speculative_e2e.log" ;;
     prefill-tests) K3JAX_TEST_DEVICE=gpu timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-              tests/k3jax/test_mla.py -k "cudnn or rotated or chunk_attention or flash_prefill" 2>&1 | quiet | tail -5 \
+              tests/k3jax/test_mla.py -k "cudnn or rotated or chunk_attention or flash_prefill" 2>&1 | quiet \
+              | grep -E "passed|failed|FAILED|Error|assert" | tail -30 \
               | tee "$W/prefill_tests.log"
           OUT=$W timeout 150 python3 benchmarks/mla_prefill.py --shape 48b --tokens 8192 --dtype bfloat16 \
               --forms naive,cudnn,flash --iters 10 2>&1 | quiet | tail -8 | tee "$W/mla_prefill.log" ;;

@@ -3,6 +3,7 @@
     python benchmarks/plot.py decode   # TPOT against batch, before / after, with the floors
     python benchmarks/plot.py moe      # routed-expert MLP time against tokens, every implementation
     python benchmarks/plot.py speculative  # verify cost against q; speed-up against accepted length
+    python benchmarks/plot.py prefill  # time to first token against prompt length
     python benchmarks/plot.py server   # server load: throughput, TPOT and TTFT against concurrent clients
     python benchmarks/plot.py all
 
@@ -79,13 +80,19 @@ def plot_moe(out: str) -> str:
                    "Routed experts on one H200, bf16", os.path.join(out, "moe_experts.png"))
 
 
-def plot_speculative(out: str, name: str = "speculative_run2_planted.json") -> str:
-    """Left: verify + commit time over one decode step against q, with the memory-floor ratio.
-    Right: end-to-end speed-up over plain decoding against tokens per verify step (replay drafts)."""
-    record = _load(name)
+SPECULATIVE_BEFORE = "speculative_run2_planted.json"          # scan of one-token kernels (cb323b6)
+SPECULATIVE_VERIFY = "speculative_run5_verify.json"           # window kernels, outputs-only verify (14a47ea)
+SPECULATIVE_E2E = "speculative_run5_e2e_b1.json"              # same commit, B = 1, k = 4
+
+
+def plot_speculative(out: str) -> str:
+    """Left: verify + commit time over one decode step against q (run 5; dotted: the memory-floor
+    ratio). Right: end-to-end speed-up over plain decoding against tokens per verify step (replay
+    drafts), run 5 at B = 1 beside run 2."""
+    before, verify, e2e = _load(SPECULATIVE_BEFORE), _load(SPECULATIVE_VERIFY), _load(SPECULATIVE_E2E)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
     for b, style in ((1, "o"), (8, "s"), (64, "D")):
-        rows = [r for r in record["verify"] if r["batch"] == b]
+        rows = [r for r in verify["verify"] if r["batch"] == b]
         if rows:
             line, = left.plot([r["q"] for r in rows], [r["ratio_to_decode"] for r in rows], style + "-", label=f"B={b}")
             left.plot([r["q"] for r in rows], [r["floor_ratio"] for r in rows], style + ":", color=line.get_color(),
@@ -94,12 +101,14 @@ def plot_speculative(out: str, name: str = "speculative_run2_planted.json") -> s
     left.set_xscale("log", base=2)
     left.set_xlabel("q (tokens verified per row)")
     left.set_ylabel("verify + commit / one decode step")
-    left.set_title("Verify cost, Kimi-Linear-48B shape, bf16")
-    for b, style in ((1, "o-"), (8, "s-")):
+    left.set_title("Verify cost, Kimi-Linear-48B shape, bf16 (run 5)")
+    series = [(before, 1, "o--", "run 2"), (before, 8, "s--", "run 2"), (e2e, 1, "o-", "run 5")]
+    for record, b, style, tag in series:
         rows = sorted((r for r in record["end_to_end"] if r["batch"] == b), key=lambda r: r["mean_accepted_length"])
         if rows:
             right.plot([r["mean_accepted_length"] for r in rows], [r["speedup"] for r in rows], style,
-                       label=f"B={b}, k={rows[0]['k']}")
+                       label=f"B={b}, k={rows[0]['k']} ({tag})")
+    right.plot([1, 5], [1 / 2.73, 5 / 2.73], "k:", lw=0.8, label="both steps at their floors (B=1, k=4)")
     right.axhline(2.0, color="k", lw=0.8, ls="--", label="target at 4 tokens/step, B=1")
     right.axvline(4.0, color="k", lw=0.5, ls=":")
     right.set_xlabel("tokens per verify step (accepted drafts + 1)")
@@ -110,6 +119,38 @@ def plot_speculative(out: str, name: str = "speculative_run2_planted.json") -> s
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out, "speculative.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+PREFILL_RUNS = (("prefill_run1_chunked.json", "JAX flash attention (ed15f97)"),
+                ("prefill_run2_cudnn.json", "cuDNN flash attention (a43cd23)"))
+
+
+def plot_prefill(out: str) -> str:
+    """Time to first token against prompt tokens at B = 1 (and 64 x 1K), one line per run."""
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for name, label in PREFILL_RUNS:
+        if not os.path.exists(os.path.join(H200, name)):
+            continue
+        rows = [r for r in _load(name)["rows"] if "ttft_ms" in r]
+        ones = sorted((r for r in rows if r["batch"] == 1), key=lambda r: r["prompt_len"])
+        line, = ax.plot([r["prompt_len"] for r in ones], [r["ttft_ms"] / 1e3 for r in ones], "o-", label=f"B=1, {label}")
+        for r in rows:
+            if r["batch"] > 1:
+                ax.plot([r["batch"] * r["prompt_len"]], [r["ttft_ms"] / 1e3], "s", color=line.get_color(),
+                        label=f"{r['batch']} x {r['prompt_len']}")
+    ax.plot([8192], [0.25], "k*", label="target: 8K in 250 ms")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens (all rows)")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title("Prefill, Kimi-Linear-48B shape, bf16, one H200")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out, "prefill_ttft.png")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -156,10 +197,11 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=["decode", "moe", "speculative", "server", "all"])
+    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "server", "all"])
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args(argv)
-    for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative)):
+    for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative),
+                     ("prefill", plot_prefill)):
         if args.which in (name, "all"):
             print("wrote", fn(args.out))
     if args.which == "server" or (args.which == "all" and os.path.exists(os.path.join(H200, SERVER_LOAD))):

@@ -16,6 +16,14 @@ def kernel_dtype(dtype, interpret: bool) -> str:
     return "tf32" if name == "float32" and not interpret else name
 
 
+def xla_dtype(dtype) -> str:
+    """The tolerance class of an XLA computation: fp32 dots on a GPU run on TF32 matrix units."""
+    import jax  # the tolerance table itself needs no JAX
+
+    name = dtype if isinstance(dtype, str) else str(np.dtype(dtype))
+    return "tf32" if name == "float32" and jax.default_backend() == "gpu" else name
+
+
 def error_ratio(actual, expected) -> float:
     a = np.asarray(actual, np.float64)
     e = np.asarray(expected, np.float64)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tolerances import assert_close
+from tolerances import assert_close, xla_dtype
 
 from k3jax.config import tiny_kimi_linear
 from k3jax.layers.mla import MultiHeadLatentAttention
@@ -89,11 +89,11 @@ def test_chunk_attention_over_the_cache_equals_naive(rng, dtype, blocks):
                                 **kw, **blocks)
     real = last >= 0
     assert out.dtype == dt
-    assert_close("flash over the cache vs naive", out[real], ref[real])
+    assert_close("flash over the cache vs naive", out[real], ref[real], dtype=xla_dtype(dtype))
     np.testing.assert_array_equal(np.asarray(out[~real], np.float32), 0.0)  # padding queries: zeros, not NaN
     dispatched = chunk_attention("flash", q_nope, q_pe, jnp.asarray(np.where(ok, cache, 0.0), dt), w_kv_b,
                                  jnp.asarray(last), **kw)
-    assert_close("chunk_attention('flash')", dispatched[real], ref[real])
+    assert_close("chunk_attention('flash')", dispatched[real], ref[real], dtype=xla_dtype(dtype))
 
 
 def _prefill_inputs(rng, b, t, dtype, h=4, n=16, p=8, r=12, v=10):
@@ -126,7 +126,7 @@ def test_flash_prefill_equals_naive(rng, dtype, t, blocks):
     ref = prefill_attention("naive", *args, **kw)
     out = attention_flash(*args, **kw, **blocks)
     assert out.dtype == ref.dtype == jnp.dtype(dtype)
-    assert_close("flash vs naive (real tokens)", out[valid], ref[valid])
+    assert_close("flash vs naive (real tokens)", out[valid], ref[valid], dtype=xla_dtype(dtype))
     # Padding queries see no key: zeros, not NaN and not the garbage.
     np.testing.assert_array_equal(np.asarray(out[~valid], np.float32), 0.0)
 
@@ -142,7 +142,7 @@ def test_rotated_padding_form_equals_naive(rng, dtype):
     ref = prefill_attention("naive", *args, **kw)
     out = attention_cudnn(*args, **kw, implementation="xla")
     assert out.dtype == ref.dtype
-    assert_close("rotated form vs naive", out[valid], ref[valid])
+    assert_close("rotated form vs naive", out[valid], ref[valid], dtype=xla_dtype(dtype))
     np.testing.assert_array_equal(np.asarray(out[~valid], np.float32), 0.0)
 
 
