@@ -20,6 +20,7 @@ from flax import nnx
 
 from k3jax.config import ModelConfig
 from k3jax.inputs import check_batch, check_token_ids
+from k3jax.memory_plan import prefill_chunk_length
 from k3jax.model import KimiForCausalLM, abstract_model
 from k3jax.sharding import Placement, config_for_mesh, param_shardings
 from k3jax.state import DecodeState, init_decode_state
@@ -28,17 +29,6 @@ from k3jax.tokenizer import KimiTokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _CACHE_BUCKET = 128
-MIN_PREFILL_CHUNK = 64  # tokens per row of one prefill chunk, however many rows share the call
-
-
-def prefill_chunk_length(batch: int, width: int, tokens_per_call: int) -> int:
-    """Tokens per row of each prefill call for a [batch, width] prompt: the whole width when
-    batch * width <= tokens_per_call (or tokens_per_call is 0), else the largest power of two with
-    batch * chunk <= tokens_per_call (at least MIN_PREFILL_CHUNK)."""
-    if tokens_per_call == 0 or batch * width <= tokens_per_call:
-        return width
-    chunk = max(tokens_per_call // batch, 1)
-    return min(width, max(1 << (chunk.bit_length() - 1), MIN_PREFILL_CHUNK))
 
 
 def resolve_dtype(dtype) -> jnp.dtype:

@@ -24,9 +24,9 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from k3jax.causal_lm import CausalLM, prefill_chunk_length
+from k3jax.causal_lm import CausalLM
 from k3jax.decode_loop import STOPPED, LoopInputs, LoopState, decode_chunk, init_loop_state
-from k3jax.memory_plan import check_generation_fits, device_capacity, mesh_spec_of
+from k3jax.memory_plan import check_generation_fits, device_capacity, mesh_spec_of, prefill_chunk_length
 from k3jax.outputs import (CompletionOutput, GenerationOutput, GenerationResult, GenerationTimings, SpeculativeStats,
                            StreamChunk)
 from k3jax.requests import (Row, check_sampling, completion_output, default_sampling, encode_prompt, expand_rows,

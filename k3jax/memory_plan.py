@@ -109,11 +109,16 @@ def _nbytes(x) -> int:
     return math.prod(x.shape) * np.dtype(x.dtype).itemsize
 
 
+# XLA's compiled temporaries of the 48B shape's prefill on an H200 were 2.4-4.3x the widest-layer
+# width below per token (1.8 GB for 1 x 8K, 4.5 GB for 1 x 16K, 6.4 GB for 64 x 256; RESULTS.md, prefill).
+ACTIVATION_FACTOR = 4.5
+
+
 def activation_bytes(cfg: ModelConfig, mesh: MeshSpec, batch: int, tokens: int, dtype) -> int:
     """An estimate of the live activations of one forward over `tokens` new tokens per row (prefill
     chunk or decode step): per token the widest layer's inputs and outputs in fp32 (KDA's q|k|v and
-    gates, the dense or expert MLP), the AttnRes sources, plus the fp32 logits of each row's last
-    token. Rows over "data"; the vocabulary over "tensor"."""
+    gates, the dense or expert MLP) and the AttnRes sources, times ACTIVATION_FACTOR (measured), plus
+    the fp32 logits of each row's last token. Rows over "data"; the vocabulary over "tensor"."""
     rows = -(-batch // mesh.data)
     widths = [cfg.hidden_size * 4]
     if cfg.kda is not None:
@@ -127,21 +132,34 @@ def activation_bytes(cfg: ModelConfig, mesh: MeshSpec, batch: int, tokens: int, 
         widths.append(moe.num_experts_per_token * 2 * moe.expert_intermediate_size
                       + (2 * moe.shared.intermediate_size if moe.shared is not None else 0))
     sources = cfg.attn_res.num_blocks(cfg.num_layers) + 1 if cfg.attn_res is not None else 1
-    per_token = 4 * (max(widths) + sources * cfg.hidden_size)
+    per_token = int(ACTIVATION_FACTOR * 4 * (max(widths) + sources * cfg.hidden_size))
     logits = rows * -(-cfg.vocab_size // mesh.tensor) * 4
     return rows * tokens * per_token + logits
 
 
+MIN_PREFILL_CHUNK = 64  # tokens per row of one prefill chunk, however many rows share the call
+
+
+def prefill_chunk_length(batch: int, width: int, tokens_per_call: int) -> int:
+    """Tokens per row of each prefill call for a [batch, width] prompt: the whole width when
+    batch * width <= tokens_per_call (or tokens_per_call is 0), else the largest power of two with
+    batch * chunk <= tokens_per_call (at least MIN_PREFILL_CHUNK)."""
+    if tokens_per_call == 0 or batch * width <= tokens_per_call:
+        return width
+    chunk = max(tokens_per_call // batch, 1)
+    return min(width, max(1 << (chunk.bit_length() - 1), MIN_PREFILL_CHUNK))
+
+
 def plan_memory(cfg: ModelConfig, mesh: MeshSpec, *, batch: int, context: int, dtype="bfloat16",
-                prefill_chunk: int = 8192, capacity: int = H200_BYTES, name: str = "model") -> MemoryPlan:
+                capacity: int = H200_BYTES, name: str = "model") -> MemoryPlan:
     """Per-device bytes of `cfg` on `mesh` decoding `batch` rows with `context` tokens each; the
-    activation estimate is for the larger of a decode step and a prefill chunk of
-    min(context, prefill_chunk) tokens per row."""
+    activation estimate is for one prefill call of a `context`-token prompt (chunked by the
+    config's prefill_chunk_tokens, `prefill_chunk_length`)."""
     if batch < 1 or context < 1:
         raise ValueError(f"batch and context must be positive, got {batch} and {context}")
     weights, experts = weight_bytes(cfg, mesh, dtype)
     kda, mla = state_bytes(cfg, mesh, batch, context, dtype)
-    acts = activation_bytes(cfg, mesh, batch, min(context, prefill_chunk), dtype)
+    acts = activation_bytes(cfg, mesh, batch, prefill_chunk_length(batch, context, cfg.prefill_chunk_tokens), dtype)
     packed = int(experts / np.dtype(jnp.dtype(dtype)).itemsize * MXFP4_BITS / 8)
     notes = []
     if cfg.quantization == "mxfp4":

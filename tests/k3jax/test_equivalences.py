@@ -9,7 +9,7 @@ import pytest
 from tolerances import assert_close
 
 import k3jax
-from k3jax.causal_lm import MIN_PREFILL_CHUNK, prefill_chunk_length
+from k3jax.memory_plan import MIN_PREFILL_CHUNK, prefill_chunk_length
 from k3jax.config import tiny_k3
 
 
