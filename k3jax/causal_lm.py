@@ -206,19 +206,29 @@ class CausalLM:
             state = self.init_state(b, max_len)
         else:
             self._check_room(state, b, mask.sum(axis=1))
+        return self.prefill_into(ids, mask, state, fresh=fresh, all_logits=all_logits, donate=fresh)
+
+    def prefill_into(self, ids: np.ndarray, mask: np.ndarray, state: DecodeState, *, fresh: bool,
+                     all_logits: bool = False, donate: bool = False):
+        """The prefill calls of checked [B, T] ids and bool mask into `state` (`prefill` after its
+        checks; generation calls it with states it built): one call, or chunks of
+        `prefill_calls` length each continuing the state. fresh: the state holds no history.
+        donate: `state` may be consumed by the first call (later calls always consume their input).
+        Returns (logits, state) as `prefill`."""
+        b, t = ids.shape
         chunk = prefill_chunk_length(b, t, self.config.prefill_chunk_tokens)
         put = self.placement.put_rows
         with self.placement.context():
             if chunk >= t:
-                return self.steps.prefill(self.params, put(ids), put(mask), state, fresh=fresh, all_logits=all_logits)
+                step = self.steps.prefill_donated if donate else self.steps.prefill
+                return step(self.params, put(ids), put(mask), state, fresh=fresh, all_logits=all_logits)
             lead = -t % chunk  # left padding up to a multiple of the chunk: rows stay left-padded
             ids = np.pad(ids, ((0, 0), (lead, 0)))
             mask = np.pad(mask, ((0, 0), (lead, 0)))
             parts = []
             for i in range(ids.shape[1] // chunk):
                 cols = slice(i * chunk, (i + 1) * chunk)
-                # The first call must not donate a state the caller still holds.
-                step = self.steps.prefill if i == 0 and not fresh else self.steps.prefill_donated
+                step = self.steps.prefill if i == 0 and not donate else self.steps.prefill_donated
                 logits, state = step(self.params, put(ids[:, cols]), put(mask[:, cols]), state,
                                      fresh=fresh and i == 0, all_logits=all_logits)
                 parts.append(logits)

@@ -190,9 +190,10 @@ class Generator:
         max_len = min(width + steps, limit)
         model = self.model
         device = jax.devices()[0] if model.mesh is None else model.mesh.devices.flat[0]
-        # The plain path prefills in chunks (CausalLM.prefill); the speculative one in one call.
-        per_call = width if speculative is not None else prefill_chunk_length(batch, width,
-                                                                               model.config.prefill_chunk_tokens)
+        # Prompts are prefilled in chunks (CausalLM.prefill_into), except for drafters that read the
+        # hidden state of every prompt position (MTP): one call.
+        one_call = speculative is not None and speculative.method == "mtp"
+        per_call = width if one_call else prefill_chunk_length(batch, width, model.config.prefill_chunk_tokens)
         check_generation_fits(model.config, mesh_spec_of(model.mesh), model.dtype, batch=batch, capacity_tokens=max_len,
                               prompt_tokens=per_call, capacity=device_capacity(device))
         row_stops = [row.sampling.stop for row in rows]
@@ -269,11 +270,10 @@ class Generator:
         put = model.placement.put_rows
         state = model.init_state(batch, max_len, scratch=scratch)
         with model.placement.context():
-            if source.needs_hidden:
+            if source.needs_hidden:  # the drafter reads every prompt position's hidden state: one call
                 logits, hidden, state = model.steps.prefill_hidden(model.params, put(ids), put(mask), state)
             else:
-                logits, state = model.steps.prefill(model.params, put(ids), put(mask), state, fresh=True,
-                                                    all_logits=False)
+                logits, state = model.prefill_into(ids, mask.astype(bool), state, fresh=True, donate=True)
                 hidden = None
             carry = self.compiled_spec_init(model.params, source=source, logits_BV=logits, hidden_BTD=hidden,
                                             state=state, ids_BT=put(ids), valid_BT=put(mask.astype(bool)),

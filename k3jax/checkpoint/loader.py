@@ -116,31 +116,55 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
     plan, skipped = plan_tensors(cfg, ckpt, shapes)
     shardings = dict(nnx.to_flat_state(param_shardings(state, mesh))) if mesh is not None else None
 
-    bar = progress_bar(sum(stored_nbytes(ckpt, n, r) for entries in plan.values() for n, r in entries), "loading",
+    # Stacked expert tensors are read only for the experts this process's devices hold.
+    wanted = {p: [(n, r) for n, r in entries if r.expert is None or mesh is None
+                  or r.expert in local_rows(shardings[p], shapes[p])] for p, entries in plan.items()}
+    bar = progress_bar(sum(stored_nbytes(ckpt, n, r) for entries in wanted.values() for n, r in entries), "loading",
                        progress, min_bytes=1 << 28)
     loaded, read = [], 0
     for p, var in flat:
         np_dtype = np.dtype(var.get_value().dtype)
-        entries = plan[p]
-        if entries[0][1].expert is None:
+        entries = wanted[p]
+        if plan[p][0][1].expert is None:
             (name, rule), = entries
             value = read_param_slice(ckpt, name, rule, shapes[p]).astype(np_dtype)
+            value = jax.device_put(value, shardings[p]) if mesh is not None else jnp.asarray(value)
         else:
-            value = np.empty(shapes[p], np_dtype)
-            for name, rule in entries:
-                value[rule.expert] = read_param_slice(ckpt, name, rule, shapes[p][1:])
+            experts = {rule.expert: read_param_slice(ckpt, name, rule, shapes[p][1:]).astype(np_dtype)
+                       for name, rule in entries}
+            value = stack_experts(experts, shapes[p], np_dtype, None if mesh is None else shardings[p])
         step = sum(stored_nbytes(ckpt, n, r) for n, r in entries)
         read += step
         bar.update(step)
-        value = jax.device_put(value, shardings[p]) if mesh is not None else jnp.asarray(value)
         loaded.append((p, var.replace(value)))
     bar.close()
     if _check_finite:
         _check_hf_finite(ckpt, plan, {p: v.get_value() for p, v in loaded})
-    report = LoadReport(tensors=sum(len(v) for v in plan.values()), skipped=skipped, bytes_read=read)
+    report = LoadReport(tensors=sum(len(v) for v in wanted.values()), skipped=skipped, bytes_read=read)
     logger.info("loaded %s: %d tensors (%.1f MB, %d skipped) as %s", path, report.tensors, read / 1e6, skipped,
                 cfg.model_type)
     return CausalLM(nnx.merge(graphdef, nnx.from_flat_state(loaded)), mesh=mesh, load_report=report)
+
+
+def local_rows(sharding, shape: tuple) -> set[int]:
+    """Indices along the leading (expert) axis held by this process's devices under `sharding`."""
+    rows = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows.update(range(*index[0].indices(shape[0])))
+    return rows
+
+
+def stack_experts(experts: dict[int, np.ndarray], shape: tuple, dtype, sharding) -> jax.Array:
+    """A stacked [E, ...] parameter from the experts read here (all of them without a sharding;
+    with one, at least those this process's devices hold), placed in `sharding`."""
+    if sharding is None:
+        return jnp.asarray(np.stack([experts[e] for e in range(shape[0])]).astype(dtype))
+
+    def shard(index):
+        rows = range(*index[0].indices(shape[0]))
+        return np.stack([experts[e] for e in rows]).astype(dtype)[(slice(None),) + tuple(index[1:])]
+
+    return jax.make_array_from_callback(shape, sharding, shard)
 
 
 def _check_hf_finite(ckpt: SafetensorsCheckpoint, plan: dict, values: dict) -> None:

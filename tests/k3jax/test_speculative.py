@@ -75,6 +75,19 @@ def test_greedy_output_equals_plain_decoding(gen, prompts, plain, spec):
         assert 0 < stats.accepted < 3 * stats.steps
 
 
+def test_chunked_prefill_before_speculative_decoding(model, prompts, plain):
+    """Prompts prefilled in 64-token chunks (a 2-call budget) and then decoded with prompt-lookup
+    drafts give the same greedy tokens as one-call prefill and plain decoding."""
+    params, expected = plain
+    long_prompts = [list(np.random.default_rng(9).integers(0, VOCAB, 120))] + prompts[1:]
+    chunked = k3jax.Generator(model.with_config(model.config.replace(prefill_chunk_tokens=3 * 64)))
+    assert chunked.model.prefill_calls(4, 128) == [(64, True), (64, False)]
+    one = k3jax.Generator(model.with_config(model.config.replace(prefill_chunk_tokens=0)))
+    want = _tokens(one.generate(long_prompts, params))
+    assert _tokens(chunked.generate(long_prompts, params, speculative=SpeculativeConfig("ngram", 3))) == want
+    assert _tokens(chunked.generate(long_prompts, params)) == want
+
+
 def test_prompt_lookup_drafts_are_accepted_on_a_planted_chain(model):
     """Prompt lookup finds the continuation in the prompt: drafts are accepted, output unchanged."""
     planted, perm = plant_greedy_chain(model, seed=5)
