@@ -118,9 +118,11 @@ def attention_cudnn(q_nope_BTHN, q_pe_BTHP, latent_BTL, w_kv_b, valid_BT, *, sca
     pad_B = t - jnp.sum(valid_BT, axis=1).astype(jnp.int32)
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     rotate = lambda x, idx: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
-    first = (pos + pad_B[:, None]) % t                         # row-major: real tokens first
+    first = (pos + pad_B[:, None]) % t                         # each row's real tokens first
     q, k, values = rotate(q, first), rotate(k, first), rotate(values, first)
-    lengths = (t - pad_B).astype(jnp.int32)
+    # A row all padding (a chunk before its prompt starts) attends one padding token, zeroed below,
+    # rather than handing cuDNN an empty sequence.
+    lengths = jnp.maximum(t - pad_B, 1).astype(jnp.int32)
     # The public API takes one head width for queries, keys and values: the narrower side is zero-padded
     # (zero key columns add nothing to a score; zero value columns are cut from the output).
     width = max(q.shape[-1], v_dim)
@@ -185,8 +187,9 @@ def chunk_attention(impl: MLAPrefillImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_k
     """Attention of many new tokens per row over a cache that holds history and them (the
     continuation chunks of a chunked prefill; the one dispatch site of that case).
 
-    "flash": blockwise over the cache (`attention_flash_cache`, memory linear in T and S);
-    "naive": the reference, a [B, H, T, S] score matrix over per-head keys.
+    "flash" (and "auto" and "cudnn": cuDNN's causal mask is aligned for a fresh prompt only):
+    blockwise over the cache (`attention_flash_cache`, memory linear in T and S); "naive": the
+    reference, a [B, H, T, S] score matrix over per-head keys.
     Args and result as `cache_attention`.
     """
     kw = dict(scale=scale, v_dim=v_dim)

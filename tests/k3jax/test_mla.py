@@ -144,6 +144,12 @@ def test_rotated_padding_form_equals_naive(rng, dtype):
     assert out.dtype == ref.dtype
     assert_close("rotated form vs naive", out[valid], ref[valid], dtype=xla_dtype(dtype))
     np.testing.assert_array_equal(np.asarray(out[~valid], np.float32), 0.0)
+    # A row all padding (the first chunk of a prompt that starts later): zeros, the others unchanged.
+    empty = valid.copy()
+    empty[2] = False
+    out = attention_cudnn(*args[:-1], jnp.asarray(empty), **kw, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(out[2], np.float32), 0.0)
+    assert_close("rows beside an empty one", out[:2][valid[:2]], ref[:2][valid[:2]], dtype=xla_dtype(dtype))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN flash attention runs on NVIDIA GPUs only; the "
