@@ -82,7 +82,7 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def build(args) -> k3jax.CausalLM:
-    impls = {"moe": args.moe, "gmm": args.gmm, "linear": args.linear}
+    impls = {"moe": args.moe, "gmm": args.gmm, "linear": args.linear, "mla_prefill": getattr(args, "mla_prefill", None)}
     if args.kernels == "pallas":
         impls.update(kda="pallas", kda_decode="pallas", mla="pallas")
     if args.model == "kimi-linear-48b":

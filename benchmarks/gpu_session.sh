@@ -62,7 +62,7 @@ for step in "$@"; do
               --kernels pallas --moe auto --batch 1 --q 5 --e2e-batch 1 --k 4 --e2e-first --embed-std 4 \
               --error-rates 1 0.25 0.1 0 --new-tokens 64 --name speculative_e2e 2>&1 | quiet | tee "$W/speculative_e2e.log" ;;
     prefill-tests) K3JAX_TEST_DEVICE=gpu timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-              tests/k3jax/test_mla.py -k "cudnn or rotated or chunk_attention or flash_prefill" 2>&1 | quiet \
+              tests/k3jax/test_mla.py -k "cudnn or rotated or two_part or chunk_attention or flash_prefill" 2>&1 | quiet \
               | grep -E "passed|failed|FAILED|Error|assert" | tail -30 \
               | tee "$W/prefill_tests.log"
           OUT=$W timeout 150 python3 benchmarks/mla_prefill.py --shape 48b --tokens 8192 --dtype bfloat16 \
@@ -70,7 +70,7 @@ for step in "$@"; do
     prefill) JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1 OUT=$W \
               timeout ${PREFILL_LIMIT:-560} python3 benchmarks/prefill.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --prefill ${PREFILL_ROWS:-1x8192 64x1024 1x32768 1x131072} \
-              --profile 1x8192 --name prefill 2>&1 | quiet | tee "$W/prefill.log" ;;
+              --profile 1x8192 --mla-prefill ${MLA_PREFILL:-auto} --name prefill 2>&1 | quiet | tee "$W/prefill.log" ;;
     server-load) OUT=$W timeout 200 python3 benchmarks/server_load.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --concurrency ${SERVER_LEVELS:-1 4 16 64 256} --duration 15 --budget 170 2>&1 | quiet \
               | tee "$W/server_load.log" ;;

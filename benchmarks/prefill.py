@@ -123,6 +123,8 @@ def main(argv=None) -> int:
     add_model_arguments(ap, default="tiny-kimi-linear")
     ap.add_argument("--prefill", nargs="+", default=["1x256", "4x128"], help="rows as BxT, e.g. 1x8192 64x1024")
     ap.add_argument("--profile", nargs="*", default=[], help="rows (BxT) to profile, e.g. 1x8192")
+    ap.add_argument("--mla-prefill", default=None,
+                    help="MLA prefill implementation (k3jax option 'mla_prefill'; 'cudnn' also takes the chunks over the cache)")
     ap.add_argument("--chunk-tokens", type=int, default=None,
                     help="prompt tokens per prefill call (rows x chunk; the config's prefill_chunk_tokens)")
     ap.add_argument("--name", default=None)
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
     gen = k3jax.Generator(model)
     rng = np.random.default_rng(0)
     name = args.name or f"prefill_{args.model}_{args.dtype}_{args.kernels}"
-    record = {"benchmark": "prefill", "model": args.model, "dtype": args.dtype,
+    record = {"benchmark": "prefill", "model": args.model, "dtype": args.dtype, "mla_prefill": model.config.mla.prefill_impl,
               "chunk_tokens": model.config.prefill_chunk_tokens, "env": environment(), "rows": []}
     out_dir = os.environ.get("OUT", "/tmp")
     for spec in args.prefill:

@@ -78,9 +78,11 @@ class MultiHeadLatentAttention(nnx.Module):
                 cache = MLACache(latent=write_cache(cache.latent, latent, seq))
         else:
             cache = MLACache(latent=write_cache(cache.latent, latent, seq))
-            over_cache = cache_attention if t <= DECODE_MAX_QUERIES else chunk_attention
-            impl = cfg.decode_impl if t <= DECODE_MAX_QUERIES else cfg.prefill_impl
-            attn = over_cache(impl, q_nope, q_pe, cache.latent, w_kv_b, seq.slot_index(), **kwargs)
+            if t <= DECODE_MAX_QUERIES:
+                attn = cache_attention(cfg.decode_impl, q_nope, q_pe, cache.latent, w_kv_b, seq.slot_index(), **kwargs)
+            else:
+                attn = chunk_attention(cfg.prefill_impl, q_nope, q_pe, cache.latent, w_kv_b, seq.slot_index(),
+                                       latent_BTL=latent, start_B=seq.start, **kwargs)
         attn = attn.reshape(b, t, h * cfg.v_head_dim)
         if cfg.use_output_gate:  # K3: sigmoid gate from the layer input on the concatenated heads
             gate = jax.nn.sigmoid(gate_logits[0].astype(jnp.float32))

@@ -35,6 +35,10 @@ MLA_PREFILL_IMPLS: tuple[str, ...] = get_args(MLAPrefillImpl)
 # take `chunk_attention` (the prefill_impl form over the cache) instead of the decode kernel.
 DECODE_MAX_QUERIES = 16
 
+# The jax.nn.dot_product_attention implementation behind the "cudnn" forms ("xla" runs them anywhere:
+# the CPU tests of the wiring set it).
+FUSED_ATTENTION = "cudnn"
+
 _MASKED = -1e30
 
 
@@ -95,43 +99,95 @@ def attention_flash(q_nope_BTHN, q_pe_BTHP, latent_BTL, w_kv_b, valid_BT, *, sca
     return out.astype(values.dtype)
 
 
+def _heads_k(k_nope_BSHN, k_pe_BSP):
+    """Per-head keys with the shared rope part appended: [B, S, H, nope + rope]."""
+    b, s, h, _ = k_nope_BSHN.shape
+    return jnp.concatenate([k_nope_BSHN, jnp.broadcast_to(k_pe_BSP[:, :, None], (b, s, h, k_pe_BSP.shape[-1]))], -1)
+
+
 def _heads_qk(q_nope_BTHN, q_pe_BTHP, k_nope_BTHN, k_pe_BTP):
     """Per-head queries and keys with the rope part appended: [B, T, H, nope + rope] each."""
-    b, t, h, _ = k_nope_BTHN.shape
-    k_pe = jnp.broadcast_to(k_pe_BTP[:, :, None], (b, t, h, k_pe_BTP.shape[-1]))
-    return jnp.concatenate([q_nope_BTHN, q_pe_BTHP], -1), jnp.concatenate([k_nope_BTHN, k_pe], -1)
+    return jnp.concatenate([q_nope_BTHN, q_pe_BTHP], -1), _heads_k(k_nope_BTHN, k_pe_BTP)
+
+
+def _fused(q, k, values, *, scale: float, v_dim: int, implementation: str, **kw):
+    """jax.nn.dot_product_attention on [B, T, H, *] parts with the log-sum-exp of each query's scores
+    -> (out [B, T, H, V], lse [B, T, H] fp32). The public API takes one head width for queries, keys
+    and values: the narrower side is zero-padded (zero key columns add nothing to a score; zero
+    value columns are cut from the output)."""
+    width = max(q.shape[-1], v_dim)
+    widen = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+    out, lse = jax.nn.dot_product_attention(widen(q), widen(k), widen(values), scale=scale, return_residual=True,
+                                            implementation=implementation, **kw)
+    return out[..., :v_dim], lse.astype(jnp.float32)
+
+
+def _rotated_self_attention(q, k, values, valid_BT, *, scale: float, v_dim: int, implementation: str):
+    """Causal attention of T tokens per row over themselves, rows left-padded: each row is rotated to
+    lead with its real tokens (fused kernels mask padding at the END of a row), attended with
+    sequence lengths, and rotated back -> (out [B, T, H, V], lse [B, T, H]); padding queries' rows
+    are garbage (the caller masks them). A row all padding (a chunk before its prompt starts)
+    attends one padding token rather than an empty sequence."""
+    t = valid_BT.shape[1]
+    pad_B = t - jnp.sum(valid_BT, axis=1).astype(jnp.int32)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    rotate = lambda x, idx: jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+    first = (pos + pad_B[:, None]) % t                         # each row's real tokens first
+    q, k, values = rotate(q, first), rotate(k, first), rotate(values, first)
+    lengths = jnp.maximum(t - pad_B, 1).astype(jnp.int32)
+    out, lse = _fused(q, k, values, scale=scale, v_dim=v_dim, implementation=implementation, is_causal=True,
+                      query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+    back = (pos - pad_B[:, None]) % t
+    return rotate(out, back), rotate(lse, back)
 
 
 def attention_cudnn(q_nope_BTHN, q_pe_BTHP, latent_BTL, w_kv_b, valid_BT, *, scale: float, v_dim: int,
-                    implementation: str = "cudnn"):
+                    implementation: str | None = None):
     """Causal attention of T fresh tokens over themselves through cuDNN's fused flash attention.
 
     cuDNN masks padding at the END of a row (sequence lengths), so each left-padded row is rotated
     to start with its real tokens, attended, and rotated back; padding queries get zeros. Raises
     (at trace time) where cuDNN cannot take the call: no NVIDIA GPU, fp32, head widths it lacks.
-    `implementation="xla"` runs the same rotation and masking through XLA (tests on the CPU).
+    `implementation` (default FUSED_ATTENTION): "xla" runs the same rotation and masking anywhere.
     -> [B, T, H, V] in the latent dtype.
     """
     k_nope, k_pe, values = expand_kv(latent_BTL, w_kv_b, *q_nope_BTHN.shape[2:], v_dim)
     q, k = _heads_qk(q_nope_BTHN.astype(k_nope.dtype), q_pe_BTHP.astype(k_nope.dtype), k_nope, k_pe)
-    t = valid_BT.shape[1]
-    pad_B = t - jnp.sum(valid_BT, axis=1).astype(jnp.int32)
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
-    rotate = lambda x, idx: jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
-    first = (pos + pad_B[:, None]) % t                         # each row's real tokens first
-    q, k, values = rotate(q, first), rotate(k, first), rotate(values, first)
-    # A row all padding (a chunk before its prompt starts) attends one padding token, zeroed below,
-    # rather than handing cuDNN an empty sequence.
-    lengths = jnp.maximum(t - pad_B, 1).astype(jnp.int32)
-    # The public API takes one head width for queries, keys and values: the narrower side is zero-padded
-    # (zero key columns add nothing to a score; zero value columns are cut from the output).
-    width = max(q.shape[-1], v_dim)
-    widen = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
-    q, k, values = widen(q), widen(k), widen(values)
-    out = jax.nn.dot_product_attention(q, k, values, scale=scale, is_causal=True, query_seq_lengths=lengths,
-                                       key_value_seq_lengths=lengths, implementation=implementation)
-    out = rotate(out[..., :v_dim], (pos - pad_B[:, None]) % t)
+    out, _ = _rotated_self_attention(q, k, values, valid_BT, scale=scale, v_dim=v_dim,
+                                     implementation=implementation or FUSED_ATTENTION)
     return jnp.where(valid_BT[:, :, None, None], out, 0).astype(latent_BTL.dtype)
+
+
+def attention_cudnn_cache(q_nope_BTHN, q_pe_BTHP, latent_BTL, cache_BSL, w_kv_b, valid_BT, start_B, *, scale: float,
+                          v_dim: int, implementation: str | None = None):
+    """A continuation chunk through cuDNN's fused attention in two parts merged by their log-sum-exps:
+    the chunk's queries over each row's history (slots [0, start), no causal mask, keys expanded per
+    head from the cache) and over the chunk itself (causal, as `attention_cudnn`).
+
+    Args:
+      q_nope_BTHN, q_pe_BTHP: per-head query parts. latent_BTL: [B, T, R + P] this chunk's latents.
+      cache_BSL: [B, S, R + P] the latent cache (slots >= start are not read). w_kv_b: kv_b_proj kernel.
+      valid_BT: [B, T] real tokens (left padding False). start_B: [B] int32 tokens of history per row.
+    Returns:
+      [B, T, H, V] in the latent dtype (padding queries get zeros).
+    """
+    h, n = q_nope_BTHN.shape[2:]
+    dt = latent_BTL.dtype
+    kw = dict(scale=scale, v_dim=v_dim, implementation=implementation or FUSED_ATTENTION)
+    k_nope, k_pe, values = expand_kv(latent_BTL, w_kv_b, h, n, v_dim)
+    q, k = _heads_qk(q_nope_BTHN.astype(dt), q_pe_BTHP.astype(dt), k_nope, k_pe)
+    own, own_lse = _rotated_self_attention(q, k, values, valid_BT, **kw)
+    slots = jnp.arange(cache_BSL.shape[1])
+    history_BSL = jnp.where((slots[None, :] < start_B[:, None])[..., None], cache_BSL.astype(dt), 0)  # no stale NaN
+    hk_nope, hk_pe, h_values = expand_kv(history_BSL, w_kv_b, h, n, v_dim)
+    h_keys = _heads_k(hk_nope, hk_pe)
+    history = jnp.maximum(start_B, 1).astype(jnp.int32)  # an empty history attends slot 0, weighted 0 below
+    past, past_lse = _fused(q, h_keys, h_values, key_value_seq_lengths=history, **kw)
+    past_lse = jnp.where((start_B > 0)[:, None, None], past_lse, -jnp.inf)
+    top = jnp.maximum(own_lse, past_lse)
+    w_own, w_past = jnp.exp(own_lse - top)[..., None], jnp.exp(past_lse - top)[..., None]
+    out = (own.astype(jnp.float32) * w_own + past.astype(jnp.float32) * w_past) / (w_own + w_past)
+    return jnp.where(valid_BT[:, :, None, None], out, 0).astype(dt)
 
 
 def attention_flash_cache(q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, *, scale: float, v_dim: int,
@@ -183,17 +239,20 @@ def attention_flash_cache(q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_B
 
 
 def chunk_attention(impl: MLAPrefillImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, *, scale: float,
-                    v_dim: int) -> jax.Array:
+                    v_dim: int, latent_BTL=None, start_B=None) -> jax.Array:
     """Attention of many new tokens per row over a cache that holds history and them (the
     continuation chunks of a chunked prefill; the one dispatch site of that case).
 
-    "flash" (and "auto" and "cudnn": cuDNN's causal mask is aligned for a fresh prompt only):
-    blockwise over the cache (`attention_flash_cache`, memory linear in T and S); "naive": the
-    reference, a [B, H, T, S] score matrix over per-head keys.
-    Args and result as `cache_attention`.
+    "flash" (and "auto", until the cuDNN form is measured on the GPU): blockwise over the cache
+    (`attention_flash_cache`, memory linear in T and S); "cudnn": `attention_cudnn_cache` (needs
+    latent_BTL, this call's latents, and start_B, the history per row); "naive": the reference, a
+    [B, H, T, S] score matrix over per-head keys. Args and result as `cache_attention`.
     """
     kw = dict(scale=scale, v_dim=v_dim)
-    if impl in ("flash", "cudnn", "auto"):
+    if impl == "cudnn":
+        return attention_cudnn_cache(q_nope_BTHN, q_pe_BTHP, latent_BTL, cache_BSL, w_kv_b, last_slot_BT >= 0, start_B,
+                                     **kw)
+    if impl in ("flash", "auto"):
         return attention_flash_cache(q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, **kw)
     if impl == "naive":
         return cache_attention("naive", q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, **kw)

@@ -11,6 +11,7 @@ from tolerances import assert_close
 import k3jax
 from k3jax.memory_plan import MIN_PREFILL_CHUNK, prefill_chunk_length
 from k3jax.config import tiny_k3
+from k3jax.layers import mla_attention
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +113,21 @@ def test_chunked_prefill_equals_one_call(model, rng):
     assert_close("last logits", last, np.asarray(ref_logits)[:, -1])
     nxt = rng.integers(0, model.config.vocab_size, 3)
     assert_close("decode after", chunked.decode_step(state, nxt)[0], one.decode_step(ref_state, nxt)[0])
+
+
+def test_chunked_prefill_with_the_fused_attention_forms(model, rng, monkeypatch):
+    """mla_prefill="cudnn" (a fresh chunk, then chunks over the cache in two merged parts), run through
+    jax.nn.dot_product_attention's XLA implementation so the wiring is checked off the GPU: equal to
+    one naive call."""
+    monkeypatch.setattr(mla_attention, "FUSED_ATTENTION", "xla")
+    lengths = [150, 70]
+    ids = rng.integers(0, model.config.vocab_size, (2, 150))
+    mask = np.arange(150)[None, :] >= 150 - np.array(lengths)[:, None]
+    one = model.with_config(model.config.with_impls(mla_prefill="naive").replace(prefill_chunk_tokens=0))
+    fused = model.with_config(model.config.with_impls(mla_prefill="cudnn").replace(prefill_chunk_tokens=2 * 64))
+    ref, _ = one.prefill(ids, mask, max_len=192, all_logits=True)
+    out, _ = fused.prefill(ids, mask, max_len=192, all_logits=True)
+    assert_close("fused forms, chunked", np.asarray(out)[mask], np.asarray(ref)[mask])
 
 
 @pytest.mark.parametrize("family", ["kimi_linear", "k3"])

@@ -15,8 +15,8 @@ from tolerances import assert_close, xla_dtype
 
 from k3jax.config import tiny_kimi_linear
 from k3jax.layers.mla import MultiHeadLatentAttention
-from k3jax.layers.mla_attention import (MLA_DECODE_IMPLS, attention_absorbed, attention_cudnn, attention_flash,
-                                        attention_flash_cache,
+from k3jax.layers.mla_attention import (MLA_DECODE_IMPLS, attention_absorbed, attention_cudnn, attention_cudnn_cache,
+                                        attention_flash, attention_flash_cache,
                                         attention_naive, cache_attention, chunk_attention, prefill_attention)
 from k3jax.state import SeqInfo
 
@@ -94,6 +94,43 @@ def test_chunk_attention_over_the_cache_equals_naive(rng, dtype, blocks):
     dispatched = chunk_attention("flash", q_nope, q_pe, jnp.asarray(np.where(ok, cache, 0.0), dt), w_kv_b,
                                  jnp.asarray(last), **kw)
     assert_close("chunk_attention('flash')", dispatched[real], ref[real], dtype=xla_dtype(dtype))
+
+
+@pytest.mark.parametrize("dtype,implementation", [("float32", "xla"), ("bfloat16", "xla"), ("bfloat16", "cudnn")])
+def test_two_part_chunk_form_equals_naive(rng, dtype, implementation):
+    """The cuDNN form of a continuation chunk (history without a mask, the chunk causally, merged by
+    their log-sum-exps), through jax.nn.dot_product_attention's XLA implementation anywhere and
+    cuDNN's on the GPU: equal to the naive attention over the cache. Rows with 60 and 25 tokens of
+    history, and one whose prompt starts inside this chunk (no history, 9 padding queries); slots
+    past each row's tokens hold NaN."""
+    if implementation == "cudnn" and jax.default_backend() != "gpu":
+        pytest.skip("cuDNN runs on NVIDIA GPUs only; the same form runs through XLA in the other cases")
+    b, t, s, h, n, p, r, v = 3, 24, 100, 4, 16, 8, 32, 16
+    if implementation == "cudnn":  # the 48B model's head widths
+        n, p, v = 128, 64, 128
+    dt = jnp.dtype(dtype)
+    q_nope = jnp.asarray(rng.standard_normal((b, t, h, n)), dt)
+    q_pe = jnp.asarray(rng.standard_normal((b, t, h, p)), dt)
+    start, pads = np.array([60, 25, 0]), np.array([0, 0, 9])
+    cols = np.arange(t)
+    last = np.where(cols[None] >= pads[:, None], start[:, None] + cols[None] - pads[:, None], -1).astype(np.int32)
+    latent = rng.standard_normal((b, t, r + p))
+    cache = np.full((b, s, r + p), np.nan)
+    cache[:, :, :] = np.where(np.arange(s)[None, :, None] < start[:, None, None], rng.standard_normal((b, s, r + p)),
+                              np.nan)
+    for i in range(b):  # the chunk's own latents are in the cache already (written before attention)
+        real = last[i] >= 0
+        cache[i, last[i][real]] = latent[i][real]
+    w_kv_b = jnp.asarray(rng.standard_normal((r, h * (n + v))) / np.sqrt(r), dt)
+    kw = dict(scale=(n + p) ** -0.5, v_dim=v)
+    clean = jnp.asarray(np.nan_to_num(cache, nan=0.0), dt)
+    ref = cache_attention("naive", q_nope, q_pe, clean, w_kv_b, jnp.asarray(last), **kw)
+    valid = last >= 0
+    out = attention_cudnn_cache(q_nope, q_pe, jnp.asarray(latent, dt), jnp.asarray(cache, dt), w_kv_b,
+                                jnp.asarray(valid), jnp.asarray(start, jnp.int32), **kw, implementation=implementation)
+    assert out.dtype == dt
+    assert_close("two-part chunk form vs naive", out[valid], ref[valid], dtype=xla_dtype(dtype))
+    np.testing.assert_array_equal(np.asarray(out[~valid], np.float32), 0.0)
 
 
 def _prefill_inputs(rng, b, t, dtype, h=4, n=16, p=8, r=12, v=10):
