@@ -117,8 +117,10 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
     shardings = dict(nnx.to_flat_state(param_shardings(state, mesh))) if mesh is not None else None
 
     # Stacked expert tensors are read only for the experts this process's devices hold.
-    wanted = {p: [(n, r) for n, r in entries if r.expert is None or mesh is None
-                  or r.expert in local_rows(shardings[p], shapes[p])] for p, entries in plan.items()}
+    wanted = {}
+    for p, entries in plan.items():
+        keep = None if mesh is None or entries[0][1].expert is None else local_rows(shardings[p], shapes[p])
+        wanted[p] = [(n, r) for n, r in entries if keep is None or r.expert in keep]
     bar = progress_bar(sum(stored_nbytes(ckpt, n, r) for entries in wanted.values() for n, r in entries), "loading",
                        progress, min_bytes=1 << 28)
     loaded, read = [], 0
