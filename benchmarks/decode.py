@@ -17,18 +17,17 @@ from __future__ import annotations
 import os
 import sys
 
-if "--profile" in sys.argv:  # XLA reads its flags once, at backend start: dump the optimized HLO
-    _DUMP = os.path.join(os.environ.get("OUT", "/tmp"), "hlo_dump")
-    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), f"--xla_dump_to={_DUMP}",
-                                                      "--xla_dump_hlo_as_text",
-                                                      "--xla_dump_hlo_module_re=.*decode_chunk.*"]))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.hlo_dump import request_hlo_dump  # noqa: E402
+
+# Only when run as the script: a benchmark importing this one sets its own dump.
+_DUMP = request_hlo_dump("hlo_dump", ".*decode_chunk.*") if __name__ == "__main__" and "--profile" in sys.argv else None
 
 import argparse  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -26,6 +26,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 H200 = os.path.join(HERE, "results", "h200")
 
 
+def _save(fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _load(name: str) -> dict:
     with open(os.path.join(H200, name)) as f:
         return json.load(f)
@@ -62,9 +69,7 @@ def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: str) -> str:
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return path
+    return _save(fig, path)
 
 
 def plot_moe(out: str) -> str:
@@ -117,11 +122,7 @@ def plot_speculative(out: str) -> str:
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out, "speculative.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, os.path.join(out, "speculative.png"))
 
 
 PREFILL_RUNS = (("prefill_run1_chunked.json", "JAX flash attention (ed15f97)"),
@@ -142,18 +143,8 @@ def plot_prefill(out: str) -> str:
                 ax.plot([r["batch"] * r["prompt_len"]], [r["ttft_ms"] / 1e3], "s", color=line.get_color(),
                         label=f"{r['batch']} x {r['prompt_len']}")
     ax.plot([8192], [0.25], "k*", label="target: 8K in 250 ms")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt tokens (all rows)")
-    ax.set_ylabel("time to first token (s)")
-    ax.set_title("Prefill, Kimi-Linear-48B shape, bf16, one H200")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out, "prefill_ttft.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, "prompt tokens (all rows)", "time to first token (s)",
+                   "Prefill, Kimi-Linear-48B shape, bf16, one H200", os.path.join(out, "prefill_ttft.png"))
 
 
 SERVER_LOAD = "server_load_kimi-linear-48b.json"
@@ -189,10 +180,7 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def main(argv=None) -> int:
