@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests moe moe-sweep gemv decode decode-fast decode-before checkpoint-read kda mla speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests moe moe-sweep gemv decode decode-fast decode-before checkpoint-read kda mla mla-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -52,7 +52,10 @@ for step in "$@"; do
               --name gemv_no_strength_reduction 2>&1 | quiet | tail -22 | tee "$W/gemv_nsr.log"
           fi ;;
     kda) OUT=$W timeout 420 python3 benchmarks/kda.py 2>&1 | quiet | tee "$W/kda.log" ;;
-    mla) OUT=$W timeout 300 python3 benchmarks/mla_decode.py 2>&1 | quiet | tee "$W/mla.log" ;;
+    mla) OUT=$W timeout ${MLA_LIMIT:-300} python3 benchmarks/mla_decode.py ${MLA_ARGS:-} 2>&1 | quiet | tee "$W/mla.log" ;;
+    mla-tests) K3JAX_TEST_DEVICE=gpu timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -x \
+              tests/pallas_kernels/test_mla_decode_hopper.py tests/pallas_kernels/test_mla_decode.py 2>&1 | quiet \
+              | tail -40 | tee "$W/mla_tests.log" ;;
     speculative-tests) K3JAX_TEST_DEVICE=gpu timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_kda_decode_steps.py 2>&1 | quiet | tail -5 | tee "$W/speculative_tests.log" ;;
     speculative) OUT=$W timeout 540 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \

@@ -1,10 +1,11 @@
-"""MLA decode attention over the latent cache: the Pallas kernel beside the plain-jnp absorbed form.
+"""MLA decode attention over the latent cache: the kernels beside the plain-jnp absorbed form.
 
-    python benchmarks/mla_decode.py            # on the H200
-    python benchmarks/mla_decode.py --small    # CPU smoke run (interpret mode)
+    python benchmarks/mla_decode.py                          # on the H200: Triton-lowered and Hopper kernels
+    python benchmarks/mla_decode.py --impl hopper --q 1 4    # the Hopper kernel, one and four query tokens
+    python benchmarks/mla_decode.py --small                  # CPU smoke run (interpret mode, Triton form)
 
-bf16 cache [B, ctx, 576] (512 latent + 64 rope), one query token per row, every row at full
-length. GB/s counts the cache bytes read once (the floor); outputs are checked against the
+bf16 cache [B, ctx, 576] (512 latent + 64 rope), q query tokens per row, every row at full
+length. TB/s counts the cache bytes read once (the floor); outputs are checked against the
 reference in the same run.
 """
 
@@ -21,6 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, write  # noqa: E402
 from pallas_kernels.mla_decode import MLADecodeBlocks, mla_decode_pallas, mla_decode_reference  # noqa: E402
+from pallas_kernels.mla_decode.hopper import mla_decode_hopper  # noqa: E402
 
 
 def sweep(iters):
@@ -58,6 +60,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="try launch settings at B x ctx = 64 x 4K first")
+    ap.add_argument("--impl", nargs="+", default=["triton", "hopper"], choices=["triton", "hopper"])
+    ap.add_argument("--q", nargs="+", type=int, default=[1], help="query tokens per row")
+    ap.add_argument("--shapes", nargs="*", default=None, help="HxBxCTX entries, e.g. 32x64x4096")
     args = ap.parse_args(argv)
     if args.sweep:
         best = sweep(args.iters)
@@ -66,31 +71,41 @@ def main(argv=None) -> int:
     grid = ([(2, 16, 128), (1, 4, 256)] if args.small else
             [(h, b, ctx) for h in (32, 96) for b, ctx in
              ((1, 1024), (1, 32768), (1, 131072), (8, 4096), (8, 131072), (64, 1024), (64, 4096), (64, 32768))])
+    if args.shapes:
+        grid = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes]
+    impls = ["triton"] if args.small else args.impl
     blocks = MLADecodeBlocks(block_h=args.block_h, block_k=args.block_k, num_warps=args.num_warps,
                              num_stages=args.num_stages)
     rows = []
+    scale = 192 ** -0.5
+    kernels = {"triton": lambda q, qp, c, n: mla_decode_pallas(q, qp, c, n, scale=scale, blocks=blocks),
+               "hopper": lambda q, qp, c, n: mla_decode_hopper(q, qp, c, n, scale=scale)}
+    ref = jax.jit(lambda q, qp, c, n: mla_decode_reference(q, qp, c, n, scale=scale))
     for h, b, ctx in grid:
         ks = jax.random.split(jax.random.key(ctx + b + h), 3)
-        q = jax.random.normal(ks[0], (b, 1, h, r), jnp.bfloat16)
-        qp = jax.random.normal(ks[1], (b, 1, h, p), jnp.bfloat16)
         cache = jax.random.normal(ks[2], (b, ctx, r + p), jnp.bfloat16)
         lengths = jnp.full((b,), ctx, jnp.int32)
-        scale = 192 ** -0.5
-        ours = jax.jit(lambda q, qp, c, n: mla_decode_pallas(q, qp, c, n, scale=scale, blocks=blocks))
-        ref = jax.jit(lambda q, qp, c, n: mla_decode_reference(q, qp, c, n, scale=scale))
-        t_ours, _ = median_time(lambda: ours(q, qp, cache, lengths), iters=args.iters)
-        t_ref, _ = median_time(lambda: ref(q, qp, cache, lengths), iters=max(5, args.iters // 5))
-        out, expect = ours(q, qp, cache, lengths), ref(q, qp, cache, lengths)
-        err = float(jnp.linalg.norm(out - expect) / jnp.linalg.norm(expect))
-        nbytes = b * ctx * (r + p) * 2
-        row = {"H": h, "B": b, "ctx": ctx, "ms": t_ours * 1e3, "TB_s": nbytes / t_ours / 1e12,
-               "pct_4.3TB_s": nbytes / t_ours / HBM_ACHIEVABLE * 100, "xla_ms": t_ref * 1e3,
-               "speedup_vs_xla": t_ref / t_ours, "err_vs_ref": err}
-        rows.append(row)
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        for sq in args.q:
+            q = jax.random.normal(ks[0], (b, sq, h, r), jnp.bfloat16)
+            qp = jax.random.normal(ks[1], (b, sq, h, p), jnp.bfloat16)
+            expect = ref(q, qp, cache, lengths)
+            for impl in impls:
+                fn = jax.jit(kernels[impl])
+                try:
+                    t, _ = median_time(lambda: fn(q, qp, cache, lengths), iters=args.iters)
+                except Exception as e:  # noqa: BLE001 - report and go on to the next shape
+                    print(f"{impl} H={h} B={b} ctx={ctx} q={sq}: failed: {str(e)[:300]}", flush=True)
+                    continue
+                out = fn(q, qp, cache, lengths)
+                err = float(jnp.linalg.norm(out - expect) / jnp.linalg.norm(expect))
+                nbytes = b * ctx * (r + p) * 2
+                row = {"impl": impl, "H": h, "B": b, "ctx": ctx, "q": sq, "ms": t * 1e3, "TB_s": nbytes / t / 1e12,
+                       "pct_4.3TB_s": nbytes / t / HBM_ACHIEVABLE * 100, "err_vs_ref": err}
+                rows.append(row)
+                print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     record = {"benchmark": "mla_decode", "env": environment(), "blocks": vars(args), "rows": rows}
     path = write("mla_decode" + ("_small" if args.small else ""), record)
-    print(table(rows, ["H", "B", "ctx", "ms", "TB_s", "pct_4.3TB_s", "xla_ms", "speedup_vs_xla", "err_vs_ref"]))
+    print(table(rows, ["impl", "H", "B", "ctx", "q", "ms", "TB_s", "pct_4.3TB_s", "err_vs_ref"]))
     print(f"wrote {path}")
     return 0
 

@@ -1,0 +1,223 @@
+"""Absorbed MLA decode for Hopper, in Pallas Mosaic GPU (warpgroup MMA, TMA, warp specialisation).
+
+One program per (query tile, sequence split, row). A query tile is 64 query rows (heads x query
+tokens, row t * H + h), the M side of one warpgroup MMA, so every head of a tile shares one read of
+the cache; rows past H x Sq are padding. Three warpgroups:
+
+* the memory warpgroup copies the tile's queries once and then the split's cache blocks
+  ([block_kv, R + P] each) into a ring of `stages` shared-memory buffers (TMA, one barrier per
+  buffer), reusing a buffer once both compute warpgroups have released it;
+* compute warpgroup w (0, 1) scores the block (Q [64, R + P] @ K^T, fp32), runs the online softmax
+  in the exp2 domain, and accumulates P @ V for its half of the R output columns in registers
+  ([64, R / 2] fp32 each: the whole [64, R] would not fit one warpgroup's registers).
+
+Each split ends at min(split end, length); its last block is moved back so that it ends there, and
+the slots it shares with the block before are masked, so no slot at or past a row's length is
+read once length >= block_kv (a cache poisoned there cannot reach the output). Splits write their
+normalised output (bf16) and log-sum-exp (base 2); `combine_splits` merges them.
+
+GPU only (Mosaic GPU does not lower for the CPU, and its interpret mode lacks `run_state`); the
+twin is `reference.mla_decode_reference`, and `kernel.mla_decode_pallas` is the Triton-lowered form.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.mla_decode.reference import validate_inputs
+
+TILE_ROWS = 64            # query rows per program: the M side of one warpgroup MMA
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LOG2E = math.log2(math.e)
+_SMEM_BYTES = 227 * 1024  # shared memory one H100/H200 block may take
+
+
+@dataclass(frozen=True)
+class HopperMLABlocks:
+    """Launch settings: cache slots per block, buffers in flight, splits along the sequence
+    (0 = enough programs for one wave over `sms` multiprocessors)."""
+
+    block_kv: int = 64
+    stages: int = 2
+    num_splits: int = 0
+    sms: int = 132
+
+    def splits_for(self, programs: int, slots: int) -> int:
+        if self.num_splits:
+            return self.num_splits
+        return max(1, min(self.sms // max(1, programs), slots // (2 * self.block_kv)))
+
+
+def _kernel(len_ref, q_ref, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv, stages, split_len, scale):
+    (q_or_out, kv_smem, lse_smem), (q_bar, kv_bars), consumed, done = scoped
+    q_smem, out_smem = q_or_out        # the query tile, then (after both warpgroups are done) the output
+    tile, split, row = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("row")
+    wg = lax.axis_index("wg")
+    length = len_ref[row]
+    start = split * split_len
+    stop = jnp.minimum(start + split_len, length)
+    n_blocks = jnp.maximum(0, (stop - start + bkv - 1) // bkv)
+    half = r // 2
+
+    def block_base(i):
+        """First slot of block i: blocks step by bkv from the split's start, the last one moved
+        back to end at or before `stop` (slots it repeats are masked by the compute warpgroups).
+        A multiple of 8, the row tiling of the shared-memory buffers (what a TMA copy needs)."""
+        return 8 * jnp.maximum(jnp.minimum((start + i * bkv) // 8, (stop - bkv) // 8), 0)
+
+    def compute(w):
+        plgpu.barrier_wait(q_bar)
+        layout = plgpu.Layout.WGMMA
+        q_rows = tile * TILE_ROWS + plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, bkv), 0, layout=layout)
+        limit = length - sq + jnp.minimum(q_rows // heads, sq - 1)     # last visible slot of each query row
+        cols = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, bkv), 1, layout=layout)
+        m = plgpu.layout_cast(jnp.full((TILE_ROWS,), _NEG, jnp.float32), layout.reduce(1))
+        l = plgpu.layout_cast(jnp.zeros((TILE_ROWS,), jnp.float32), layout.reduce(1))
+        acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout)
+
+        def step(i, carry):
+            acc, m, l = carry
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(kv_bars.at[slot])
+
+            def scores(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
+            slots = block_base(i) + cols
+            visible = (slots >= start + i * bkv) & (slots <= limit)
+            s = jnp.where(visible, s * (scale * _LOG2E), _NEG)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(kv_smem.dtype)
+
+            def values(acc_ref):
+                plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, :, pl.ds(w * half, half)])
+
+            acc = pl.run_state(values)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc, m_new, l
+
+        acc, m, l = lax.fori_loop(0, n_blocks, step, (acc, m, l))
+        plgpu.barrier_arrive(done)          # both warpgroups are past their last read of q_smem
+        plgpu.barrier_wait(done)
+        seen = l > 0
+        inv = 1.0 / jnp.where(seen, l, 1.0)
+        out_smem.at[w][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_smem.dtype)
+        if w == 0:
+            lse_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), _NEG)
+        plgpu.commit_smem()
+        rows = pl.ds(tile * TILE_ROWS, TILE_ROWS)
+        plgpu.copy_smem_to_gmem(out_smem.at[w], o_ref.at[row, split, rows, pl.ds(w * half, half)])
+        if w == 0:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[row, split, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        for w in (0, 1):
+            pl.when(wg == w)(functools.partial(compute, w))
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        plgpu.copy_gmem_to_smem(q_ref.at[row, pl.ds(tile * TILE_ROWS, TILE_ROWS)], q_smem, q_bar)
+
+        @pl.loop(0, n_blocks)
+        def _load(i):
+            slot = lax.rem(i, stages)
+
+            @pl.when(i >= stages)
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+            plgpu.copy_gmem_to_smem(c_ref.at[row, pl.ds(block_base(i), bkv)], kv_smem.at[slot], kv_bars.at[slot])
+
+
+def smem_bytes(width: int, blocks: HopperMLABlocks) -> int:
+    """Shared memory of one program: the query tile and the cache ring (bf16), the lse row."""
+    return 2 * width * (TILE_ROWS + blocks.stages * blocks.block_kv) + 4 * TILE_ROWS
+
+
+def combine_splits(o, lse):
+    """Merge per-split outputs. o [B, splits, rows, R] (normalised), lse [B, splits, rows] (base 2)
+    -> [B, rows, R] fp32. Splits that saw nothing carry lse = _NEG and weigh zero."""
+    top = jnp.max(lse, axis=1, keepdims=True)
+    w = jnp.exp2(lse - top)
+    return jnp.sum(o.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "blocks"))
+def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: HopperMLABlocks = HopperMLABlocks()):
+    """Absorbed MLA attention over a latent cache on Hopper (`kernel.mla_decode_pallas`'s contract).
+
+    Args:
+      q_lat: [B, Sq, H, R] queries in the latent space. q_pe: [B, Sq, H, P] rope-part queries.
+      cache: [B, S, R + P] bf16 or fp16, latents | k_pe per slot; S a multiple of block_kv.
+      lengths: [B] int32 valid slots per row; query t of a row sees slots [0, lengths - Sq + t].
+      scale: softmax scale. blocks: launch settings.
+    Returns:
+      [B, Sq, H, R] fp32. Slots at or past a row's length are never read when length >= block_kv.
+    """
+    validate_inputs(q_lat, q_pe, cache, lengths)
+    b, sq, h, r = q_lat.shape
+    width = cache.shape[2]
+    s = cache.shape[1]
+    bkv = blocks.block_kv
+    if cache.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"mla_decode_hopper: the cache must be bf16 or fp16, got {cache.dtype}")
+    if s % bkv or r % 128 or width % 64 or bkv % 64:
+        raise ValueError(f"mla_decode_hopper: cache length {s} must be a multiple of block_kv={bkv} (itself of 64); "
+                         f"R={r} a multiple of 128 and R + P={width} of 64")
+    if smem_bytes(width, blocks) > _SMEM_BYTES:
+        raise ValueError(f"mla_decode_hopper: {smem_bytes(width, blocks)} bytes of shared memory for block_kv={bkv}, "
+                         f"stages={blocks.stages}; at most {_SMEM_BYTES}")
+    rows = sq * h
+    tiles = -(-rows // TILE_ROWS)
+    q = jnp.concatenate([q_lat, q_pe], axis=-1).reshape(b, rows, width).astype(cache.dtype)
+    q = jnp.pad(q, ((0, 0), (0, tiles * TILE_ROWS - rows), (0, 0)))
+    splits = blocks.splits_for(b * tiles, s)
+    split_len = -(-(s // bkv) // splits) * bkv
+    splits = -(-s // split_len)
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    stages = blocks.stages
+    kernel = functools.partial(_kernel, heads=h, sq=sq, r=r, bkv=bkv, stages=stages, split_len=split_len,
+                               scale=scale)
+
+    def entry(len_ref, q_ref, c_ref, o_ref, lse_ref):
+        pl.run_scoped(
+            lambda *scoped: kernel(len_ref, q_ref, c_ref, o_ref, lse_ref, scoped),
+            (plgpu.RefUnion(plgpu.SMEM((TILE_ROWS, width), cache.dtype, transforms=transforms),
+                            plgpu.SMEM((2, TILE_ROWS, r // 2), cache.dtype, transforms=transforms)),
+             plgpu.SMEM((stages, bkv, width), cache.dtype, transforms=transforms),
+             plgpu.SMEM((TILE_ROWS,), jnp.float32)),
+            (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages)),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    o, lse = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((b, splits, tiles * TILE_ROWS, r), cache.dtype),
+                  jax.ShapeDtypeStruct((b, splits, tiles * TILE_ROWS), jnp.float32)),
+        grid=(tiles, splits, b),
+        grid_names=("tile", "split", "row"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(jnp.minimum(lengths, s).astype(jnp.int32), q, cache)
+    return combine_splits(o, lse)[:, :rows].reshape(b, sq, h, r)

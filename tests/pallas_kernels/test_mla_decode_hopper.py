@@ -1,0 +1,89 @@
+"""Hopper (Mosaic GPU) MLA decode kernel against its reference twin.
+
+Compiled on the GPU only: Mosaic GPU does not lower for the CPU and its interpret mode lacks
+`run_state` (the accumulator update). On the CPU the kernel is still lowered for CUDA (cross-platform
+export: the whole Pallas -> Mosaic GPU lowering, which catches layout and shape errors), and the
+split merge is checked against the reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import assert_close
+
+from pallas_kernels.mla_decode import mla_decode_reference
+from pallas_kernels.mla_decode.hopper import HopperMLABlocks, combine_splits, mla_decode_hopper
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
+
+
+def _inputs(rng, b, sq, h, s, lengths, poison):
+    q = jnp.asarray(rng.standard_normal((b, sq, h, 512)), jnp.bfloat16)
+    qp = jnp.asarray(rng.standard_normal((b, sq, h, 64)), jnp.bfloat16)
+    cache = rng.standard_normal((b, s, 576)).astype(np.float32)
+    inside = np.arange(s)[None, :, None] < lengths[:, None, None]
+    clean = jnp.asarray(np.where(inside, cache, 0.0), jnp.bfloat16)
+    # Rows of at least one block never read past their length: poison those tails with NaN.
+    tail = np.where((lengths >= 64)[:, None, None] & ~inside, np.nan, 0.0)
+    dirty = jnp.asarray(np.where(inside, cache, 0.0) + (tail if poison else 0.0), jnp.bfloat16)
+    return q, qp, clean, dirty
+
+
+@on_gpu
+@pytest.mark.parametrize("b,sq,h,s,lengths", [
+    (4, 1, 32, 1024, [1024, 700, 65, 3]),      # full, ragged, just past one block, shorter than a block
+    (3, 1, 96, 512, [512, 300, 64]),           # 96 heads: two query tiles
+    (2, 4, 32, 512, [512, 129]),               # four query tokens per row (verify step)
+    (2, 8, 16, 256, [256, 100]),               # eight query tokens, 16 heads
+    (1, 1, 32, 8192, [8000]),                  # one row split over many programs
+])
+def test_matches_reference_with_ragged_lengths_and_poisoned_tail(rng, b, sq, h, s, lengths):
+    lengths = np.asarray(lengths, np.int32)
+    q, qp, clean, dirty = _inputs(rng, b, sq, h, s, lengths, poison=True)
+    ref = mla_decode_reference(q, qp, clean, jnp.asarray(lengths), scale=0.07)
+    for blocks in (HopperMLABlocks(), HopperMLABlocks(num_splits=3), HopperMLABlocks(block_kv=128, stages=1)):
+        out = mla_decode_hopper(q, qp, dirty, jnp.asarray(lengths), scale=0.07, blocks=blocks)
+        assert_close(f"{blocks}", out, ref, dtype="bfloat16")
+
+
+def test_lowers_for_cuda_on_any_host():
+    """The full Pallas -> Mosaic GPU lowering runs (no GPU needed) and emits the Mosaic GPU kernel."""
+    args = (jax.ShapeDtypeStruct((2, 2, 32, 512), jnp.bfloat16), jax.ShapeDtypeStruct((2, 2, 32, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, 1024, 576), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
+    exported = jax.export.export(jax.jit(lambda *a: mla_decode_hopper(*a, scale=0.1)), platforms=["cuda"])(*args)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_combine_splits_equals_one_softmax(rng):
+    """Per-split normalised outputs and base-2 log-sum-exps merge into the softmax over all slots;
+    a split that saw nothing weighs zero."""
+    rows, slots, r, splits = 5, 24, 8, 3
+    s = rng.standard_normal((rows, slots)).astype(np.float32)
+    v = rng.standard_normal((slots, r)).astype(np.float32)
+    parts, lses = [], []
+    for j in range(splits):
+        sl = slice(j * 8, (j + 1) * 8)
+        w = np.exp(s[:, sl] - s[:, sl].max(1, keepdims=True))
+        parts.append((w / w.sum(1, keepdims=True)) @ v[sl])
+        lses.append((s[:, sl].max(1) + np.log(w.sum(1))) / np.log(2.0))
+    parts.append(np.full((rows, r), 7.0, np.float32))          # an empty split: any output, lse = -huge
+    lses.append(np.full((rows,), -0.7 * np.finfo(np.float32).max, np.float32))
+    o = jnp.asarray(np.stack(parts, 0)[None])
+    lse = jnp.asarray(np.stack(lses, 0)[None])
+    p = np.exp(s - s.max(1, keepdims=True))
+    expect = (p / p.sum(1, keepdims=True)) @ v
+    assert_close("combine", combine_splits(o, lse)[0], expect, dtype="float32")
+
+
+def test_rejects_what_it_cannot_run():
+    q, qp = jnp.zeros((1, 1, 4, 512), jnp.bfloat16), jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        mla_decode_hopper(q, qp, jnp.zeros((1, 128, 576), jnp.float32), jnp.array([3]), scale=1.0)
+    with pytest.raises(ValueError, match="multiple of block_kv"):
+        mla_decode_hopper(q, qp, jnp.zeros((1, 96, 576), jnp.bfloat16), jnp.array([3]), scale=1.0)
+    with pytest.raises(ValueError, match="shared memory"):
+        mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
+                          blocks=HopperMLABlocks(block_kv=128, stages=2))
