@@ -41,6 +41,23 @@ def median_time(fn: Callable[[], object], *, warmup: int = 3, iters: int = 20) -
     return statistics.median(times), times
 
 
+def chained_time(fn: Callable, args: tuple, *, reps: int = 20, iters: int = 10) -> float:
+    """Median seconds per call of `fn(*args)` with `reps` calls chained in one compiled loop (each
+    call's first argument nudged by the previous output, so none can be hoisted): the host's
+    dispatch and synchronisation cost, which a per-call timer adds to short kernels, is amortised."""
+    import jax.numpy as jnp
+
+    first, rest = args[0], args[1:]
+
+    def body(_, carry):
+        out = fn(first + carry.astype(first.dtype), *rest)
+        return jnp.ravel(out)[0].astype(jnp.float32) * 1e-30
+
+    loop = jax.jit(lambda: jax.lax.fori_loop(0, reps, body, jnp.float32(0)))
+    t, _ = median_time(loop, iters=iters)
+    return t / reps
+
+
 def write(name: str, record: dict, out_dir: str | None = None) -> str:
     out_dir = out_dir or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     os.makedirs(out_dir, exist_ok=True)

@@ -7,14 +7,16 @@ the cache; rows past H x Sq are padding. Three warpgroups:
 * the memory warpgroup copies the tile's queries once and then the split's cache blocks
   ([block_kv, R + P] each) into a ring of `stages` shared-memory buffers (TMA, one barrier per
   buffer), reusing a buffer once both compute warpgroups have released it;
-* compute warpgroup w (0, 1) scores the block (Q [64, R + P] @ K^T, fp32), runs the online softmax
-  in the exp2 domain, and accumulates P @ V for its half of the R output columns in registers
-  ([64, R / 2] fp32 each: the whole [64, R] would not fit one warpgroup's registers).
+* compute warpgroup 0 scores the block (Q [64, R + P] @ K^T, fp32) and runs the online softmax in
+  the exp2 domain; it hands the bf16 probabilities and the rescale factor to warpgroup 1 through
+  shared memory (`shared_scores`; otherwise both score the block);
+* each compute warpgroup accumulates P @ V for its half of the R output columns in registers
+  ([64, R / 2] fp32: the whole [64, R] would not fit one warpgroup's registers).
 
-Each split ends at min(split end, length); its last block is moved back so that it ends there, and
-the slots it shares with the block before are masked, so no slot at or past a row's length is
-read once length >= block_kv (a cache poisoned there cannot reach the output). Splits write their
-normalised output (bf16) and log-sum-exp (base 2); `combine_splits` merges them.
+A split covers whole blocks and stops at the row's length; in the block that holds the length,
+the values of the slots past it are zeroed in shared memory before P @ V (their probabilities are
+already 0, and a cache poisoned there must not reach the output). Splits write their normalised
+output (bf16) and log-sum-exp (base 2); `combine_splits` merges them.
 
 GPU only (Mosaic GPU does not lower for the CPU, and its interpret mode lacks `run_state`); the
 twin is `reference.mla_decode_reference`, and `kernel.mla_decode_pallas` is the Triton-lowered form.
@@ -38,16 +40,21 @@ TILE_ROWS = 64            # query rows per program: the M side of one warpgroup 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 _SMEM_BYTES = 227 * 1024  # shared memory one H100/H200 block may take
+_SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (measured: ~1.6 KB)
 
 
 @dataclass(frozen=True)
 class HopperMLABlocks:
     """Launch settings: cache slots per block, buffers in flight, splits along the sequence
-    (0 = enough programs for one wave over `sms` multiprocessors)."""
+    (0 = enough programs for one wave over `sms` multiprocessors), and who scores a block:
+    `shared_scores` = warpgroup 0 alone, passing the probabilities to warpgroup 1 through shared
+    memory (one Q K^T per block); False = each compute warpgroup scores it itself (twice the
+    score MMAs, no hand-off)."""
 
     block_kv: int = 64
     stages: int = 2
     num_splits: int = 0
+    shared_scores: bool = True
     sms: int = 132
 
     def splits_for(self, programs: int, slots: int) -> int:
@@ -56,8 +63,8 @@ class HopperMLABlocks:
         return max(1, min(self.sms // max(1, programs), slots // (2 * self.block_kv)))
 
 
-def _kernel(len_ref, q_ref, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv, stages, split_len, scale):
-    (q_or_out, kv_smem, lse_smem), (q_bar, kv_bars), consumed, done = scoped
+def _kernel(len_ref, q_ref, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv, stages, split_len, scale, shared):
+    (q_or_out, kv_smem, p_smem, alpha_smem, stat_smem), (q_bar, kv_bars, p_ready, p_free), consumed, done = scoped
     q_smem, out_smem = q_or_out        # the query tile, then (after both warpgroups are done) the output
     tile, split, row = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("row")
     wg = lax.axis_index("wg")
@@ -66,16 +73,37 @@ def _kernel(len_ref, q_ref, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv,
     stop = jnp.minimum(start + split_len, length)
     n_blocks = jnp.maximum(0, (stop - start + bkv - 1) // bkv)
     half = r // 2
+    layout = plgpu.Layout.WGMMA
 
-    def block_base(i):
-        """First slot of block i: blocks step by bkv from the split's start, the last one moved
-        back to end at or before `stop` (slots it repeats are masked by the compute warpgroups).
-        A multiple of 8, the row tiling of the shared-memory buffers (what a TMA copy needs)."""
-        return 8 * jnp.maximum(jnp.minimum((start + i * bkv) // 8, (stop - bkv) // 8), 0)
+    def scores(slot, i, limit, cols, m, l):
+        """Scores of block i (Q K^T, fp32), masked, and the online-softmax step (base 2)."""
+        def mma(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+
+        s = pl.run_scoped(mma, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
+        s = jnp.where(start + i * bkv + cols <= limit, s * (scale * _LOG2E), _NEG)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        return p.astype(kv_smem.dtype), alpha, m_new, l * alpha + p.sum(axis=1)
+
+    def zero_tail(slot, i, w):
+        """Values of slots at or past the row's length become 0 in this warpgroup's half of the
+        block (their probabilities are 0 already, but 0 * NaN is not 0)."""
+        base = start + i * bkv
+
+        @pl.when(base + bkv > length)
+        def _():
+            v_ref = kv_smem.at[slot, :, pl.ds(w * half, half)]
+            v = plgpu.load(v_ref, (), layout=layout)
+            slots = base + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=layout)
+            v_ref[...] = jnp.where(slots < length, v, jnp.zeros_like(v))
+            plgpu.commit_smem()
 
     def compute(w):
         plgpu.barrier_wait(q_bar)
-        layout = plgpu.Layout.WGMMA
+        scorer = w == 0 or not shared
         q_rows = tile * TILE_ROWS + plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, bkv), 0, layout=layout)
         limit = length - sq + jnp.minimum(q_rows // heads, sq - 1)     # last visible slot of each query row
         cols = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, bkv), 1, layout=layout)
@@ -87,42 +115,50 @@ def _kernel(len_ref, q_ref, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv,
             acc, m, l = carry
             slot = lax.rem(i, stages)
             plgpu.barrier_wait(kv_bars.at[slot])
+            if scorer:
+                p, alpha, m, l = scores(slot, i, limit, cols, m, l)
+                if shared:                       # hand the probabilities and the rescale to warpgroup 1
+                    @pl.when(i > 0)
+                    def _():
+                        plgpu.barrier_wait(p_free)   # warpgroup 1 is done with the previous block's
 
-            def scores(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
-                return acc_ref[...]
-
-            s = pl.run_scoped(scores, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
-            slots = block_base(i) + cols
-            visible = (slots >= start + i * bkv) & (slots <= limit)
-            s = jnp.where(visible, s * (scale * _LOG2E), _NEG)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
+                    p_smem[...] = p
+                    alpha_smem[...] = alpha
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(p_ready)
+            else:
+                plgpu.barrier_wait(p_ready)
+                p = p_smem
+                alpha = plgpu.load(alpha_smem, (), layout=layout.reduce(1))
+            zero_tail(slot, i, w)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(kv_smem.dtype)
 
             def values(acc_ref):
-                plgpu.wgmma(acc_ref, p16, kv_smem.at[slot, :, pl.ds(w * half, half)])
+                plgpu.wgmma(acc_ref, p, kv_smem.at[slot, :, pl.ds(w * half, half)])
 
             acc = pl.run_state(values)(plgpu.ACC.init(acc))
+            if not scorer:
+                plgpu.barrier_arrive(p_free)
             plgpu.barrier_arrive(consumed.at[slot])
-            return acc, m_new, l
+            return acc, m, l
 
         acc, m, l = lax.fori_loop(0, n_blocks, step, (acc, m, l))
+        if shared and w == 0:
+            stat_smem[...] = l
         plgpu.barrier_arrive(done)          # both warpgroups are past their last read of q_smem
         plgpu.barrier_wait(done)
+        if shared and w == 1:
+            l = plgpu.load(stat_smem, (), layout=layout.reduce(1))
         seen = l > 0
         inv = 1.0 / jnp.where(seen, l, 1.0)
         out_smem.at[w][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_smem.dtype)
         if w == 0:
-            lse_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), _NEG)
+            alpha_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), _NEG)
         plgpu.commit_smem()
         rows = pl.ds(tile * TILE_ROWS, TILE_ROWS)
         plgpu.copy_smem_to_gmem(out_smem.at[w], o_ref.at[row, split, rows, pl.ds(w * half, half)])
         if w == 0:
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[row, split, rows])
+            plgpu.copy_smem_to_gmem(alpha_smem, lse_ref.at[row, split, rows])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg < 2)
@@ -144,12 +180,15 @@ def _kernel(len_ref, q_ref, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv,
             def _():
                 plgpu.barrier_wait(consumed.at[slot])
 
-            plgpu.copy_gmem_to_smem(c_ref.at[row, pl.ds(block_base(i), bkv)], kv_smem.at[slot], kv_bars.at[slot])
+            plgpu.copy_gmem_to_smem(c_ref.at[row, pl.ds(start + i * bkv, bkv)], kv_smem.at[slot], kv_bars.at[slot])
 
 
 def smem_bytes(width: int, blocks: HopperMLABlocks) -> int:
-    """Shared memory of one program: the query tile and the cache ring (bf16), the lse row."""
-    return 2 * width * (TILE_ROWS + blocks.stages * blocks.block_kv) + 4 * TILE_ROWS
+    """Shared memory of one program: the query tile, the cache ring and one block's probabilities
+    (bf16; `shared_scores` only), two per-row statistics (fp32)."""
+    p_cols = blocks.block_kv if blocks.shared_scores else 0
+    return (2 * width * (TILE_ROWS + blocks.stages * blocks.block_kv) + 2 * TILE_ROWS * p_cols + 8 * TILE_ROWS
+            + _SMEM_OVERHEAD)
 
 
 def combine_splits(o, lse):
@@ -170,7 +209,7 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
       lengths: [B] int32 valid slots per row; query t of a row sees slots [0, lengths - Sq + t].
       scale: softmax scale. blocks: launch settings.
     Returns:
-      [B, Sq, H, R] fp32. Slots at or past a row's length are never read when length >= block_kv.
+      [B, Sq, H, R] fp32.
     """
     validate_inputs(q_lat, q_pe, cache, lengths)
     b, sq, h, r = q_lat.shape
@@ -195,7 +234,7 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = blocks.stages
     kernel = functools.partial(_kernel, heads=h, sq=sq, r=r, bkv=bkv, stages=stages, split_len=split_len,
-                               scale=scale)
+                               scale=scale, shared=blocks.shared_scores)
 
     def entry(len_ref, q_ref, c_ref, o_ref, lse_ref):
         pl.run_scoped(
@@ -203,8 +242,11 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
             (plgpu.RefUnion(plgpu.SMEM((TILE_ROWS, width), cache.dtype, transforms=transforms),
                             plgpu.SMEM((2, TILE_ROWS, r // 2), cache.dtype, transforms=transforms)),
              plgpu.SMEM((stages, bkv, width), cache.dtype, transforms=transforms),
+             (plgpu.SMEM((TILE_ROWS, bkv), cache.dtype, transforms=transforms) if blocks.shared_scores
+              else plgpu.SMEM((8,), jnp.float32)),                   # unused when both warpgroups score
+             plgpu.SMEM((TILE_ROWS,), jnp.float32),
              plgpu.SMEM((TILE_ROWS,), jnp.float32)),
-            (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages)),
+            (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(), plgpu.Barrier()),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
@@ -218,6 +260,7 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
         grid_names=("tile", "split", "row"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # Row reductions of the WGMMA layout stay within warps: no reduction scratch is needed.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )(jnp.minimum(lengths, s).astype(jnp.int32), q, cache)
     return combine_splits(o, lse)[:, :rows].reshape(b, sq, h, r)
