@@ -78,12 +78,15 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--linear", default=None, help="few-row projection implementation (k3jax option 'linear')")
     ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
                     help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
+    ap.add_argument("--mla", default=None, choices=["absorbed", "naive", "pallas", "hopper"],
+                    help="MLA decode implementation (k3jax option 'mla'; with --kernels pallas the default is hopper, "
+                         "the Mosaic GPU kernel)")
 
 
 def build(args) -> k3jax.CausalLM:
-    impls = {"moe": args.moe, "gmm": args.gmm, "linear": args.linear, "mla_prefill": getattr(args, "mla_prefill", None)}
+    impls = {"mla": args.mla, "moe": args.moe, "gmm": args.gmm, "linear": args.linear, "mla_prefill": getattr(args, "mla_prefill", None)}
     if args.kernels == "pallas":
-        impls.update(kda="pallas", kda_decode="pallas", mla="pallas")
+        impls.update(kda="pallas", kda_decode="pallas", mla=getattr(args, "mla", None) or "hopper")
     if args.model == "kimi-linear-48b":
         jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # random weights at memory speed
         t0 = time.perf_counter()

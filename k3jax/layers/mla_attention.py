@@ -16,11 +16,14 @@ from jax import lax
 
 from k3jax.layers.flash_attention import flash_attention, online_softmax_init, online_softmax_step
 from pallas_kernels.mla_decode import mla_decode_pallas
+from pallas_kernels.mla_decode.hopper import hopper_takes, mla_decode_hopper
 
 # Attention over the latent cache (steps with history): "absorbed" (pure JAX, W_UK folded into
-# the query), "naive" (keys and values expanded per head: the reference) or "pallas" (the
-# flash-decoding kernel over the cache).
-MLADecodeImpl = Literal["absorbed", "naive", "pallas"]
+# the query), "naive" (keys and values expanded per head: the reference), "pallas" (the
+# flash-decoding kernel over the cache, Triton lowering; interpret mode off the GPU) or "hopper"
+# (the Mosaic GPU kernel: warpgroup MMAs, TMA; on a GPU with a bf16/fp16 cache whose sizes it
+# takes, else the "pallas" form).
+MLADecodeImpl = Literal["absorbed", "naive", "pallas", "hopper"]
 MLA_DECODE_IMPLS: tuple[str, ...] = get_args(MLADecodeImpl)
 
 # Attention of a fresh prompt over its own tokens (no history): "flash" (blockwise online softmax in
@@ -306,12 +309,14 @@ def cache_attention(impl: MLADecodeImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv
     Returns:
       [B, T, H, V] in the query dtype.
     """
-    if impl == "pallas":
+    if impl in ("pallas", "hopper"):
         h, n = q_nope_BTHN.shape[2:]
         w_uk, w_uv = split_kv_b(w_kv_b, h, n, v_dim)
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, w_uk, preferred_element_type=jnp.float32)
         lengths = last_slot_BT[:, -1] + 1
-        lat = mla_decode_pallas(q_lat.astype(cache_BSL.dtype), q_pe_BTHP, cache_BSL, lengths, scale=scale)
+        kernel = (mla_decode_hopper if impl == "hopper" and jax.default_backend() == "gpu"
+                  and hopper_takes(cache_BSL.shape, cache_BSL.dtype, q_lat.shape[-1]) else mla_decode_pallas)
+        lat = kernel(q_lat.astype(cache_BSL.dtype), q_pe_BTHP, cache_BSL, lengths, scale=scale)
         return jnp.einsum("bthr,rhv->bthv", lat, w_uv.astype(jnp.float32)).astype(q_nope_BTHN.dtype)
     slots = jnp.arange(cache_BSL.shape[1])
     mask = slots[None, None, :] <= last_slot_BT[:, :, None]

@@ -191,6 +191,26 @@ def smem_bytes(width: int, blocks: HopperMLABlocks) -> int:
             + _SMEM_OVERHEAD)
 
 
+def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks) -> str | None:
+    """Why the kernel cannot take a cache of this [B, S, R + P] shape and dtype with latent width R
+    (None: it can)."""
+    _, s, width = shape
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"the cache must be bf16 or fp16, got {jnp.dtype(dtype)}"
+    if s % blocks.block_kv or r % 128 or width % 64 or blocks.block_kv % 64:
+        return (f"cache length {s} must be a multiple of block_kv={blocks.block_kv} (itself of 64); "
+                f"R={r} a multiple of 128 and R + P={width} of 64")
+    if smem_bytes(width, blocks) > _SMEM_BYTES:
+        return (f"{smem_bytes(width, blocks)} bytes of shared memory for block_kv={blocks.block_kv}, "
+                f"stages={blocks.stages}; at most {_SMEM_BYTES}")
+    return None
+
+
+def hopper_takes(cache_shape, cache_dtype, latent_dim: int, blocks: HopperMLABlocks = HopperMLABlocks()) -> bool:
+    """Whether `mla_decode_hopper` runs this cache ([B, S, R + P] with R = latent_dim)."""
+    return _refusal(cache_shape, cache_dtype, latent_dim, blocks) is None
+
+
 def combine_splits(o, lse):
     """Merge per-split outputs. o [B, splits, rows, R] (normalised), lse [B, splits, rows] (base 2)
     -> [B, rows, R] fp32. Splits that saw nothing carry lse = _NEG and weigh zero."""
@@ -216,14 +236,8 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
     width = cache.shape[2]
     s = cache.shape[1]
     bkv = blocks.block_kv
-    if cache.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"mla_decode_hopper: the cache must be bf16 or fp16, got {cache.dtype}")
-    if s % bkv or r % 128 or width % 64 or bkv % 64:
-        raise ValueError(f"mla_decode_hopper: cache length {s} must be a multiple of block_kv={bkv} (itself of 64); "
-                         f"R={r} a multiple of 128 and R + P={width} of 64")
-    if smem_bytes(width, blocks) > _SMEM_BYTES:
-        raise ValueError(f"mla_decode_hopper: {smem_bytes(width, blocks)} bytes of shared memory for block_kv={bkv}, "
-                         f"stages={blocks.stages}; at most {_SMEM_BYTES}")
+    if (why := _refusal(cache.shape, cache.dtype, r, blocks)) is not None:
+        raise ValueError(f"mla_decode_hopper: {why}")
     rows = sq * h
     tiles = -(-rows // TILE_ROWS)
     q = jnp.concatenate([q_lat, q_pe], axis=-1).reshape(b, rows, width).astype(cache.dtype)

@@ -146,7 +146,7 @@ def test_one_vocabulary_of_implementation_options():
         cfg.with_impls(kda_decode="reference")
     with pytest.raises(ConfigError, match="unknown implementation option 'mlp'"):
         cfg.with_impls(mlp="dense")
-    with pytest.raises(ConfigError, match=r"mla.decode_impl.*expected one of \('absorbed', 'naive', 'pallas'\)"):
+    with pytest.raises(ConfigError, match=r"mla.decode_impl.*expected one of \('absorbed', 'naive', 'pallas', 'hopper'\)"):
         cfg.with_impls(mla="flash")
 
 

@@ -60,9 +60,27 @@ def test_cache_attention_implementations_agree(rng, impl):
     w_kv_b = jnp.asarray(rng.standard_normal((r, h * (n + v))) / np.sqrt(r), jnp.float32)
     kw = dict(scale=(n + p) ** -0.5, v_dim=v)
     ref = cache_attention("naive", q_nope, q_pe, clean, w_kv_b, jnp.asarray(last), **kw)
-    out = cache_attention(impl, q_nope, q_pe, poisoned if impl == "pallas" else clean, w_kv_b, jnp.asarray(last),
-                          **kw)
-    assert_close(impl, out, ref)
+    out = cache_attention(impl, q_nope, q_pe, poisoned if impl in ("pallas", "hopper") else clean, w_kv_b,
+                          jnp.asarray(last), **kw)
+    assert_close(impl, out, ref, dtype=xla_dtype("float32") if impl in ("pallas", "hopper") else None)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Mosaic GPU kernel runs on a GPU only")
+def test_hopper_cache_attention_at_the_models_latent_width(rng):
+    """bf16, R = 512 latent + 64 rope (the kernel itself, not its fallback), 3 query tokens per
+    row, ragged lengths, slots past them poisoned: equal to the naive expansion."""
+    b, t, s, h, n, p, r, v = 3, 3, 512, 8, 128, 64, 512, 128
+    q_nope = jnp.asarray(rng.standard_normal((b, t, h, n)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((b, t, h, p)), jnp.bfloat16)
+    last = np.array([[2, 3, 4], [297, 298, 299], [509, 510, 511]], np.int32)
+    cache = rng.standard_normal((b, s, r + p)).astype(np.float32)
+    inside = np.arange(s)[None, :, None] <= last[:, -1:, None]
+    clean = jnp.asarray(np.where(inside, cache, 0.0), jnp.bfloat16)
+    poisoned = jnp.asarray(np.where(inside, cache, np.nan), jnp.bfloat16)
+    w_kv_b = jnp.asarray(rng.standard_normal((r, h * (n + v))) / np.sqrt(r), jnp.bfloat16)
+    kw = dict(scale=(n + p) ** -0.5, v_dim=v)
+    ref = cache_attention("naive", q_nope, q_pe, clean, w_kv_b, jnp.asarray(last), **kw)
+    assert_close("hopper", cache_attention("hopper", q_nope, q_pe, poisoned, w_kv_b, jnp.asarray(last), **kw), ref)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -15,7 +15,7 @@ import pytest
 from tolerances import assert_close
 
 from pallas_kernels.mla_decode import mla_decode_reference
-from pallas_kernels.mla_decode.hopper import HopperMLABlocks, combine_splits, mla_decode_hopper
+from pallas_kernels.mla_decode.hopper import HopperMLABlocks, combine_splits, hopper_takes, mla_decode_hopper
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
 
@@ -86,3 +86,10 @@ def test_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="shared memory"):
         mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
                           blocks=HopperMLABlocks(block_kv=128, stages=2))
+
+
+def test_hopper_takes_names_what_it_runs():
+    assert hopper_takes((2, 4096, 576), jnp.bfloat16, 512)
+    assert not hopper_takes((2, 4096, 576), jnp.float32, 512)        # fp32 cache: the Triton form
+    assert not hopper_takes((2, 4000, 576), jnp.bfloat16, 512)       # not whole blocks
+    assert not hopper_takes((2, 4096, 48), jnp.bfloat16, 32)         # the tiny model's latent
