@@ -65,6 +65,7 @@ def main(argv=None) -> int:
                     help="hopper-dup: the Hopper kernel with both compute warpgroups scoring each block")
     ap.add_argument("--q", nargs="+", type=int, default=[1], help="query tokens per row")
     ap.add_argument("--shapes", nargs="*", default=None, help="HxBxCTX entries, e.g. 32x64x4096")
+    ap.add_argument("--name", default=None, help="name of the JSON record (default mla_decode)")
     args = ap.parse_args(argv)
     if args.sweep:
         best = sweep(args.iters)
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     record = {"benchmark": "mla_decode", "env": environment(), "blocks": vars(args), "rows": rows}
-    path = write("mla_decode" + ("_small" if args.small else ""), record)
+    path = write(args.name or "mla_decode" + ("_small" if args.small else ""), record)
     print(table(rows, ["impl", "H", "B", "ctx", "q", "ms", "host_ms", "TB_s", "pct_4.3TB_s", "err_vs_ref"]))
     print(f"wrote {path}")
     return 0
