@@ -5,6 +5,7 @@
     python benchmarks/plot.py speculative  # verify cost against q; speed-up against accepted length
     python benchmarks/plot.py prefill  # time to first token against prompt length
     python benchmarks/plot.py server   # server load: throughput, TPOT and TTFT against concurrent clients
+    python benchmarks/plot.py mla      # MLA decode: share of the bandwidth floor per shape, both kernels
     python benchmarks/plot.py all
 
 Inputs are the JSON records under benchmarks/results/h200/; the PNGs are written beside RESULTS.md.
@@ -49,7 +50,8 @@ def plot_decode(out: str) -> str:
              "s-"),
             ("+ few-row projections through the kernel", {1: 5.10, 64: 20.60}, "D-"),  # decode_run4_skinny.log
             ("+ one launch per shared input", _tpot("decode_run5_fused_projections.json"), "^-"),
-            ("+ unsorted expert pairs, router in the shared launch", _tpot("decode_run6_pairs_router.json"), "v-")]
+            ("+ unsorted expert pairs, router in the shared launch", _tpot("decode_run6_pairs_router.json"), "v-"),
+            ("+ expert glue, Hopper MLA decode kernel", _tpot("decode_run8_mla_hopper.json"), "P-")]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, points, style in runs:
         xs = sorted(points)
@@ -126,7 +128,8 @@ def plot_speculative(out: str) -> str:
 
 
 PREFILL_RUNS = (("prefill_run1_chunked.json", "JAX flash attention (ed15f97)"),
-                ("prefill_run2_cudnn.json", "cuDNN flash attention (a43cd23)"))
+                ("prefill_run2_cudnn.json", "cuDNN flash attention (a43cd23)"),
+                ("prefill_run3_cudnn_chunks.json", "+ cuDNN for continuation chunks (4a6d98f)"))
 
 
 def plot_prefill(out: str) -> str:
@@ -145,6 +148,33 @@ def plot_prefill(out: str) -> str:
     ax.plot([8192], [0.25], "k*", label="target: 8K in 250 ms")
     return _finish(fig, ax, "prompt tokens (all rows)", "time to first token (s)",
                    "Prefill, Kimi-Linear-48B shape, bf16, one H200", os.path.join(out, "prefill_ttft.png"))
+
+
+MLA_DECODE = "mla_decode_run4_hopper.json"
+
+
+def plot_mla_decode(out: str) -> str:
+    """Share of 4.3 TB/s (cache bytes read once) for each shape, Triton-lowered against Hopper kernel."""
+    import numpy as np
+
+    rows = [r for r in _load(MLA_DECODE)["rows"] if r["impl"] in ("triton", "hopper")]
+    latest = {}
+    for r in rows:                                  # run 4 supersedes run 3 where both measured a shape
+        latest[(r["impl"], r["H"], r["B"], r["ctx"], r["q"])] = r
+    shapes = sorted({k[1:] for k in latest}, key=lambda k: (k[3], k[0], -k[1], k[2]))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    x = np.arange(len(shapes))
+    for j, impl in enumerate(("triton", "hopper")):
+        ys = [latest.get((impl, *k), {}).get("pct_4.3TB_s", 0) for k in shapes]
+        ax.bar(x + (j - 0.5) * 0.4, ys, 0.4, label={"triton": "Triton lowering (before)",
+                                                  "hopper": "Mosaic GPU Hopper kernel"}[impl])
+    ax.axhline(70, color="k", linestyle=":", label="target 70%")
+    ax.set_xticks(x, [f"H{h} {b}x{c // 1024}K q{q}" for h, b, c, q in shapes], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("% of 4.3 TB/s (cache read once)")
+    ax.set_title("MLA decode over a bf16 latent cache, one H200")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, os.path.join(out, "mla_decode.png"))
 
 
 SERVER_LOAD = "server_load_kimi-linear-48b.json"
@@ -185,11 +215,11 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "server", "all"])
+    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "server", "all"])
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args(argv)
     for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative),
-                     ("prefill", plot_prefill)):
+                     ("prefill", plot_prefill), ("mla", plot_mla_decode)):
         if args.which in (name, "all"):
             print("wrote", fn(args.out))
     if args.which == "server" or (args.which == "all" and os.path.exists(os.path.join(H200, SERVER_LOAD))):

@@ -1,6 +1,7 @@
 """Grouped matmuls for routed experts (rows sorted by expert)."""
 
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
+from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
 from pallas_kernels.moe_gmm.kernel import grouped_glu_pallas, grouped_matmul_pallas, pair_glu_pallas, pair_matmul_pallas
 from pallas_kernels.moe_gmm.ops import (GMM_IMPLS, GmmImpl, grouped_glu, grouped_matmul, pair_glu, pair_matmul,
                                        resolve_gmm_impl)
@@ -17,4 +18,6 @@ __all__ = [
     "pair_matmul_pallas", "pair_glu_pallas", "pair_matmul_reference", "pair_glu_reference",
     # Activation, schedule and tile settings
     "GluSpec", "glu", "tile_schedule", "max_tiles", "GmmBlocks", "TileBlocks",
+    # Packed MXFP4 weights (pallas_kernels.moe_gmm.mxfp4)
+    "Mxfp4Weight",
 ]

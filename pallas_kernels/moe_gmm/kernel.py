@@ -9,6 +9,9 @@ tile. Two epilogues:
 * plain: out = lhs @ w[g], optionally times a per-row fp32 scale (the routing weight);
 * glu:   out = act(lhs @ w_gate[g], lhs @ w_up[g]), both products from one read of the activations.
 
+Weights may also be MXFP4, kept packed (`mxfp4.Mxfp4Weight`: a quarter of the bytes), decoded to
+exact bf16 in registers one 32-input scale group at a time.
+
 Twin: `reference.grouped_matmul_reference` / `reference.grouped_glu_reference` (lax.ragged_dot).
 """
 
@@ -23,20 +26,27 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2, largest_block
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
+from pallas_kernels.moe_gmm.mxfp4 import GROUP, Mxfp4Weight, decode_e2m1, scale_factor, split_even_odd
+from pallas_kernels.moe_gmm.mxfp4 import validate as validate_mxfp4
 from pallas_kernels.moe_gmm.schedule import tile_schedule
 from pallas_kernels.moe_gmm.tuning import TileBlocks
 
 
-def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat):
+def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized):
     """refs: the schedule (sorted rows: one [3, tiles] ref; pairs: group [M] and valid [M]), lhs,
     w (plain) or w_gate, w_up (glu); then the row scale when `scaled`; then out.
 
     Pairs (`repeat` > 0): program `tile` computes output row `tile` from lhs row tile // repeat, and
-    writes zeros when the pair is not valid (no masking pass after the kernel)."""
+    writes zeros when the pair is not valid (no masking pass after the kernel).
+
+    `quantized` (MXFP4, `mxfp4.py`): lhs arrives as its even and odd inputs [M, K/2] and each weight
+    as packed [G, K/2, N] and scale [G, K/32, N]; each step decodes one scale group (16 packed rows =
+    32 inputs) to exact bf16 values in registers and multiplies both nibbles' halves."""
     pairs = repeat > 0
     sched = refs[:2] if pairs else refs[:1]
-    lhs_ref, refs = refs[len(sched)], refs[len(sched) + 1:]
-    n_weights = 1 if spec is None else 2
+    n_lhs = 2 if quantized else 1
+    lhs_refs, refs = refs[len(sched):len(sched) + n_lhs], refs[len(sched) + n_lhs:]
+    n_weights = (1 if spec is None else 2) * n_lhs
     w_refs, rest = refs[:n_weights], refs[n_weights:]
     scale_ref = rest[0] if scaled else None
     out_ref = rest[-1]
@@ -60,13 +70,30 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat):
 
         def step(kk, accs):
             k0 = pl.multiple_of(kk * bk, bk)
-            a = plt.load(lhs_ref.at[pl.ds(src, bm), pl.ds(k0, bk)],
+            a = plt.load(lhs_refs[0].at[pl.ds(src, bm), pl.ds(k0, bk)],
                          mask=jnp.broadcast_to(row_mask[:, None], (bm, bk)), other=0.0)
             return tuple(acc + jnp.dot(a, w[group, pl.ds(k0, bk), cols], preferred_element_type=jnp.float32)
                          for acc, w in zip(accs, w_refs))
 
-        zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs)
-        accs = jax.lax.fori_loop(0, k_dim // bk, step, zeros)
+        def step_mxfp4(g, accs):
+            r0 = pl.multiple_of(g * 16, 16)
+            mask = jnp.broadcast_to(row_mask[:, None], (bm, 16))
+            a_lo, a_hi = (plt.load(ref.at[pl.ds(src, bm), pl.ds(r0, 16)], mask=mask, other=0.0) for ref in lhs_refs)
+            out = []
+            for acc, packed, scale in zip(accs, w_refs[0::2], w_refs[1::2]):
+                codes = packed[group, pl.ds(r0, 16), cols].astype(jnp.int32)               # [16, bn]
+                factor = scale_factor(scale[group, pl.ds(g, 1), cols])                     # [1, bn]
+                w_lo = (decode_e2m1(codes & 15) * factor).astype(a_lo.dtype)
+                w_hi = (decode_e2m1(codes >> 4) * factor).astype(a_lo.dtype)
+                out.append(acc + jnp.dot(a_lo, w_lo, preferred_element_type=jnp.float32)
+                           + jnp.dot(a_hi, w_hi, preferred_element_type=jnp.float32))
+            return tuple(out)
+
+        zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs[::n_lhs])
+        if quantized:
+            accs = jax.lax.fori_loop(0, k_dim // GROUP, step_mxfp4, zeros)
+        else:
+            accs = jax.lax.fori_loop(0, k_dim // bk, step, zeros)
         if spec is not None:
             out = glu(accs[0], accs[1], spec)
         elif scaled:
@@ -92,6 +119,12 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
     k_dim = lhs.shape[1]
     n_dim = weights[0].shape[2]
     bn, bk = _blocks_for(k_dim, n_dim, blocks)
+    quantized = isinstance(weights[0], Mxfp4Weight)
+    if quantized:
+        lhs_parts = split_even_odd(lhs)
+        weights = tuple(part for w in weights for part in (w.packed, w.scale))
+    else:
+        lhs_parts = (lhs,)
     bm = blocks.block_m
     if pairs is None:
         m = lhs.shape[0]
@@ -103,8 +136,8 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
         sched = (jnp.where(valid, group, 0).astype(jnp.int32), valid.astype(jnp.int32))
     scaled = row_scale is not None
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec, scaled=scaled,
-                               repeat=0 if pairs is None else repeat)
-    operands = (*sched, lhs, *weights) + ((row_scale.astype(jnp.float32),) if scaled else ())
+                               repeat=0 if pairs is None else repeat, quantized=quantized)
+    operands = (*sched, *lhs_parts, *weights) + ((row_scale.astype(jnp.float32),) if scaled else ())
     out = pl.pallas_call(
         kernel,
         grid=(tiles, n_dim // bn),
@@ -120,7 +153,12 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
 
 
 def _validate(lhs, weights, group_sizes):
+    kinds = {isinstance(w, Mxfp4Weight) for w in weights}
+    if len(kinds) > 1:
+        raise ValueError("grouped matmul: gate and up weights must both be MXFP4 or both not")
     for w in weights:
+        if isinstance(w, Mxfp4Weight):
+            validate_mxfp4(w)
         if lhs.ndim != 2 or w.ndim != 3 or lhs.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
             raise ValueError(f"grouped matmul: expected lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
                              f"{lhs.shape}, {w.shape}, {group_sizes.shape}")
@@ -134,7 +172,7 @@ def grouped_matmul_pallas(lhs, rhs, group_sizes, row_scale=None, *, blocks: Tile
     """out[r] = lhs[r] @ rhs[g(r)] (times row_scale[r]) for rows sorted by group.
 
     Args:
-      lhs: [M, K] rows sorted by group. rhs: [G, K, N]. group_sizes: [G] int32 (sum <= M).
+      lhs: [M, K] rows sorted by group. rhs: [G, K, N] (or an `Mxfp4Weight`). group_sizes: [G] int32 (sum <= M).
       row_scale: optional [M] fp32 per-row factor; with it the output is fp32.
       blocks: tile sizes (default: chosen from the average rows per group). interpret: default
         off the GPU.
@@ -154,7 +192,7 @@ def grouped_glu_pallas(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpe
     """out[r] = act(lhs[r] @ w_gate[g(r)], lhs[r] @ w_up[g(r)]) for rows sorted by group.
 
     Args:
-      lhs: [M, K] rows sorted by group. w_gate, w_up: [G, K, F]. group_sizes: [G] int32.
+      lhs: [M, K] rows sorted by group. w_gate, w_up: [G, K, F] (or both `Mxfp4Weight`). group_sizes: [G] int32.
       spec: the gated activation. blocks / interpret: as `grouped_matmul_pallas`.
     Returns:
       [M, F] in lhs's dtype; rows past sum(group_sizes) are zero.
@@ -180,7 +218,7 @@ def pair_glu_pallas(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(
 
     Args:
       lhs: [M / repeat, K] (each row serves `repeat` consecutive pairs: a token's expert choices).
-      w_gate, w_up: [G, K, F]. group: [M] int32 in [0, G). valid: [M] bool.
+      w_gate, w_up: [G, K, F] (or both `Mxfp4Weight`). group: [M] int32 in [0, G). valid: [M] bool.
     Returns:
       [M, F] in lhs's dtype.
     """

@@ -7,7 +7,8 @@ impl "xla": `jax.lax.ragged_dot` (the reference; exact on the CPU, a padded dens
 impl "pallas": the row-tiled kernel (`kernel.py`): touched groups only, one weight read per tile.
 impl "mgpu": JAX's Hopper Mosaic GPU kernel `ragged_dot_mgpu` (GPU-interpret mode on the CPU).
 impl "auto": "pallas" on a GPU backend, "xla" elsewhere.
-Rows past sum(group_sizes) are zero in all of them.
+Rows past sum(group_sizes) are zero in all of them. Weights may be `Mxfp4Weight` (packed MXFP4): the
+Pallas kernels decode them in registers; the other implementations dequantise them first.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pallas_kernels.moe_gmm.kernel import (grouped_glu_pallas, grouped_matmul_pa
                                            pair_matmul_pallas)
 from pallas_kernels.moe_gmm.reference import (grouped_glu_reference, grouped_matmul_reference, pair_glu_reference,
                                               pair_matmul_reference)
+from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight, dequantize
 from pallas_kernels.moe_gmm.tuning import GmmBlocks
 
 GmmImpl = Literal["auto", "xla", "pallas", "mgpu"]
@@ -57,6 +59,11 @@ def _mgpu(lhs, rhs, group_sizes, blocks: GmmBlocks):
     return jnp.where(rows, out, 0)[:m].astype(lhs.dtype)  # rows past the groups are undefined in the kernel
 
 
+def _dense(w, dtype):
+    """A weight as an array: MXFP4 dequantised to `dtype` (the non-kernel paths), else as is."""
+    return dequantize(w, dtype) if isinstance(w, Mxfp4Weight) else w
+
+
 def _check(lhs, rhs, group_sizes) -> None:
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1] or group_sizes.shape != (rhs.shape[0],):
         raise ValueError(f"grouped_matmul: expected lhs [M, K], rhs [G, K, N], group_sizes [G]; got "
@@ -79,6 +86,7 @@ def grouped_matmul(lhs, rhs, group_sizes, row_scale=None, *, impl: GmmImpl = "au
     impl = resolve_gmm_impl(impl, *rhs.shape[1:])
     if impl == "pallas":
         return grouped_matmul_pallas(lhs, rhs, group_sizes, row_scale)
+    rhs = _dense(rhs, lhs.dtype)
     out = grouped_matmul_reference(lhs, rhs, group_sizes) if impl == "xla" else _mgpu(lhs, rhs, group_sizes, blocks)
     return out if row_scale is None else out.astype(jnp.float32) * row_scale.astype(jnp.float32)[:, None]
 
@@ -91,6 +99,7 @@ def grouped_glu(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), im
     impl = resolve_gmm_impl(impl, *w_gate.shape[1:])
     if impl == "pallas":
         return grouped_glu_pallas(lhs, w_gate, w_up, group_sizes, spec=spec)
+    w_gate, w_up = _dense(w_gate, lhs.dtype), _dense(w_up, lhs.dtype)
     if impl == "xla":
         return grouped_glu_reference(lhs, w_gate, w_up, group_sizes, spec=spec)
     return glu(_mgpu(lhs, w_gate, group_sizes, blocks), _mgpu(lhs, w_up, group_sizes, blocks), spec)
@@ -106,7 +115,7 @@ def pair_matmul(lhs, rhs, group, valid, row_scale=None, *, repeat: int = 1, impl
     where valid[r], else 0. lhs [M / repeat, K], rhs [G, K, N], group [M] int32, valid [M] bool -> [M, N]."""
     if _pair_impl(impl, *rhs.shape[1:]) == "pallas":
         return pair_matmul_pallas(lhs, rhs, group, valid, row_scale, repeat=repeat)
-    return pair_matmul_reference(lhs, rhs, group, valid, row_scale, repeat=repeat)
+    return pair_matmul_reference(lhs, _dense(rhs, lhs.dtype), group, valid, row_scale, repeat=repeat)
 
 
 def pair_glu(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), repeat: int = 1, impl: GmmImpl = "auto"):
@@ -114,4 +123,5 @@ def pair_glu(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), repe
     valid[r], else 0."""
     if _pair_impl(impl, *w_gate.shape[1:]) == "pallas":
         return pair_glu_pallas(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat)
-    return pair_glu_reference(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat)
+    return pair_glu_reference(lhs, _dense(w_gate, lhs.dtype), _dense(w_up, lhs.dtype), group, valid, spec=spec,
+                              repeat=repeat)

@@ -1,0 +1,105 @@
+"""Packed MXFP4 expert weights: the JAX dequantiser against the checkpoint reader's (numpy, an
+independent formulation), and the Pallas kernels that decode in registers (interpret mode on the CPU,
+compiled on a GPU) against the references over the dequantised bf16 weights."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import assert_close
+
+from k3jax.checkpoint.mxfp4 import dequantize_mxfp4
+from pallas_kernels.moe_gmm import (GluSpec, Mxfp4Weight, TileBlocks, grouped_glu, grouped_glu_pallas,
+                                    grouped_glu_reference, grouped_matmul_pallas, grouped_matmul_reference,
+                                    pair_glu, pair_glu_pallas, pair_glu_reference, pair_matmul_pallas,
+                                    pair_matmul_reference)
+from pallas_kernels.moe_gmm.mxfp4 import decode_e2m1, dequantize, from_checkpoint_layout, scale_factor
+
+
+def _checkpoint_tensors(rng, g, n, k):
+    """Random stacked checkpoint tensors: every E2M1 code, scales around 2^0 (E8M0 115..135)."""
+    packed = rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8)
+    scale = rng.integers(115, 136, (g, n, k // 32), dtype=np.uint8)
+    return packed, scale
+
+
+def test_dequantize_equals_the_checkpoint_reader(rng):
+    packed, scale = _checkpoint_tensors(rng, 3, 24, 64)
+    w = from_checkpoint_layout(jnp.asarray(packed), jnp.asarray(scale))
+    assert w.shape == (3, 64, 24)
+    ours = np.asarray(dequantize(w, jnp.float32))
+    for e in range(3):
+        np.testing.assert_array_equal(ours[e], dequantize_mxfp4(packed[e], scale[e]).T)
+
+
+def test_kernel_decode_forms_equal_the_table():
+    codes = jnp.arange(16, dtype=jnp.int32)
+    packed = jnp.asarray([c | (c << 4) for c in range(16)], jnp.uint8).reshape(1, 16, 1)   # both nibbles = c
+    table = np.asarray(dequantize(Mxfp4Weight(packed, jnp.full((1, 1, 1), 127, jnp.uint8)), jnp.float32))[0, :, 0]
+    np.testing.assert_array_equal(table[0::2], table[1::2])
+    np.testing.assert_array_equal(np.asarray(decode_e2m1(codes)), table[0::2])
+    s = jnp.arange(1, 255, dtype=jnp.int32).astype(jnp.uint8)
+    np.testing.assert_array_equal(np.asarray(scale_factor(s)), np.ldexp(1.0, np.arange(1, 255) - 127).astype(np.float32))
+
+
+def _weights(rng, g, k, n):
+    return from_checkpoint_layout(*(jnp.asarray(t) for t in _checkpoint_tensors(rng, g, n, k)))
+
+
+@pytest.mark.parametrize("m,k,n,g,blocks", [
+    (8, 64, 32, 16, TileBlocks(16, 32, 32)),        # decode-sized groups, most empty
+    (200, 96, 64, 4, TileBlocks(64, 64, 32)),       # prefill-shaped tiles; K = 3 scale groups
+])
+def test_grouped_kernels_on_packed_weights(rng, interpret, m, k, n, g, blocks):
+    lhs = jnp.asarray(rng.standard_normal((m, k)) / 4, jnp.bfloat16)
+    w_gate, w_up = _weights(rng, g, k, n), _weights(rng, g, k, n)
+    dense = [dequantize(w) for w in (w_gate, w_up)]
+    sizes = rng.multinomial(m - 5, rng.dirichlet(np.ones(g) * 0.5)).astype(np.int32)
+    gs = jnp.asarray(sizes)
+    row_scale = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+    out = grouped_matmul_pallas(lhs, w_gate, gs, row_scale, blocks=blocks, interpret=interpret)
+    assert_close("matmul", out, grouped_matmul_reference(lhs, dense[0], gs, row_scale), dtype="bfloat16")
+    assert not np.asarray(out[int(sizes.sum()):]).any()
+    spec = GluSpec("situ", 4.0, 25.0)
+    out = grouped_glu_pallas(lhs, w_gate, w_up, gs, spec=spec, blocks=blocks, interpret=interpret)
+    assert_close("glu", out, grouped_glu_reference(lhs, *dense, gs, spec=spec), dtype="bfloat16")
+
+
+@pytest.mark.parametrize("repeat", [1, 4])
+def test_pair_kernels_on_packed_weights(rng, interpret, repeat):
+    tokens, k, n, g = 3, 128, 64, 10
+    lhs = jnp.asarray(rng.standard_normal((tokens, k)) / 4, jnp.bfloat16)
+    w_gate, w_up = _weights(rng, g, k, n), _weights(rng, g, k, n)
+    dense = [dequantize(w) for w in (w_gate, w_up)]
+    group = jnp.asarray(rng.integers(0, g, tokens * repeat), jnp.int32)
+    valid = jnp.asarray(rng.uniform(size=tokens * repeat) > 0.3)
+    out = pair_glu_pallas(lhs, w_gate, w_up, group, valid, repeat=repeat, interpret=interpret)
+    assert_close("pair glu", out, pair_glu_reference(lhs, *dense, group, valid, repeat=repeat), dtype="bfloat16")
+    down_in = jnp.asarray(rng.standard_normal((tokens * repeat, k)) / 4, jnp.bfloat16)
+    scale = jnp.asarray(rng.uniform(0.1, 1.0, tokens * repeat), jnp.float32)
+    out = pair_matmul_pallas(down_in, w_up, group, valid, scale, interpret=interpret)
+    assert_close("pair matmul", out, pair_matmul_reference(down_in, dense[1], group, valid, scale), dtype="bfloat16")
+
+
+def test_dispatch_dequantises_for_the_reference_paths(rng):
+    lhs = jnp.asarray(rng.standard_normal((6, 64)) / 4, jnp.bfloat16)
+    w_gate, w_up = _weights(rng, 3, 64, 32), _weights(rng, 3, 64, 32)
+    gs = jnp.asarray([2, 0, 4], jnp.int32)
+    out = grouped_glu(lhs, w_gate, w_up, gs, impl="xla")
+    assert_close("xla", out, grouped_glu_reference(lhs, dequantize(w_gate), dequantize(w_up), gs), dtype="bfloat16")
+    group, valid = jnp.asarray([0, 2, 1, 2, 0, 1], jnp.int32), jnp.ones(6, bool)
+    out = pair_glu(lhs, w_gate, w_up, group, valid, impl="xla")
+    assert_close("pairs xla", out, pair_glu_reference(lhs, dequantize(w_gate), dequantize(w_up), group, valid),
+                 dtype="bfloat16")
+
+
+def test_rejects_malformed_packed_weights():
+    good = Mxfp4Weight(jnp.zeros((2, 16, 8), jnp.uint8), jnp.zeros((2, 1, 8), jnp.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        dequantize(Mxfp4Weight(good.packed.astype(jnp.int8), good.scale))
+    with pytest.raises(ValueError, match="scale"):
+        dequantize(Mxfp4Weight(good.packed, jnp.zeros((2, 2, 8), jnp.uint8)))
+    with pytest.raises(ValueError, match="must both be MXFP4"):
+        grouped_glu_pallas(jnp.zeros((4, 32), jnp.bfloat16), good, jnp.zeros((2, 32, 8), jnp.bfloat16),
+                           jnp.asarray([2, 2], jnp.int32))
