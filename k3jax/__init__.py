@@ -40,7 +40,7 @@ def load(path, dtype="auto", **options) -> CausalLM:
     """Loads a checkpoint directory: Hugging Face (config.json + safetensors [+ index]) or a k3jax
     checkpoint written by `k3jax convert`, in `dtype` ("auto": the checkpoint's own, bf16 for the
     released models; "float32" or "bfloat16" on request). Options: see `k3jax.checkpoint.loader.load_causal_lm`
-    (a_log_policy=, progress=, mesh=, and implementation choices kda=, kda_decode=, mla=, moe=,
+    (a_log_policy=, progress=, mesh=, packed_experts=, and implementation choices kda=, kda_decode=, mla=, moe=,
     gmm=, attn_res=). The model carries the directory's tokenizer when it holds tiktoken.model."""
     model = load_causal_lm(path, dtype=dtype, **options)
     tokenizer = (KimiTokenizer.from_pretrained(path)

@@ -30,10 +30,14 @@ def add_impl_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("implementation choices (default: the model's own)")
     for name, (_, _, choices) in IMPL_OPTIONS.items():
         group.add_argument("--" + name.replace("_", "-"), dest=f"impl_{name}", choices=choices, default=None)
+    group.add_argument("--packed-experts", action="store_true",
+                       help="keep an MXFP4 checkpoint's routed experts packed on the device (decoded in the kernels)")
 
 
 def impl_choices(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, f"impl_{name}") for name in IMPL_OPTIONS if getattr(args, f"impl_{name}") is not None}
+    """The implementation options set on the command line, plus packed_experts when asked for."""
+    out = {name: getattr(args, f"impl_{name}") for name in IMPL_OPTIONS if getattr(args, f"impl_{name}") is not None}
+    return {**out, "packed_experts": True} if getattr(args, "packed_experts", False) else out
 
 
 def _print_results(out, stream: bool) -> None:

@@ -147,6 +147,10 @@ class MoEConfig:
     impl: ExpertImpl = "ragged"    # routed-expert path (k3jax.layers.moe_experts.EXPERT_IMPLS)
     gmm_impl: GmmImpl = "auto"     # grouped matmul of the ragged path (pallas_kernels.moe_gmm.GMM_IMPLS)
     expert_parallel: ExpertParallel | None = None  # set by k3jax.sharding.config_for_mesh
+    # Routed-expert weights kept as the checkpoint's MXFP4 (uint8 codes + E8M0 scales per 32
+    # inputs, a quarter of bf16's bytes) and decoded inside the expert kernels; False = dequantised
+    # to the model dtype at load time. Only from an MXFP4 checkpoint (`k3jax.load(.., packed_experts=True)`).
+    packed_experts: bool = False
 
     def __post_init__(self):
         require_positive(self.num_experts, "num_experts")
@@ -172,6 +176,10 @@ class MoEConfig:
         require(self.score_function in ("sigmoid", "softmax"), "moe_router_activation_func",
                  f"expected 'sigmoid' or 'softmax', got {self.score_function!r}")
         require_choice(self.impl, EXPERT_IMPLS, "moe.impl")
+        if self.packed_experts:
+            require(self.expert_input_size % 32 == 0 and self.expert_intermediate_size % 32 == 0, "packed_experts",
+                    f"MXFP4 needs expert widths that are multiples of 32, got {self.expert_input_size} and "
+                    f"{self.expert_intermediate_size}")
         if self.expert_parallel is not None:
             require(self.num_experts % self.expert_parallel.expert_shards == 0, "num_experts",
                      f"{self.num_experts} experts do not split over {self.expert_parallel.expert_shards} expert shards")

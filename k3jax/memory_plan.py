@@ -85,7 +85,8 @@ def _param_table(cfg: ModelConfig, dtype: str) -> tuple:
         value = var.get_value()
         axes = tuple(var.get_metadata().get("logical_axes", (None,) * len(value.shape)))
         nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
-        table.append((axes, tuple(value.shape), nbytes, "experts" in path and path[-1] in ("w1", "w2", "w3")))
+        routed = "experts" in path and str(path[-1]).split("_")[0] in ("w1", "w2", "w3")   # w1, w1_packed, w1_scale
+        table.append((axes, tuple(value.shape), nbytes, routed))
     return tuple(table)
 
 
@@ -160,11 +161,12 @@ def plan_memory(cfg: ModelConfig, mesh: MeshSpec, *, batch: int, context: int, d
     weights, experts = weight_bytes(cfg, mesh, dtype)
     kda, mla = state_bytes(cfg, mesh, batch, context, dtype)
     acts = activation_bytes(cfg, mesh, batch, prefill_chunk_length(batch, context, cfg.prefill_chunk_tokens), dtype)
-    packed = int(experts / np.dtype(jnp.dtype(dtype)).itemsize * MXFP4_BITS / 8)
+    packed_now = cfg.moe is not None and cfg.moe.packed_experts
+    packed = experts if packed_now else int(experts / np.dtype(jnp.dtype(dtype)).itemsize * MXFP4_BITS / 8)
     notes = []
-    if cfg.quantization == "mxfp4":
-        notes.append("routed experts are dequantised to the model dtype at load (packed MXFP4 on the device "
-                     "is not implemented yet)")
+    if cfg.quantization == "mxfp4" and not packed_now:
+        notes.append("routed experts are dequantised to the model dtype at load; load(..., packed_experts=True) "
+                     "keeps them as MXFP4")
     if mesh.expert > 1 and cfg.moe is not None and cfg.moe.num_experts % mesh.expert:
         notes.append(f"{cfg.moe.num_experts} experts do not divide over expert={mesh.expert}: they stay whole")
     return MemoryPlan(config_name=name, mesh=mesh, batch=batch, context=context, dtype=str(jnp.dtype(dtype)),

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import k3jax
-from k3jax.config import IMPL_OPTIONS
+from k3jax.cli import add_impl_arguments, impl_choices
 from k3jax.engine import Engine, EngineConfig
 from k3jax.hf_config import read_generation_config
 from k3jax.sampling import SamplingParams
@@ -100,9 +100,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     dist.add_argument("--process-id", type=int, default=None)
     dist.add_argument("--local-device-ids", default=None,
                       help="comma-separated devices of this process (SLURM's default is one GPU per process)")
-    impls = ap.add_argument_group("implementation choices (default: the model's own)")
-    for name, (_, _, choices) in IMPL_OPTIONS.items():
-        impls.add_argument("--" + name.replace("_", "-"), dest=f"impl_{name}", choices=choices, default=None)
+    add_impl_arguments(ap)
     return ap
 
 
@@ -217,7 +215,7 @@ class Job:
 
     def __init__(self, args, prog: str):
         self.args, self.prog = args, prog
-        self.impls = {n: getattr(args, f"impl_{n}") for n in IMPL_OPTIONS if getattr(args, f"impl_{n}") is not None}
+        self.impls = impl_choices(args)
         self.model_name = os.path.basename(os.path.normpath(args.model))
         self.stop = threading.Event()
         self.start = time.perf_counter()
@@ -280,6 +278,8 @@ class Job:
         if loaded is not None:
             return loaded.shard(mesh)
         if self.args.model in BUILTIN:
+            if self.impls.get("packed_experts"):
+                raise ValueError(f"--packed-experts applies to MXFP4 checkpoints, not the built-in {self.args.model}")
             config, tokenizer = builtin_config(self.args.model)
             dtype = "float32" if self.args.dtype == "auto" else self.args.dtype
             return k3jax.CausalLM.random(config.with_impls(**self.impls), dtype=dtype, mesh=mesh,

@@ -77,7 +77,8 @@ def _refuse_what_cannot_fit(cfg, dtype, mesh) -> None:
 
 
 def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str | None = None,
-                   progress: bool | None = None, mesh=None, _check_finite: bool = True, **impls) -> CausalLM:
+                   progress: bool | None = None, mesh=None, packed_experts: bool = False, _check_finite: bool = True,
+                   **impls) -> CausalLM:
     """Loads a checkpoint directory as a `CausalLM`: Hugging Face (config.json + *.safetensors
     [+ index]) tensor by tensor, or a k3jax (Orbax) checkpoint written by `k3jax convert`.
 
@@ -88,6 +89,9 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
       a_log_policy: how a K3 A_log longer than the head count is read ("per_head" or "per_channel").
       progress: show a progress bar (default: on a terminal, for checkpoints over 256 MB).
       mesh: place every parameter directly in its sharding (k3jax.sharding rules) as it is read.
+      packed_experts: keep an MXFP4 checkpoint's routed experts packed on the device (uint8 codes and
+        scales, a quarter of bf16's bytes, decoded inside the expert kernels) instead of dequantising
+        them to `dtype`; Hugging Face MXFP4 checkpoints only.
       **impls: implementation choices by option name (kda=, kda_decode=, mla=, moe=, gmm=,
         attn_res=), as in `ModelConfig.with_impls`.
       _check_finite: private, for benchmarks/checkpoint_read.py only: False skips the check that
@@ -100,9 +104,17 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
     auto = isinstance(dtype, str) and dtype == "auto"
     dt = None if auto else resolve_dtype(dtype)
     if is_k3jax_checkpoint(path):
+        if packed_experts:
+            raise CheckpointError(f"{path}: packed_experts=True needs the Hugging Face MXFP4 checkpoint; a converted "
+                                  "checkpoint holds its experts dequantised")
         dt = resolve_dtype(checkpoint_dtype(path)) if auto else dt
         return _load_converted(path, dt, impls, a_log_policy, mesh, _check_finite)
     cfg = load_hf_config(path).with_impls(**impls)   # a directory without config.json fails here first
+    if packed_experts:
+        if cfg.quantization != "mxfp4" or cfg.moe is None:
+            raise CheckpointError(f"{path}: packed_experts=True needs routed experts stored as MXFP4; this checkpoint's "
+                                  f"quantization is {cfg.quantization or 'none'}")
+        cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, packed_experts=True))
     dt = resolve_dtype(checkpoint_dtype(path)) if auto else dt
     _refuse_what_cannot_fit(cfg, dt, mesh)
     if a_log_policy is not None and cfg.kda is not None:

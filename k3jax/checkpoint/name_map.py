@@ -137,7 +137,10 @@ def _add_block(rules: dict, cfg: ModelConfig, prefix: str, root: tuple, mixer: s
         for stored, param in _EXPERT_WEIGHTS:
             name = f"{prefix}block_sparse_moe.experts.{e}.{stored}."
             path = root + ("block_sparse_moe", "experts", param)
-            if cfg.quantization == "mxfp4":
+            if cfg.quantization == "mxfp4" and cfg.moe.packed_experts:     # kept packed: two parameters
+                rules[name + "weight_packed"] = TensorRule(path[:-1] + (param + "_packed",), "transpose_uint8", e)
+                rules[name + "weight_scale"] = TensorRule(path[:-1] + (param + "_scale",), "transpose_uint8", e)
+            elif cfg.quantization == "mxfp4":
                 rules[name + "weight_packed"] = TensorRule(path, "mxfp4_packed", e, partner=name + "weight_scale")
                 rules[name + "weight_scale"] = TensorRule(path, "mxfp4_scale", e)
             else:

@@ -59,7 +59,11 @@ HOOKS = {
                            note="or longer (per_head A_log policy uses the first H entries)"),
     "a_log_per_channel": Hook("a_log_per_channel", tuple, _exact(tuple), lambda a, s: a.reshape(s),
                               lambda p: p, note="(per_channel A_log policy: one entry per key channel)"),
-    # MXFP4 experts: the packed codes carry the transform; the scales are read alongside them.
+    # MXFP4 experts kept packed: codes [out, in/2] and scales [out, in/32] become their own parameters
+    # [in/2, out] and [in/32, out], each a plain transpose of bytes.
+    "transpose_uint8": Hook("transpose_uint8", lambda s: tuple(s[::-1]), _exact(lambda s: tuple(s[::-1])),
+                            lambda a, s: a.T, lambda p: p.T, "uint8"),
+    # MXFP4 experts dequantised at load: the packed codes carry the transform; the scales are read alongside them.
     "mxfp4_packed": Hook("mxfp4_packed", _mxfp4_packed_shape, _exact(_mxfp4_packed_shape), None, None, "uint8"),
     "mxfp4_scale": Hook("mxfp4_scale", _mxfp4_scale_shape, _exact(_mxfp4_scale_shape), None, None, "uint8"),
 }

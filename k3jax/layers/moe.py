@@ -21,6 +21,8 @@ from k3jax.layers.moe_experts import local_experts
 from k3jax.layers.moe_parallel import expert_parallel
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import normal, param, zeros
+from pallas_kernels.moe_gmm.mxfp4 import GROUP as MXFP4_GROUP
+from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
 from pallas_kernels.skinny import SkinnyImpl
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -86,13 +88,36 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Stacked routed expert weights: w1/w3 [E, D, F] (gate/up), w2 [E, F, D] (down)."""
+    """Stacked routed expert weights: w1/w3 [E, D, F] (gate/up), w2 [E, F, D] (down).
+
+    With `cfg.packed_experts` each is kept as MXFP4 (`pallas_kernels.moe_gmm.mxfp4`): w1_packed
+    uint8 [E, D/2, F] and w1_scale uint8 [E, D/32, F], likewise w3 and w2 ([E, F/2, D], [E, F/32, D]).
+    Random packed weights draw every code with scales near 2^-6 (weights of about 0.02)."""
 
     def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
         e, d, f = cfg.num_experts, cfg.expert_input_size, cfg.expert_intermediate_size
-        self.w1 = param(rngs, (e, d, f), dtype, normal(), ("experts", "embed", "expert_mlp"))
-        self.w3 = param(rngs, (e, d, f), dtype, normal(), ("experts", "embed", "expert_mlp"))
-        self.w2 = param(rngs, (e, f, d), dtype, normal(), ("experts", "expert_mlp", "embed"))
+        self.packed = cfg.packed_experts
+        shapes = {"w1": ((e, d, f), ("experts", "embed", "expert_mlp")),
+                  "w3": ((e, d, f), ("experts", "embed", "expert_mlp")),
+                  "w2": ((e, f, d), ("experts", "expert_mlp", "embed"))}
+        for name, ((g, k, n), axes) in shapes.items():
+            if not self.packed:
+                setattr(self, name, param(rngs, (g, k, n), dtype, normal(), axes))
+                continue
+            setattr(self, name + "_packed", param(rngs, (g, k // 2, n), jnp.uint8, _random_bytes(0, 256), axes))
+            setattr(self, name + "_scale", param(rngs, (g, k // MXFP4_GROUP, n), jnp.uint8, _random_bytes(118, 123),
+                                                 axes))
+
+    def weights(self) -> tuple:
+        """(w1, w3, w2): arrays, or `Mxfp4Weight`s when packed."""
+        if not self.packed:
+            return self.w1[...], self.w3[...], self.w2[...]
+        return tuple(Mxfp4Weight(getattr(self, n + "_packed")[...], getattr(self, n + "_scale")[...])
+                     for n in ("w1", "w3", "w2"))
+
+
+def _random_bytes(low: int, high: int):
+    return lambda key, shape, dtype: jax.random.randint(key, shape, low, high, jnp.int32).astype(dtype)
 
 
 class MoE(nnx.Module):
@@ -135,8 +160,7 @@ class MoE(nnx.Module):
                 weights, experts = self.gate(x_ND)
         with jax.named_scope("routed_experts"):
             expert_in = x_ND if cfg.latent_size is None else self.routed_expert_down_proj(x_ND)
-            routed = routed_experts(expert_in, weights, experts, self.experts.w1[...], self.experts.w3[...],
-                                    self.experts.w2[...], cfg).astype(x_BTD.dtype)
+            routed = routed_experts(expert_in, weights, experts, *self.experts.weights(), cfg).astype(x_BTD.dtype)
             if cfg.latent_size is not None:
                 if cfg.latent_use_norm:
                     routed = self.routed_expert_norm(routed)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from k3jax.layers.activation import Activation, gated_activation
 from pallas_kernels.moe_gmm import GmmImpl, grouped_glu, grouped_matmul, pair_glu, pair_matmul, resolve_gmm_impl
+from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight, dequantize
 
 # "dense": every expert on every token (the reference); "ragged": pairs sorted by expert, grouped
 # matmuls; "pairs": token-expert pairs unsorted, one kernel tile each (no sort, schedule or scatter:
@@ -111,8 +112,9 @@ def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF
     Args:
       impl: one of EXPERT_IMPLS. x_ND: expert inputs. weights_NX / experts_NX: the router's
         choice (fp32 weights, global expert ids). w1_EDF / w3_EDF (gate / up), w2_EFD (down): this
-        shard's experts. gmm: the grouped-matmul implementation of "ragged". expert_offset: the
-        global id of this shard's first expert.
+        shard's experts, arrays or packed `Mxfp4Weight`s (the kernels decode them; "gather" and
+        "dense" dequantise first). gmm: the grouped-matmul implementation of "ragged" and "pairs".
+        expert_offset: the global id of this shard's first expert.
     """
     if impl == "auto":  # the kernel reads touched experts only; without it gather does, for few tokens
         n, kernel = x_ND.shape[0], resolve_gmm_impl(gmm, *w1_EDF.shape[1:]) == "pallas"
@@ -120,6 +122,8 @@ def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF
             impl = "pairs" if n <= PAIRS_MAX_TOKENS else "ragged"
         else:
             impl = "gather" if n <= GATHER_MAX_TOKENS else "ragged"
+    if impl in ("gather", "dense") and isinstance(w1_EDF, Mxfp4Weight):   # the references take arrays
+        w1_EDF, w3_EDF, w2_EFD = (dequantize(w, x_ND.dtype) for w in (w1_EDF, w3_EDF, w2_EFD))
     args = (x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
     if impl == "ragged":
         return experts_ragged(*args, gmm=gmm, expert_offset=expert_offset)
