@@ -14,6 +14,7 @@ nothing behind.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import concurrent.futures
 import hashlib
@@ -87,13 +88,13 @@ def _read_source(src: str) -> _Source:
     return _Source(src, config, hashlib.sha256(raw).hexdigest(), SafetensorsCheckpoint(src))
 
 
-def _identity(source: _Source, pdtype: np.dtype, tensors: int) -> dict:
+def _identity(source: _Source, pdtype: np.dtype, tensors: int, packed_experts: bool) -> dict:
     """What a resumed run must share with the interrupted one: format, options, and a fingerprint
     of the source (per shard: name, size, mtime_ns and the SHA-256 of its header)."""
     shards = [{"file": os.path.relpath(s.file, source.path), "size": s.size, "mtime_ns": s.mtime_ns,
                "header_sha256": s.header_sha256} for s in source.ckpt.shards]
     return {"format": FORMAT, "source": os.path.abspath(source.path), "dtype": str(pdtype), "tensors": tensors,
-            "config_sha256": source.config_sha256, "shards": shards}
+            "packed_experts": packed_experts, "config_sha256": source.config_sha256, "shards": shards}
 
 
 def _param_dtype(choice: str, ckpt: SafetensorsCheckpoint):
@@ -128,8 +129,11 @@ def _run_all(run, tasks: list, workers: int) -> None:
 
 
 def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool = False,
-            progress: bool | None = None, restart: bool = False) -> ConvertReport:
+            progress: bool | None = None, restart: bool = False, packed_experts: bool | None = None) -> ConvertReport:
     """Converts the Hugging Face directory `src` into the k3jax checkpoint `dst` (must not exist).
+
+    MXFP4 routed experts are written packed (uint8 codes and scales, loaded as `packed_experts`)
+    unless `packed_experts=False` dequantises them to `dtype`; None = packed when the source is MXFP4.
 
     An interrupted run of the same source and options resumes from `dst.partial`; one of another
     source or other options is refused unless `restart` discards it. Raises CheckpointError (one
@@ -147,6 +151,13 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     ckpt = source.ckpt
     own_embedding = bool(cfg.num_mtp_layers) and mtp_embedding_name(cfg, cfg.num_mtp_layers) in ckpt.tensors
     cfg = cfg.replace(mtp_own_embedding=own_embedding)
+    if packed_experts is None:
+        packed_experts = cfg.quantization == "mxfp4" and cfg.moe is not None
+    if packed_experts:
+        if cfg.quantization != "mxfp4" or cfg.moe is None:
+            raise CheckpointError(f"{src}: packed experts need routed experts stored as MXFP4; this checkpoint's "
+                                  f"quantization is {cfg.quantization or 'none'}")
+        cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, packed_experts=True))
     pdtype = _param_dtype(dtype, ckpt)
     params = _abstract_params(cfg, pdtype)
     plan, skipped = plan_tensors(cfg, ckpt, {p: s for p, (s, _) in params.items()})
@@ -156,7 +167,7 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     try:
         if os.path.lexists(dst):  # committed by the run that held the lock before us
             raise FileExistsError(f"{dst} already exists; remove it or choose another destination")
-        done = work.resume(_identity(source, pdtype, sum(len(v) for v in plan.values())), restart)
+        done = work.resume(_identity(source, pdtype, sum(len(v) for v in plan.values()), packed_experts), restart)
     except BaseException:
         work.remove() if work.created else work.release()  # a refused resume keeps everything
         raise
@@ -164,7 +175,7 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     start = time.perf_counter()
     try:
         total = _convert_tensors(ckpt, plan, params, work, done, workers, progress)
-        _write_metadata(work.path, source, plan, params, done, own_embedding, pdtype, skipped)
+        _write_metadata(work.path, source, plan, params, done, own_embedding, pdtype, skipped, packed_experts)
     except NonFiniteError:  # the source cannot be converted: nothing is kept
         work.remove()
         raise
@@ -225,7 +236,7 @@ def _convert_tensors(ckpt, plan, params, work: WorkDir, done: dict, workers: int
 
 
 def _write_metadata(work: str, source: _Source, plan, params, done: dict, own_embedding: bool, pdtype,
-                    skipped: int) -> None:
+                    skipped: int, packed_experts: bool) -> None:
     """The manifest, Orbax's metadata files and the copied config / tokenizer files."""
     manifest_params = {}
     for p, (shape, dt) in params.items():
@@ -234,6 +245,7 @@ def _write_metadata(work: str, source: _Source, plan, params, done: dict, own_em
                                           "sha256": combined_digest([done[n] for n, _ in entries]),
                                           "stacked": entries[0][1].expert is not None}
     write_manifest(work, {"format": FORMAT, "hf_config": source.raw_config, "mtp_own_embedding": own_embedding,
+                          "packed_experts": packed_experts,
                           "dtype": pdtype.name, "skipped_tensors": skipped, "source": os.path.abspath(source.path),
                           "params": manifest_params})
     write_orbax_metadata(os.path.join(work, PARAMS_DIR),
@@ -263,10 +275,14 @@ def main(argv=None, prog: str = "convert") -> int:
     ap.add_argument("--restart", action="store_true",
                     help="discard an interrupted conversion in DST.partial instead of resuming it")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--dequantize-experts", action="store_true",
+                    help="write MXFP4 routed experts dequantised to --dtype (default: kept packed, a quarter of "
+                         "bf16's bytes, decoded inside the expert kernels)")
     args = ap.parse_args(argv)
     try:
         report = convert(args.src, args.dst, dtype=args.dtype, workers=args.workers, verify=args.verify,
-                         progress=False if args.quiet else None, restart=args.restart)
+                         progress=False if args.quiet else None, restart=args.restart,
+                         packed_experts=False if args.dequantize_experts else None)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1

@@ -89,9 +89,10 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
       a_log_policy: how a K3 A_log longer than the head count is read ("per_head" or "per_channel").
       progress: show a progress bar (default: on a terminal, for checkpoints over 256 MB).
       mesh: place every parameter directly in its sharding (k3jax.sharding rules) as it is read.
-      packed_experts: keep an MXFP4 checkpoint's routed experts packed on the device (uint8 codes and
-        scales, a quarter of bf16's bytes, decoded inside the expert kernels) instead of dequantising
-        them to `dtype`; Hugging Face MXFP4 checkpoints only.
+      packed_experts: keep a Hugging Face MXFP4 checkpoint's routed experts packed on the device
+        (uint8 codes and scales, a quarter of bf16's bytes, decoded inside the expert kernels) instead
+        of dequantising them to `dtype`. A converted checkpoint loads as it was written (`convert`
+        keeps MXFP4 experts packed unless told to dequantise them).
       **impls: implementation choices by option name (kda=, kda_decode=, mla=, moe=, gmm=,
         attn_res=), as in `ModelConfig.with_impls`.
       _check_finite: private, for benchmarks/checkpoint_read.py only: False skips the check that
@@ -104,9 +105,9 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
     auto = isinstance(dtype, str) and dtype == "auto"
     dt = None if auto else resolve_dtype(dtype)
     if is_k3jax_checkpoint(path):
-        if packed_experts:
-            raise CheckpointError(f"{path}: packed_experts=True needs the Hugging Face MXFP4 checkpoint; a converted "
-                                  "checkpoint holds its experts dequantised")
+        if packed_experts and not read_manifest(path).get("packed_experts", False):
+            raise CheckpointError(f"{path}: packed_experts=True, but this converted checkpoint holds its experts "
+                                  "dequantised (convert the MXFP4 source again without --dequantize-experts)")
         dt = resolve_dtype(checkpoint_dtype(path)) if auto else dt
         return _load_converted(path, dt, impls, a_log_policy, mesh, _check_finite)
     cfg = load_hf_config(path).with_impls(**impls)   # a directory without config.json fails here first
@@ -196,6 +197,8 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: boo
     manifest = read_manifest(path)
     cfg = from_hf_config(manifest["hf_config"]).with_impls(**impls)
     cfg = cfg.replace(mtp_own_embedding=bool(manifest.get("mtp_own_embedding", False)))
+    if manifest.get("packed_experts", False):   # what the checkpoint holds: MXFP4 experts, kept packed
+        cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, packed_experts=True))
     if a_log_policy is not None and cfg.kda is not None and a_log_policy != cfg.kda.a_log_policy:
         raise CheckpointError(f"{path}: converted with a_log_policy={cfg.kda.a_log_policy!r}; convert again to "
                               f"use {a_log_policy!r}")

@@ -38,14 +38,21 @@ def test_kimi_linear_converted_equals_direct_load(oracle_dir, tmp_path, dtype):
     assert (tmp_path / "out" / "config.json").exists() and not (tmp_path / "out.partial").exists()
 
 
-def test_k3_with_mxfp4_experts_and_vision(tmp_path):
+@pytest.mark.parametrize("flags", [["--verify"], ["--dequantize-experts"]])
+def test_k3_with_mxfp4_experts_and_vision(tmp_path, flags):
+    """MXFP4 experts stay packed (uint8 codes and scales) unless dequantised on request; either way
+    the logits equal the source model's, and --verify compares them with the source loaded directly."""
     cfg = dataclasses.replace(k3jax.tiny_k3(num_layers=5, attn_res_block_size=2), quantization="mxfp4")
     model = snap_experts_to_mxfp4(k3jax.CausalLM.random(cfg, seed=8))
     save_checkpoint(model, tmp_path / "k3", shards=2, extra_tensors={"vision_tower.w": np.ones(4, np.float32)})
     assert main([str(tmp_path / "k3"), str(tmp_path / "out"), "--dtype", "float32", "--workers", "3",
-                 "--quiet"]) == 0
+                 "--quiet", *flags]) == 0
     converted = k3jax.load(tmp_path / "out")
     assert converted.load_report.skipped == 1
+    experts = converted.params["model"]["layers"][1]["block_sparse_moe"]["experts"]
+    assert ("w1_packed" in experts) == (flags != ["--dequantize-experts"])
+    if "w1_packed" in experts:
+        assert experts["w1_packed"][...].dtype == np.uint8 and experts["w2_scale"][...].dtype == np.uint8
     ids = np.random.default_rng(1).integers(0, 512, (2, 7))
     np.testing.assert_array_equal(np.asarray(converted.logits(ids)), np.asarray(model.logits(ids)))
     h = np.random.default_rng(2).standard_normal((2, 7, 64)).astype(np.float32)
