@@ -25,6 +25,9 @@ __all__ = ["Activation", "AttnResConfig", "ConfigError", "ExpertParallel", "KDAC
 QUANTIZATIONS = (None, "mxfp4")
 A_LOG_POLICIES = ("per_head", "per_channel")
 
+KDA_STATE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+
+
 @dataclass(frozen=True)
 class KDAConfig:
     """Kimi Delta Attention layer (arch §4). P = num_heads * head_dim."""
@@ -40,6 +43,9 @@ class KDAConfig:
     impl: KDAImpl = "chunked"              # multi-token path (pallas_kernels.kda.KDA_IMPLS)
     decode_impl: KDADecodeImpl = "xla"     # single-token steps (pallas_kernels.kda.KDA_DECODE_IMPLS)
     chunk_size: int = 64
+    # dtype the recurrent state is kept in between calls (the math is fp32 either way): "bfloat16"
+    # halves the state's bytes and its decode traffic, rounding it after every token.
+    state_dtype: str = "float32"
 
     def __post_init__(self):
         for f in ("hidden_size", "num_heads", "head_dim", "conv_size", "chunk_size"):
@@ -49,6 +55,7 @@ class KDAConfig:
         require_choice(self.impl, KDA_IMPLS, "kda.impl")
         require(self.decode_impl != "reference", "kda.decode_impl", "'reference' is now called 'xla'")
         require_choice(self.decode_impl, KDA_DECODE_IMPLS, "kda.decode_impl")
+        require_choice(self.state_dtype, KDA_STATE_DTYPES, "kda.state_dtype")
         require(self.a_log_policy in A_LOG_POLICIES, "kda.a_log_policy",
                  f"expected one of {A_LOG_POLICIES}, got {self.a_log_policy!r}")
         if self.gate_lower_bound is not None:
@@ -337,6 +344,7 @@ class ModelConfig:
 IMPL_OPTIONS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "kda": ("kda", "impl", KDA_IMPLS),
     "kda_decode": ("kda", "decode_impl", KDA_DECODE_IMPLS),
+    "kda_state": ("kda", "state_dtype", KDA_STATE_DTYPES),
     "mla": ("mla", "decode_impl", MLA_DECODE_IMPLS),
     "mla_prefill": ("mla", "prefill_impl", MLA_PREFILL_IMPLS),
     "moe": ("moe", "impl", EXPERT_IMPLS),

@@ -16,7 +16,8 @@ class KDAState:
     """One KDA layer's state for B rows.
 
     conv: [B, W-1, 3P] the last W-1 PRE-conv q|k|v projections (activation dtype).
-    recurrent: [B, H, K, V] fp32 delta-rule state (fla layout: keys on rows).
+    recurrent: [B, H, K, V] delta-rule state (fla layout: keys on rows), fp32 or, by the config's
+      kda.state_dtype, bf16 (updated in fp32, stored rounded).
     """
 
     conv: jax.Array
@@ -81,7 +82,7 @@ def init_decode_state(cfg: ModelConfig, batch_size: int, max_len: int, dtype) ->
             k = cfg.kda
             layers.append(KDAState(
                 conv=jnp.zeros((batch_size, k.conv_size - 1, 3 * k.proj_size), dtype),
-                recurrent=jnp.zeros((batch_size, k.num_heads, k.head_dim, k.head_dim), jnp.float32)))
+                recurrent=jnp.zeros((batch_size, k.num_heads, k.head_dim, k.head_dim), jnp.dtype(k.state_dtype))))
         else:
             layers.append(MLACache(latent=jnp.zeros((batch_size, max_len, cfg.mla.latent_size), dtype)))
     return DecodeState(layers=tuple(layers), lengths=jnp.zeros((batch_size,), jnp.int32))

@@ -120,12 +120,12 @@ class KimiDeltaAttention(nnx.Module):
         beta = jnp.where(valid, beta, 0.0)
 
         o, s = kda(l2_normalize(q), l2_normalize(kk), v, g, beta, scale=k ** -0.5,
-                   initial_state=None if state is None else state.recurrent,
+                   initial_state=None if state is None else state.recurrent.astype(jnp.float32),
                    impl=cfg.impl, chunk_size=cfg.chunk_size)
 
         out = self.o_norm(o, z.reshape(b, t, h, k), dtype).reshape(b, t, p)
         out = self.o_proj(out)
-        return out, (None if state is None else KDAState(conv=new_conv, recurrent=s))
+        return out, (None if state is None else KDAState(conv=new_conv, recurrent=s.astype(state.recurrent.dtype)))
 
     def _projections(self, x_BTD):
         """Every projection of the layer input: (mixed [B, T, 3P] = q|k|v before the conv, and

@@ -47,12 +47,12 @@ def _decode_kernel(x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref, z_ref, n
     x = [x_ref[i, :] for i in range(3)]
     hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(3)]
     out, s = _token(x, hist, w_ref, f_ref[...], dt_ref[...], a_ref[...], b_ref[...], z_ref[...], nw_ref[...],
-                    s_ref[...], width=width, **settings)
+                    s_ref[...].astype(jnp.float32), width=width, **settings)
     for i in range(3):
         window = hist[i][1:] + [x[i]]
         for j in range(width - 1):
             conv_out_ref[j, i, :] = window[j]
-    s_out_ref[...] = s
+    s_out_ref[...] = s.astype(s_out_ref.dtype)
     out_ref[...] = out.astype(out_ref.dtype)
 
 
@@ -63,7 +63,7 @@ def _steps_kernel(keep_ref, x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref,
     (outputs-only calls, the speculative verify, write nothing else)."""
     keep = keep_ref[...]
     hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(3)]
-    s = s_ref[...]
+    s = s_ref[...].astype(jnp.float32)
     dt, a, nw = dt_ref[...], a_ref[...], nw_ref[...]
     for t in range(steps):
         x = [x_ref[t, i, :] for i in range(3)]
@@ -71,7 +71,8 @@ def _steps_kernel(keep_ref, x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref,
                             **settings)
         out_ref[t, :] = out.astype(out_ref.dtype)
         advance = t < keep
-        s = jnp.where(advance, s_new, s)
+        s_new = s_new.astype(s_ref.dtype).astype(jnp.float32)   # a bf16 state is rounded after every token,
+        s = jnp.where(advance, s_new, s)                          # as T one-token steps would store it
         hist = [[jnp.where(advance, new, old) for new, old in zip(h[1:] + [xi], h)] for h, xi in zip(hist, x)]
     if not state_out_refs:
         return
@@ -79,22 +80,23 @@ def _steps_kernel(keep_ref, x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref,
     for i in range(3):
         for j in range(width - 1):
             conv_out_ref[j, i, :] = hist[i][j]
-    s_out_ref[...] = s
+    s_out_ref[...] = s.astype(s_out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array, state: jax.Array,
                       *, blocks: DecodeBlocks = DecodeBlocks(), interpret: bool | None = None):
-    """Fused KDA decode step as one kernel; same contract as `kda_decode_xla`. The fp32 state is
-    updated in place (input/output aliased): donate it to avoid a copy.
+    """Fused KDA decode step as one kernel; same contract as `kda_decode_xla`. The state (fp32 or
+    bf16, read and written in its dtype, the math in fp32) is updated in place (input/output
+    aliased): donate it to avoid a copy.
 
     Args:
       inputs: KDADecodeInputs (x_qkv [B, 3, H, K], f [B, H, K], beta_logit [B, H], z [B, H, K]).
       weights: KDADecodeWeights of the layer (K a power of two).
-      conv_state: [B, W-1, 3, H, K]. state: [B, H, K, K] fp32.
+      conv_state: [B, W-1, 3, H, K]. state: [B, H, K, K] fp32 or bf16.
       blocks: launch settings. interpret: run in interpret mode (default: off the GPU).
     Returns:
-      (out [B, H, K], new conv_state, new state fp32)
+      (out [B, H, K], new conv_state, new state in state's dtype)
     """
     validate_decode_inputs(inputs, weights, conv_state, state)
     b, _, h, kd = inputs.x_qkv.shape
@@ -128,13 +130,13 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
         ],
         out_shape=[jax.ShapeDtypeStruct((b, h, kd), inputs.x_qkv.dtype),
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-                   jax.ShapeDtypeStruct(state.shape, jnp.float32)],
+                   jax.ShapeDtypeStruct(state.shape, state.dtype)],
         input_output_aliases={9: 2},
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode",
     )(inputs.x_qkv, conv_state, weights.conv_w, inputs.f, weights.dt_bias, weights.a, inputs.beta_logit, inputs.z,
-      weights.o_norm_w, state.astype(jnp.float32))
+      weights.o_norm_w, state)
     return out, new_conv, new_state
 
 
@@ -149,7 +151,8 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
     Args:
       inputs: KDADecodeInputs with a token axis (x_qkv [B, T, 3, H, K], f [B, T, H, K],
         beta_logit [B, T, H], z [B, T, H, K]). weights: KDADecodeWeights (K a power of two).
-      conv_state: [B, W-1, 3, H, K]. state: [B, H, K, K] fp32 (aliased to the output state).
+      conv_state: [B, W-1, 3, H, K]. state: [B, H, K, K] fp32 or bf16 (aliased to the output state;
+        read and written in its dtype, the math in fp32).
       keep: [B] int32 in 0..T.
       outputs_only: write only `out` (the verify step: no state traffic, no aliasing); keep is then
         unused.
@@ -170,7 +173,7 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
                  pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0))]
     out_shape = [jax.ShapeDtypeStruct((b, t, h, kd), inputs.x_qkv.dtype),
                  jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-                 jax.ShapeDtypeStruct(state.shape, jnp.float32)]
+                 jax.ShapeDtypeStruct(state.shape, state.dtype)]
     if outputs_only:
         out_specs, out_shape = out_specs[:1], out_shape[:1]
     results = pl.pallas_call(
@@ -196,5 +199,5 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
         interpret=interpret,
         name="kda_verify_outputs" if outputs_only else "kda_decode_steps",
     )(keep.astype(jnp.int32), inputs.x_qkv, conv_state, weights.conv_w, inputs.f, weights.dt_bias, weights.a,
-      inputs.beta_logit, inputs.z, weights.o_norm_w, state.astype(jnp.float32))
+      inputs.beta_logit, inputs.z, weights.o_norm_w, state)
     return results[0] if outputs_only else tuple(results)

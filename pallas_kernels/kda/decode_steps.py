@@ -26,7 +26,7 @@ def kda_decode_steps(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_st
     Args:
       inputs: KDADecodeInputs with a token axis: x_qkv [B, T, 3, H, K], f [B, T, H, K],
         beta_logit [B, T, H], z [B, T, H, K].
-      weights: the layer's KDADecodeWeights. conv_state: [B, W-1, 3, H, K]. state: [B, H, K, V] fp32.
+      weights: the layer's KDADecodeWeights. conv_state: [B, W-1, 3, H, K]. state: [B, H, K, V] fp32 or bf16.
       keep: [B] int32 tokens each row keeps (0..T); None keeps all T.
       impl: "xla" (a scan of the pure-JAX step) or "pallas" (one kernel over the T tokens).
     Returns:

@@ -37,9 +37,10 @@ def kda_decode_xla(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_stat
     Args:
       inputs: this token's projections (KDADecodeInputs). weights: the layer's KDADecodeWeights.
       conv_state: [B, W-1, 3, H, K] the previous W-1 pre-conv inputs (activation dtype).
-      state: [B, H, K, V] fp32 recurrent state (K == V).
+      state: [B, H, K, V] recurrent state (K == V), fp32 or bf16: the math runs in fp32 and the new
+        state is stored back in the state's dtype.
     Returns:
-      (out [B, H, K] in x_qkv's dtype, new conv_state, new state [B, H, K, V] fp32)
+      (out [B, H, K] in x_qkv's dtype, new conv_state, new state [B, H, K, V] in state's dtype)
     """
     validate_decode_inputs(inputs, weights, conv_state, state)
     x = inputs.x_qkv
@@ -58,4 +59,4 @@ def kda_decode_xla(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_stat
     o = jnp.einsum("bhk,bhkv->bhv", q, s, precision=_HIGHEST).astype(dtype)
     out = gated_rms_norm(o, inputs.z, weights.o_norm_w, weights.norm_eps).astype(dtype)
     new_conv = jnp.concatenate([conv_state[:, 1:], x[:, None].astype(conv_state.dtype)], axis=1)
-    return out, new_conv, s
+    return out, new_conv, s.astype(state.dtype)

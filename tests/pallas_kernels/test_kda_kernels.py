@@ -63,6 +63,21 @@ def test_decode_kernel_matches_xla_twin(rng, interpret, b, h, kd, lower_bound):
     assert np.all(np.asarray(out, np.float32) != 0)
 
 
+def test_bf16_state_is_read_and_written_in_bf16(rng, interpret):
+    """A bf16 recurrent state: the kernel and its twin keep it bf16 (the math in fp32, the new state
+    rounded once), and one step from it equals the fp32 step from the same (rounded) state."""
+    inputs, weights, conv, state = _decode_inputs(rng, 2, 3, 32)
+    state16 = state.astype(jnp.bfloat16)
+    out_r, _, state_r = kda_decode_xla(inputs, weights, conv, state16)
+    out, _, new_state = kda_decode_pallas(inputs, weights, conv, state16, interpret=interpret)
+    assert new_state.dtype == state_r.dtype == jnp.bfloat16
+    assert_close("out", out, out_r, dtype="bfloat16")
+    assert_close("state", new_state, state_r, dtype="bfloat16")
+    out32, _, state32 = kda_decode_xla(inputs, weights, conv, state16.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(out_r, np.float32), np.asarray(out32, np.float32))
+    np.testing.assert_array_equal(np.asarray(state_r), np.asarray(state32.astype(jnp.bfloat16)))
+
+
 def test_decode_step_agrees_with_the_recurrence(rng):
     """The fused step's recurrence part is the same delta rule as the sequence reference."""
     b, h, kd = 2, 2, 16
