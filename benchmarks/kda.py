@@ -2,11 +2,12 @@
 
     python benchmarks/kda.py                 # on the H200 (fla-core importable for the peer columns)
     python benchmarks/kda.py --small         # CPU smoke run (interpret mode, tiny shapes)
+    python benchmarks/kda.py --decode-only --no-fla --state-dtype float32 bfloat16   # the bf16 state's speed
 
 Prefill: B=1, T=8192, H=32 and 96, K=V=128, bf16 q/k/v, fp32 state; ours = q/k L2 norm + the two
 Pallas kernels, fla = chunk_kda(use_qk_l2norm_in_kernel=True). Decode: one fused step per layer
 for 20 layers inside one jitted scan (launch gaps included, host dispatch excluded), B = 1, 8,
-64, 256, H=32; GB/s counts the fp32 state read + write. Outputs are checked against the pure-JAX
+64, 256, H=32; GB/s counts the state read + write (fp32, or bf16 with --state-dtype). Outputs are checked against the pure-JAX
 reference in the same run.
 """
 
@@ -128,7 +129,7 @@ def prefill_rows(shapes, fla, iters):
     return rows
 
 
-def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,)):
+def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32):
     rows = []
     for b in batches:
         ks = jax.random.split(jax.random.key(b), 10)
@@ -142,7 +143,7 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,)):
         dt_b, a = n(4, (h, kd)), jnp.exp(n(5, (h, kd)))
         bl, z = per_layer(6, (b, h), jnp.bfloat16), per_layer(7, (b, h, kd), jnp.bfloat16)
         nw = n(8, (kd,))
-        states = per_layer(9, (b, h, kd, kd), s=0.1)
+        states = per_layer(9, (b, h, kd, kd), state_dtype, s=0.1)
 
         weights = KDADecodeWeights(conv_w=w, dt_bias=dt_b, a=a, o_norm_w=nw)
 
@@ -173,13 +174,13 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,)):
             s_o = ours(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1]
         best = min(by_warps, key=by_warps.get)
         t_ours = by_warps[best]
-        bytes_layer = 2 * b * h * kd * kd * 4
+        bytes_layer = 2 * b * h * kd * kd * jnp.dtype(state_dtype).itemsize
         per = t_ours / layers
-        row = {"B": b, "H": h, "layers": layers, "us_per_layer": per * 1e6, "num_warps": best,
+        row = {"B": b, "H": h, "state": jnp.dtype(state_dtype).name, "layers": layers, "us_per_layer": per * 1e6, "num_warps": best,
                "TB_s": bytes_layer / per / 1e12, "pct_4.3TB_s": bytes_layer / per / HBM_ACHIEVABLE * 100,
                "xla_ref_us_per_layer": t_ref / layers * 1e6, "err_state_vs_ref": rel(s_o, s_r),
                "us_per_layer_by_warps": {str(k_): v_ / layers * 1e6 for k_, v_ in by_warps.items()}}
-        if fla is not None:
+        if fla is not None and jnp.dtype(state_dtype) == jnp.float32:
             torch, _, fused_recurrent_kda = fla
             tq = torch.randn(b, 1, h, kd, device="cuda", dtype=torch.bfloat16)
             tk, tv = torch.randn_like(tq), torch.randn_like(tq)
@@ -201,18 +202,21 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-fla", action="store_true", help="skip the fla columns (its autotune takes ~90 s a shape)")
     ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--state-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                    help="recurrent state dtypes of the decode rows (bfloat16: the kda_state option)")
     args = ap.parse_args(argv)
     fla = None if (args.small or args.no_fla) else fla_functions()
     if args.small:
         pre = prefill_rows([(1, 96, 2, 16)], None, 3)
-        dec = decode_rows([1, 2], 2, 16, 3, None, 3)
+        dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 16, 3, None, 3, state_dtype=sd)]
     else:
         pre = [] if args.decode_only else prefill_rows([(1, 8192, 32, 128), (1, 8192, 96, 128)], fla, args.iters)
-        dec = decode_rows([1, 8, 64, 256], 32, 128, 20, fla, args.iters, warps=(4, 8, 16))
+        dec = [row for sd in args.state_dtype
+               for row in decode_rows([1, 8, 64, 256], 32, 128, 20, fla, args.iters, warps=(4, 8, 16), state_dtype=sd)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write("kda" + ("_small" if args.small else "_decode" if args.decode_only else ""), record)
     print(table(pre, ["B", "T", "H", "ours_ms", "fla_ms", "speedup_vs_fla", "xla_ref_ms", "err_o_vs_ref"]))
-    print(table(dec, ["B", "H", "us_per_layer", "TB_s", "pct_4.3TB_s", "fla_us", "fla_TB_s", "xla_ref_us_per_layer",
+    print(table(dec, ["B", "H", "state", "us_per_layer", "TB_s", "pct_4.3TB_s", "fla_us", "fla_TB_s", "xla_ref_us_per_layer",
                       "err_state_vs_ref"]))
     print(f"wrote {path}")
     return 0
