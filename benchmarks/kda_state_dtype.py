@@ -83,13 +83,14 @@ def model_errors(steps: int) -> list[dict]:
     model16 = model32.with_impls(kda_state="bfloat16")
     tok = model32.tokenizer
     prompt = tok.encode("def merge_sorted(a, b):\n    ")
+    steps = min(steps, model32.config.max_position_embeddings - len(prompt))   # tiny-k3's context: 4,096
     params = k3jax.SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True, repetition_penalty=1.3)
     tokens = k3jax.generate(model32, [prompt], params)[0].token_ids
     ids = np.asarray([prompt])
-    marks = [m for m in MARKS if m <= len(tokens)]
+    marks = [m for m in MARKS if m <= len(tokens)] + ([len(tokens)] if len(tokens) not in MARKS else [])
     out = []
     for model in (model32, model16):
-        logits, state = model.prefill(ids, max_len=len(prompt) + len(tokens) + 8)
+        logits, state = model.prefill(ids, max_len=len(prompt) + len(tokens))
         per_step = [np.asarray(logits[0])]
         for t in tokens[:-1]:
             logits, state = model.decode_step(state, np.asarray([t]))
