@@ -26,6 +26,7 @@ QUANTIZATIONS = (None, "mxfp4")
 A_LOG_POLICIES = ("per_head", "per_channel")
 
 KDA_STATE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+EP_DISPATCHES: tuple[str, ...] = ("gather", "ragged")
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,9 @@ class MoEConfig:
     impl: ExpertImpl = "ragged"    # routed-expert path (k3jax.layers.moe_experts.EXPERT_IMPLS)
     gmm_impl: GmmImpl = "auto"     # grouped matmul of the ragged path (pallas_kernels.moe_gmm.GMM_IMPLS)
     expert_parallel: ExpertParallel | None = None  # set by k3jax.sharding.config_for_mesh
+    # How tokens reach the expert shards when they split over them (k3jax.layers.moe_parallel):
+    # "gather" (all_gather + psum_scatter) or "ragged" (each pair only to its expert's shard).
+    ep_dispatch: str = "gather"
     # Routed-expert weights kept as the checkpoint's MXFP4 (uint8 codes + E8M0 scales per 32
     # inputs, a quarter of bf16's bytes) and decoded inside the expert kernels; False = dequantised
     # to the model dtype at load time. Only from an MXFP4 checkpoint (`k3jax.load(.., packed_experts=True)`).
@@ -183,6 +187,7 @@ class MoEConfig:
         require(self.score_function in ("sigmoid", "softmax"), "moe_router_activation_func",
                  f"expected 'sigmoid' or 'softmax', got {self.score_function!r}")
         require_choice(self.impl, EXPERT_IMPLS, "moe.impl")
+        require_choice(self.ep_dispatch, EP_DISPATCHES, "moe.ep_dispatch")
         if self.packed_experts:
             require(self.expert_input_size % 32 == 0 and self.expert_intermediate_size % 32 == 0, "packed_experts",
                     f"MXFP4 needs expert widths that are multiples of 32, got {self.expert_input_size} and "
@@ -349,6 +354,7 @@ IMPL_OPTIONS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "mla_prefill": ("mla", "prefill_impl", MLA_PREFILL_IMPLS),
     "moe": ("moe", "impl", EXPERT_IMPLS),
     "gmm": ("moe", "gmm_impl", GMM_IMPLS),
+    "ep_dispatch": ("moe", "ep_dispatch", EP_DISPATCHES),
     "attn_res": ("attn_res", "impl", ATTN_RES_IMPLS),
     "linear": (None, "linear_impl", SKINNY_IMPLS),
 }

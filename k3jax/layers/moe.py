@@ -69,7 +69,7 @@ def routed_experts(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg: MoEConfig) -> 
     when the model was sharded for it (cfg.expert_parallel)."""
     if cfg.expert_parallel is not None:
         return expert_parallel(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, ep=cfg.expert_parallel,
-                               impl=cfg.impl, gmm=cfg.gmm_impl)
+                               impl=cfg.impl, gmm=cfg.gmm_impl, dispatch=cfg.ep_dispatch)
     return local_experts(cfg.impl, x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, gmm=cfg.gmm_impl)
 
 

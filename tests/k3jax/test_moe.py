@@ -17,7 +17,7 @@ from k3jax.config import ExpertParallel, MoEConfig
 from k3jax.layers.activation import Activation, gated_activation
 from k3jax.layers.moe import route
 from k3jax.layers.moe_experts import EXPERT_IMPLS, experts_dense, local_experts
-from k3jax.layers.moe_parallel import expert_parallel
+from k3jax.layers.moe_parallel import emulated_ragged_all_to_all, expert_parallel
 from k3jax.sharding import MeshSpec, make_mesh
 
 
@@ -102,8 +102,10 @@ def test_shards_of_experts_sum_to_the_whole(rng, impl):
 
 @pytest.mark.parametrize("tokens", [64, 6])  # divisible over data x expert (all_gather/psum_scatter), or not (psum)
 @pytest.mark.parametrize("spec", [MeshSpec(expert=8), MeshSpec(data=2, expert=4)])
-@pytest.mark.parametrize("impl", ["ragged", "gather", "dense"])
-def test_expert_parallel_equals_single_device(rng, tokens, spec, impl):
+@pytest.mark.parametrize("impl,dispatch", [("ragged", "gather"), ("gather", "gather"), ("dense", "gather"),
+                                           ("ragged", "ragged"), ("pairs", "ragged")])
+def test_expert_parallel_equals_single_device(rng, tokens, spec, impl, dispatch):
+    """"ragged" dispatch: on the CPU through the emulated ragged_all_to_all (same contract)."""
     x, weights, experts, ws = _expert_problem(rng, tokens, d=32, f=16, e=16, k=3)
     act = Activation("silu")
     ref = experts_dense(x, weights, experts, *ws, act)
@@ -111,8 +113,57 @@ def test_expert_parallel_equals_single_device(rng, tokens, spec, impl):
     ep = ExpertParallel(expert_shards=spec.expert, data_shards=spec.data)
     with jax.set_mesh(mesh):
         ws_sharded = [jax.device_put(w, NamedSharding(mesh, P("expert"))) for w in ws]
-        out = jax.jit(lambda *a: expert_parallel(*a, act=act, ep=ep, impl=impl))(x, weights, experts, *ws_sharded)
-    assert_close("expert parallel", out, ref)
+        out = jax.jit(lambda *a: expert_parallel(*a, act=act, ep=ep, impl=impl, dispatch=dispatch))(
+            x, weights, experts, *ws_sharded)
+    assert_close(f"expert parallel ({dispatch})", out, ref)
+
+
+def test_ragged_dispatch_lowers_to_ragged_all_to_all_for_gpus(monkeypatch):
+    """For a GPU the exchange is the primitive itself (XLA:CPU cannot run it): the dispatch lowers
+    for CUDA on any host with one ragged_all_to_all per direction and payload."""
+    from k3jax.layers import moe_parallel
+
+    monkeypatch.setattr(moe_parallel, "_exchange", lambda: jax.lax.ragged_all_to_all)
+    mesh = make_mesh(MeshSpec(expert=8))
+    ep = ExpertParallel(expert_shards=8)
+    experts = NamedSharding(mesh, P("expert"))
+    args = (jax.ShapeDtypeStruct((64, 32), jnp.bfloat16), jax.ShapeDtypeStruct((64, 3), jnp.float32),
+            jax.ShapeDtypeStruct((64, 3), jnp.int32), jax.ShapeDtypeStruct((16, 32, 16), jnp.bfloat16, sharding=experts),
+            jax.ShapeDtypeStruct((16, 32, 16), jnp.bfloat16, sharding=experts),
+            jax.ShapeDtypeStruct((16, 16, 32), jnp.bfloat16, sharding=experts))
+    fn = jax.jit(lambda *a: expert_parallel(*a, act=Activation("silu"), ep=ep, impl="ragged", dispatch="ragged"))
+    with jax.set_mesh(mesh):
+        exported = jax.export.export(fn, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(*args)
+    assert exported.mlir_module().count("stablehlo.custom_call @ragged_all_to_all") == 3   # rows, ids, results
+
+
+def test_emulated_ragged_all_to_all_follows_the_contract(rng):
+    """Shard i sends i + 1 rows to each of 8 shards j (rows tagged with source and destination), at the
+    offsets the receiver reserved: every receiver holds exactly what was sent to it, in order."""
+    shards, width = 8, 3
+    mesh = make_mesh(MeshSpec(expert=shards))
+
+    def body(_):
+        me = jax.lax.axis_index("expert")
+        sizes = jnp.full((shards,), me + 1, jnp.int32)
+        offsets = jnp.cumsum(sizes) - sizes
+        operand = jnp.stack([me * 100 + jnp.arange(shards * shards) // (me + 1) * 10 + jnp.arange(shards * shards)
+                             % (me + 1)] * width, axis=1).astype(jnp.float32)
+        recv = jax.lax.all_to_all(sizes, "expert", 0, 0, tiled=True)
+        recv_off = jnp.cumsum(recv) - recv
+        land = jax.lax.all_to_all(recv_off, "expert", 0, 0, tiled=True)
+        out = emulated_ragged_all_to_all(operand, jnp.full((shards * shards * 2, width), -1.0), offsets, sizes, land,
+                                         recv, axis_name="expert")
+        return out[None]
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.shard_map(body, in_specs=P("expert"), out_specs=P("expert")))(jnp.zeros((shards,)))
+    got = np.asarray(got)
+    for j in range(shards):                  # receiver j: from i, rows i*100 + j*10 + 0..i, in source order
+        want = [i * 100 + j * 10 + r for i in range(shards) for r in range(i + 1)]
+        np.testing.assert_array_equal(got[j, :len(want), 0], want)
+        assert (got[j, len(want):] == -1).all()
 
 
 def test_expert_parallel_checks_its_mesh(rng):
