@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import k3jax  # noqa: E402
+from k3jax.sharding import MeshSpec, make_mesh  # noqa: E402
 from benchmarks.common import HBM_ACHIEVABLE, HBM_DATASHEET, environment, table, write  # noqa: E402
 from benchmarks.profile_summary import markdown, summarize  # noqa: E402
 from k3jax.config import kimi_linear_48b_a3b  # noqa: E402
@@ -78,23 +79,29 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--linear", default=None, help="few-row projection implementation (k3jax option 'linear')")
     ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
                     help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
+    ap.add_argument("--mesh", default=None, help="run sharded over this many local devices, e.g. expert=2 or data=2 "
+                                                 "(k3jax.sharding.MeshSpec.parse)")
+    ap.add_argument("--ep-dispatch", default=None, choices=["gather", "ragged"],
+                    help="expert-parallel token dispatch (k3jax option 'ep_dispatch')")
     ap.add_argument("--mla", default=None, choices=["absorbed", "naive", "pallas", "hopper"],
                     help="MLA decode implementation (k3jax option 'mla'; with --kernels pallas the default is hopper, "
                          "the Mosaic GPU kernel)")
 
 
 def build(args) -> k3jax.CausalLM:
-    impls = {"mla": args.mla, "moe": args.moe, "gmm": args.gmm, "linear": args.linear, "mla_prefill": getattr(args, "mla_prefill", None)}
+    impls = {"ep_dispatch": getattr(args, "ep_dispatch", None), "mla": args.mla, "moe": args.moe, "gmm": args.gmm, "linear": args.linear, "mla_prefill": getattr(args, "mla_prefill", None)}
     if args.kernels == "pallas":
         impls.update(kda="pallas", kda_decode="pallas", mla=getattr(args, "mla", None) or "hopper")
     if args.model == "kimi-linear-48b":
         jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # random weights at memory speed
         t0 = time.perf_counter()
-        model = k3jax.CausalLM.random(kimi_linear_48b_a3b().with_impls(**impls), seed=0, dtype=args.dtype)
+        mesh = make_mesh(MeshSpec.parse(args.mesh)) if getattr(args, "mesh", None) else None
+        model = k3jax.CausalLM.random(kimi_linear_48b_a3b().with_impls(**impls), seed=0, dtype=args.dtype, mesh=mesh)
         jax.block_until_ready(model.params)
         print(f"built random weights in {time.perf_counter() - t0:.1f} s", flush=True)
         return model
-    return k3jax.load_model(args.model, dtype=args.dtype).with_impls(**impls)
+    model = k3jax.load_model(args.model, dtype=args.dtype).with_impls(**impls)
+    return model.shard(make_mesh(MeshSpec.parse(args.mesh))) if getattr(args, "mesh", None) else model
 
 
 def touched_experts(model, prompts: list, outputs: list) -> float:
@@ -112,7 +119,8 @@ def touched_experts(model, prompts: list, outputs: list) -> float:
     seqs = np.array([p + o for p, o in zip(prompts, outputs)])
     Router.__call__ = recording
     try:
-        jax.block_until_ready(model.steps.logits(model.params, jnp.asarray(seqs), jnp.ones(seqs.shape, bool)))
+        with model.placement.context():     # under the model's mesh when it is sharded
+            jax.block_until_ready(model.steps.logits(model.params, jnp.asarray(seqs), jnp.ones(seqs.shape, bool)))
     finally:
         Router.__call__ = original
     jax.effects_barrier()

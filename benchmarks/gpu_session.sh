@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-before checkpoint-read kda kda-state k3-layers mla mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-before checkpoint-read kda kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -57,6 +57,12 @@ for step in "$@"; do
           fi ;;
     kda) OUT=$W timeout 420 python3 benchmarks/kda.py 2>&1 | quiet | tee "$W/kda.log" ;;
     mla) OUT=$W timeout ${MLA_LIMIT:-300} python3 benchmarks/mla_decode.py ${MLA_ARGS:-} 2>&1 | quiet | tee "$W/mla.log" ;;
+    moe-ep) OUT=$W timeout 300 python3 benchmarks/moe_ep.py 2>&1 | quiet | tee "$W/moe_ep.log" ;;
+    decode-ep2) for d in gather ragged; do
+              OUT=$W timeout 420 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
+              --moe auto --batch 1 64 256 --new-tokens 32 --mesh expert=2 --ep-dispatch $d --name decode_ep2_$d 2>&1 \
+              | quiet | tail -8 | tee "$W/decode_ep2_$d.log"; done ;;
+    multiprocess) timeout 300 python3 benchmarks/multiprocess_gpu.py 2>&1 | quiet | tail -8 | tee "$W/multiprocess.log" ;;
     k3-layers) OUT=$W timeout ${K3_LIMIT:-400} python3 benchmarks/k3_layers.py 2>&1 | quiet | tee "$W/k3_layers.log" ;;
     kda-state) OUT=$W timeout 240 python3 benchmarks/kda.py --decode-only --no-fla --state-dtype float32 bfloat16 \
               2>&1 | quiet | tail -14 | tee "$W/kda_state.log" ;;
