@@ -20,7 +20,7 @@ from k3jax.layers.mlp import MLP
 from k3jax.layers.moe_experts import local_experts
 from k3jax.layers.moe_parallel import expert_parallel
 from k3jax.layers.norms import RMSNorm
-from k3jax.layers.params import normal, param, zeros
+from k3jax.layers.params import normal, param, random_bytes, zeros
 from pallas_kernels.moe_gmm.mxfp4 import GROUP as MXFP4_GROUP
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
 from pallas_kernels.skinny import SkinnyImpl
@@ -104,8 +104,8 @@ class Experts(nnx.Module):
             if not self.packed:
                 setattr(self, name, param(rngs, (g, k, n), dtype, normal(), axes))
                 continue
-            setattr(self, name + "_packed", param(rngs, (g, k // 2, n), jnp.uint8, _random_bytes(0, 256), axes))
-            setattr(self, name + "_scale", param(rngs, (g, k // MXFP4_GROUP, n), jnp.uint8, _random_bytes(118, 123),
+            setattr(self, name + "_packed", param(rngs, (g, k // 2, n), jnp.uint8, random_bytes(0, 256), axes))
+            setattr(self, name + "_scale", param(rngs, (g, k // MXFP4_GROUP, n), jnp.uint8, random_bytes(118, 123),
                                                  axes))
 
     def weights(self) -> tuple:
@@ -114,10 +114,6 @@ class Experts(nnx.Module):
             return self.w1[...], self.w3[...], self.w2[...]
         return tuple(Mxfp4Weight(getattr(self, n + "_packed")[...], getattr(self, n + "_scale")[...])
                      for n in ("w1", "w3", "w2"))
-
-
-def _random_bytes(low: int, high: int):
-    return lambda key, shape, dtype: jax.random.randint(key, shape, low, high, jnp.int32).astype(dtype)
 
 
 class MoE(nnx.Module):

@@ -26,9 +26,8 @@ received, and the results travel back the same way. XLA:CPU cannot run `ragged_a
 from __future__ import annotations
 
 import jax
-from jax.sharding import PartitionSpec as P
-
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ExpertParallel
 from k3jax.layers.activation import Activation

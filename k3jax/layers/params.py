@@ -31,6 +31,11 @@ def uniform(low: float, high: float) -> Init:
     return lambda key, shape, dtype: jax.random.uniform(key, shape, jnp.float32, low, high).astype(dtype)
 
 
+def random_bytes(low: int, high: int) -> Init:
+    """Uniform integers in [low, high) (packed codes and scales of random MXFP4 weights)."""
+    return lambda key, shape, dtype: jax.random.randint(key, shape, low, high, jnp.int32).astype(dtype)
+
+
 def param(rngs: nnx.Rngs, shape: Sequence[int], dtype, init: Init, axes: Sequence[str | None]) -> nnx.Param:
     """Creates an `nnx.Param` of `shape`/`dtype` with `logical_axes` metadata (one name per dim)."""
     if len(axes) != len(shape):

@@ -9,7 +9,8 @@ the cache; rows past H x Sq are padding. Three warpgroups:
   buffer), reusing a buffer once both compute warpgroups have released it;
 * compute warpgroup 0 scores the block (Q [64, R + P] @ K^T, fp32) and runs the online softmax in
   the exp2 domain; it hands the bf16 probabilities and the rescale factor to warpgroup 1 through
-  shared memory (`shared_scores`; otherwise both score the block);
+  one shared-memory buffer guarded by a ready / free barrier pair (`shared_scores`; otherwise both
+  score the block);
 * each compute warpgroup accumulates P @ V for its half of the R output columns in registers
   ([64, R / 2] fp32: the whole [64, R] would not fit one warpgroup's registers).
 
@@ -18,8 +19,9 @@ the values of the slots past it are zeroed in shared memory before P @ V (their 
 already 0, and a cache poisoned there must not reach the output). Splits write their normalised
 output (bf16) and log-sum-exp (base 2); `combine_splits` merges them.
 
-GPU only (Mosaic GPU does not lower for the CPU, and its interpret mode lacks `run_state`); the
-twin is `reference.mla_decode_reference`, and `kernel.mla_decode_pallas` is the Triton-lowered form.
+Runs on NVIDIA Hopper GPUs only (Mosaic GPU's interpret mode lacks `run_state`, the accumulator
+update); its lowering for CUDA is checked on any host. The twin is `reference.mla_decode_reference`,
+and `kernel.mla_decode_pallas` is the Triton-lowered form.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import k3jax
 from k3jax.checkpoint.safetensors_io import CheckpointError
 from k3jax.checkpoint.writer import save_checkpoint
 from k3jax.config import tiny_k3
+from k3jax.errors import ConfigError
 from k3jax.memory_plan import plan_memory
 from k3jax.sharding import MeshSpec, make_mesh
 
@@ -87,6 +88,6 @@ def test_packed_experts_need_an_mxfp4_checkpoint(tmp_path):
     save_checkpoint(k3jax.CausalLM.random(cfg, seed=0), tmp_path / "bf16", shards=1)
     with pytest.raises(CheckpointError, match="packed_experts=True needs routed experts stored as MXFP4"):
         k3jax.load(tmp_path / "bf16", packed_experts=True)
-    with pytest.raises(Exception, match="multiples of 32"):
+    with pytest.raises(ConfigError, match="multiples of 32"):
         tiny_k3().moe.__class__(**{**dataclasses.asdict(tiny_k3().moe), "expert_intermediate_size": 40,
                                    "packed_experts": True})
