@@ -1,7 +1,7 @@
 """Hugging Face safetensors (either family) -> k3jax Orbax checkpoint, streaming and resumable.
 
-Tensors are read, transformed (the shared name map and hooks, MXFP4 dequantised), checked to be
-finite and written one at a time, so peak memory is about the largest tensor times the number of
+Tensors are read, transformed (the shared name map and hooks; MXFP4 experts kept packed or
+dequantised), checked to be finite and written one at a time, so peak memory is about the largest tensor times the number of
 workers, whatever the model size. Work goes to `DST.partial/` (k3jax.checkpoint.workdir: owned,
 locked against a second conversion, journalled with a fingerprint of the source); a restarted run
 of the same source and options (after a crash or SIGKILL) skips what the journal lists, and the
