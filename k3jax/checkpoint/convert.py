@@ -1,15 +1,14 @@
 """Hugging Face safetensors (either family) -> k3jax Orbax checkpoint, streaming and resumable.
 
 Tensors are read, transformed (the shared name map and hooks; MXFP4 experts kept packed or
-dequantised), checked to be finite and written one at a time, so peak memory is about the largest tensor times the number of
-workers, whatever the model size. Work goes to `DST.partial/` (k3jax.checkpoint.workdir: owned,
-locked against a second conversion, journalled with a fingerprint of the source); a restarted run
-of the same source and options (after a crash or SIGKILL) skips what the journal lists, and the
-directory is renamed to DST only when complete and, with `verify`, verified. Source problems
-(corrupt or truncated files, missing shards or tensors, wrong shapes or dtypes) are found from the
-headers before anything is written; non-finite weights are found while converting and leave
-nothing behind.
-"""
+dequantised), checked to be finite and written one at a time, so peak memory is about the largest
+tensor times the number of workers, whatever the model size. Work goes to `DST.partial/`
+(k3jax.checkpoint.workdir: owned, locked against a second conversion, journalled with a fingerprint
+of the source); a restarted run of the same source and options (after a crash or SIGKILL) skips what
+the journal lists, and the directory is renamed to DST only when complete and, with `verify`,
+verified. Source problems (corrupt or truncated files, missing shards or tensors, wrong shapes or
+dtypes) are found from the headers before anything is written; non-finite weights are found while
+converting and leave nothing behind."""
 
 from __future__ import annotations
 
