@@ -8,7 +8,8 @@ of the source); a restarted run of the same source and options (after a crash or
 the journal lists, and the directory is renamed to DST only when complete and, with `verify`,
 verified. Source problems (corrupt or truncated files, missing shards or tensors, wrong shapes or
 dtypes) are found from the headers before anything is written; non-finite weights are found while
-converting and leave nothing behind."""
+converting and leave nothing behind.
+"""
 
 from __future__ import annotations
 

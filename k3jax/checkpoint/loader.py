@@ -5,7 +5,8 @@ mismatch raises one `CheckpointError` listing every missing, unexpected and mis-
 Parameters are then filled one at a time (stacked experts included; MXFP4 experts dequantised or,
 with packed_experts, kept packed), so host memory holds at most one parameter beyond what is already
 on the device. Both paths (Hugging Face and converted) end with one reduction per parameter on the
-device that refuses NaN or Inf weights, naming the tensors."""
+device that refuses NaN or Inf weights, naming the tensors.
+"""
 
 from __future__ import annotations
 
