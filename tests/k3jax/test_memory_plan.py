@@ -27,7 +27,7 @@ def _largest_shard(tree) -> int:
 
 @pytest.mark.parametrize("spec", [MeshSpec(), MeshSpec(expert=4, tensor=2), MeshSpec(data=2, tensor=4)])
 def test_weights_and_state_equal_the_real_arrays(spec):
-    cfg = tiny_k3()
+    cfg = tiny_k3(num_layers=4, attn_res_block_size=2)   # KDA, MLA, dense and MoE layers, MTP: every kind
     mesh = None if spec.size == 1 else make_mesh(spec, __import__("jax").devices()[:spec.size])
     model = k3jax.CausalLM.random(cfg, seed=0, mesh=mesh)
     weights, experts = weight_bytes(cfg, spec, "float32")
