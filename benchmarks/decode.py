@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import k3jax  # noqa: E402
+from k3jax.layers.moe import is_routed_expert_param  # noqa: E402
 from k3jax.sharding import MeshSpec, make_mesh  # noqa: E402
 from benchmarks.common import HBM_ACHIEVABLE, HBM_DATASHEET, environment, table, write  # noqa: E402
 from benchmarks.profile_summary import markdown, summarize  # noqa: E402
@@ -51,7 +52,7 @@ def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int, touched: float | Non
         n = int(np.prod(var.get_value().shape))
         if "embed_tokens" in path:
             n = batch * cfg.hidden_size  # a lookup reads only the rows of this step's tokens
-        counts["routed" if "experts" in path and path[-1] in ("w1", "w2", "w3") else "other"] += n
+        counts["routed" if is_routed_expert_param(path) else "other"] += n
     moe = cfg.moe
     layers_moe = cfg.ffns.count("moe")
     per_expert = counts["routed"] / max(1, layers_moe * moe.num_experts)

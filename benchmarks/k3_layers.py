@@ -62,19 +62,20 @@ def _local_moe(cfg, shards: int):
                                num_expert_group=1, topk_group=1)
 
 
-def _time_layer(module, make_inputs, reps: int, iters: int) -> float:
-    """Seconds per call of the module on make_inputs() (x first), calls chained in one loop."""
-    graphdef, state = nnx.split(module)
+def _time_layer(module, x, args=(), kwargs=None, *, reps: int, iters: int) -> float:
+    """Seconds per call of module(x, *args, **kwargs); weights, state and inputs are arguments of the
+    compiled function (never captured as constants); with reps > 1 the calls are chained in one loop."""
+    graphdef, params = nnx.split(module)
+    kwargs = kwargs or {}
 
-    def call(x, params, *rest):
-        out = nnx.merge(graphdef, params)(x, *rest[:-1], **rest[-1]) if rest else nnx.merge(graphdef, params)(x)
+    def fn(x, params, *args):
+        out = nnx.merge(graphdef, params)(x, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
-    x, rest = make_inputs()
-    fn = lambda x, params, *extra: call(x, params, *extra, *rest)
     if reps > 1:
-        return chained_time(fn, (x, state), reps=reps, iters=iters)
-    t, _ = median_time(lambda: jax.jit(fn)(x, state), iters=iters)
+        return chained_time(fn, (x, params, *args), reps=reps, iters=iters)
+    jitted = jax.jit(fn)
+    t, _ = median_time(lambda: jitted(x, params, *args), iters=iters)
     return t
 
 
@@ -93,19 +94,22 @@ def measure(cfg, batches, prefill_tokens: int, context: int, dtype, reps: int, i
                              recurrent=jnp.zeros((b, k.num_heads, k.head_dim, k.head_dim), jnp.float32))
         cache = MLACache(latent=jax.random.normal(jax.random.key(1), (b, context, cfg.mla.latent_size), dtype))
         row = {"phase": "decode", "B": b}
-        row["kda_ms"] = _time_layer(kda, lambda: (x_of(b, 1), (seq, kda_state, {"fresh": False})), reps, iters) * 1e3
-        row["mla_ms"] = _time_layer(mla, lambda: (x_of(b, 1), (seq, cache, {"fresh": False})), reps, iters) * 1e3
+        timed = lambda module, *args, **kw: _time_layer(module, x_of(b, 1), args, kw, reps=reps, iters=iters) * 1e3
+        row["kda_ms"] = timed(kda, seq, kda_state, fresh=False)
+        row["mla_ms"] = timed(mla, seq, cache, fresh=False)
         for shards, moe in moes.items():
-            row[f"moe_1_{shards}_ms"] = _time_layer(moe, lambda: (x_of(b, 1), ()), reps, iters) * 1e3
+            row[f"moe_1_{shards}_ms"] = timed(moe)
         rows.append(row)
         print(row, flush=True)
     t = prefill_tokens
     seq = SeqInfo.make(jnp.ones((1, t), bool))
     row = {"phase": f"prefill {t}", "B": 1}
-    row["kda_ms"] = _time_layer(kda, lambda: (x_of(1, t), (seq, None, {"fresh": True})), 1, max(2, iters // 4)) * 1e3
-    row["mla_ms"] = _time_layer(mla, lambda: (x_of(1, t), (seq, None, {"fresh": True})), 1, max(2, iters // 4)) * 1e3
+    timed = lambda module, *args, **kw: _time_layer(module, x_of(1, t), args, kw, reps=1,
+                                                     iters=max(2, iters // 4)) * 1e3
+    row["kda_ms"] = timed(kda, seq, None, fresh=True)
+    row["mla_ms"] = timed(mla, seq, None, fresh=True)
     for shards, moe in moes.items():
-        row[f"moe_1_{shards}_ms"] = _time_layer(moe, lambda: (x_of(1, t), ()), 1, max(2, iters // 4)) * 1e3
+        row[f"moe_1_{shards}_ms"] = timed(moe)
     rows.append(row)
     print(row, flush=True)
     return rows

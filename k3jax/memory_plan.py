@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.layers.moe import is_routed_expert_param
 from k3jax.model import abstract_model
 from k3jax.sharding import MeshSpec, logical_spec
 from k3jax.state import KDAState, MLACache, init_decode_state
@@ -85,8 +86,7 @@ def _param_table(cfg: ModelConfig, dtype: str) -> tuple:
         value = var.get_value()
         axes = tuple(var.get_metadata().get("logical_axes", (None,) * len(value.shape)))
         nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
-        routed = "experts" in path and str(path[-1]).split("_")[0] in ("w1", "w2", "w3")   # w1, w1_packed, w1_scale
-        table.append((axes, tuple(value.shape), nbytes, routed))
+        table.append((axes, tuple(value.shape), nbytes, is_routed_expert_param(path)))
     return tuple(table)
 
 

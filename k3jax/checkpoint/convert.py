@@ -14,7 +14,6 @@ converting and leave nothing behind.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import concurrent.futures
 import hashlib
@@ -34,7 +33,7 @@ from k3jax.checkpoint.integrity import NonFiniteError, array_digest, combined_di
 from k3jax.checkpoint.name_map import mtp_embedding_name
 from k3jax.checkpoint.orbax_format import (FORMAT, PARAMS_DIR, ArrayWriter, chunk_shape, param_name, write_manifest,
                                            write_orbax_metadata)
-from k3jax.checkpoint.plan import plan_tensors, progress_bar, read_param_slice, stored_nbytes
+from k3jax.checkpoint.plan import plan_tensors, progress_bar, read_param_slice, stored_nbytes, with_packed_experts
 from k3jax.checkpoint.safetensors_io import FLOAT_DTYPES, CheckpointError, SafetensorsCheckpoint, open_regular
 from k3jax.checkpoint.verify import verify_checkpoint
 from k3jax.checkpoint.workdir import WorkDir
@@ -154,10 +153,7 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     if packed_experts is None:
         packed_experts = cfg.quantization == "mxfp4" and cfg.moe is not None
     if packed_experts:
-        if cfg.quantization != "mxfp4" or cfg.moe is None:
-            raise CheckpointError(f"{src}: packed experts need routed experts stored as MXFP4; this checkpoint's "
-                                  f"quantization is {cfg.quantization or 'none'}")
-        cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, packed_experts=True))
+        cfg = with_packed_experts(cfg, src)
     pdtype = _param_dtype(dtype, ckpt)
     params = _abstract_params(cfg, pdtype)
     plan, skipped = plan_tensors(cfg, ckpt, {p: s for p, (s, _) in params.items()})

@@ -24,7 +24,8 @@ from k3jax.causal_lm import CausalLM, LoadReport, resolve_dtype
 from k3jax.checkpoint.integrity import expert_label, nonfinite, raise_nonfinite
 from k3jax.checkpoint.name_map import mtp_embedding_name
 from k3jax.checkpoint.orbax_format import is_k3jax_checkpoint, param_name, read_manifest, restore_params
-from k3jax.checkpoint.plan import listing, plan_tensors, progress_bar, read_param_slice, stored_nbytes
+from k3jax.checkpoint.plan import (listing, plan_tensors, progress_bar, read_param_slice, stored_nbytes,
+                                   with_packed_experts)
 from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from k3jax.hf_config import from_hf_config, load_hf_config
 from k3jax.memory_plan import check_weights_fit, device_capacity, mesh_spec_of
@@ -112,10 +113,7 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
         return _load_converted(path, dt, impls, a_log_policy, mesh, _check_finite)
     cfg = load_hf_config(path).with_impls(**impls)   # a directory without config.json fails here first
     if packed_experts:
-        if cfg.quantization != "mxfp4" or cfg.moe is None:
-            raise CheckpointError(f"{path}: packed_experts=True needs routed experts stored as MXFP4; this checkpoint's "
-                                  f"quantization is {cfg.quantization or 'none'}")
-        cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, packed_experts=True))
+        cfg = with_packed_experts(cfg, path)
     dt = resolve_dtype(checkpoint_dtype(path)) if auto else dt
     _refuse_what_cannot_fit(cfg, dt, mesh)
     if a_log_policy is not None and cfg.kda is not None:
@@ -198,7 +196,7 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: boo
     cfg = from_hf_config(manifest["hf_config"]).with_impls(**impls)
     cfg = cfg.replace(mtp_own_embedding=bool(manifest.get("mtp_own_embedding", False)))
     if manifest.get("packed_experts", False):   # what the checkpoint holds: MXFP4 experts, kept packed
-        cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, packed_experts=True))
+        cfg = with_packed_experts(cfg, path)
     if a_log_policy is not None and cfg.kda is not None and a_log_policy != cfg.kda.a_log_policy:
         raise CheckpointError(f"{path}: converted with a_log_policy={cfg.kda.a_log_policy!r}; convert again to "
                               f"use {a_log_policy!r}")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-GROUP = 32
-_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-E2M1_VALUES = np.concatenate([_MAGNITUDES, -_MAGNITUDES])  # index = 4-bit code
+from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP
+
+E2M1_VALUES = np.asarray(E2M1, np.float32)  # index = 4-bit code (the table the kernels' reference uses)
 
 
 def dequantize_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:

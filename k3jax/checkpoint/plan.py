@@ -4,6 +4,7 @@ from it: shared by direct loading (k3jax.checkpoint.loader) and conversion (.con
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections import defaultdict
 
@@ -71,6 +72,15 @@ def plan_tensors(cfg: ModelConfig, ckpt: SafetensorsCheckpoint, param_shapes: di
     if problems:
         raise CheckpointError(f"checkpoint {ckpt.path} does not match its config: " + "; ".join(problems))
     return plan, skipped
+
+
+def with_packed_experts(cfg: ModelConfig, path) -> ModelConfig:
+    """`cfg` with its routed experts kept packed; CheckpointError unless the checkpoint at `path`
+    stores them as MXFP4."""
+    if cfg.quantization != "mxfp4" or cfg.moe is None:
+        raise CheckpointError(f"{path}: packed experts need routed experts stored as MXFP4; this checkpoint's "
+                              f"quantization is {cfg.quantization or 'none'}")
+    return cfg.replace(moe=dataclasses.replace(cfg.moe, packed_experts=True))
 
 
 def read_param_slice(ckpt: SafetensorsCheckpoint, name: str, rule: TensorRule, shape: tuple) -> np.ndarray:

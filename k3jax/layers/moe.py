@@ -87,6 +87,11 @@ class Router(nnx.Module):
         return route(x_ND, self.kernel[...], self.e_score_correction_bias[...], self.cfg)
 
 
+def is_routed_expert_param(path) -> bool:
+    """Whether an nnx state path names a routed-expert weight (w1/w3/w2, or their _packed/_scale parts)."""
+    return "experts" in path and str(path[-1]).split("_")[0] in ("w1", "w2", "w3")
+
+
 class Experts(nnx.Module):
     """Stacked routed expert weights: w1/w3 [E, D, F] (gate/up), w2 [E, F, D] (down).
 
