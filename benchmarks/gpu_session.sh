@@ -27,7 +27,7 @@ for step in "$@"; do
     moe-mxfp4) K3JAX_TEST_DEVICE=gpu timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_moe_gmm_mxfp4.py 2>&1 | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 \
               | tee "$W/moe_mxfp4_tests.log"
-          OUT=$W timeout 240 python3 benchmarks/moe_mxfp4.py 2>&1 | quiet | tee "$W/moe_mxfp4.log" ;;
+          OUT=$W timeout ${MXFP4_LIMIT:-240} python3 benchmarks/moe_mxfp4.py ${MXFP4_ARGS:-} 2>&1 | quiet | tee "$W/moe_mxfp4.log" ;;
     moe-sweep) OUT=$W timeout 300 python3 benchmarks/moe.py --models kimi-linear --sweep 2>&1 | quiet | tee "$W/moe.log" ;;
     decode) OUT=$W timeout 420 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --batch 1 64 --new-tokens 32 --profile --prefill 1x8192 64x1024 --name decode_after 2>&1 \

@@ -1,12 +1,19 @@
 """Routed-expert kernels on MXFP4 weights kept packed, beside the same kernels on bf16 weights.
 
     python benchmarks/moe_mxfp4.py            # on the H200: Kimi-Linear and K3-latent expert shapes
+    python benchmarks/moe_mxfp4.py --sweep    # also the packed kernels' tile settings
+    python benchmarks/moe_mxfp4.py --tokamax  # also one projection against tokamax's quantized ragged_dot
     python benchmarks/moe_mxfp4.py --small    # CPU smoke run (interpret mode)
 
 Uniform random top-k routing. Decode sizes (1, 8 tokens) run the unsorted pair kernels, larger ones
 the grouped kernels over rows sorted by expert. `pct` = bytes of the touched experts' gate, up and
 down weights (packed: half a byte per value plus one scale byte per 32) over the time, against
-4.3 TB/s; outputs are checked against the bf16 kernels on the dequantised weights.
+4.3 TB/s; outputs are checked against the bf16 kernels on the dequantised weights. K3's latent experts
+run at 1/8 of their number (112: one GPU's share under 8-way expert parallelism).
+
+`--tokamax` times one gate projection over sorted rows, ours (`grouped_matmul_pallas` on the packed
+weight) against tokamax's Mosaic GPU quantized ragged_dot on the same values as a qwix QArray (float4_e2m1fn
+values, bf16 per-32 scales: its sm90 kernel reads 4-bit values and scales the dequantised tile).
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ from benchmarks.common import HBM_ACHIEVABLE, chained_time, environment, table, 
 from k3jax.layers.moe_experts import sort_by_expert  # noqa: E402
 from pallas_kernels.moe_gmm import (grouped_glu_pallas, grouped_matmul_pallas, pair_glu_pallas,  # noqa: E402
                                     pair_matmul_pallas)
-from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight, dequantize  # noqa: E402
+from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize  # noqa: E402
+from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
-MODELS = {"kimi-linear": (256, 2304, 1024, 8), "k3-latent": (896, 3584, 3072, 16)}  # E, D, F, top-k
+MODELS = {"kimi-linear": (256, 2304, 1024, 8), "k3-latent-1/8": (112, 3584, 3072, 16)}  # E, D, F, top-k
+SWEEP = [TileBlocks(16, n, k, 4, s) for n in (32, 64, 128) for k in (128, 256, 512) for s in (3, 4)]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:
@@ -36,18 +45,72 @@ def packed(rng, e, k, n) -> Mxfp4Weight:
                        jnp.asarray(rng.integers(118, 123, (e, k // 32, n), dtype=np.uint8)))
 
 
-def experts_mlp(x, weights, experts, w1, w3, w2):
+def experts_mlp(x, weights, experts, w1, w3, w2, blocks=None):
     """The routed-expert MLP through the Pallas kernels: pairs for a few tokens, sorted rows above."""
     n, k = experts.shape
     if n <= 8:
         group, valid = experts.reshape(-1), jnp.ones((n * k,), bool)
-        h = pair_glu_pallas(x, w1, w3, group, valid, repeat=k)
-        y = pair_matmul_pallas(h, w2, group, valid, weights.reshape(-1))
+        h = pair_glu_pallas(x, w1, w3, group, valid, repeat=k, blocks=blocks)
+        y = pair_matmul_pallas(h, w2, group, valid, weights.reshape(-1), blocks=blocks)
         return y.reshape(n, k, -1).sum(axis=1)
     order, sizes, _ = sort_by_expert(experts, w1.shape[0])
-    h = grouped_glu_pallas(x[order // k], w1, w3, sizes)
-    y = grouped_matmul_pallas(h, w2, sizes, weights.reshape(-1)[order])
+    h = grouped_glu_pallas(x[order // k], w1, w3, sizes, blocks=blocks)
+    y = grouped_matmul_pallas(h, w2, sizes, weights.reshape(-1)[order], blocks=blocks)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[order // k].add(y)
+
+
+def tokamax_projection():
+    """(gate projection over sorted rows through tokamax's quantized ragged_dot, QArray builder), or
+    None when tokamax does not import."""
+    try:
+        import qwix  # noqa: PLC0415 - optional peers, brought along as wheels on the GPU machine
+        import tokamax  # noqa: PLC0415
+    except Exception as e:  # noqa: BLE001
+        print(f"tokamax not available: {type(e).__name__}: {e}", flush=True)
+        return None
+
+    def as_qarray(w: Mxfp4Weight):
+        g, k, n = w.shape
+        codes = jnp.stack([w.packed & 15, w.packed >> 4], axis=2).reshape(g, k, n)
+        values = jnp.asarray(E2M1, jnp.float32)[codes].astype(jnp.float4_e2m1fn)
+        scale = jnp.ldexp(jnp.float32(1.0), w.scale.astype(jnp.int32) - 127).astype(jnp.bfloat16)
+        return qwix.QArray(qvalue=values, scale=scale)
+
+    def run(xs, qarray, sizes):
+        return tokamax.ragged_dot(xs, qarray, sizes, implementation="mosaic")
+    return run, as_qarray
+
+
+def compare_tokamax(model, e, d, f, k, token_counts, rng) -> list[dict]:
+    """One gate projection [tokens*k sorted rows, D] x [E, D, F]: ours vs tokamax, same packed values."""
+    tok = tokamax_projection()
+    if tok is None:
+        return []
+    run, as_qarray = tok
+    q1 = packed(rng, e, d, f)
+    qa = jax.jit(as_qarray)(q1)
+    rows = []
+    for tokens in token_counts:
+        experts = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)]), jnp.int32)
+        order, sizes, _ = sort_by_expert(experts, e)
+        xs = jax.random.normal(jax.random.key(tokens), (tokens, d), jnp.bfloat16)[order // k]
+        touched = len(np.unique(np.asarray(experts)))
+        nbytes = touched * d * f * (0.5 + 1 / GROUP)
+        row = {"model": model, "tokens": tokens, "rows": tokens * k, "experts_touched": touched}
+        ours = jax.jit(grouped_matmul_pallas)(xs, q1, sizes)
+        t = chained_time(grouped_matmul_pallas, (xs, q1, sizes))
+        row.update(ours_ms=t * 1e3, ours_pct=nbytes / t / HBM_ACHIEVABLE * 100)
+        try:
+            theirs = jax.jit(run)(xs, qa, sizes)
+            t = chained_time(run, (xs, qa, sizes))
+            a, b = (np.asarray(v, np.float64) for v in (theirs, ours))
+            row.update(tokamax_ms=t * 1e3, tokamax_pct=nbytes / t / HBM_ACHIEVABLE * 100,
+                       tokamax_err=float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)))
+        except Exception as exc:  # noqa: BLE001
+            row["tokamax_ms"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+        rows.append(row)
+        print(row, flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -55,10 +118,13 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--models", nargs="*", default=None)
     ap.add_argument("--tokens", nargs="*", type=int, default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time the packed kernels over SWEEP tile settings")
+    ap.add_argument("--sweep-tokens", nargs="*", type=int, default=[1, 64])
+    ap.add_argument("--tokamax", action="store_true", help="also one projection against tokamax (quantized)")
     args = ap.parse_args(argv)
     models = {"tiny": (8, 64, 32, 2)} if args.small else {m: MODELS[m] for m in (args.models or MODELS)}
     token_counts = args.tokens or ([1, 16] if args.small else [1, 8, 64, 256, 4096])
-    rows = []
+    rows, sweep_rows, tokamax_rows = [], [], []
     for model, (e, d, f, k) in models.items():
         rng = np.random.default_rng(e)
         q1, q3, q2 = packed(rng, e, d, f), packed(rng, e, d, f), packed(rng, e, f, d)
@@ -81,12 +147,32 @@ def main(argv=None) -> int:
             a, b = (np.asarray(out[n], np.float64) for n in ("mxfp4", "bf16"))
             row["speedup"] = row["bf16_ms"] / row["mxfp4_ms"]
             row["err_vs_bf16"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+            if args.sweep and tokens in args.sweep_tokens:
+                best = None
+                for blocks in SWEEP:
+                    try:
+                        t = chained_time(lambda *a, b=blocks: experts_mlp(*a, blocks=b), (x, weights, experts, q1, q3, q2))
+                    except Exception as exc:  # noqa: BLE001
+                        print(f"  {blocks}: failed {type(exc).__name__}", flush=True)
+                        continue
+                    pct = 3 * touched * d * f * (0.5 + 1 / 32) / t / HBM_ACHIEVABLE * 100
+                    print(f"  sweep {blocks}: {t * 1e3:.4f} ms, {pct:.1f}%", flush=True)
+                    sweep_rows.append({"model": model, "tokens": tokens, "blocks": str(blocks), "ms": t * 1e3,
+                                       "pct_4.3TB_s": pct})
+                    best = min(best or (t, blocks), (t, blocks), key=lambda p: p[0])
+                row["sweep_best_ms"], row["sweep_best"] = best[0] * 1e3, str(best[1])
             rows.append(row)
             print({kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in row.items()}, flush=True)
-    record = {"benchmark": "moe_mxfp4", "env": environment(), "rows": rows}
+        if args.tokamax and not args.small:
+            tokamax_rows += compare_tokamax(model, e, d, f, k, token_counts, rng)
+    record = {"benchmark": "moe_mxfp4", "env": environment(), "rows": rows, "sweep": sweep_rows,
+              "tokamax": tokamax_rows}
     path = write("moe_mxfp4" + ("_small" if args.small else ""), record)
     print(table(rows, ["model", "tokens", "experts_touched", "bf16_ms", "mxfp4_ms", "speedup", "bf16_pct_4.3TB_s",
                        "mxfp4_pct_4.3TB_s", "err_vs_bf16"]))
+    if tokamax_rows:
+        print(table(tokamax_rows, ["model", "tokens", "rows", "experts_touched", "ours_ms", "ours_pct", "tokamax_ms",
+                                   "tokamax_pct", "tokamax_err"]))
     print(f"wrote {path}")
     return 0
 

@@ -40,8 +40,8 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized):
     writes zeros when the pair is not valid (no masking pass after the kernel).
 
     `quantized` (MXFP4, `mxfp4.py`): lhs arrives as its even and odd inputs [M, K/2] and each weight
-    as packed [G, K/2, N] and scale [G, K/32, N]; each step decodes one scale group (16 packed rows =
-    32 inputs) to exact bf16 values in registers and multiplies both nibbles' halves."""
+    as packed [G, K/2, N] and scale [G, K/32, N]; each step decodes bk inputs (bk/2 packed rows, bk/32
+    scale groups) to exact bf16 values in registers and multiplies both nibbles' halves."""
     pairs = repeat > 0
     sched = refs[:2] if pairs else refs[:1]
     n_lhs = 2 if quantized else 1
@@ -75,15 +75,17 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized):
             return tuple(acc + jnp.dot(a, w[group, pl.ds(k0, bk), cols], preferred_element_type=jnp.float32)
                          for acc, w in zip(accs, w_refs))
 
-        def step_mxfp4(g, accs):
-            r0 = pl.multiple_of(g * 16, 16)
-            mask = jnp.broadcast_to(row_mask[:, None], (bm, 16))
-            a_lo, a_hi = (plt.load(ref.at[pl.ds(src, bm), pl.ds(r0, 16)], mask=mask, other=0.0) for ref in lhs_refs)
+        def step_mxfp4(kk, accs):
+            half, groups = bk // 2, bk // GROUP
+            r0 = pl.multiple_of(kk * half, half)
+            mask = jnp.broadcast_to(row_mask[:, None], (bm, half))
+            a_lo, a_hi = (plt.load(ref.at[pl.ds(src, bm), pl.ds(r0, half)], mask=mask, other=0.0) for ref in lhs_refs)
             out = []
             for acc, packed, scale in zip(accs, w_refs[0::2], w_refs[1::2]):
-                codes = packed[group, pl.ds(r0, 16), cols].astype(jnp.int32)               # [16, bn]
-                factor = scale_factor(scale[group, pl.ds(g, 1), cols])                     # [1, bn]
-                w_lo = (decode_e2m1(codes & 15) * factor).astype(a_lo.dtype)
+                codes = packed[group, pl.ds(r0, half), cols].astype(jnp.int32)             # [bk/2, bn]
+                factor = scale_factor(scale[group, pl.ds(kk * groups, groups), cols])       # [bk/32, bn]
+                factor = jnp.broadcast_to(factor[:, None, :], (groups, GROUP // 2, bn)).reshape(half, bn)
+                w_lo = (decode_e2m1(codes) * factor).astype(a_lo.dtype)
                 w_hi = (decode_e2m1(codes >> 4) * factor).astype(a_lo.dtype)
                 out.append(acc + jnp.dot(a_lo, w_lo, preferred_element_type=jnp.float32)
                            + jnp.dot(a_hi, w_hi, preferred_element_type=jnp.float32))
@@ -91,7 +93,7 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized):
 
         zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs[::n_lhs])
         if quantized:
-            accs = jax.lax.fori_loop(0, k_dim // GROUP, step_mxfp4, zeros)
+            accs = jax.lax.fori_loop(0, k_dim // bk, step_mxfp4, zeros)
         else:
             accs = jax.lax.fori_loop(0, k_dim // bk, step, zeros)
         if spec is not None:
@@ -120,6 +122,7 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
     n_dim = weights[0].shape[2]
     bn, bk = _blocks_for(k_dim, n_dim, blocks)
     quantized = isinstance(weights[0], Mxfp4Weight)
+    bk = max(bk, GROUP) if quantized else bk    # whole scale groups per step (K is a multiple of 32)
     if quantized:
         lhs_parts = split_even_odd(lhs)
         weights = tuple(part for w in weights for part in (w.packed, w.scale))
@@ -180,7 +183,7 @@ def grouped_matmul_pallas(lhs, rhs, group_sizes, row_scale=None, *, blocks: Tile
       [M, N] in lhs's dtype (fp32 with row_scale); rows past sum(group_sizes) are zero.
     """
     _validate(lhs, (rhs,), group_sizes)
-    blocks = blocks or TileBlocks.for_rows(lhs.shape[0] / rhs.shape[0])
+    blocks = blocks or TileBlocks.for_rows(lhs.shape[0] / rhs.shape[0], isinstance(rhs, Mxfp4Weight))
     out_dtype = jnp.float32 if row_scale is not None else lhs.dtype
     return _call(lhs, (rhs,), group_sizes, row_scale, spec=None, out_dtype=out_dtype, blocks=blocks,
                  interpret=interpret)
@@ -198,7 +201,7 @@ def grouped_glu_pallas(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpe
       [M, F] in lhs's dtype; rows past sum(group_sizes) are zero.
     """
     _validate(lhs, (w_gate, w_up), group_sizes)
-    blocks = blocks or TileBlocks.for_rows(lhs.shape[0] / w_gate.shape[0])
+    blocks = blocks or TileBlocks.for_rows(lhs.shape[0] / w_gate.shape[0], isinstance(w_gate, Mxfp4Weight))
     return _call(lhs, (w_gate, w_up), group_sizes, None, spec=spec, out_dtype=lhs.dtype, blocks=blocks,
                  interpret=interpret)
 
@@ -225,7 +228,8 @@ def pair_glu_pallas(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(
     _validate(lhs, (w_gate, w_up), jnp.zeros((w_gate.shape[0],), jnp.int32))
     _validate_pairs(lhs, group, valid, repeat)
     return _call(lhs, (w_gate, w_up), None, None, spec=spec, out_dtype=lhs.dtype,
-                 blocks=blocks or TileBlocks.for_rows(1), interpret=interpret, pairs=(group, valid), repeat=repeat)
+                 blocks=blocks or TileBlocks.for_rows(1, isinstance(w_gate, Mxfp4Weight)), interpret=interpret,
+                 pairs=(group, valid), repeat=repeat)
 
 
 @functools.partial(jax.jit, static_argnames=("repeat", "blocks", "interpret"))
@@ -237,5 +241,6 @@ def pair_matmul_pallas(lhs, rhs, group, valid, row_scale=None, *, repeat: int = 
     _validate(lhs, (rhs,), jnp.zeros((rhs.shape[0],), jnp.int32))
     _validate_pairs(lhs, group, valid, repeat)
     out_dtype = jnp.float32 if row_scale is not None else lhs.dtype
-    return _call(lhs, (rhs,), None, row_scale, spec=None, out_dtype=out_dtype, blocks=blocks or TileBlocks.for_rows(1),
+    return _call(lhs, (rhs,), None, row_scale, spec=None, out_dtype=out_dtype,
+                 blocks=blocks or TileBlocks.for_rows(1, isinstance(rhs, Mxfp4Weight)),
                  interpret=interpret, pairs=(group, valid), repeat=repeat)

@@ -62,14 +62,20 @@ def dequantize(w: Mxfp4Weight, dtype=jnp.bfloat16) -> jax.Array:
     return (table[codes] * jnp.repeat(factors, GROUP, axis=1)).astype(dtype)
 
 
+_TWICE_MAGNITUDE = -932957680  # 0xC8643210 as int32: nibble i holds 2 x |E2M1 code i| (0, 1, 2, 3, 4, 6, 8, 12)
+_HALF_ULP_BASE = 0x4A800000     # the bits of 2^22, whose mantissa steps are 0.5
+
+
 def decode_e2m1(codes):
-    """E2M1 codes (int32, 0..15) -> fp32 values by arithmetic (the kernels' form, no table)."""
-    m = codes & 7
-    e = m >> 1
-    mant = (m & 1).astype(jnp.float32)
-    mag = jnp.where(e == 0, 0.5 * mant,
-                    jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0)) * (1.0 + 0.5 * mant))
-    return jnp.where(codes >= 8, -mag, mag)
+    """E2M1 codes -> fp32 values with integer ops and no conversion instruction (the kernels' form).
+
+    Only bits 0-3 of `codes` (int32) are read, so a whole packed byte decodes its low nibble. Twice
+    the magnitude is a 4-bit entry of one int32 table; placed in the mantissa of 2^22 it becomes
+    2^22 + magnitude exactly, and subtracting 2^22 leaves the magnitude; the sign bit is XORed in."""
+    twice = (jnp.int32(_TWICE_MAGNITUDE) >> ((codes & 7) << 2)) & 15
+    magnitude = jax.lax.bitcast_convert_type(twice | _HALF_ULP_BASE, jnp.float32) - 4194304.0
+    signed = jax.lax.bitcast_convert_type(magnitude, jnp.int32) ^ ((codes & 8) << 28)
+    return jax.lax.bitcast_convert_type(signed, jnp.float32)
 
 
 def scale_factor(scale):

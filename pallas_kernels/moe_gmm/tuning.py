@@ -29,9 +29,11 @@ class TileBlocks:
     num_stages: int = 4
 
     @classmethod
-    def for_rows(cls, rows_per_group: float) -> "TileBlocks":
+    def for_rows(cls, rows_per_group: float, packed: bool = False) -> "TileBlocks":
         """Decode-sized groups (a few rows each) stream weights with 16-row tiles; prefill-sized
-        groups use wide tiles so each weight tile is reused across many rows."""
+        groups use wide tiles so each weight tile is reused across many rows. Packed (MXFP4) weights
+        take deeper steps: a quarter of the bytes per value, so more inputs per step keep as many
+        bytes in flight."""
         if rows_per_group <= 32:
-            return cls(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-        return cls(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+            return cls(block_m=16, block_n=64, block_k=256 if packed else 128, num_warps=4, num_stages=4)
+        return cls(block_m=64, block_n=128, block_k=128 if packed else 64, num_warps=4, num_stages=3)

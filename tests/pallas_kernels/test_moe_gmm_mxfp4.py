@@ -48,8 +48,8 @@ def _weights(rng, g, k, n):
 
 
 @pytest.mark.parametrize("m,k,n,g,blocks", [
-    (8, 64, 32, 16, TileBlocks(16, 32, 32)),        # decode-sized groups, most empty
-    (200, 96, 64, 4, TileBlocks(64, 64, 32)),       # prefill-shaped tiles; K = 3 scale groups
+    (8, 64, 32, 16, TileBlocks(16, 32, 64)),        # decode-sized groups, most empty; two scale groups a step
+    (200, 96, 64, 4, TileBlocks(64, 64, 32)),       # prefill-shaped tiles; K = 3 scale groups, one a step
 ])
 def test_grouped_kernels_on_packed_weights(rng, interpret, m, k, n, g, blocks):
     lhs = jnp.asarray(rng.standard_normal((m, k)) / 4, jnp.bfloat16)
