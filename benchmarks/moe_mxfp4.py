@@ -36,7 +36,8 @@ from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize  #
 from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
 MODELS = {"kimi-linear": (256, 2304, 1024, 8), "k3-latent-1/8": (112, 3584, 3072, 16)}  # E, D, F, top-k
-SWEEP = [TileBlocks(16, n, k, 4, s) for n in (32, 64, 128) for k in (128, 256, 512) for s in (3, 4)]
+SWEEP = ([TileBlocks(16, n, k, w, 3, gemv=True) for n in (32, 64, 128) for k in (64, 128, 256) for w in (4, 8)]
+         + [TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="table"), TileBlocks(16, 64, 128, 4, 3)])   # pairs (<= 8 tokens)
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="*", default=None)
     ap.add_argument("--tokens", nargs="*", type=int, default=None)
     ap.add_argument("--sweep", action="store_true", help="also time the packed kernels over SWEEP tile settings")
-    ap.add_argument("--sweep-tokens", nargs="*", type=int, default=[1, 64])
+    ap.add_argument("--sweep-tokens", nargs="*", type=int, default=[1, 8])
     ap.add_argument("--tokamax", action="store_true", help="also one projection against tokamax (quantized)")
     args = ap.parse_args(argv)
     models = {"tiny": (8, 64, 32, 2)} if args.small else {m: MODELS[m] for m in (args.models or MODELS)}

@@ -26,13 +26,14 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2, largest_block
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
-from pallas_kernels.moe_gmm.mxfp4 import GROUP, Mxfp4Weight, decode_e2m1, scale_factor, split_even_odd
+from pallas_kernels.moe_gmm.mxfp4 import (GROUP, RAW_SCALE_OFFSET, Mxfp4Weight, decode_e2m1, decode_e2m1_raw,
+                                          raw_scale_factor, scale_factor, split_even_odd)
 from pallas_kernels.moe_gmm.mxfp4 import validate as validate_mxfp4
 from pallas_kernels.moe_gmm.schedule import tile_schedule
 from pallas_kernels.moe_gmm.tuning import TileBlocks
 
 
-def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized):
+def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=False, e2m1="bits"):
     """refs: the schedule (sorted rows: one [3, tiles] ref; pairs: group [M] and valid [M]), lhs,
     w (plain) or w_gate, w_up (glu); then the row scale when `scaled`; then out.
 
@@ -41,7 +42,11 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized):
 
     `quantized` (MXFP4, `mxfp4.py`): lhs arrives as its even and odd inputs [M, K/2] and each weight
     as packed [G, K/2, N] and scale [G, K/32, N]; each step decodes bk inputs (bk/2 packed rows, bk/32
-    scale groups) to exact bf16 values in registers and multiplies both nibbles' halves."""
+    scale groups) to exact bf16 values in registers and multiplies both nibbles' halves.
+
+    `gemv` (pairs on MXFP4 only): the program's one row is multiplied on the CUDA cores into a
+    [bk/2, bn] fp32 accumulator per weight (no tensor-core tile, no layout change of the decoded
+    weights), summed over its first axis once after the loop."""
     pairs = repeat > 0
     sched = refs[:2] if pairs else refs[:1]
     n_lhs = 2 if quantized else 1
@@ -62,6 +67,13 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized):
         @pl.when(first >= last)
         def _():
             out_ref[pl.ds(first, 1), cols] = jnp.zeros((1, bn), out_ref.dtype)
+
+    if gemv:
+        @pl.when(first < last)
+        def _():
+            _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, group=group, src=src, row=first, cols=cols, bn=bn,
+                      bk=bk, k_dim=k_dim, spec=spec, e2m1=e2m1)
+        return
 
     @pl.when(first < last)
     def _():
@@ -106,6 +118,38 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized):
                   mask=jnp.broadcast_to(row_mask[:, None], (bm, bn)))
 
 
+def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn, bk, k_dim, spec, e2m1):
+    """One output row of a pair on MXFP4 weights (see `_kernel`, `gemv`)."""
+    half, groups = bk // 2, bk // GROUP
+
+    def step(kk, accs):
+        r0 = pl.multiple_of(kk * half, half)
+        a_lo, a_hi = (ref[src, pl.ds(r0, half)].astype(jnp.float32)[:, None] for ref in lhs_refs)   # [bk/2, 1]
+        out = []
+        for acc, packed, scale in zip(accs, w_refs[0::2], w_refs[1::2]):
+            codes = packed[group, pl.ds(r0, half), cols].astype(jnp.int32)                     # [bk/2, bn]
+            s = scale[group, pl.ds(kk * groups, groups), cols]                                  # [bk/32, bn]
+            if e2m1 == "bits":
+                factor, w_lo, w_hi = raw_scale_factor(s), decode_e2m1_raw(codes, False), decode_e2m1_raw(codes, True)
+            else:
+                factor, w_lo, w_hi = scale_factor(s), decode_e2m1(codes), decode_e2m1(codes >> 4)
+            factor = jnp.broadcast_to(factor[:, None, :], (groups, GROUP // 2, bn)).reshape(half, bn)
+            out.append(acc + a_lo * (w_lo * factor) + a_hi * (w_hi * factor))
+        return tuple(out)
+
+    zeros = tuple(jnp.zeros((half, bn), jnp.float32) for _ in w_refs[::2])
+    sums = [jnp.sum(acc, axis=0) for acc in jax.lax.fori_loop(0, k_dim // bk, step, zeros)]     # [bn]
+    if e2m1 == "bits":
+        sums = [v * float(2 ** RAW_SCALE_OFFSET) for v in sums]
+    if spec is not None:
+        out = glu(sums[0], sums[1], spec)
+    elif scale_ref is not None:
+        out = sums[0] * scale_ref[row]
+    else:
+        out = sums[0]
+    out_ref[row, cols] = out.astype(out_ref.dtype)
+
+
 def _blocks_for(k_dim: int, n_dim: int, blocks: TileBlocks) -> tuple[int, int]:
     bn, bk = largest_block(n_dim, blocks.block_n), largest_block(k_dim, blocks.block_k)
     if not (is_pow2(blocks.block_n) and is_pow2(blocks.block_k)) or bn is None or bk is None:
@@ -138,8 +182,11 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
         m = tiles = group.shape[0]
         sched = (jnp.where(valid, group, 0).astype(jnp.int32), valid.astype(jnp.int32))
     scaled = row_scale is not None
+    gemv = quantized and pairs is not None and blocks.gemv
+    if blocks.e2m1 not in ("bits", "table"):
+        raise ValueError(f"grouped matmul (pallas): e2m1 must be 'bits' or 'table', got {blocks.e2m1!r}")
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec, scaled=scaled,
-                               repeat=0 if pairs is None else repeat, quantized=quantized)
+                               repeat=0 if pairs is None else repeat, quantized=quantized, gemv=gemv, e2m1=blocks.e2m1)
     operands = (*sched, *lhs_parts, *weights) + ((row_scale.astype(jnp.float32),) if scaled else ())
     out = pl.pallas_call(
         kernel,

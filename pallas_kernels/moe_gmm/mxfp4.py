@@ -78,6 +78,29 @@ def decode_e2m1(codes):
     return jax.lax.bitcast_convert_type(signed, jnp.float32)
 
 
+_SIGN_BIT = -2147483648          # 0x80000000 as int32
+_MAGNITUDE_BITS = 0x01C00000     # fp32 exponent bits 23-24 and mantissa bit 22
+RAW_SCALE_OFFSET = 64            # `raw_scale_factor` leaves 2^64 to multiply in after the sum
+
+
+def decode_e2m1_raw(codes, high: bool):
+    """One nibble of packed bytes (int32) -> its E2M1 value times 2^-126 in fp32, in three integer
+    ops: the code's exponent and mantissa bits land on fp32's lowest exponent bits and top mantissa
+    bit, where codes +-0.5 become subnormals (exact unless the device flushes them)."""
+    body, sign = (18, 24) if high else (22, 28)
+    bits = ((codes << body) & _MAGNITUDE_BITS) | ((codes << sign) & _SIGN_BIT)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def raw_scale_factor(scale):
+    """E8M0 bytes -> 2^(s - 1 - RAW_SCALE_OFFSET), the factor a `decode_e2m1_raw` value takes so that
+    value x factor x 2^RAW_SCALE_OFFSET is the weight. Every product is a normal fp32 for s in
+    [66, 192] (weights between 2^-61 and 2^65); smaller scales read as 0, larger ones as inf (visible)."""
+    field = scale.astype(jnp.int32) + 126 - RAW_SCALE_OFFSET
+    field = jnp.where(scale.astype(jnp.int32) < RAW_SCALE_OFFSET + 2, 0, jnp.minimum(field, 255))
+    return jax.lax.bitcast_convert_type(field << 23, jnp.float32)
+
+
 def scale_factor(scale):
     """E8M0 bytes -> 2^(s - 127) in fp32 by placing s in the exponent field (exact for s >= 1;
     s = 0, 2^-127, becomes 0: a group whose largest weight is below 1e-37)."""

@@ -20,20 +20,28 @@ class GmmBlocks:
 class TileBlocks:
     """The row-tiled Pallas kernel (`kernel.py`): rows per tile, output columns and reduction depth
     per program step, launch settings. Block sizes are powers of two >= 16 (smaller matrix sides
-    are used whole)."""
+    are used whole).
+
+    For unsorted pairs on MXFP4 weights, `gemv` computes each row on the CUDA cores (multiply-adds
+    into a [block_k/2, block_n] accumulator, summed once at the end) instead of a 16-row tensor-core
+    tile, and `e2m1` picks the decode: "bits" (three integer ops per value, `mxfp4.decode_e2m1_raw`)
+    or "table" (`mxfp4.decode_e2m1`, the form the tile kernels use)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    gemv: bool = False
+    e2m1: str = "bits"
 
     @classmethod
     def for_rows(cls, rows_per_group: float, packed: bool = False) -> "TileBlocks":
         """Decode-sized groups (a few rows each) stream weights with 16-row tiles; prefill-sized
         groups use wide tiles so each weight tile is reused across many rows. Packed (MXFP4) weights
-        take deeper steps: a quarter of the bytes per value, so more inputs per step keep as many
-        bytes in flight."""
+        take deeper steps in prefill tiles (a quarter of the bytes per value); in decode (one row
+        per pair) they run on the CUDA cores."""
         if rows_per_group <= 32:
-            return cls(block_m=16, block_n=64, block_k=256 if packed else 128, num_warps=4, num_stages=4)
+            return cls(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4 if not packed else 3,
+                       gemv=packed)
         return cls(block_m=64, block_n=128, block_k=128 if packed else 64, num_warps=4, num_stages=3)
