@@ -119,26 +119,28 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=Fals
 
 
 def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn, bk, k_dim, spec, e2m1):
-    """One output row of a pair on MXFP4 weights (see `_kernel`, `gemv`)."""
-    half, groups = bk // 2, bk // GROUP
+    """One output row of a pair on MXFP4 weights (see `_kernel`, `gemv`). The refs arrive with each
+    scale group's 16 packed rows as their own axis (lhs halves [M, K/32, 16], packed [G, K/32, 16, N]),
+    so a step's [bk/32, 16, bn] codes take their scales [bk/32, 1, bn] by broadcasting alone."""
+    groups, per = bk // GROUP, GROUP // 2
 
     def step(kk, accs):
-        r0 = pl.multiple_of(kk * half, half)
-        a_lo, a_hi = (ref[src, pl.ds(r0, half)].astype(jnp.float32)[:, None] for ref in lhs_refs)   # [bk/2, 1]
+        g0 = pl.multiple_of(kk * groups, groups)
+        a_lo, a_hi = (ref[src, pl.ds(g0, groups), :].astype(jnp.float32)[:, :, None] for ref in lhs_refs)
         out = []
         for acc, packed, scale in zip(accs, w_refs[0::2], w_refs[1::2]):
-            codes = packed[group, pl.ds(r0, half), cols].astype(jnp.int32)                     # [bk/2, bn]
-            s = scale[group, pl.ds(kk * groups, groups), cols]                                  # [bk/32, bn]
+            codes = packed[group, pl.ds(g0, groups), :, cols].astype(jnp.int32)                # [bk/32, 16, bn]
+            s = scale[group, pl.ds(g0, groups), cols]                                           # [bk/32, bn]
             if e2m1 == "bits":
                 factor, w_lo, w_hi = raw_scale_factor(s), decode_e2m1_raw(codes, False), decode_e2m1_raw(codes, True)
             else:
                 factor, w_lo, w_hi = scale_factor(s), decode_e2m1(codes), decode_e2m1(codes >> 4)
-            factor = jnp.broadcast_to(factor[:, None, :], (groups, GROUP // 2, bn)).reshape(half, bn)
+            factor = factor[:, None, :]
             out.append(acc + a_lo * (w_lo * factor) + a_hi * (w_hi * factor))
         return tuple(out)
 
-    zeros = tuple(jnp.zeros((half, bn), jnp.float32) for _ in w_refs[::2])
-    sums = [jnp.sum(acc, axis=0) for acc in jax.lax.fori_loop(0, k_dim // bk, step, zeros)]     # [bn]
+    zeros = tuple(jnp.zeros((groups, per, bn), jnp.float32) for _ in w_refs[::2])
+    sums = [jnp.sum(jnp.sum(acc, axis=0), axis=0) for acc in jax.lax.fori_loop(0, k_dim // bk, step, zeros)]  # [bn]
     if e2m1 == "bits":
         sums = [v * float(2 ** RAW_SCALE_OFFSET) for v in sums]
     if spec is not None:
@@ -185,6 +187,10 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
     gemv = quantized and pairs is not None and blocks.gemv
     if blocks.e2m1 not in ("bits", "table"):
         raise ValueError(f"grouped matmul (pallas): e2m1 must be 'bits' or 'table', got {blocks.e2m1!r}")
+    if gemv:    # scale groups as their own axis (free reshapes of contiguous arrays)
+        lhs_parts = tuple(part.reshape(part.shape[0], k_dim // GROUP, GROUP // 2) for part in lhs_parts)
+        weights = tuple(w.reshape(w.shape[0], k_dim // GROUP, GROUP // 2, n_dim) if i % 2 == 0 else w
+                        for i, w in enumerate(weights))
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec, scaled=scaled,
                                repeat=0 if pairs is None else repeat, quantized=quantized, gemv=gemv, e2m1=blocks.e2m1)
     operands = (*sched, *lhs_parts, *weights) + ((row_scale.astype(jnp.float32),) if scaled else ())
