@@ -140,17 +140,39 @@ def _intra_blocked_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, aqk_r
     dec_ref[...] = jnp.exp(last)
 
 
-def _inter_kernel(w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, s0_ref, o_ref, s_ref, *, n_chunks):
+def _chunk_step(n, s, w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, o_ref):
+    """One chunk of the sequential pass: writes its output block, returns the state after it."""
     f32 = jnp.float32
+    w, qg, kt = w_ref[n], qg_ref[n], kt_ref[n]            # [C, K]
+    nu = u_ref[n] - jnp.dot(w, s, preferred_element_type=f32)                         # [C, Vb]
+    o = jnp.dot(qg, s, preferred_element_type=f32) + jnp.dot(aqk_ref[n], nu, preferred_element_type=f32)
+    o_ref[n] = o.astype(o_ref.dtype)
+    return dec_ref[n][:, None] * s + jnp.dot(kt.T, nu, preferred_element_type=f32)
+
+
+def _inter_kernel(w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, s0_ref, o_ref, s_ref, *, n_chunks):
+    refs = (w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, o_ref)
+    s_ref[...] = jax.lax.fori_loop(0, n_chunks, lambda n, s: _chunk_step(n, s, *refs), s0_ref[...].astype(jnp.float32))
+
+
+def _inter_varlen_kernel(first_ref, last_ref, w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, s0_ref, o_ref, s_ref, *,
+                         n_chunks):
+    """`_inter_kernel` over chunks of several sequences in a row: chunk n starts sequence first[n]
+    (its state is that sequence's initial state) and ends sequence last[n] (the state after it is that
+    sequence's final state); -1 where none. s0 / s: [S, K, Vb]."""
+    refs = (w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, o_ref)
 
     def step(n, s):
-        w, qg, kt = w_ref[n], qg_ref[n], kt_ref[n]            # [C, K]
-        nu = u_ref[n] - jnp.dot(w, s, preferred_element_type=f32)                     # [C, Vb]
-        o = jnp.dot(qg, s, preferred_element_type=f32) + jnp.dot(aqk_ref[n], nu, preferred_element_type=f32)
-        o_ref[n] = o.astype(o_ref.dtype)
-        return dec_ref[n][:, None] * s + jnp.dot(kt.T, nu, preferred_element_type=f32)
+        start, end = first_ref[n], last_ref[n]
+        s = jax.lax.cond(start >= 0, lambda: s0_ref[jnp.maximum(start, 0)].astype(jnp.float32), lambda: s)
+        s = _chunk_step(n, s, *refs)
 
-    s_ref[...] = jax.lax.fori_loop(0, n_chunks, step, s0_ref[...].astype(f32))
+        @pl.when(end >= 0)
+        def _():
+            s_ref[end] = s
+        return s
+
+    jax.lax.fori_loop(0, n_chunks, step, jnp.zeros(s0_ref.shape[1:], jnp.float32))
 
 
 def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool):
@@ -175,25 +197,43 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
     )(qc, kc, vc, gc, bc)
 
 
-def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, interpret: bool):
-    """Kernel 2: the sequential pass over chunks -> (o [B, H, N, C, V], final state [B, H, K, V])."""
+def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, interpret: bool, bounds=None):
+    """Kernel 2: the sequential pass over chunks -> (o [B, H, N, C, V], final state [B, H, K, V]).
+
+    `bounds` = (first [N], last [N]) int32 for B = 1 rows holding several sequences (see
+    `_inter_varlen_kernel`); then s0 and the returned states are per sequence, [S, H, K, V]."""
     b, h, n, c, kd = w.shape
     vd = u.shape[-1]
     vb = min(vd, blocks.value_block)
     whole = lambda *tail: pl.BlockSpec((None, None) + tail, lambda i, j, m: (i, j) + (0,) * len(tail))
     by_value = lambda *tail: pl.BlockSpec((None, None) + tail[:-1] + (vb,),
                                           lambda i, j, m: (i, j) + (0,) * (len(tail) - 1) + (m,))
+    chunk_specs = [whole(n, c, kd), by_value(n, c, vd), whole(n, c, c), whole(n, c, kd), whole(n, c, kd), whole(n, kd)]
+    if bounds is None:
+        kernel, flags, state_spec = functools.partial(_inter_kernel, n_chunks=n), (), by_value(kd, vd)
+        state_shape, flag_specs = (b, h, kd, vd), []
+    else:
+        kernel, flags = functools.partial(_inter_varlen_kernel, n_chunks=n), bounds
+        seqs = s0.shape[0]
+        state_spec = pl.BlockSpec((seqs, None, kd, vb), lambda i, j, m: (0, j, 0, m))
+        state_shape, flag_specs = (seqs, h, kd, vd), [pl.BlockSpec((n,), lambda i, j, m: (0,))] * 2
     return pl.pallas_call(
-        functools.partial(_inter_kernel, n_chunks=n),
+        kernel,
         grid=(b, h, vd // vb),
-        in_specs=[whole(n, c, kd), by_value(n, c, vd), whole(n, c, c), whole(n, c, kd), whole(n, c, kd),
-                  whole(n, kd), by_value(kd, vd)],
-        out_specs=[by_value(n, c, vd), by_value(kd, vd)],
-        out_shape=[jax.ShapeDtypeStruct((b, h, n, c, vd), out_dtype), jax.ShapeDtypeStruct((b, h, kd, vd), jnp.float32)],
+        in_specs=flag_specs + chunk_specs + [state_spec],
+        out_specs=[by_value(n, c, vd), state_spec],
+        out_shape=[jax.ShapeDtypeStruct((b, h, n, c, vd), out_dtype), jax.ShapeDtypeStruct(state_shape, jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=blocks.inter_num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="kda_chunk_inter",
-    )(w, u, aqk, qg, kt, dec, s0)
+    )(*flags, w, u, aqk, qg, kt, dec, s0)
+
+
+def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
+    c = blocks.chunk
+    if not (is_pow2(kd) and is_pow2(vd) and is_pow2(c)) or (blocks.intra == "blocked" and c % blocks.sub_chunk):
+        raise ValueError(f"{name}: K={kd}, V={vd} and the chunk {c} must be powers of two "
+                         f"(and the chunk a multiple of sub_chunk={blocks.sub_chunk})")
 
 
 def to_chunks(x, chunk: int):
@@ -222,9 +262,7 @@ def kda_chunk_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, blocks
     b, t, h, kd = q.shape
     vd = v.shape[-1]
     c = blocks.chunk
-    if not (is_pow2(kd) and is_pow2(vd) and is_pow2(c)) or (blocks.intra == "blocked" and c % blocks.sub_chunk):
-        raise ValueError(f"kda_chunk_pallas: K={kd}, V={vd} and the chunk {c} must be powers of two "
-                         f"(and the chunk a multiple of sub_chunk={blocks.sub_chunk})")
+    check_blocks("kda_chunk_pallas", kd, vd, blocks)
     scale = kd ** -0.5 if scale is None else scale
     interpret = default_interpret() if interpret is None else interpret
     parts = [to_chunks(x, c) for x in (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32))]

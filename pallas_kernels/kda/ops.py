@@ -1,6 +1,7 @@
 """The dispatch site of the KDA ops: each implementation choice is named here, once.
 
     kda(q, k, v, g, beta, impl=...)                 a whole sequence (prefill, chunked prefill)
+    kda_varlen(q, k, v, g, beta, cu_seqlens, impl=) several sequences packed in one row
     kda_decode(inputs, weights, conv, state, impl=) one fused decode step
 """
 
@@ -15,12 +16,16 @@ from pallas_kernels.kda.chunk_xla import kda_chunk_xla
 from pallas_kernels.kda.decode import kda_decode_pallas
 from pallas_kernels.kda.decode_xla import kda_decode_xla
 from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
-from pallas_kernels.kda.reference import kda_recurrent_reference
+from pallas_kernels.kda.reference import kda_recurrent_reference, kda_varlen_reference
 from pallas_kernels.kda.tuning import ChunkBlocks, DecodeBlocks
+from pallas_kernels.kda.varlen import kda_varlen_pallas
 
 # "chunked": pure-JAX WY form; "recurrent": token loop (the reference); "pallas": two-kernel prefill.
 KDAImpl = Literal["chunked", "recurrent", "pallas"]
 KDA_IMPLS: tuple[str, ...] = get_args(KDAImpl)
+# "pallas": the two kernels over chunk-aligned sequences; "recurrent": token loop with resets (the reference).
+KDAVarlenImpl = Literal["pallas", "recurrent"]
+KDA_VARLEN_IMPLS: tuple[str, ...] = get_args(KDAVarlenImpl)
 # "xla": the fused step in pure JAX (the kernel's twin); "pallas": one fused kernel.
 KDADecodeImpl = Literal["xla", "pallas"]
 KDA_DECODE_IMPLS: tuple[str, ...] = get_args(KDADecodeImpl)
@@ -46,6 +51,25 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, impl: KDAImpl = "ch
     if impl == "recurrent":
         return kda_recurrent_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     raise ValueError(f"kda: unknown impl {impl!r}; expected one of {KDA_IMPLS}")
+
+
+def kda_varlen(q, k, v, g, beta, cu_seqlens, *, scale=None, initial_state=None, impl: KDAVarlenImpl = "pallas",
+               chunk_size: int = 64):
+    """KDA over S sequences packed in one row (sequence i = tokens cu_seqlens[i]:cu_seqlens[i+1]).
+
+    Args:
+      q, k: [1, T, H, K] L2-normalised. v: [1, T, H, V]. g: [1, T, H, K] log decay. beta: [1, T, H].
+      cu_seqlens: [S + 1] int offsets from 0 to T. initial_state: [S, H, K, V] or None (zeros).
+      impl: one of KDA_VARLEN_IMPLS. chunk_size: tokens per chunk ("pallas", a power of two).
+    Returns:
+      (o [1, T, H, V] in v's dtype, final states [S, H, K, V] fp32)
+    """
+    if impl == "pallas":
+        return kda_varlen_pallas(q, k, v, g, beta, cu_seqlens, scale=scale, initial_state=initial_state,
+                                 blocks=ChunkBlocks(chunk=chunk_size))
+    if impl == "recurrent":
+        return kda_varlen_reference(q, k, v, g, beta, cu_seqlens, scale=scale, initial_state=initial_state)
+    raise ValueError(f"kda_varlen: unknown impl {impl!r}; expected one of {KDA_VARLEN_IMPLS}")
 
 
 def kda_decode(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array, state: jax.Array, *,

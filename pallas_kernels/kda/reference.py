@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -38,6 +39,28 @@ def validate_inputs(q, k, v, g, beta, initial_state=None) -> None:
                          f"got {tuple(initial_state.shape)}")
     if t == 0:
         raise ValueError("kda: empty sequence (T = 0)")
+
+
+def validate_varlen(q, k, v, g, beta, cu_seqlens, initial_state=None) -> None:
+    """`validate_inputs` for one packed row of S sequences: cu_seqlens [S + 1] integer offsets, checked
+    to rise from 0 to T when concrete; initial_state [S, H, K, V]."""
+    validate_inputs(q, k, v, g, beta)
+    _, t, h, kd = q.shape
+    if q.shape[0] != 1:
+        raise ValueError(f"kda varlen: sequences are packed in one row, so B must be 1; got q {q.shape}")
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2 or not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+        raise ValueError(f"kda varlen: cu_seqlens must be an integer [S + 1] array with S >= 1, got "
+                         f"{cu_seqlens.dtype}{list(cu_seqlens.shape)}")
+    seqs = cu_seqlens.shape[0] - 1
+    if initial_state is not None and tuple(initial_state.shape) != (seqs, h, kd, v.shape[-1]):
+        raise ValueError(f"kda varlen: initial_state must have shape {(seqs, h, kd, v.shape[-1])}, "
+                         f"got {tuple(initial_state.shape)}")
+    try:
+        cu = np.asarray(cu_seqlens)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return                                  # traced: the values are the caller's to get right
+    if cu[0] != 0 or cu[-1] != t or np.any(np.diff(cu) < 0):
+        raise ValueError(f"kda varlen: cu_seqlens must rise from 0 to T = {t} without decreasing, got {cu.tolist()}")
 
 
 def prepare_fp32(q, k, v, g, beta, scale, initial_state):
@@ -73,3 +96,36 @@ def kda_recurrent_reference(q, k, v, g, beta, *, scale=None, initial_state=None)
     time_major = lambda x: jnp.moveaxis(x, 1, 0)
     state, o = jax.lax.scan(step, state, tuple(map(time_major, (qf, kf, vf, gf, bf))))
     return jnp.moveaxis(o, 0, 1).astype(v.dtype), state
+
+
+def kda_varlen_reference(q, k, v, g, beta, cu_seqlens, *, scale=None, initial_state=None):
+    """Token-by-token KDA over S sequences packed in one row: the state restarts from sequence i's
+    initial state at token cu[i] and is kept as its final state after token cu[i+1] - 1.
+
+    Args: as `pallas_kernels.kda.varlen.kda_varlen_pallas` (q [1, T, H, K], cu_seqlens [S + 1],
+      initial_state [S, H, K, V] or None).
+    Returns:
+      o [1, T, H, V] in v.dtype, final states [S, H, K, V] fp32 (length 0: the initial state).
+    """
+    validate_varlen(q, k, v, g, beta, cu_seqlens, initial_state)
+    seqs = cu_seqlens.shape[0] - 1
+    _, t, h, kd = q.shape
+    init = (jnp.zeros((seqs, h, kd, v.shape[-1]), jnp.float32) if initial_state is None
+            else jnp.asarray(initial_state, jnp.float32))
+    qf, kf, vf, gf, bf, _ = (x[0] for x in prepare_fp32(q, k, v, g, beta, scale, None))
+    cu = cu_seqlens.astype(jnp.int32)
+    token = jnp.arange(t, dtype=jnp.int32)
+    seq = jnp.searchsorted(cu[1:], token, side="right").astype(jnp.int32)
+    starts, ends = token == cu[seq], token == cu[seq + 1] - 1
+
+    def step(carry, xs):
+        s_HKV, finals = carry
+        q_t, k_t, v_t, g_t, b_t, seq_t, start_t, end_t = xs
+        s_HKV = jnp.where(start_t, init[seq_t], s_HKV) * jnp.exp(g_t)[..., None]
+        nu = b_t[..., None] * (v_t - jnp.einsum("hk,hkv->hv", k_t, s_HKV, precision=_HIGHEST))
+        s_HKV = s_HKV + k_t[..., :, None] * nu[..., None, :]
+        finals = jnp.where(end_t, finals.at[seq_t].set(s_HKV), finals)
+        return (s_HKV, finals), jnp.einsum("hk,hkv->hv", q_t, s_HKV, precision=_HIGHEST)
+
+    (_, finals), o = jax.lax.scan(step, (init[0], init), (qf, kf, vf, gf, bf, seq, starts, ends))
+    return o[None].astype(v.dtype), finals
