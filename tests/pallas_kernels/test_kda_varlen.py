@@ -55,11 +55,11 @@ def test_varlen_equals_each_sequence_alone(rng, interpret, lengths, gates, init,
         assert_close(f"state of sequence {i}", s[i], s_i[0], tol=TOLERANCES[kernel_dtype("float32", interpret)])
 
 
-def test_dispatch_names_both_implementations(rng):
+def test_dispatch_names_both_implementations(rng, interpret):
     q, k, v, g, beta, cu, s0 = _packed(rng, [9, 23], 1, 16, 16, (-1.0, 0.0), True)
     out = {impl: kda_varlen(q, k, v, g, beta, cu, initial_state=s0, impl=impl, chunk_size=16)
            for impl in ("pallas", "recurrent")}
-    assert_close("o", out["pallas"][0], out["recurrent"][0], dtype="float32")
+    assert_close("o", out["pallas"][0], out["recurrent"][0], dtype=kernel_dtype("float32", interpret))
     with pytest.raises(ValueError, match="unknown impl"):
         kda_varlen(q, k, v, g, beta, cu, impl="chunked")
 
