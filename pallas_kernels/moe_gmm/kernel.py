@@ -44,9 +44,9 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=Fals
     as packed [G, K/2, N] and scale [G, K/32, N]; each step decodes bk inputs (bk/2 packed rows, bk/32
     scale groups) to exact bf16 values in registers and multiplies both nibbles' halves.
 
-    `gemv` (pairs on MXFP4 only): the program's one row is multiplied on the CUDA cores into a
-    [bk/2, bn] fp32 accumulator per weight (no tensor-core tile, no layout change of the decoded
-    weights), summed over its first axis once after the loop."""
+    `gemv` (pairs on MXFP4 only, `_gemv_row`): the program's one row is multiplied on the CUDA cores
+    into a [bk/32, 16, bn] fp32 accumulator per weight (no tensor-core tile, no layout change of the
+    decoded weights), summed once after the loop; `e2m1` picks its decode ("bits" or "table")."""
     pairs = repeat > 0
     sched = refs[:2] if pairs else refs[:1]
     n_lhs = 2 if quantized else 1
