@@ -7,16 +7,16 @@ Times, with random weights at K3's published shapes (`kimi_k3()`), the model's o
   kda   one KDA mixer (96 heads x 128, K3's bounded gate and full-rank gates), its projections included;
   mla   one MLA mixer (96 heads, 512 + 64 latent, output gate) over a 4K-slot cache (`mla="hopper"`);
   moe   one latent-MoE block (router over 896 experts, the 2 shared experts at 7168, the latent down/up
-        projections and norm) with 1/8 or 1/16 of the routed experts local as under expert
-        parallelism over 8 or 16 GPUs: 112 or 56 experts, each token routed to 16/8 = 2 or 16/16 = 1
-        of them on average (top-k scaled the same way), MXFP4 kept packed;
+        projections and norm) with 1/8, 1/16 or 1/32 of the routed experts local as under expert
+        parallelism over 8, 16 or 32 GPUs: 112, 56 or 28 experts, each token routed to 16/8 = 2 or 1
+        of them (top-k scaled the same way, at least 1: an upper bound at 1/32), MXFP4 kept packed;
 at decode (B = 1, 16, 64 rows, one new token) and an 8K-token prefill (B = 1). Decode times are
 per call with 20 calls chained in one compiled loop.
 
 The estimate (`estimate`), stated so it can be checked: per decode step of B rows on N GPUs,
   attention layers are tensor-parallel over the 8 GPUs of a host (their weights split 8 ways, so a
   weight-bound decode takes measured / 8) plus one all-reduce of B x 7168 bf16 per layer;
-  MoE layers are expert-parallel over all N GPUs (measured at 1/8 for N = 8 x hosts ... 1/16 for 16)
+  MoE layers are expert-parallel over all N GPUs (the 1/N share measured; 1/16 bounds 1/32 where that is missing)
   plus two all-to-alls per layer (dispatch and combine) of B x 16 x 7168 bf16;
   a collective costs ALPHA + bytes / BETA, ALPHA = 10 us within a host (NVLink), 25 us across
   hosts; BETA = 450 GB/s within a host, 50 GB/s per GPU across hosts (400 Gb/s InfiniBand).
@@ -84,7 +84,7 @@ def measure(cfg, batches, prefill_tokens: int, context: int, dtype, reps: int, i
     d = cfg.hidden_size
     kda = _module(KimiDeltaAttention, cfg.kda, dtype)
     mla = _module(MultiHeadLatentAttention, cfg.mla, dtype)
-    moes = {shards: _module(MoE, _local_moe(cfg, shards), dtype) for shards in (8, 16)
+    moes = {shards: _module(MoE, _local_moe(cfg, shards), dtype) for shards in (8, 16, 32)
             if cfg.moe.num_experts % shards == 0}
     x_of = lambda b, t: jax.random.normal(jax.random.key(b + t), (b, t, d), dtype)
     for b in batches:
@@ -128,17 +128,19 @@ def estimate(rows: list[dict], cfg) -> list[dict]:
     out = []
     for row in (r for r in rows if r["phase"] == "decode"):
         b = row["B"]
-        for gpus, shards in ((16, 16), (32, 16)):
+        for gpus in (16, 32):
+            # Each GPU holds 1/gpus of the experts; without that measurement the 1/16 one (more local
+            # experts) bounds it from above.
+            shards = gpus if f"moe_1_{gpus}_ms" in row else 16
             key = f"moe_1_{shards}_ms"
             if key not in row:
                 continue
             attn = (n_kda * row["kda_ms"] + n_mla * row["mla_ms"]) / 1e3 / GPUS_PER_HOST
             attn_comm = (n_kda + n_mla) * _collective(b * d * 2, GPUS_PER_HOST)
-            # 32 GPUs hold 1/32 each; the 1/16 measurement (twice the local experts) bounds it from above.
             moe = n_moe * row[key] / 1e3
             moe_comm = n_moe * 2 * _collective(b * top_k * d * 2, gpus)
             step = attn + attn_comm + moe + moe_comm
-            out.append({"B": b, "GPUs": gpus, "attention_ms": attn * 1e3, "attention_comm_ms": attn_comm * 1e3,
+            out.append({"B": b, "GPUs": gpus, "moe_share": f"1/{shards}", "attention_ms": attn * 1e3, "attention_comm_ms": attn_comm * 1e3,
                         "moe_ms": moe * 1e3, "all_to_all_ms": moe_comm * 1e3, "step_ms": step * 1e3,
                         "tok_s_per_user": 1 / step, "vs_vllm_118": 1 / step / VLLM_K3_TOK_S_PER_USER})
     return out
