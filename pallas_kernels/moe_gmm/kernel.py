@@ -152,6 +152,10 @@ def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn
     out_ref[row, cols] = out.astype(out_ref.dtype)
 
 
+def _interpreted(interpret: bool | None) -> bool:
+    return default_interpret() if interpret is None else interpret
+
+
 def _blocks_for(k_dim: int, n_dim: int, blocks: TileBlocks) -> tuple[int, int]:
     bn, bk = largest_block(n_dim, blocks.block_n), largest_block(k_dim, blocks.block_k)
     if not (is_pow2(blocks.block_n) and is_pow2(blocks.block_k)) or bn is None or bk is None:
@@ -236,7 +240,8 @@ def grouped_matmul_pallas(lhs, rhs, group_sizes, row_scale=None, *, blocks: Tile
       [M, N] in lhs's dtype (fp32 with row_scale); rows past sum(group_sizes) are zero.
     """
     _validate(lhs, (rhs,), group_sizes)
-    blocks = blocks or TileBlocks.for_rows(lhs.shape[0] / rhs.shape[0], isinstance(rhs, Mxfp4Weight))
+    blocks = blocks or TileBlocks.for_rows(lhs.shape[0] / rhs.shape[0], isinstance(rhs, Mxfp4Weight),
+                                           _interpreted(interpret))
     out_dtype = jnp.float32 if row_scale is not None else lhs.dtype
     return _call(lhs, (rhs,), group_sizes, row_scale, spec=None, out_dtype=out_dtype, blocks=blocks,
                  interpret=interpret)
@@ -254,7 +259,8 @@ def grouped_glu_pallas(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpe
       [M, F] in lhs's dtype; rows past sum(group_sizes) are zero.
     """
     _validate(lhs, (w_gate, w_up), group_sizes)
-    blocks = blocks or TileBlocks.for_rows(lhs.shape[0] / w_gate.shape[0], isinstance(w_gate, Mxfp4Weight))
+    blocks = blocks or TileBlocks.for_rows(lhs.shape[0] / w_gate.shape[0], isinstance(w_gate, Mxfp4Weight),
+                                           _interpreted(interpret))
     return _call(lhs, (w_gate, w_up), group_sizes, None, spec=spec, out_dtype=lhs.dtype, blocks=blocks,
                  interpret=interpret)
 
@@ -281,7 +287,8 @@ def pair_glu_pallas(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(
     _validate(lhs, (w_gate, w_up), jnp.zeros((w_gate.shape[0],), jnp.int32))
     _validate_pairs(lhs, group, valid, repeat)
     return _call(lhs, (w_gate, w_up), None, None, spec=spec, out_dtype=lhs.dtype,
-                 blocks=blocks or TileBlocks.for_rows(1, isinstance(w_gate, Mxfp4Weight)), interpret=interpret,
+                 blocks=blocks or TileBlocks.for_rows(1, isinstance(w_gate, Mxfp4Weight), _interpreted(interpret)),
+                 interpret=interpret,
                  pairs=(group, valid), repeat=repeat)
 
 
@@ -295,5 +302,5 @@ def pair_matmul_pallas(lhs, rhs, group, valid, row_scale=None, *, repeat: int = 
     _validate_pairs(lhs, group, valid, repeat)
     out_dtype = jnp.float32 if row_scale is not None else lhs.dtype
     return _call(lhs, (rhs,), None, row_scale, spec=None, out_dtype=out_dtype,
-                 blocks=blocks or TileBlocks.for_rows(1, isinstance(rhs, Mxfp4Weight)),
+                 blocks=blocks or TileBlocks.for_rows(1, isinstance(rhs, Mxfp4Weight), _interpreted(interpret)),
                  interpret=interpret, pairs=(group, valid), repeat=repeat)

@@ -36,12 +36,14 @@ class TileBlocks:
     e2m1: str = "bits"
 
     @classmethod
-    def for_rows(cls, rows_per_group: float, packed: bool = False) -> "TileBlocks":
+    def for_rows(cls, rows_per_group: float, packed: bool = False, interpreted: bool = False) -> "TileBlocks":
         """Decode-sized groups (a few rows each) stream weights with 16-row tiles; prefill-sized
         groups use wide tiles so each weight tile is reused across many rows. Packed (MXFP4) weights
         take deeper steps in prefill tiles (a quarter of the bytes per value); in decode (one row
-        per pair) they run on the CUDA cores."""
+        per pair) they run on the CUDA cores, with the bit decode when compiled and the table decode
+        when `interpreted` (the bit decode passes codes +-0.5 through subnormals, which XLA's CPU
+        flushes to zero)."""
         if rows_per_group <= 32:
             return cls(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4 if not packed else 3,
-                       gemv=packed)
+                       gemv=packed, e2m1="table" if interpreted else "bits")
         return cls(block_m=64, block_n=128, block_k=128 if packed else 64, num_warps=4, num_stages=3)

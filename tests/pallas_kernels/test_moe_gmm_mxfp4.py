@@ -91,15 +91,17 @@ def _without_halves(packed):
 
 
 @pytest.mark.parametrize("repeat,blocks", [
-    (4, None),                                                   # the decode default: CUDA-core rows, bit decode
-    (1, TileBlocks(16, 32, 64, gemv=True, e2m1="table")),        # CUDA-core rows, table decode
-    (4, TileBlocks(16, 32, 64)),                                 # 16-row tensor-core tiles
+    (4, None),                                               # the default: CUDA-core rows (bit decode compiled,
+                                                             # table decode interpreted)
+    (1, TileBlocks(16, 32, 64, gemv=True, e2m1="bits")),     # CUDA-core rows, bit decode
+    (2, TileBlocks(16, 32, 64, gemv=True, e2m1="table")),    # CUDA-core rows, table decode
+    (4, TileBlocks(16, 32, 64)),                             # 16-row tensor-core tiles
 ])
 def test_pair_kernels_on_packed_weights(rng, interpret, repeat, blocks):
     tokens, k, n, g = 3, 128, 64, 10
     lhs = jnp.asarray(rng.standard_normal((tokens, k)) / 4, jnp.bfloat16)
     w_gate, w_up = _weights(rng, g, k, n), _weights(rng, g, k, n)
-    if (blocks is None or blocks.e2m1 == "bits") and _flushes_subnormals():
+    if blocks is not None and blocks.gemv and blocks.e2m1 == "bits" and _flushes_subnormals():
         # The bit decode makes codes +-0.5 subnormal on their way; a host that flushes subnormals (XLA's
         # CPU does) cannot run it on them, so here they become +-1. Compiled on the GPU every code runs.
         w_gate, w_up = (Mxfp4Weight(_without_halves(w.packed), w.scale) for w in (w_gate, w_up))
