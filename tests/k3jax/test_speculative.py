@@ -5,6 +5,8 @@ and MTP drafts against independent formulations, and the errors."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +29,7 @@ VOCAB = 512
 
 @pytest.fixture(scope="module")
 def model():
-    return k3jax.CausalLM.random(tiny_k3(), seed=7)
+    return k3jax.CausalLM.random(tiny_k3(num_layers=4, attn_res_block_size=2), seed=7)
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +262,8 @@ def test_mtp_drafts_equal_the_windowed_mtp_layer(model, rng):
     source = MTPDrafts(k=k)
     prompt = PromptView(ids=jnp.asarray(ids), valid=jnp.asarray(mask), hidden=jnp.asarray(full[:, :w]),
                         first=jnp.asarray(first))
-    drafts, cache = source.init(model.graphdef, model.params, prompt, cache)
+    # Compiled as in the verify loop (one program each instead of hundreds of eager ops).
+    drafts, cache = jax.jit(functools.partial(source.init, model.graphdef))(model.params, prompt, cache)
     for row in range(b):
         toks = list(ids[row][mask[row]])
         expected = _chain_reference(model, full[row, :w][mask[row]], toks[1:] + [first[row]], k)
@@ -275,7 +278,7 @@ def test_mtp_drafts_equal_the_windowed_mtp_layer(model, rng):
     outcome = VerifyOutcome(hidden=jnp.asarray(full[:, w:]), target=jnp.asarray(target, jnp.int32),
                             accepted=jnp.asarray(accepted, jnp.int32), start=jnp.asarray(start),
                             emitted=jnp.asarray(accepted + 1, jnp.int32), count=jnp.asarray(accepted + 2, jnp.int32))
-    drafts, _ = source.next(model.graphdef, model.params, cache, outcome)
+    drafts, _ = jax.jit(functools.partial(source.next, model.graphdef))(model.params, cache, outcome)
     for row in range(b):
         a = accepted[row]
         seq = list(ids[row][mask[row]]) + list(window[row, :a + 1])
