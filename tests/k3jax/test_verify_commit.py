@@ -4,6 +4,8 @@ recurrent state, MLA latents of the kept slots, lengths) and the next decode ste
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +22,7 @@ Q = 4
 
 @pytest.fixture(scope="module", params=["k3", "kimi_linear"])
 def model(request):
-    cfg = tiny_k3() if request.param == "k3" else tiny_kimi_linear()
+    cfg = tiny_k3(num_layers=4, attn_res_block_size=2) if request.param == "k3" else tiny_kimi_linear()
     return k3jax.CausalLM.random(cfg, seed=11)
 
 
@@ -54,7 +56,8 @@ def test_verify_then_commit_equals_decoding_the_kept_tokens(model, rng, impls):
     start = np.asarray(state.lengths)
     logits, _, pending = jax.jit(lambda p, s, t: verify_step(model.graphdef, p, s, t))(
         model.params, _copy(state), jnp.asarray(window))
-    committed = commit_step(model.graphdef, model.params, pending, jnp.asarray(start), jnp.asarray(keep))
+    committed = jax.jit(functools.partial(commit_step, model.graphdef))(
+        model.params, pending, jnp.asarray(start), jnp.asarray(keep))
 
     step_state, snapshots, step_logits = state, [_copy(state)], []
     for t in range(Q):
