@@ -137,7 +137,7 @@ def test_decode_projections_through_the_kernel_equal_the_dot(model, family, rng)
     families: Kimi-Linear's low-rank output gate, K3's full-rank gate, q-LoRA, MLA output gate and
     latent MoE."""
     if family == "k3":
-        model = k3jax.CausalLM.random(tiny_k3(), seed=5)
+        model = k3jax.CausalLM.random(tiny_k3(num_layers=4, attn_res_block_size=2), seed=5)
     ids = rng.integers(0, model.config.vocab_size, (2, 12))
     outs = []
     for impl in ("xla", "pallas"):

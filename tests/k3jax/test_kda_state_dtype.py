@@ -44,7 +44,8 @@ def test_bf16_state_halves_its_bytes():
 def test_speculative_greedy_equals_plain_greedy_with_a_bf16_state():
     """Prompt lookup on a planted greedy chain (drafts accepted, so the commit replays kept tokens
     through the window kernel) gives the tokens of plain greedy decoding, both with a bf16 state."""
-    base = k3jax.CausalLM.random(tiny_k3(), seed=0).with_impls(kda_state="bfloat16", kda_decode="pallas")
+    cfg = tiny_k3(num_layers=4, attn_res_block_size=2)     # KDA and MLA layers, MTP
+    base = k3jax.CausalLM.random(cfg, seed=0).with_impls(kda_state="bfloat16", kda_decode="pallas")
     planted, perm = plant_greedy_chain(base, seed=5)
     chain = [17]
     for _ in range(11):
