@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import k3jax
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from k3jax.checkpoint.safetensors_io import SafetensorsCheckpoint, write_safetensors
 from k3jax.checkpoint.writer import save_checkpoint
+from k3jax.tiny import builtin_config
 
 
 def snap_experts_to_mxfp4(model: k3jax.CausalLM) -> k3jax.CausalLM:
@@ -53,3 +55,20 @@ def big_kimi_linear_checkpoint(path, experts: int = 48) -> None:
     """A bf16 Kimi-Linear-shaped source with many experts (hidden 128): many tensors, a few MB each layer."""
     cfg = k3jax.tiny_kimi_linear(hidden=128, num_experts=experts, expert_intermediate_size=256)
     save_checkpoint(k3jax.CausalLM.random(cfg, seed=0, dtype="bfloat16"), path, shards=3)  # real checkpoints are bf16
+
+
+def builtin_model(name: str, num_layers: int, *, seed: int = 0) -> k3jax.CausalLM:
+    """The built-in model `name` cut to its first `num_layers` layers (random weights, the built-in's
+    tokenizer and special ids, MTP kept): the same kinds of layers, a fraction of the compiling."""
+    cfg, tok = builtin_config(name)
+    cfg = dataclasses.replace(cfg, mixers=cfg.mixers[:num_layers], ffns=cfg.ffns[:num_layers])
+    return k3jax.CausalLM.random(cfg, seed=seed, tokenizer=tok)
+
+
+def builtin_checkpoint(path, name: str, num_layers: int, *, seed: int = 0) -> Path:
+    """`builtin_model` as a checkpoint directory with its tokenizer, for the tests that start
+    processes or load by path."""
+    model = builtin_model(name, num_layers, seed=seed)
+    save_checkpoint(model, path)
+    model.tokenizer.save_pretrained(path)
+    return Path(path)

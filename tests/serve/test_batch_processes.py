@@ -13,11 +13,20 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+from checkpoints import builtin_checkpoint
+
 from serve import batch
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("K3JAX_TEST_CACHE", ROOT / ".cache")) / "jax-compilation"
 ENGINE = ["--max-len", "128", "--max-slots", "2", "--chunk-steps", "4", "--no-progress"]  # few compiled shapes
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    """tiny-kimi-linear's first two layers (KDA and MLA, dense and MoE) with its tokenizer."""
+    return str(builtin_checkpoint(tmp_path_factory.mktemp("batch") / "model", "tiny-kimi-linear", 2))
 
 
 def requests(n: int) -> list[dict]:
@@ -80,17 +89,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def in_process(tmp_path: Path, inp: str, mesh: str) -> bytes:
+def in_process(tmp_path: Path, model: str, inp: str, mesh: str) -> bytes:
     """The same job in this test process (8 CPU devices): the reference output."""
     out = tmp_path / f"reference-{mesh}.jsonl"
-    argv = ["--model", "tiny-kimi-linear", "--input", inp, "--output", str(out), "--mesh", mesh, *ENGINE]
+    argv = ["--model", model, "--input", inp, "--output", str(out), "--mesh", mesh, *ENGINE]
     assert batch.main(argv) == 0
     return out.read_bytes()
 
 
-def test_kill_9_mid_job_then_the_same_command_gives_the_uninterrupted_output(tmp_path):
+def test_kill_9_mid_job_then_the_same_command_gives_the_uninterrupted_output(tmp_path, model):
     inp = write_input(tmp_path / "in.jsonl", requests(18))
-    argv = lambda out: ["--model", "tiny-kimi-linear", "--input", inp, "--output", str(out), "--mesh", "data=1",
+    argv = lambda out: ["--model", model, "--input", inp, "--output", str(out), "--mesh", "data=1",
                         "--commit-every", "2", *ENGINE]
     [(rc, log)] = finish([job(argv(tmp_path / "clean.jsonl"))])
     assert rc == 0, log[-3000:]
@@ -107,34 +116,34 @@ def test_kill_9_mid_job_then_the_same_command_gives_the_uninterrupted_output(tmp
     assert len(out.read_text().splitlines()) == 18
 
 
-def two_processes(inp: str, out: Path, mesh: str, extra=()) -> list[subprocess.Popen]:
+def two_processes(model: str, inp: str, out: Path, mesh: str, extra=()) -> list[subprocess.Popen]:
     port = free_port()
-    return [job(["--model", "tiny-kimi-linear", "--input", inp, "--output", str(out), "--mesh", mesh, *ENGINE,
+    return [job(["--model", model, "--input", inp, "--output", str(out), "--mesh", mesh, *ENGINE,
                  "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
                  *extra], devices=4) for i in range(2)]
 
 
-def test_two_processes_with_a_replica_each_killed_and_resumed(tmp_path):
+def test_two_processes_with_a_replica_each_killed_and_resumed(tmp_path, model):
     inp = write_input(tmp_path / "in.jsonl", requests(16))
     mesh = "data=2,expert=2,tensor=2"       # replica 0 on process 0's four devices, replica 1 on process 1's
     out = tmp_path / "out.jsonl"
-    procs = two_processes(inp, out, mesh, ["--commit-every", "1"])
+    procs = two_processes(model, inp, out, mesh, ["--commit-every", "1"])
     wait_for_parts(out, 2, procs)
     procs[1].send_signal(signal.SIGKILL)    # one process dies; the launcher takes the other one down
     procs[1].wait()
     procs[0].send_signal(signal.SIGKILL)
     procs[0].wait()
     assert not out.exists()
-    results = finish(two_processes(inp, out, mesh))
+    results = finish(two_processes(model, inp, out, mesh))
     assert [rc for rc, _ in results] == [0, 0], "\n---\n".join(log[-3000:] for _, log in results)
     assert "16 requests (0 failed)" in results[0][1] and "16 requests" not in results[1][1]  # process 0 reports
-    assert out.read_bytes() == in_process(tmp_path, inp, mesh)
+    assert out.read_bytes() == in_process(tmp_path, model, inp, mesh)
 
 
-def test_one_replica_spanning_two_processes_runs_in_lockstep(tmp_path):
+def test_one_replica_spanning_two_processes_runs_in_lockstep(tmp_path, model):
     inp = write_input(tmp_path / "in.jsonl", requests(8))
     mesh = "data=1,expert=4,tensor=2"       # one model over all eight devices of both processes
     out = tmp_path / "out.jsonl"
-    results = finish(two_processes(inp, out, mesh))
+    results = finish(two_processes(model, inp, out, mesh))
     assert [rc for rc, _ in results] == [0, 0], "\n---\n".join(log[-3000:] for _, log in results)
-    assert out.read_bytes() == in_process(tmp_path, inp, mesh)
+    assert out.read_bytes() == in_process(tmp_path, model, inp, mesh)

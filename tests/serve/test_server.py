@@ -18,13 +18,14 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from checkpoints import builtin_checkpoint
 
 import k3jax
 from k3jax.stop_strings import decode_text
 from serve.k3_output import K3AnswerParser
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = "tiny-k3-random"
+MODEL = "tiny-k3-4-layers"      # the served name of `checkpoint`
 
 
 def _free_port() -> int:
@@ -34,11 +35,18 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def checkpoint(tmp_path_factory):
+    """tiny-k3-random's first four layers (KDA and MLA, dense and MoE, MTP) with its tokenizer."""
+    return builtin_checkpoint(tmp_path_factory.mktemp("server") / "model", "tiny-k3-random", 4)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-m", "serve", "--model", MODEL, "--port", str(port), "--max-num-seqs",
-                             "8", "--max-model-len", "256", "--max-waiting", "40", "--chunk-steps", "4"],
+    proc = subprocess.Popen([sys.executable, "-m", "serve", "--model", str(checkpoint), "--served-model-name", MODEL,
+                             "--port", str(port), "--max-num-seqs", "8", "--max-model-len", "256", "--max-waiting",
+                             "40", "--chunk-steps", "4"],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -64,8 +72,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def local():
-    return k3jax.Generator(k3jax.load_model(MODEL))
+def local(checkpoint):
+    return k3jax.Generator(k3jax.load_model(checkpoint))
 
 
 def _metric(server, name: str) -> float:
