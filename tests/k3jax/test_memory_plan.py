@@ -8,6 +8,7 @@ import importlib
 
 import numpy as np
 import pytest
+from checkpoints import builtin_model
 
 import k3jax
 from k3jax.cli import main
@@ -76,7 +77,8 @@ def test_cli_prints_the_plan_and_exits_by_fit(capsys):
 def test_load_refuses_weights_that_cannot_fit(tmp_path, monkeypatch):
     from k3jax.checkpoint import loader
     from k3jax.checkpoint.writer import save_checkpoint
-    save_checkpoint(k3jax.CausalLM.random(tiny_k3(), seed=1), str(tmp_path / "ck"))
+    cfg = tiny_k3(num_layers=4, attn_res_block_size=2)
+    save_checkpoint(k3jax.CausalLM.random(cfg, seed=1), str(tmp_path / "ck"))
     read = []
     monkeypatch.setattr(loader, "device_capacity", lambda device: 1000)
     monkeypatch.setattr(loader, "read_param_slice", lambda *a, **k: read.append(a) or np.zeros(1))
@@ -85,14 +87,14 @@ def test_load_refuses_weights_that_cannot_fit(tmp_path, monkeypatch):
     assert not read                                     # refused before any tensor was read
     monkeypatch.setattr(loader, "device_capacity", lambda device: 100 * GB)
     monkeypatch.undo()
-    assert k3jax.load(tmp_path / "ck").config.num_layers == tiny_k3().num_layers
+    assert k3jax.load(tmp_path / "ck").config.num_layers == cfg.num_layers
 
 
 def test_generate_refuses_prompts_whose_state_cannot_fit(monkeypatch):
     """Prompts are refused for memory (with the numbers), not for length, where the device memory is
     known; on the CPU it is not, and nothing is refused."""
     gen = importlib.import_module("k3jax.generate")   # the module (k3jax.generate is also the function)
-    model = k3jax.load_model("tiny-k3-random")
+    model = builtin_model("tiny-k3-random", 4)
     params = k3jax.SamplingParams(max_tokens=4)
     weights = weight_bytes(model.config, MeshSpec(), "float32")[0]
     monkeypatch.setattr(gen, "device_capacity", lambda device: weights + 1000)
