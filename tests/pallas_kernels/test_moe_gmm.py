@@ -3,6 +3,7 @@ JAX's Hopper Mosaic GPU kernel (GPU-interpret mode on CPU) against lax.ragged_do
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -78,7 +79,7 @@ def test_tile_schedule_covers_every_row_once(rng, block_m):
         g = int(rng.integers(1, 12))
         m = int(rng.integers(1, 60))
         sizes = _grouping(rng, m, g)
-        sched = np.asarray(tile_schedule(sizes, m, block_m))
+        sched = np.asarray(jax.jit(tile_schedule, static_argnums=(1, 2))(sizes, m, block_m))  # compiled, as in the kernel
         assert sched.shape == (3, max_tiles(m, g, block_m))
         owner = np.full(m, -1)
         for group, first, last in sched.T:
