@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoints import builtin_checkpoint
 
 import k3jax
 
@@ -76,14 +77,21 @@ def test_requests_that_fit_the_context_are_served(model):
         k3jax.Generator(small).generate([[5, 6, 7, 8]], k3jax.SamplingParams(max_new_tokens=61))
 
 
-def _cli(*args, **popen):
+@pytest.fixture(scope="module")
+def k3_dir(tmp_path_factory) -> str:
+    """tiny-k3-random's first four layers as a checkpoint directory: the CLI processes compile a few
+    layers, not thirteen."""
+    return str(builtin_checkpoint(tmp_path_factory.mktemp("cli") / "model", "tiny-k3-random", 4))
+
+
+def _cli(model, *args, **popen):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "k3jax", "generate", "--model", "tiny-k3-random", *args],
+    return subprocess.Popen([sys.executable, "-m", "k3jax", "generate", "--model", model, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, **popen)
 
 
-def test_ctrl_c_stops_within_a_chunk_keeps_the_text_and_exits_130():
-    proc = _cli("--prompt", "The quick brown fox", "--max-new-tokens", "16000", "--stream", "--ignore-eos")
+def test_ctrl_c_stops_within_a_chunk_keeps_the_text_and_exits_130(k3_dir):
+    proc = _cli(k3_dir, "--prompt", "The quick brown fox", "--max-new-tokens", "16000", "--stream", "--ignore-eos")
     first = proc.stdout.read(4)          # streaming has begun (the compile is behind us)
     assert first, proc.stderr.read().decode()[-2000:]
     time.sleep(1.0)
@@ -98,8 +106,8 @@ def test_ctrl_c_stops_within_a_chunk_keeps_the_text_and_exits_130():
     assert "tokens, abort" in out.decode()  # the result line of the interrupted prompt
 
 
-def test_a_closed_output_pipe_gives_one_line():
-    proc = _cli("--prompt", "The quick brown fox", "--max-new-tokens", "4000", "--stream", "--ignore-eos")
+def test_a_closed_output_pipe_gives_one_line(k3_dir):
+    proc = _cli(k3_dir, "--prompt", "The quick brown fox", "--max-new-tokens", "16000", "--stream", "--ignore-eos")
     assert proc.stdout.read(4)
     proc.stdout.close()                  # the reader went away (`| head -c 4`)
     err = proc.stderr.read().decode()
