@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from checkpoints import builtin_checkpoint
 
 from k3jax.cli import main
 
@@ -23,8 +24,9 @@ def test_generate_errors_are_one_line(capsys):
     assert "top_p must be a finite number in (0.0, 1.0], got 0.0" in capsys.readouterr().err
 
 
-def test_speculative_flags(capsys):
-    assert main(["generate", "--model", "tiny-k3-random", "--prompt", "def f(x):", "--max-tokens", "6", "--speculative", "mtp",
+def test_speculative_flags(tmp_path, capsys):
+    k3 = str(builtin_checkpoint(tmp_path / "k3", "tiny-k3-random", 4))   # MTP in 4 layers, not 13
+    assert main(["generate", "--model", k3, "--prompt", "def f(x):", "--max-tokens", "6", "--speculative", "mtp",
                  "--num-speculative-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "speculative mtp:" in out and "tokens per verify step" in out
