@@ -23,13 +23,20 @@ def test_eight_devices():
 
 @pytest.fixture(scope="module", params=["kimi_linear", "k3"])
 def base_model(request):
-    cfg = k3jax.tiny_kimi_linear() if request.param == "kimi_linear" else k3jax.tiny_k3(num_layers=6,
-                                                                                        attn_res_block_size=2)
+    # Every layer kind (KDA and MLA, dense and MoE; K3: two AttnRes blocks and MTP) in few layers.
+    cfg = k3jax.tiny_kimi_linear(num_layers=2) if request.param == "kimi_linear" else k3jax.tiny_k3(
+        num_layers=4, attn_res_block_size=2)
     return k3jax.CausalLM.random(cfg, seed=7)
 
 
+@pytest.fixture(scope="module")
+def base_generator(base_model):
+    """One device's generation, compiled once for the meshes' cases."""
+    return k3jax.Generator(base_model)
+
+
 @pytest.mark.parametrize("spec", MESHES, ids=lambda s: f"d{s.data}e{s.expert}t{s.tensor}")
-def test_sharded_model_equals_single_device(base_model, rng, spec):
+def test_sharded_model_equals_single_device(base_model, base_generator, rng, spec):
     ids = rng.integers(3, 512, (4, 10))
     mesh = make_mesh(spec)
     sharded = base_model.shard(mesh)
@@ -49,7 +56,7 @@ def test_sharded_model_equals_single_device(base_model, rng, spec):
     sp = k3jax.SamplingParams(max_new_tokens=6, ignore_eos=True)
     prompts = [ids[0].tolist(), ids[1, :7].tolist()]
     ours = [r.token_ids for r in k3jax.Generator(sharded_auto).generate(prompts, sp)]
-    ref = [r.token_ids for r in k3jax.Generator(base_model).generate(prompts, sp)]
+    ref = [r.token_ids for r in base_generator.generate(prompts, sp)]
     assert ours == ref
 
 
