@@ -30,7 +30,9 @@ def free_port() -> int:
 def run_two(worker: Path, *args: str) -> None:
     """Runs the worker as processes 0 and 1 (a fresh coordinator port), failing with their logs."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    # The workers choose their device count; the tests' other XLA flags (a fast CPU compile) pass on.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
     procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port), *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     logs = []
