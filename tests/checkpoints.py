@@ -6,6 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -14,6 +15,7 @@ import k3jax
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from k3jax.checkpoint.safetensors_io import SafetensorsCheckpoint, write_safetensors
 from k3jax.checkpoint.writer import save_checkpoint
+from k3jax.model import abstract_model
 from k3jax.tiny import builtin_config
 
 
@@ -52,9 +54,14 @@ def flip_byte(file, offset: int | None = None) -> None:
 
 
 def big_kimi_linear_checkpoint(path, experts: int = 48) -> None:
-    """A bf16 Kimi-Linear-shaped source with many experts (hidden 128): many tensors, a few MB each layer."""
+    """A bf16 Kimi-Linear-shaped source with many experts (hidden 128): many tensors, a few MB each layer.
+    The weights come from numpy (small normal values; what the converter reads, not what a model
+    initialises): JAX's random generator takes several seconds of CPU for the larger ones."""
     cfg = k3jax.tiny_kimi_linear(hidden=128, num_experts=experts, expert_intermediate_size=256)
-    save_checkpoint(k3jax.CausalLM.random(cfg, seed=0, dtype="bfloat16"), path, shards=3)  # real checkpoints are bf16
+    graphdef, shapes = nnx.split(abstract_model(cfg, "bfloat16"))   # real checkpoints are bf16
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: (0.02 * rng.standard_normal(s.shape, np.float32)).astype(s.dtype), shapes)
+    save_checkpoint(k3jax.CausalLM(nnx.merge(graphdef, params), cfg), path, shards=3)
 
 
 def builtin_model(name: str, num_layers: int, *, seed: int = 0) -> k3jax.CausalLM:
