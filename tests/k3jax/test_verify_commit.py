@@ -22,7 +22,8 @@ Q = 4
 
 @pytest.fixture(scope="module", params=["k3", "kimi_linear"])
 def model(request):
-    cfg = tiny_k3(num_layers=4, attn_res_block_size=2) if request.param == "k3" else tiny_kimi_linear()
+    # Every layer kind (KDA and MLA, dense and MoE; K3: AttnRes blocks, MTP) in few layers.
+    cfg = tiny_k3(num_layers=4, attn_res_block_size=2) if request.param == "k3" else tiny_kimi_linear(num_layers=2)
     return k3jax.CausalLM.random(cfg, seed=11)
 
 

@@ -45,7 +45,7 @@ def test_mxfp4_matches_ml_dtypes_decoder(rng):
 
 @pytest.mark.parametrize("quantization", [None, "mxfp4"])
 def test_real_k3_layout_round_trip(tmp_path, rng, quantization):
-    cfg = dataclasses.replace(tiny_k3(num_layers=6, attn_res_block_size=2), quantization=quantization)
+    cfg = dataclasses.replace(tiny_k3(num_layers=4, attn_res_block_size=2), quantization=quantization)
     model = k3jax.CausalLM.random(cfg, seed=2)
     if quantization:
         model = snap_experts_to_mxfp4(model)
@@ -58,7 +58,7 @@ def test_real_k3_layout_round_trip(tmp_path, rng, quantization):
     ckpt = SafetensorsCheckpoint(tmp_path / "k3")
     assert (tmp_path / "k3" / "model.safetensors.index.json").exists()
     assert "language_model.lm_head.weight" in ckpt.tensors
-    assert "language_model.model.layers.6.shared_head.head.weight" in ckpt.tensors  # the MTP layer L + 0
+    assert "language_model.model.layers.4.shared_head.head.weight" in ckpt.tensors  # the MTP layer L + 0
     if quantization:
         name = "language_model.model.layers.1.block_sparse_moe.experts.3.w2"
         packed, scale = ckpt.read(name + ".weight_packed"), ckpt.read(name + ".weight_scale")
