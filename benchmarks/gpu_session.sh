@@ -33,7 +33,7 @@ for step in "$@"; do
               --moe auto --batch 1 64 --new-tokens 32 --profile --prefill 1x8192 64x1024 --name decode_after 2>&1 \
               | quiet | tee "$W/decode.log" ;;
     decode-fast) OUT=$W timeout 360 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
-              --moe auto --batch 1 64 --new-tokens 32 --profile --name decode_fast 2>&1 | quiet | tee "$W/decode.log" ;;
+              --moe auto --batch ${DECODE_BATCH:-1 64} --new-tokens 32 --profile --name decode_fast 2>&1 | quiet | tee "$W/decode.log" ;;
     skinny-tests) K3JAX_TEST_DEVICE=gpu timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_skinny.py tests/pallas_kernels/test_moe_gmm.py -k "not mgpu" 2>&1 | quiet | tail -8 \
               | tee "$W/skinny_tests.log" ;;
@@ -109,6 +109,8 @@ for step in "$@"; do
   esac
   echo "== step $step took $(( $(date +%s) - start )) s" | tee -a "$W/steps.txt"
 done
+# Keep the optimized decode HLO (which fusion is which kernel), compressed; drop the rest of the dumps.
+for f in "$W"/hlo_dump/*decode_chunk*after_optimizations.txt; do [ -f "$f" ] && gzip -c "$f" > "$W/$(basename "$f").gz"; done
 rm -rf "$W/hlo_dump" "$W/hlo_dump_prefill"
 tar czf "$OUT/results.tgz" -C "$W" --exclude='trace_*' . 2>/dev/null
 tar czf "$OUT/traces.tgz" -C "$W" $(cd "$W" && ls -d trace_* 2>/dev/null) 2>/dev/null || true
