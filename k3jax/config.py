@@ -17,6 +17,8 @@ from k3jax.layers.mla_attention import MLA_DECODE_IMPLS, MLA_PREFILL_IMPLS, MLAD
 from k3jax.layers.moe_experts import EXPERT_IMPLS, ExpertImpl
 from pallas_kernels.kda import KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl
 from pallas_kernels.moe_gmm import GMM_IMPLS, GmmImpl
+from pallas_kernels.rms_norm import NORM_IMPLS, NormImpl
+from pallas_kernels.router import ROUTER_IMPLS, RouterImpl
 from pallas_kernels.skinny import SKINNY_IMPLS, SkinnyImpl
 
 __all__ = ["Activation", "AttnResConfig", "ConfigError", "ExpertParallel", "KDAConfig", "MLAConfig", "MLPConfig",
@@ -154,6 +156,9 @@ class MoEConfig:
     norm_eps: float = 1e-5
     impl: ExpertImpl = "ragged"    # routed-expert path (k3jax.layers.moe_experts.EXPERT_IMPLS)
     gmm_impl: GmmImpl = "auto"     # grouped matmul of the ragged path (pallas_kernels.moe_gmm.GMM_IMPLS)
+    # Top-k routing on the few-row (decode) path: one kernel launch or XLA's sort
+    # (pallas_kernels.router.ROUTER_IMPLS; ungrouped routers only, grouped ones always take XLA).
+    router_impl: RouterImpl = "auto"
     expert_parallel: ExpertParallel | None = None  # set by k3jax.sharding.config_for_mesh
     # How tokens reach the expert shards when they split over them (k3jax.layers.moe_parallel):
     # "gather" (all_gather + psum_scatter) or "ragged" (each pair only to its expert's shard).
@@ -166,6 +171,7 @@ class MoEConfig:
     def __post_init__(self):
         require_positive(self.num_experts, "num_experts")
         require_choice(self.gmm_impl, GMM_IMPLS, "moe.gmm_impl")
+        require_choice(self.router_impl, ROUTER_IMPLS, "moe.router_impl")
         if self.latent_size is not None:
             require_positive(self.latent_size, "routed_expert_hidden_size")
         require_positive(self.num_experts_per_token, "num_experts_per_token")
@@ -252,6 +258,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     model_type: str = "kimi_linear"
     linear_impl: SkinnyImpl = "auto"  # projections of few rows (pallas_kernels.skinny.SKINNY_IMPLS)
+    norm_impl: NormImpl = "auto"      # residual-stream RMSNorms of few rows (pallas_kernels.rms_norm.NORM_IMPLS)
     # Prompt tokens per prefill call (rows x chunk length): a longer prompt runs as chunks that continue
     # the state, so prefill memory stays bounded; 0 runs every prompt in one call (the reference).
     prefill_chunk_tokens: int = 16384
@@ -354,9 +361,11 @@ IMPL_OPTIONS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "mla_prefill": ("mla", "prefill_impl", MLA_PREFILL_IMPLS),
     "moe": ("moe", "impl", EXPERT_IMPLS),
     "gmm": ("moe", "gmm_impl", GMM_IMPLS),
+    "router": ("moe", "router_impl", ROUTER_IMPLS),
     "ep_dispatch": ("moe", "ep_dispatch", EP_DISPATCHES),
     "attn_res": ("attn_res", "impl", ATTN_RES_IMPLS),
     "linear": (None, "linear_impl", SKINNY_IMPLS),
+    "norm": (None, "norm_impl", NORM_IMPLS),
 }
 RENAMED_IMPL_OPTIONS = {"kda_impl": "kda", "kda_decode_impl": "kda_decode", "mla_impl": "mla", "moe_impl": "moe",
                         "gmm_impl": "gmm", "attn_res_impl": "attn_res"}

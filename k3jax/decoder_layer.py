@@ -16,6 +16,7 @@ from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import MoE
 from k3jax.layers.norms import RMSNorm
 from k3jax.state import SeqInfo
+from pallas_kernels.rms_norm import NormImpl
 from pallas_kernels.skinny import SkinnyImpl
 
 
@@ -25,9 +26,9 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, mixer: KDAConfig | MLAConfig, ffn: MLPConfig | MoEConfig, *, hidden_size: int,
                  eps: float, attn_res: AttnResConfig | None = None, dtype, rngs: nnx.Rngs,
-                 linear_impl: SkinnyImpl = "auto"):
-        self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, rngs=rngs)
+                 linear_impl: SkinnyImpl = "auto", norm_impl: NormImpl = "auto"):
+        self.input_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, rngs=rngs, impl=norm_impl)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype=dtype, rngs=rngs, impl=norm_impl)
         if isinstance(mixer, KDAConfig):
             self.self_attn = KimiDeltaAttention(mixer, dtype=dtype, rngs=rngs, linear_impl=linear_impl)
         else:

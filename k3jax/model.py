@@ -29,11 +29,11 @@ class KimiModel(nnx.Module):
         for mixer, ffn in zip(cfg.mixers, cfg.ffns):
             layers.append(DecoderLayer(cfg.mixer_config(mixer), cfg.ffn_config(ffn), hidden_size=cfg.hidden_size,
                                        eps=cfg.rms_norm_eps, attn_res=cfg.attn_res, dtype=dtype, rngs=rngs,
-                                       linear_impl=cfg.linear_impl))
+                                       linear_impl=cfg.linear_impl, norm_impl=cfg.norm_impl))
         self.layers = nnx.List(layers)
         if cfg.attn_res is not None:
             self.output_attn_res = AttnResPoint(cfg.hidden_size, cfg.attn_res.eps, dtype=dtype, rngs=rngs)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs, impl=cfg.norm_impl)
 
     def __call__(self, tokens_BT: jax.Array, seq: SeqInfo, state: DecodeState | None, *, fresh: bool):
         """Returns (pre-norm final hidden [B, T, D], new state or None)."""

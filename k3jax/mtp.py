@@ -38,7 +38,8 @@ class MTPLayer(DecoderLayer):
 
     def __init__(self, cfg: ModelConfig, j: int, *, dtype, rngs: nnx.Rngs):
         super().__init__(cfg.mixer_config(cfg.mtp_mixers[j]), cfg.ffn_config(cfg.mtp_ffns[j]),
-                         hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, attn_res=None, dtype=dtype, rngs=rngs, linear_impl=cfg.linear_impl)
+                         hidden_size=cfg.hidden_size, eps=cfg.rms_norm_eps, attn_res=None, dtype=dtype, rngs=rngs,
+                         linear_impl=cfg.linear_impl, norm_impl=cfg.norm_impl)
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)

@@ -38,27 +38,36 @@ def takes_fused_kernel(groups) -> bool:
             and all(resolve_skinny_impl(lin.impl) == "pallas" for g in groups for lin in g[1]))
 
 
-def linears(groups: Sequence[tuple], *, out_dtype=None) -> list[list[jax.Array]]:
+def linears(groups: Sequence[tuple], *, out_dtype=None, partial_sums: Sequence[int] = ()) -> list[list[jax.Array]]:
     """Applies each group's layers to the group's input: groups of (x [..., in], layers) or (x, layers,
     out_dtype); per group, per layer, [..., out]. Few-row calls (decode) run every group in ONE kernel
     launch (`pallas_kernels.skinny.fused_projections`: each weight read once, narrow weights split
-    over the reduction axis); other calls are one XLA dot per layer."""
-    dtypes = [g[2] if len(g) > 2 else out_dtype for g in groups]
+    over the reduction axis); other calls are one XLA dot per layer.
+
+    Groups listed in `partial_sums` come back as fp32 partial sums [S, ..., out] whose sum over the
+    first axis is the product (S = 1 off the kernel), for a consumer kernel that adds them itself."""
+    dtypes = [jnp.float32 if i in partial_sums else (g[2] if len(g) > 2 else out_dtype) for i, g in enumerate(groups)]
     if not takes_fused_kernel(groups):
-        return [[jnp.einsum("...i,io->...o", g[0].astype(lin.kernel.dtype), lin.kernel[...], preferred_element_type=dt)
-                 for lin in g[1]] for g, dt in zip(groups, dtypes)]
+        return [[_partial(jnp.einsum("...i,io->...o", g[0].astype(lin.kernel.dtype), lin.kernel[...],
+                                     preferred_element_type=dt), i in partial_sums)
+                 for lin in g[1]] for i, (g, dt) in enumerate(zip(groups, dtypes))]
     flat = [(g[0].reshape(-1, g[0].shape[-1]).astype(g[1][0].kernel.dtype), tuple(lin.kernel[...] for lin in g[1]))
             for g in groups]
-    outs = fused_projections(flat, impl="pallas", out_dtype=tuple(dtypes))
+    outs = fused_projections(flat, impl="pallas", out_dtype=tuple(dtypes), partial_groups=tuple(partial_sums))
     result = []
-    for (x, layers, *_), out in zip(groups, outs):
+    for i, ((x, layers, *_), out) in enumerate(zip(groups, outs)):
+        lead = out.shape[:1] if i in partial_sums else ()
         cols, pieces = 0, []
         for lin in layers:
             n = lin.kernel.shape[1]
-            pieces.append(out[:, cols:cols + n].reshape(x.shape[:-1] + (n,)))
+            pieces.append(out[..., cols:cols + n].reshape(lead + x.shape[:-1] + (n,)))
             cols += n
         result.append(pieces)
     return result
+
+
+def _partial(y: jax.Array, partial: bool) -> jax.Array:
+    return y[None] if partial else y
 
 
 class Embedding(nnx.Module):

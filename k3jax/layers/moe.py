@@ -23,6 +23,7 @@ from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import normal, param, random_bytes, zeros
 from pallas_kernels.moe_gmm.mxfp4 import GROUP as MXFP4_GROUP
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
+from pallas_kernels.router import RouterSpec, route_topk
 from pallas_kernels.skinny import SkinnyImpl
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -62,6 +63,17 @@ def route_logits(logits: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -> tuple[
     if cfg.renormalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+def route_partial_logits(partials_SNE: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
+    """`route` from fp32 partial sums of the router logits [S, N, E] (the few-row projection
+    kernel's slices of the reduction axis): one top-k kernel launch for ungrouped routers
+    (cfg.router_impl, `pallas_kernels.router`), else `route_logits` on their sum."""
+    if cfg.num_expert_group == 1:
+        spec = RouterSpec(k=cfg.num_experts_per_token, score=cfg.score_function, renormalize=cfg.renormalize,
+                          scale=cfg.routed_scaling_factor)
+        return route_topk(partials_SNE, bias_E, spec, impl=cfg.router_impl)
+    return route_logits(jnp.sum(partials_SNE, axis=0), bias_E, cfg)
 
 
 def routed_experts(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg: MoEConfig) -> jax.Array:
@@ -151,10 +163,11 @@ class MoE(nnx.Module):
         fused = [(x_ND, [self.gate], jnp.float32)] + ([(x_ND, [shared.gate_proj, shared.up_proj])] if shared else [])
         if takes_fused_kernel(fused):
             # Decode: the router logits and the shared experts' gate|up read x in one launch (bf16 x
-            # and weights, exact products, fp32 sums: the fp32 router up to the order of summation).
+            # and weights, exact products, fp32 sums: the fp32 router up to the order of summation);
+            # the top-k kernel adds the router's partial sums itself.
             with jax.named_scope("router"):
-                (logits,), *shared_gate_up = linears(fused)
-                weights, experts = route_logits(logits, self.gate.e_score_correction_bias[...], cfg)
+                (partials,), *shared_gate_up = linears(fused, partial_sums=(0,))
+                weights, experts = route_partial_logits(partials, self.gate.e_score_correction_bias[...], cfg)
         else:
             shared_gate_up = None
             with jax.named_scope("router"):

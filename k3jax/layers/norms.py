@@ -8,6 +8,7 @@ from flax import nnx
 
 from k3jax.layers.params import ones, param
 from pallas_kernels.kda import gated_rms_norm
+from pallas_kernels.rms_norm import NormImpl, rms_norm
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -18,14 +19,19 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis. Normalises in fp32, casts back to the input dtype, then scales
-    by the weight (the Hugging Face order, arch §3.1)."""
+    by the weight (the Hugging Face order, arch §3.1). `impl` "xla" is the reference; "pallas" /
+    "auto" (on a GPU) run a few rows (decode) as one kernel launch (`pallas_kernels.rms_norm`)."""
 
-    def __init__(self, features: int, eps: float, *, dtype, rngs: nnx.Rngs, axis_name: str = "norm"):
+    def __init__(self, features: int, eps: float, *, dtype, rngs: nnx.Rngs, axis_name: str = "norm",
+                 impl: NormImpl = "xla"):
         self.eps = eps
+        self.impl = impl
         self.weight = param(rngs, (features,), dtype, ones(), (axis_name,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., F] -> [..., F] in x's dtype."""
+        if self.impl != "xla" and self.weight[...].dtype == x.dtype:
+            return rms_norm(x, self.weight[...], self.eps, impl=self.impl)
         y = rms_normalize(x, self.eps).astype(x.dtype)
         return (self.weight[...] * y).astype(x.dtype)
 

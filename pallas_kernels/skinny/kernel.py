@@ -57,9 +57,10 @@ def _kernel(*refs, segments: tuple[Segment, ...], n_groups: int, m: int):
                 plt.store(out_ref.at[part, pl.ds(0, ROWS), out_cols], acc, mask=out_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("counts", "out_dtype", "blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("counts", "out_dtype", "blocks", "partial_groups", "interpret"))
 def fused_projections_pallas(xs, weights, *, counts: tuple[int, ...], out_dtype=None,
-                             blocks: SkinnyBlocks = SkinnyBlocks(), interpret: bool | None = None):
+                             blocks: SkinnyBlocks = SkinnyBlocks(), partial_groups: tuple[int, ...] = (),
+                             interpret: bool | None = None):
     # out_dtype: one dtype for every group, or a tuple with one per group.
     """out_g = x_g @ concat(weights of group g, axis=1), all groups in one launch.
 
@@ -68,15 +69,18 @@ def fused_projections_pallas(xs, weights, *, counts: tuple[int, ...], out_dtype=
         them [K_g, N] for group g in turn; every side a multiple of 16.
       out_dtype: result dtype, or a tuple of one per group (default each input's); accumulation is
         always fp32.
+      partial_groups: groups returned as their fp32 partial sums [S, M, sum N] over the S slices of
+        the reduction axis (S = 1 when unsplit), for a consumer kernel that adds them itself.
     Returns:
-      a tuple of [M, sum N] per group.
+      a tuple of [M, sum N] per group ([S, M, sum N] for partial_groups).
     """
     m = xs[0].shape[0]
     if m > ROWS or any(x.shape[0] != m for x in xs):
         raise ValueError(f"fused projections: every input needs the same row count <= {ROWS}; got "
                          f"{[x.shape for x in xs]}")
     dtypes = tuple(out_dtype) if isinstance(out_dtype, tuple) else (out_dtype,) * len(xs)
-    dtypes = tuple(jnp.dtype(d or x.dtype) for d, x in zip(dtypes, xs))
+    dtypes = tuple(jnp.dtype(jnp.float32 if g in partial_groups else (d or x.dtype))
+                   for g, (d, x) in enumerate(zip(dtypes, xs)))
     groups, at = [], 0
     for g, (x, c) in enumerate(zip(xs, counts)):
         ws = weights[at:at + c]
@@ -99,4 +103,7 @@ def fused_projections_pallas(xs, weights, *, counts: tuple[int, ...], out_dtype=
         interpret=default_interpret() if interpret is None else interpret,
         name="fused_projections",
     )(*xs, *weights)
+    if partial_groups:
+        return tuple((o if splits[g] > 1 else o[None]) if g in partial_groups
+                     else o if splits[g] == 1 else jnp.sum(o, axis=0).astype(dtypes[g]) for g, o in enumerate(outs))
     return tuple(o if splits[g] == 1 else jnp.sum(o, axis=0).astype(dtypes[g]) for g, o in enumerate(outs))

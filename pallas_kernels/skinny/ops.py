@@ -35,7 +35,8 @@ def resolve_skinny_impl(impl: SkinnyImpl) -> str:
 
 
 def fused_projections(groups: Sequence[tuple[jax.Array, Sequence[jax.Array]]], *, impl: SkinnyImpl = "auto",
-                      out_dtype=None, blocks: SkinnyBlocks = SkinnyBlocks()) -> list[jax.Array]:
+                      out_dtype=None, blocks: SkinnyBlocks = SkinnyBlocks(),
+                      partial_groups: Sequence[int] = ()) -> list[jax.Array]:
     """Per group, its input times its weights side by side, every kernel-able group in one launch.
 
     Args:
@@ -43,8 +44,10 @@ def fused_projections(groups: Sequence[tuple[jax.Array, Sequence[jax.Array]]], *
       impl: one of SKINNY_IMPLS. out_dtype: result dtype, or a tuple of one per group (default each
         input's); fp32 accumulation.
       blocks: the kernel's launch plan settings.
+      partial_groups: groups returned as fp32 partial sums [S, M, sum N] over the kernel's slices of
+        the reduction axis (S = 1 when unsplit or not on the kernel), for consumers that add them.
     Returns:
-      per group [M, sum N].
+      per group [M, sum N] ([S, M, sum N] for partial_groups).
     """
     impl = resolve_skinny_impl(impl)
     dtypes = tuple(out_dtype) if isinstance(out_dtype, (tuple, list)) else (out_dtype,) * len(groups)
@@ -53,18 +56,25 @@ def fused_projections(groups: Sequence[tuple[jax.Array, Sequence[jax.Array]]], *
     # Weights the kernel takes (sides multiples of 16), per group; the rest are dots.
     picked = [[use_kernel and tiles_by_16(x.shape[1], w.shape[1]) for w in ws] for x, ws in groups]
     chosen = [g for g, p in enumerate(picked) if any(p)]
+    partial = set(partial_groups)
+    partial_kernel = {g for g in partial if all(picked[g])}
+    dtypes = tuple(jnp.float32 if g in partial else d for g, d in enumerate(dtypes))
     fused = {}
     if chosen:
         xs = tuple(groups[g][0] for g in chosen)
         weights = tuple(w for g in chosen for w, p in zip(groups[g][1], picked[g]) if p)
         outs = fused_projections_pallas(xs, weights, counts=tuple(sum(picked[g]) for g in chosen),
                                         out_dtype=tuple(jnp.dtype(dtypes[g] or groups[g][0].dtype) for g in chosen),
-                                        blocks=blocks)
+                                        blocks=blocks,
+                                        partial_groups=tuple(i for i, g in enumerate(chosen) if g in partial_kernel))
         fused = dict(zip(chosen, outs))
     results = []
     for g, (x, ws) in enumerate(groups):
         if all(picked[g]):
             results.append(fused[g])
+            continue
+        if g in partial:   # some weight off the kernel: the whole group as XLA dots, one "slice"
+            results.append(fused_projections_reference((x,), tuple(ws), counts=(len(ws),), out_dtype=jnp.float32)[0][None])
             continue
         pieces, col = [], 0
         for w, p in zip(ws, picked[g]):

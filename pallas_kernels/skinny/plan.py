@@ -6,7 +6,9 @@ products are written side by side into output g ([M, sum_j N_gj]). Every weight'
 into blocks of `bn` (the largest power of two <= block_n dividing N), and a group's reduction axis
 into `splits` equal slices when the columns alone give too few programs to keep every SM streaming
 (narrow weights such as 4096 -> 2304); split groups write fp32 partial sums [splits, M, N] that the
-caller adds up.
+caller adds up. Narrower column blocks (down to `min_block_n`) are preferred when they alone reach the
+program target: then no group splits, and its outputs need no adding up (nor the slicing kernels
+that would follow at decode).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from pallas_kernels._util import largest_block
 
 @dataclass(frozen=True)
 class SkinnyBlocks:
-    """block_n / block_k: largest column block and reduction step (powers of two >= 16).
+    """block_n / block_k: largest column block and reduction step (powers of two >= 16); min_block_n:
+    the narrowest column block tried before splitting the reduction axis.
     target_programs: split the reduction axis until the launch has about this many programs (two
     per SM of an H200). min_split_k: no reduction slice shorter than this."""
 
     block_n: int = 64
+    min_block_n: int = 32
     block_k: int = 128
     target_programs: int = 264
     min_split_k: int = 256
@@ -63,15 +67,14 @@ def _splits(k_dim: int, bk: int, columns: int, blocks: SkinnyBlocks) -> int:
 def plan(shapes: tuple[tuple[int, tuple[int, ...]], ...], blocks: SkinnyBlocks) -> tuple[Segment, ...]:
     """shapes: per group (K, (N of each weight)); every side a multiple of 16. -> the segments, in
     weight order, with consecutive program ranges."""
-    layout = []
-    for g, (k_dim, widths) in enumerate(shapes):
-        bk = largest_block(k_dim, blocks.block_k)
-        bns = [largest_block(n, blocks.block_n) for n in widths]
-        if bk is None or None in bns:
-            raise ValueError(f"fused projections: group {g} has K={k_dim}, N={widths}; every side must be a "
-                             "multiple of 16")
-        layout.append((k_dim, bk, widths, bns))
-    columns = sum(n // bn for _, _, widths, bns in layout for n, bn in zip(widths, bns))
+    layout = _layout(shapes, blocks, blocks.block_n)
+    columns = _columns(layout)
+    block_n = blocks.block_n // 2
+    while columns < blocks.target_programs and block_n >= max(16, blocks.min_block_n):
+        narrow = _layout(shapes, blocks, block_n)
+        if _columns(narrow) >= blocks.target_programs:
+            layout, columns = narrow, _columns(narrow)
+        block_n //= 2
     segments, first, weight = [], 0, 0
     for g, (k_dim, bk, widths, bns) in enumerate(layout):
         splits = _splits(k_dim, bk, columns, blocks)
@@ -84,3 +87,20 @@ def plan(shapes: tuple[tuple[int, tuple[int, ...]], ...], blocks: SkinnyBlocks) 
             col += n
             weight += 1
     return tuple(segments)
+
+
+def _layout(shapes, blocks: SkinnyBlocks, block_n: int):
+    """Per group (K, bk, widths, column block of each weight) with column blocks of at most block_n."""
+    layout = []
+    for g, (k_dim, widths) in enumerate(shapes):
+        bk = largest_block(k_dim, blocks.block_k)
+        bns = [largest_block(n, block_n) for n in widths]
+        if bk is None or None in bns:
+            raise ValueError(f"fused projections: group {g} has K={k_dim}, N={widths}; every side must be a "
+                             "multiple of 16")
+        layout.append((k_dim, bk, widths, bns))
+    return layout
+
+
+def _columns(layout) -> int:
+    return sum(n // bn for _, _, widths, bns in layout for n, bn in zip(widths, bns))

@@ -136,15 +136,15 @@ def test_chunked_prefill_with_the_fused_attention_forms(model, rng, monkeypatch)
 @pytest.mark.parametrize("family", ["kimi_linear", "k3"])
 def test_decode_projections_through_the_kernel_equal_the_dot(model, family, rng):
     """linear="pallas" (the few-row projections of a step fused into few launches of the skinny
-    kernel: KDA's q|k|v|f_a|b|g, MLA's q|kv_a|g, the MLPs' gate|up) == one XLA dot each. Both
-    families: Kimi-Linear's low-rank output gate, K3's full-rank gate, q-LoRA, MLA output gate and
-    latent MoE."""
+    kernel: KDA's q|k|v|f_a|b|g, MLA's q|kv_a|g, the MLPs' gate|up; the top-k router kernel on the
+    router's partial sums; the one-launch residual norms) == one XLA dot each, XLA's top-k and norms. Both families: Kimi-Linear's
+    low-rank output gate, K3's full-rank gate, q-LoRA, MLA output gate and latent MoE."""
     if family == "k3":
         model = k3jax.CausalLM.random(tiny_k3(num_layers=4, attn_res_block_size=2), seed=5)
     ids = rng.integers(0, model.config.vocab_size, (2, 12))
     outs = []
     for impl in ("xla", "pallas"):
-        m = model.with_impls(linear=impl)
+        m = model.with_impls(linear=impl, router=impl, norm=impl)
         logits, state = m.prefill(ids[:, :10])
         steps = [m.decode_step(state, ids[:, 10])[0]]
         outs.append(np.concatenate([np.asarray(logits), np.asarray(steps[0])]))

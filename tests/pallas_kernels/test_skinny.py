@@ -43,11 +43,17 @@ def test_plan_covers_every_block_once():
 
 def test_narrow_weights_split_the_reduction_axis():
     """4096 -> 2304 (an output projection of the 48B shape): 36 column blocks alone would leave most
-    SMs idle, so the reduction axis is cut until there are about two programs per SM."""
+    SMs idle, and even 32-wide blocks give too few, so the reduction axis is cut until there are about
+    two programs per SM. KDA's q|k|v|f_a|b|g reaches that count with 32-wide blocks alone: no split
+    (so no partial sums to add up); min_block_n=64 keeps 64-wide blocks and splits instead."""
     (seg,) = plan(((4096, (2304,)),), SkinnyBlocks())
-    assert seg.splits == 8 and seg.programs == 288
-    fused = plan(((2304, (4096, 4096, 4096, 128, 32, 128)),), SkinnyBlocks())
-    assert {s.splits for s in fused} == {2} and sum(s.programs for s in fused) == 2 * (192 + 2 + 1 + 2)
+    assert seg.splits == 8 and seg.programs == 288 and seg.bn == 64
+    kda = ((2304, (4096, 4096, 4096, 128, 32, 128)),)
+    fused = plan(kda, SkinnyBlocks())
+    assert {s.splits for s in fused} == {1} and {s.bn for s in fused} == {32}
+    assert sum(s.programs for s in fused) == 3 * 128 + 4 + 1 + 4
+    wide = plan(kda, SkinnyBlocks(min_block_n=64))
+    assert {s.splits for s in wide} == {2} and sum(s.programs for s in wide) == 2 * (192 + 2 + 1 + 2)
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
@@ -70,6 +76,30 @@ def test_fused_kernel_matches_the_dots(rng, interpret, m, dtype):
         for g, (a, b) in enumerate(zip(got, want)):
             assert a.shape == b.shape and a.dtype == b.dtype
             assert_close(f"group {g}", a, b, dtype=kernel_dtype(dtype, interpret))
+
+
+@pytest.mark.parametrize("m", [1, 7])
+def test_partial_sums_add_up_to_the_dots(rng, interpret, m):
+    """partial_groups: a split group comes back as its fp32 slices of the reduction axis, an unsplit
+    one as a single slice; their sums are the dots. Through the dispatch site, a group with a weight
+    off the kernel is one XLA slice."""
+    xs = (jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16), jnp.asarray(rng.standard_normal((m, 32)), jnp.bfloat16))
+    weights = (jnp.asarray(rng.standard_normal((256, 96)) / 16, jnp.bfloat16),
+               jnp.asarray(rng.standard_normal((32, 16)) / 8, jnp.bfloat16))
+    got = fused_projections_pallas(xs, weights, counts=(1, 1), blocks=SMALL, partial_groups=(0, 1), interpret=interpret)
+    want = fused_projections_reference(xs, weights, counts=(1, 1), out_dtype=jnp.float32)
+    splits = [s.splits for s in plan(((256, (96,)), (32, (16,))), SMALL)]
+    assert splits[0] > 1 and splits[1] == 1
+    assert got[0].shape == (splits[0], m, 96) and got[1].shape == (1, m, 16) and {g.dtype for g in got} == {jnp.dtype("float32")}
+    for g, (a, b) in enumerate(zip(got, want)):
+        assert_close(f"group {g}", jnp.sum(a, axis=0), b, dtype="bfloat16")
+    w7 = jnp.asarray(rng.standard_normal((256, 7)), jnp.bfloat16)
+    kernel, dots = fused_projections([(xs[0], (weights[0],)), (xs[0], (weights[0], w7))], impl="pallas",
+                                     partial_groups=(0, 1))
+    assert dots.shape == (1, m, 103) and dots.dtype == jnp.float32
+    assert_close("kernel group", jnp.sum(kernel, axis=0), want[0], dtype="bfloat16")
+    assert_close("dot group", dots[0], jnp.concatenate([want[0], jnp.dot(xs[0], w7, preferred_element_type=jnp.float32)],
+                                                       axis=-1), dtype="bfloat16")
 
 
 @pytest.mark.parametrize("m,k,n", [(1, 256, 512), (5, 128, 96), (16, 64, 32)])

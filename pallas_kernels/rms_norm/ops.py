@@ -1,0 +1,30 @@
+"""The dispatch site of the row RMSNorm.
+
+impl "xla": the twin (two XLA kernels on the GPU). impl "pallas": one launch for at most MAX_ROWS
+rows (decode), the twin beyond. impl "auto": "pallas" on a GPU backend, "xla" elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import jax
+
+from pallas_kernels.rms_norm.kernel import rms_norm_pallas
+from pallas_kernels.rms_norm.reference import rms_norm_reference
+
+NormImpl = Literal["auto", "xla", "pallas"]
+NORM_IMPLS: tuple[str, ...] = get_args(NormImpl)
+MAX_ROWS = 64    # one program per row: a prompt's rows are XLA's (it fuses them well at that size)
+
+
+def rms_norm(x, weight, eps: float, *, impl: NormImpl = "auto"):
+    """weight * rmsnorm(x) over the last axis of x [..., D]; -> x's shape and dtype."""
+    if impl not in NORM_IMPLS:
+        raise ValueError(f"rms norm: unknown impl {impl!r}; expected one of {NORM_IMPLS}")
+    rows = x.size // x.shape[-1]
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if impl == "pallas" and rows <= MAX_ROWS:
+        return rms_norm_pallas(x.reshape(rows, x.shape[-1]), weight, eps=eps).reshape(x.shape)
+    return rms_norm_reference(x, weight, eps)
