@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import KDAConfig
-from k3jax.layers.linear import Linear, linears
+from k3jax.layers.linear import Linear, linears, takes_fused_kernel
 from k3jax.layers.norms import GatedRMSNorm
 from k3jax.layers.params import normal, param, uniform
 from k3jax.state import KDAPending, KDAState, SeqInfo
@@ -21,13 +21,31 @@ from pallas_kernels.kda import (KDADecodeInputs, KDADecodeWeights, kda, kda_deco
                                 kda_verify_outputs)
 from pallas_kernels.kda import forget_gate as gate_from_logits
 from pallas_kernels.kda import l2_normalize
-from pallas_kernels.skinny import SkinnyImpl
+from pallas_kernels.skinny import SkinnyImpl, fused_projections
+
+
+def head_or_channel(a_log: jax.Array, cfg: KDAConfig) -> jax.Array:
+    """A_log [H] or [K] as fp32 [H, 1] (per head) or [1, K] (per channel), to broadcast against
+    [..., H, K]."""
+    a_log = a_log.astype(jnp.float32)
+    return a_log[:, None] if cfg.a_log_policy == "per_head" else a_log[None, :]
 
 
 def decay_rates(a_log: jax.Array, cfg: KDAConfig) -> jax.Array:
     """a = exp(A_log) shaped to broadcast against [..., H, K]: [H, 1] per head or [1, K] per channel."""
-    a = jnp.exp(a_log.astype(jnp.float32))
-    return a[:, None] if cfg.a_log_policy == "per_head" else a[None, :]
+    return jnp.exp(head_or_channel(a_log, cfg))
+
+
+def grouped_projections(x_BTD: jax.Array, groups) -> list[jax.Array]:
+    """x through each group of layers: per group one array [B, T, sum of out], its layers' outputs
+    side by side. As `linears` on groups that share x, but on the few-row path each group's array is
+    the fused kernel's own output, not cut into per-layer pieces to be joined again."""
+    calls = [(x_BTD, layers) for layers in groups]
+    if not takes_fused_kernel(calls):
+        return [jnp.concatenate(pieces, axis=-1) for pieces in linears(calls)]
+    x = x_BTD.reshape(-1, x_BTD.shape[-1]).astype(groups[0][0].kernel.dtype)
+    outs = fused_projections([(x, tuple(lin.kernel[...] for lin in layers)) for layers in groups], impl="pallas")
+    return [out.reshape(x_BTD.shape[:-1] + out.shape[-1:]) for out in outs]
 
 
 def forget_gate(f_BTHK: jax.Array, a_log: jax.Array, dt_bias_HK: jax.Array, cfg: KDAConfig) -> jax.Array:
@@ -104,12 +122,11 @@ class KimiDeltaAttention(nnx.Module):
         mixed, proj = self._projections(x_BTD)
         mixed = jnp.where(valid, mixed, 0).astype(dtype)
         conv_state = (jnp.zeros((b, cfg.conv_size - 1, 3 * p), dtype) if state is None else state.conv)
-        taps = self._taps()
         if state is not None and seq.tentative:
-            return self._verify(x_BTD, mixed, proj, taps, state)
+            return self._verify(x_BTD, mixed, proj, state)
         if t == 1 and state is not None:
-            return self._decode_step(x_BTD, mixed, proj, taps, state)
-        pre, new_conv = short_conv(mixed, conv_state, taps, seq.pad)
+            return self._decode_step(x_BTD, mixed, proj, state)
+        pre, new_conv = short_conv(mixed, conv_state, self._taps(), seq.pad)
         act = jax.nn.silu(pre).astype(dtype)
         q, kk, v = (act[..., i * p:(i + 1) * p].reshape(b, t, h, k) for i in range(3))
 
@@ -130,17 +147,17 @@ class KimiDeltaAttention(nnx.Module):
     def _projections(self, x_BTD):
         """Every projection of the layer input: (mixed [B, T, 3P] = q|k|v before the conv, and
         (decay logits f [B, T, P], beta logits [B, T, H], output-gate logits z [B, T, P])).
-        On the few-row (decode) path they take two launches: everything that reads x, then the
-        low-rank second halves."""
-        first = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj]
-        first.append(self.g_proj if self.cfg.use_full_rank_gate else self.g_a_proj)
-        (q, k, v, f_a, beta, g_first), = linears([(x_BTD, first)])
+        On the few-row (decode) path they take two launches: everything that reads x (q|k|v coming
+        out as one array), then the low-rank second halves."""
+        gate = self.g_proj if self.cfg.use_full_rank_gate else self.g_a_proj
+        mixed, f_a, beta, g_first = grouped_projections(
+            x_BTD, [[self.q_proj, self.k_proj, self.v_proj], [self.f_a_proj], [self.b_proj], [gate]])
         if self.cfg.use_full_rank_gate:
             (f,), = linears([(f_a, [self.f_b_proj])])
             z = g_first
         else:
             (f,), (z,) = linears([(f_a, [self.f_b_proj]), (g_first, [self.g_b_proj])])
-        return jnp.concatenate([q, k, v], axis=-1), (f, beta, z)
+        return mixed, (f, beta, z)
 
     def _decode_inputs(self, mixed_BTC, proj) -> KDADecodeInputs:
         """The fused decode step's per-token inputs, with the token axis: x_qkv [B, T, 3, H, K], ..."""
@@ -150,34 +167,38 @@ class KimiDeltaAttention(nnx.Module):
         return KDADecodeInputs(x_qkv=mixed_BTC.reshape(b, t, 3, h, k), f=f.reshape(b, t, h, k), beta_logit=beta,
                                z=z.reshape(b, t, h, k))
 
-    def _decode_weights(self, taps_WC) -> KDADecodeWeights:
+    def _decode_weights(self) -> KDADecodeWeights:
+        """The layer's weights as the fused decode step reads them: every array a reshape of a
+        parameter (nothing concatenated or broadcast per step)."""
         cfg = self.cfg
         h, k, w = cfg.num_heads, cfg.head_dim, cfg.conv_size
+        taps = lambda conv: conv[...].reshape(w, h, k)
         return KDADecodeWeights(
-            conv_w=taps_WC.reshape(w, 3, h, k), dt_bias=self.dt_bias[...].reshape(h, k),
-            a=jnp.broadcast_to(decay_rates(self.A_log[...], cfg), (h, k)), o_norm_w=self.o_norm.weight[...],
-            lower_bound=cfg.gate_lower_bound, norm_eps=cfg.norm_eps, scale=k ** -0.5)
+            q_conv=taps(self.q_conv1d), k_conv=taps(self.k_conv1d), v_conv=taps(self.v_conv1d),
+            dt_bias=self.dt_bias[...].reshape(h, k), a_log=head_or_channel(self.A_log[...], cfg),
+            o_norm_w=self.o_norm.weight[...], lower_bound=cfg.gate_lower_bound, norm_eps=cfg.norm_eps, scale=k ** -0.5)
 
     def _taps(self) -> jax.Array:
+        """[W, 3P] q | k | v conv taps side by side (the prefill conv)."""
         return jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
 
-    def _decode_step(self, x_BTD, mixed_BTC, proj, taps_WC, state: KDAState):
+    def _decode_step(self, x_BTD, mixed_BTC, proj, state: KDAState):
         """One token per row through the fused decode step (`kda_decode`, impl cfg.decode_impl)."""
         cfg = self.cfg
         b, h, k, w = x_BTD.shape[0], cfg.num_heads, cfg.head_dim, cfg.conv_size
         inputs = jax.tree.map(lambda a: a[:, 0], self._decode_inputs(mixed_BTC, proj))
-        out, conv, s = kda_decode(inputs, self._decode_weights(taps_WC), state.conv.reshape(b, w - 1, 3, h, k),
+        out, conv, s = kda_decode(inputs, self._decode_weights(), state.conv.reshape(b, w - 1, 3, h, k),
                                   state.recurrent, impl=cfg.decode_impl)
         out = self.o_proj(out.reshape(b, 1, h * k))
         return out, KDAState(conv=conv.reshape(b, w - 1, 3 * h * k), recurrent=s)
 
-    def _verify(self, x_BTD, mixed_BTC, proj, taps_WC, state: KDAState):
+    def _verify(self, x_BTD, mixed_BTC, proj, state: KDAState):
         """A speculative window of T tokens per row: the outputs of T fused decode steps (exactly
         what decoding them one by one gives) and a KDAPending to commit any prefix of them."""
         cfg = self.cfg
         b, t, h, k, w = *x_BTD.shape[:2], cfg.num_heads, cfg.head_dim, cfg.conv_size
         inputs = self._decode_inputs(mixed_BTC, proj)
-        out = kda_verify_outputs(inputs, self._decode_weights(taps_WC), state.conv.reshape(b, w - 1, 3, h, k),
+        out = kda_verify_outputs(inputs, self._decode_weights(), state.conv.reshape(b, w - 1, 3, h, k),
                                  state.recurrent, impl=cfg.decode_impl)
         out = self.o_proj(out.reshape(b, t, h * k))
         return out, KDAPending(inputs=inputs, conv=state.conv, recurrent=state.recurrent)
@@ -187,7 +208,7 @@ class KimiDeltaAttention(nnx.Module):
         replayed through the same fused steps as decoding."""
         cfg = self.cfg
         b, h, k, w = pending.conv.shape[0], cfg.num_heads, cfg.head_dim, cfg.conv_size
-        _, conv, s = kda_decode_steps(pending.inputs, self._decode_weights(self._taps()),
+        _, conv, s = kda_decode_steps(pending.inputs, self._decode_weights(),
                                       pending.conv.reshape(b, w - 1, 3, h, k), pending.recurrent, keep=keep_B,
                                       impl=cfg.decode_impl)
         return KDAState(conv=conv.reshape(b, w - 1, 3 * h * k), recurrent=s)

@@ -21,19 +21,20 @@ from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
 from pallas_kernels.kda.tuning import DecodeBlocks
 
 
-def _token(x, hist, w_ref, f, dt, a, beta_logit, z, nw, s, *, width, lower_bound, norm_eps, scale):
+def _token(x, hist, w_refs, f, dt, a, beta_logit, z, nw, s, *, width, lower_bound, norm_eps, scale):
     """One token of one (row, head): x [3][K] pre-conv q | k | v, hist [3][W-1][K] the previous
-    pre-conv inputs (oldest first), s [K, V] fp32. Returns (out [K] in x's dtype, new s)."""
+    pre-conv inputs (oldest first), w_refs the q, k, v taps [W, K], a = exp(A_log) fp32 ([1] or
+    [K]), s [K, V] fp32. Returns (out [K] in x's dtype, new s)."""
     f32 = jnp.float32
     dtype = x[0].dtype
     acts = []
-    for i in range(3):  # q, k, v
-        pre = w_ref[width - 1, i, :].astype(f32) * x[i].astype(f32)
+    for i, w_ref in enumerate(w_refs):  # q, k, v
+        pre = w_ref[width - 1, :].astype(f32) * x[i].astype(f32)
         for j in range(width - 1):
-            pre += w_ref[j, i, :].astype(f32) * hist[i][j].astype(f32)
+            pre += w_ref[j, :].astype(f32) * hist[i][j].astype(f32)
         acts.append(jax.nn.silu(pre).astype(dtype))
     q, k, v = l2_normalize(acts[0]) * scale, l2_normalize(acts[1]), acts[2].astype(f32)
-    g = forget_gate(f.astype(f32) + dt.astype(f32), a.astype(f32), lower_bound)
+    g = forget_gate(f.astype(f32) + dt.astype(f32), a, lower_bound)
     beta = jax.nn.sigmoid(beta_logit.astype(f32))
     s = s * jnp.exp(g)[:, None]                              # [K, V]
     pred = jnp.sum(s * k[:, None], axis=0)                   # [V]
@@ -42,12 +43,15 @@ def _token(x, hist, w_ref, f, dt, a, beta_logit, z, nw, s, *, width, lower_bound
     return gated_rms_norm(o, z, nw, norm_eps).astype(dtype), s
 
 
-def _decode_kernel(x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref, z_ref, nw_ref, s_ref,
+def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref, s_ref,
                    out_ref, conv_out_ref, s_out_ref, *, width, **settings):
+    """One token of one (row, head). conv_out_ref and s_out_ref may alias conv_ref and s_ref: both
+    blocks are read whole before anything is written back."""
     x = [x_ref[i, :] for i in range(3)]
     hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(3)]
-    out, s = _token(x, hist, w_ref, f_ref[...], dt_ref[...], a_ref[...], b_ref[...], z_ref[...], nw_ref[...],
-                    s_ref[...].astype(jnp.float32), width=width, **settings)
+    a = jnp.exp(a_log_ref[...].astype(jnp.float32))
+    out, s = _token(x, hist, (wq_ref, wk_ref, wv_ref), f_ref[...], dt_ref[...], a, b_ref[...], z_ref[...],
+                    nw_ref[...], s_ref[...].astype(jnp.float32), width=width, **settings)
     for i in range(3):
         window = hist[i][1:] + [x[i]]
         for j in range(width - 1):
@@ -56,19 +60,20 @@ def _decode_kernel(x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref, z_ref, n
     out_ref[...] = out.astype(out_ref.dtype)
 
 
-def _steps_kernel(keep_ref, x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref, z_ref, nw_ref, s_ref,
-                  out_ref, *state_out_refs, steps, width, **settings):
+def _steps_kernel(keep_ref, x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref,
+                  s_ref, out_ref, *state_out_refs, steps, width, **settings):
     """T tokens of one (row, head) with the state held on chip; the conv window and state advance
     over the first keep tokens only and are written when `state_out_refs` (conv, state) are given
-    (outputs-only calls, the speculative verify, write nothing else)."""
+    (outputs-only calls, the speculative verify, write nothing else). The state outputs may alias
+    conv_ref and s_ref: both are read whole before the token loop."""
     keep = keep_ref[...]
     hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(3)]
     s = s_ref[...].astype(jnp.float32)
-    dt, a, nw = dt_ref[...], a_ref[...], nw_ref[...]
+    dt, a, nw = dt_ref[...], jnp.exp(a_log_ref[...].astype(jnp.float32)), nw_ref[...]
     for t in range(steps):
         x = [x_ref[t, i, :] for i in range(3)]
-        out, s_new = _token(x, hist, w_ref, f_ref[t, :], dt, a, b_ref[t], z_ref[t, :], nw, s, width=width,
-                            **settings)
+        out, s_new = _token(x, hist, (wq_ref, wk_ref, wv_ref), f_ref[t, :], dt, a, b_ref[t], z_ref[t, :], nw, s,
+                            width=width, **settings)
         out_ref[t, :] = out.astype(out_ref.dtype)
         advance = t < keep
         s_new = s_new.astype(s_ref.dtype).astype(jnp.float32)   # a bf16 state is rounded after every token,
@@ -83,12 +88,21 @@ def _steps_kernel(keep_ref, x_ref, conv_ref, w_ref, f_ref, dt_ref, a_ref, b_ref,
     s_out_ref[...] = s.astype(s_out_ref.dtype)
 
 
+def _weight_specs(weights: KDADecodeWeights, h: int, kd: int) -> tuple[pl.BlockSpec, pl.BlockSpec, pl.BlockSpec]:
+    """Grid (row, head) blocks of one conv tap array ([W, K] of the head), dt_bias and a_log (the
+    head's row, or the one row every head shares)."""
+    a_rows, a_cols = weights.a_log.shape
+    return (pl.BlockSpec((weights.q_conv.shape[0], None, kd), lambda i, j: (0, j, 0)),
+            pl.BlockSpec((None, kd), lambda i, j: (j, 0)),
+            pl.BlockSpec((None, a_cols), (lambda i, j: (j, 0)) if a_rows == h else (lambda i, j: (0, 0))))
+
+
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array, state: jax.Array,
                       *, blocks: DecodeBlocks = DecodeBlocks(), interpret: bool | None = None):
     """Fused KDA decode step as one kernel; same contract as `kda_decode_xla`. The state (fp32 or
     bf16, read and written in its dtype, the math in fp32) is updated in place (input/output
-    aliased): donate it to avoid a copy.
+    aliased), and so is the conv state: donate both to avoid copies.
 
     Args:
       inputs: KDADecodeInputs (x_qkv [B, 3, H, K], f [B, H, K], beta_logit [B, H], z [B, H, K]).
@@ -100,7 +114,7 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
     """
     validate_decode_inputs(inputs, weights, conv_state, state)
     b, _, h, kd = inputs.x_qkv.shape
-    width = weights.conv_w.shape[0]
+    width = weights.q_conv.shape[0]
     if not is_pow2(kd):
         raise ValueError(f"kda_decode_pallas: the head dim must be a power of two, got {kd}")
     scale = kd ** -0.5 if weights.scale is None else weights.scale
@@ -108,16 +122,16 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
     kernel = functools.partial(_decode_kernel, width=width, lower_bound=weights.lower_bound,
                                norm_eps=weights.norm_eps, scale=scale)
     row_head = lambda i, j: (i, j, 0)
+    tap, dt_spec, a_spec = _weight_specs(weights, h, kd)
     out, new_conv, new_state = pl.pallas_call(
         kernel,
         grid=(b, h),
         in_specs=[
             pl.BlockSpec((None, 3, None, kd), lambda i, j: (i, 0, j, 0)),             # x_qkv
             pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),  # conv_state
-            pl.BlockSpec((width, 3, None, kd), lambda i, j: (0, 0, j, 0)),            # conv_w
+            tap, tap, tap,                                                            # q, k, v conv
             pl.BlockSpec((None, None, kd), row_head),                                 # f
-            pl.BlockSpec((None, kd), lambda i, j: (j, 0)),                            # dt_bias
-            pl.BlockSpec((None, kd), lambda i, j: (j, 0)),                            # a
+            dt_spec, a_spec,                                                          # dt_bias, a_log
             pl.BlockSpec((None, None), lambda i, j: (i, j)),                          # beta_logit
             pl.BlockSpec((None, None, kd), row_head),                                 # z
             pl.BlockSpec((kd,), lambda i, j: (0,)),                                   # o_norm_w
@@ -131,12 +145,12 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
         out_shape=[jax.ShapeDtypeStruct((b, h, kd), inputs.x_qkv.dtype),
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)],
-        input_output_aliases={9: 2},
+        input_output_aliases={1: 1, 11: 2},
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode",
-    )(inputs.x_qkv, conv_state, weights.conv_w, inputs.f, weights.dt_bias, weights.a, inputs.beta_logit, inputs.z,
-      weights.o_norm_w, state)
+    )(inputs.x_qkv, conv_state, *weights.conv_taps, inputs.f, weights.dt_bias, weights.a_log, inputs.beta_logit,
+      inputs.z, weights.o_norm_w, state)
     return out, new_conv, new_state
 
 
@@ -151,8 +165,8 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
     Args:
       inputs: KDADecodeInputs with a token axis (x_qkv [B, T, 3, H, K], f [B, T, H, K],
         beta_logit [B, T, H], z [B, T, H, K]). weights: KDADecodeWeights (K a power of two).
-      conv_state: [B, W-1, 3, H, K]. state: [B, H, K, K] fp32 or bf16 (aliased to the output state;
-        read and written in its dtype, the math in fp32).
+      conv_state: [B, W-1, 3, H, K] (aliased to the output conv state). state: [B, H, K, K] fp32 or
+        bf16 (aliased to the output state; read and written in its dtype, the math in fp32).
       keep: [B] int32 in 0..T.
       outputs_only: write only `out` (the verify step: no state traffic, no aliasing); keep is then
         unused.
@@ -160,7 +174,7 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
       (out [B, T, H, K], conv_state and state after each row's kept tokens), or out alone.
     """
     b, t, _, h, kd = inputs.x_qkv.shape
-    width = weights.conv_w.shape[0]
+    width = weights.q_conv.shape[0]
     if not is_pow2(kd):
         raise ValueError(f"kda_decode_steps_pallas: the head dim must be a power of two, got {kd}")
     scale = kd ** -0.5 if weights.scale is None else weights.scale
@@ -168,6 +182,7 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
     kernel = functools.partial(_steps_kernel, steps=t, width=width, lower_bound=weights.lower_bound,
                                norm_eps=weights.norm_eps, scale=scale)
     row_tokens_head = lambda i, j: (i, 0, j, 0)
+    tap, dt_spec, a_spec = _weight_specs(weights, h, kd)
     out_specs = [pl.BlockSpec((None, t, None, kd), row_tokens_head),
                  pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),
                  pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0))]
@@ -183,10 +198,9 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
             pl.BlockSpec((None,), lambda i, j: (i,)),                                   # keep
             pl.BlockSpec((None, t, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),         # x_qkv
             pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),  # conv_state
-            pl.BlockSpec((width, 3, None, kd), lambda i, j: (0, 0, j, 0)),              # conv_w
+            tap, tap, tap,                                                              # q, k, v conv
             pl.BlockSpec((None, t, None, kd), row_tokens_head),                         # f
-            pl.BlockSpec((None, kd), lambda i, j: (j, 0)),                              # dt_bias
-            pl.BlockSpec((None, kd), lambda i, j: (j, 0)),                              # a
+            dt_spec, a_spec,                                                            # dt_bias, a_log
             pl.BlockSpec((None, t, None), lambda i, j: (i, 0, j)),                      # beta_logit
             pl.BlockSpec((None, t, None, kd), row_tokens_head),                         # z
             pl.BlockSpec((kd,), lambda i, j: (0,)),                                     # o_norm_w
@@ -194,10 +208,10 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={} if outputs_only else {10: 2},
+        input_output_aliases={} if outputs_only else {2: 1, 12: 2},
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_verify_outputs" if outputs_only else "kda_decode_steps",
-    )(keep.astype(jnp.int32), inputs.x_qkv, conv_state, weights.conv_w, inputs.f, weights.dt_bias, weights.a,
+    )(keep.astype(jnp.int32), inputs.x_qkv, conv_state, *weights.conv_taps, inputs.f, weights.dt_bias, weights.a_log,
       inputs.beta_logit, inputs.z, weights.o_norm_w, state)
     return results[0] if outputs_only else tuple(results)

@@ -19,14 +19,18 @@ def validate_decode_inputs(inputs: KDADecodeInputs, weights: KDADecodeWeights, c
     if inputs.x_qkv.ndim != 4 or inputs.x_qkv.shape[1] != 3:
         raise ValueError(f"kda_decode: x_qkv must be [B, 3, H, K], got {inputs.x_qkv.shape}")
     b, _, h, k = inputs.x_qkv.shape
-    w = weights.conv_w.shape[0]
+    w = weights.q_conv.shape[0]
     expected = {"f": (inputs.f, (b, h, k)), "beta_logit": (inputs.beta_logit, (b, h)), "z": (inputs.z, (b, h, k)),
-                "conv_w": (weights.conv_w, (w, 3, h, k)), "dt_bias": (weights.dt_bias, (h, k)),
-                "a": (weights.a, (h, k)), "o_norm_w": (weights.o_norm_w, (k,)),
-                "conv_state": (conv_state, (b, w - 1, 3, h, k)), "state": (state, (b, h, k, k))}
+                "q_conv": (weights.q_conv, (w, h, k)), "k_conv": (weights.k_conv, (w, h, k)),
+                "v_conv": (weights.v_conv, (w, h, k)), "dt_bias": (weights.dt_bias, (h, k)),
+                "o_norm_w": (weights.o_norm_w, (k,)), "conv_state": (conv_state, (b, w - 1, 3, h, k)),
+                "state": (state, (b, h, k, k))}
     for name, (arr, shape) in expected.items():
         if tuple(arr.shape) != shape:
             raise ValueError(f"kda_decode: {name} must have shape {shape}, got {tuple(arr.shape)}")
+    if tuple(weights.a_log.shape) not in ((h, 1), (1, k), (h, k)):
+        raise ValueError(f"kda_decode: a_log must have shape {(h, 1)}, {(1, k)} or {(h, k)}, "
+                         f"got {tuple(weights.a_log.shape)}")
 
 
 def kda_decode_xla(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array,
@@ -47,11 +51,12 @@ def kda_decode_xla(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_stat
     dtype, kd = x.dtype, x.shape[-1]
     scale = kd ** -0.5 if weights.scale is None else weights.scale
     window = jnp.concatenate([conv_state.astype(jnp.float32), x[:, None].astype(jnp.float32)], axis=1)
-    pre = jnp.einsum("bwihk,wihk->bihk", window, weights.conv_w.astype(jnp.float32), precision=_HIGHEST)
-    act = jax.nn.silu(pre).astype(dtype)
-    q, k, v = l2_normalize(act[:, 0]) * scale, l2_normalize(act[:, 1]), act[:, 2].astype(jnp.float32)
-    g = forget_gate(inputs.f.astype(jnp.float32) + weights.dt_bias.astype(jnp.float32), weights.a,
-                    weights.lower_bound)
+    q, k, v = (jax.nn.silu(jnp.einsum("bwhk,whk->bhk", window[:, :, i], taps.astype(jnp.float32),
+                                      precision=_HIGHEST)).astype(dtype)
+               for i, taps in enumerate(weights.conv_taps))
+    q, k, v = l2_normalize(q) * scale, l2_normalize(k), v.astype(jnp.float32)
+    g = forget_gate(inputs.f.astype(jnp.float32) + weights.dt_bias.astype(jnp.float32),
+                    jnp.exp(weights.a_log.astype(jnp.float32)), weights.lower_bound)
     beta = jax.nn.sigmoid(inputs.beta_logit.astype(jnp.float32))
     s = state.astype(jnp.float32) * jnp.exp(g)[..., None]
     pred = jnp.einsum("bhk,bhkv->bhv", k, s, precision=_HIGHEST)

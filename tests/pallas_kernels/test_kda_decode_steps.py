@@ -16,7 +16,8 @@ from pallas_kernels.kda import KDADecodeInputs, KDADecodeWeights, kda_decode, kd
 def _inputs(rng, b, t, h, kd, width=4):
     r = lambda *shape, s=1.0: jnp.asarray(s * rng.standard_normal(shape), jnp.float32)
     inputs = KDADecodeInputs(x_qkv=r(b, t, 3, h, kd), f=r(b, t, h, kd), beta_logit=r(b, t, h), z=r(b, t, h, kd))
-    weights = KDADecodeWeights(conv_w=r(width, 3, h, kd, s=0.5), dt_bias=r(h, kd), a=jnp.exp(r(h, kd)), o_norm_w=r(kd),
+    weights = KDADecodeWeights(q_conv=r(width, h, kd, s=0.5), k_conv=r(width, h, kd, s=0.5),
+                               v_conv=r(width, h, kd, s=0.5), dt_bias=r(h, kd), a_log=r(h, kd), o_norm_w=r(kd),
                                lower_bound=-5.0)
     return inputs, weights, r(b, width - 1, 3, h, kd), r(b, h, kd, kd)
 

@@ -42,19 +42,21 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     assert np.all(np.asarray(o, np.float32) != 0) or gates[1] <= -1e2  # every element written
 
 
-def _decode_inputs(rng, b, h, kd, width=4, dtype=jnp.bfloat16, lower_bound=None):
+def _decode_inputs(rng, b, h, kd, width=4, dtype=jnp.bfloat16, lower_bound=None, a_shape=None):
+    """a_shape: of a_log, [H, K] by default ([H, 1] per head and [1, K] per channel in the models)."""
     r = lambda *shape, dt=jnp.float32, s=1.0: jnp.asarray(s * rng.standard_normal(shape), dt)
     inputs = KDADecodeInputs(x_qkv=r(b, 3, h, kd, dt=dtype), f=r(b, h, kd, dt=dtype), beta_logit=r(b, h, dt=dtype),
                              z=r(b, h, kd, dt=dtype))
-    weights = KDADecodeWeights(conv_w=r(width, 3, h, kd, s=0.5), dt_bias=r(h, kd), a=jnp.exp(r(h, kd)), o_norm_w=r(kd),
-                               lower_bound=lower_bound)
+    weights = KDADecodeWeights(q_conv=r(width, h, kd, s=0.5), k_conv=r(width, h, kd, s=0.5),
+                               v_conv=r(width, h, kd, s=0.5), dt_bias=r(h, kd), a_log=r(*(a_shape or (h, kd))),
+                               o_norm_w=r(kd), lower_bound=lower_bound)
     return inputs, weights, r(b, width - 1, 3, h, kd, dt=dtype), r(b, h, kd, kd)
 
 
-@pytest.mark.parametrize("b,h,kd", [(1, 2, 16), (3, 4, 32), (2, 3, 16)])
+@pytest.mark.parametrize("b,h,kd,a_shape", [(1, 2, 16, None), (3, 4, 32, (4, 1)), (2, 3, 16, (1, 16))])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_decode_kernel_matches_xla_twin(rng, interpret, b, h, kd, lower_bound):
-    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=lower_bound)
+def test_decode_kernel_matches_xla_twin(rng, interpret, b, h, kd, a_shape, lower_bound):
+    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape)
     out_r, conv_r, state_r = kda_decode_xla(inputs, weights, conv, state)
     out, new_conv, new_state = kda_decode_pallas(inputs, weights, conv, state, interpret=interpret)
     assert_close("out", out, out_r, dtype="bfloat16")
@@ -83,14 +85,15 @@ def test_decode_step_agrees_with_the_recurrence(rng):
     b, h, kd = 2, 2, 16
     inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, dtype=jnp.float32)
     conv = jnp.zeros_like(conv)
-    weights = KDADecodeWeights(conv_w=jnp.zeros_like(weights.conv_w).at[-1].set(1.0),  # conv = identity
-                               dt_bias=weights.dt_bias, a=weights.a, o_norm_w=weights.o_norm_w)
+    identity = jnp.zeros_like(weights.q_conv).at[-1].set(1.0)  # conv = identity
+    weights = KDADecodeWeights(q_conv=identity, k_conv=identity, v_conv=identity, dt_bias=weights.dt_bias,
+                               a_log=weights.a_log, o_norm_w=weights.o_norm_w)
     _, _, new_state = kda_decode_xla(inputs, weights, conv, state)
     x = np.asarray(inputs.x_qkv)
     silu = lambda z: z / (1 + np.exp(-z))
     q, k, v = (silu(x[:, i]) for i in range(3))
     u = np.asarray(inputs.f) + np.asarray(weights.dt_bias)
-    g = -np.asarray(weights.a) * np.logaddexp(0, u)
+    g = -np.exp(np.asarray(weights.a_log)) * np.logaddexp(0, u)
     beta = 1 / (1 + np.exp(-np.asarray(inputs.beta_logit)))
     _, s_ref = kda_recurrent_reference(_l2(q)[:, None], _l2(k)[:, None], v[:, None], g[:, None], beta[:, None],
                                        initial_state=state)
