@@ -47,7 +47,8 @@ def main():
                                      r(b, h, dt=jnp.bfloat16), r(b, h, kd, dt=jnp.bfloat16))
             conv, state = r(b, 3, 3, h, kd, dt=jnp.bfloat16), r(b, h, kd, kd)
             for lb in (None, -5.0):
-                weights = KDADecodeWeights(r(4, 3, h, kd, sc=0.5), r(h, kd), jnp.exp(r(h, kd)), r(kd), lower_bound=lb)
+                weights = KDADecodeWeights(*(r(4, h, kd, sc=0.5) for _ in range(3)), r(h, kd), r(h, kd), r(kd),
+                                           lower_bound=lb)
                 ref = jax.jit(kda_decode_xla)(inputs, weights, conv, state)
                 out = kda_decode_pallas(inputs, weights, conv, state + 0)
                 print(f"kda_decode b{b} h{h} k{kd} lb={lb}: err out {rel(out[0], ref[0]):.2e} "

@@ -138,14 +138,14 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             n(i, shape, dt, s) * 1 for _ in range(layers))  # separate buffers, no slicing in the timed call
         x = per_layer(0, (b, 3, h, kd), jnp.bfloat16)
         conv = per_layer(1, (b, 3, 3, h, kd), jnp.bfloat16)
-        w = n(2, (4, 3, h, kd), s=0.5)
+        w = n(2, (4, 3, h, kd), s=0.5)      # the q, k, v taps
         f = per_layer(3, (b, h, kd), jnp.bfloat16)
-        dt_b, a = n(4, (h, kd)), jnp.exp(n(5, (h, kd)))
+        dt_b, a_log = n(4, (h, kd)), n(5, (h, kd))
         bl, z = per_layer(6, (b, h), jnp.bfloat16), per_layer(7, (b, h, kd), jnp.bfloat16)
         nw = n(8, (kd,))
         states = per_layer(9, (b, h, kd, kd), state_dtype, s=0.1)
 
-        weights = KDADecodeWeights(conv_w=w, dt_bias=dt_b, a=a, o_norm_w=nw)
+        weights = KDADecodeWeights(q_conv=w[:, 0], k_conv=w[:, 1], v_conv=w[:, 2], dt_bias=dt_b, a_log=a_log, o_norm_w=nw)
 
         def run(step):
             def layers_fn(states, x, conv, f, bl, z):

@@ -41,11 +41,11 @@ def layer_errors(steps: int, heads: int, kd: int, seed: int = 0) -> list[dict]:
     rng = np.random.default_rng(seed)
     b, width = 2, 4
     f32 = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)
-    a = jnp.asarray(rng.uniform(1.0, 16.0, (heads, 1)) * np.ones((1, kd)), jnp.float32)
+    a_log = jnp.asarray(np.log(rng.uniform(1.0, 16.0, (heads, 1))), jnp.float32)   # per head
     # softplus(dt_bias) in [1e-4, 0.1]: per-token decays from e^-1.6 (fast) to e^-1e-4 (slow).
     dt = np.log(np.expm1(np.exp(rng.uniform(np.log(1e-4), np.log(0.1), (heads, kd)))))
-    weights = KDADecodeWeights(conv_w=f32(width, 3, heads, kd, scale=0.5), dt_bias=jnp.asarray(dt, jnp.float32),
-                               a=a, o_norm_w=jnp.ones((kd,), jnp.float32))
+    weights = KDADecodeWeights(*(f32(width, heads, kd, scale=0.5) for _ in range(3)), dt_bias=jnp.asarray(dt, jnp.float32),
+                               a_log=a_log, o_norm_w=jnp.ones((kd,), jnp.float32))
     xs = KDADecodeInputs(x_qkv=f32(steps, b, 3, heads, kd), f=f32(steps, b, heads, kd, scale=0.5),
                          beta_logit=f32(steps, b, heads), z=f32(steps, b, heads, kd))
 

@@ -34,7 +34,8 @@ LAUNCHES = [
 ]
 SMALL = [("small", ((256, (512, 256, 64)),)), ("small split", ((512, (128,)),))]
 PLANS = {"bn 64 then split K": SkinnyBlocks(min_block_n=64), "bn >= 32 before split": SkinnyBlocks(min_block_n=32),
-         "bn >= 16 before split": SkinnyBlocks(min_block_n=16)}
+         "bn >= 16 before split": SkinnyBlocks(min_block_n=16),
+         "bn >= 16, one program per SM": SkinnyBlocks(min_block_n=16, target_programs=132)}
 
 
 def main(argv=None) -> int:
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
                    "splits": segs[0].splits, "programs": sum(s.programs for s in segs), "us": t * 1e6,
                    "tb_s": nbytes / t / 1e12, "pct_4_3": nbytes / t / HBM_ACHIEVABLE}
             rows.append(row)
-            print(f"{name:28s} {label:24s} bn {row['bn']:6s} splits {row['splits']} programs {row['programs']:4d} "
+            print(f"{name:28s} {label:29s} bn {row['bn']:6s} splits {row['splits']} programs {row['programs']:4d} "
                   f"{row['us']:7.2f} us {row['tb_s']:.2f} TB/s", flush=True)
     print(table(rows, ["launch", "plan", "bn", "splits", "programs", "us", "tb_s", "pct_4_3"]))
     print("wrote", write("skinny", {"benchmark": "skinny", "rows_per_call": args.rows, "env": environment(), "rows": rows}))
