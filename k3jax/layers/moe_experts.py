@@ -35,14 +35,17 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _local_index(experts_NX: jax.Array, num_local: int, offset) -> tuple[jax.Array, jax.Array]:
-    """(index into this shard's experts [N, X] (clipped), whether the pair is local [N, X])."""
+    """(index into this shard's experts [N, X] (clipped), whether the pair is local [N, X]).
+    offset None: every expert is local (no expert parallelism), nothing to compute."""
+    if offset is None:
+        return experts_NX, jnp.ones(experts_NX.shape, bool)
     local = experts_NX - offset
     inside = (local >= 0) & (local < num_local)
     return jnp.clip(local, 0, num_local - 1), inside
 
 
 def experts_dense(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
-                  expert_offset=0) -> jax.Array:
+                  expert_offset=None) -> jax.Array:
     """Reference: every local expert on every token, combined with a dense [N, E] weight matrix. -> [N, D] fp32."""
     n, e = x_ND.shape[0], w1_EDF.shape[0]
     index, inside = _local_index(experts_NX, e, expert_offset)
@@ -66,12 +69,12 @@ def sort_by_expert(experts_NX: jax.Array, num_local: int, offset=0):
 
 
 def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
-                   gmm: GmmImpl = "auto", expert_offset=0) -> jax.Array:
+                   gmm: GmmImpl = "auto", expert_offset=None) -> jax.Array:
     """Token-expert pairs sorted by expert; the gated half (gate and up in one grouped op) and the
     down projection (routing weight in its epilogue) as grouped matmuls; pairs put back in token
     order and summed over the X choices. -> [N, D] fp32."""
     n, k = experts_NX.shape
-    order, sizes, local = sort_by_expert(experts_NX, w1_EDF.shape[0], expert_offset)
+    order, sizes, local = sort_by_expert(experts_NX, w1_EDF.shape[0], 0 if expert_offset is None else expert_offset)
     xs = x_ND[order // k]
     h = grouped_glu(xs, w1_EDF, w3_EDF, sizes, spec=act.glu_spec, impl=gmm)
     scale = jnp.where(local, weights_NX.reshape(-1)[order], 0.0)
@@ -82,7 +85,7 @@ def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
 
 
 def experts_pairs(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
-                  gmm: GmmImpl = "auto", expert_offset=0) -> jax.Array:
+                  gmm: GmmImpl = "auto", expert_offset=None) -> jax.Array:
     """Token-expert pairs in token order, one kernel tile per pair (no sort): the gated half and the
     down projection (routing weight in its epilogue), summed over each token's X choices. -> [N, D] fp32."""
     n, k = experts_NX.shape
@@ -96,7 +99,7 @@ def experts_pairs(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Act
 
 
 def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
-                   expert_offset=0) -> jax.Array:
+                   expert_offset=None) -> jax.Array:
     """Gathers each token's chosen expert weights (reads only the touched experts). -> [N, D] fp32."""
     index, inside = _local_index(experts_NX, w1_EDF.shape[0], expert_offset)
     h = gated_activation(jnp.einsum("nd,nxdf->nxf", x_ND, w1_EDF[index]),
@@ -106,7 +109,7 @@ def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
 
 
 def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
-                  gmm: GmmImpl = "auto", expert_offset=0) -> jax.Array:
+                  gmm: GmmImpl = "auto", expert_offset=None) -> jax.Array:
     """The routed experts' combined output [N, D] fp32 over this shard's experts.
 
     Args:
@@ -114,7 +117,7 @@ def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF
         choice (fp32 weights, global expert ids). w1_EDF / w3_EDF (gate / up), w2_EFD (down): this
         shard's experts, arrays or packed `Mxfp4Weight`s (the kernels decode them; "gather" and
         "dense" dequantise first). gmm: the grouped-matmul implementation of "ragged" and "pairs".
-        expert_offset: the global id of this shard's first expert.
+        expert_offset: the global id of this shard's first expert; None when every expert is local.
     """
     if impl == "auto":  # the kernel reads touched experts only; without it gather does, for few tokens
         n, kernel = x_ND.shape[0], resolve_gmm_impl(gmm, *w1_EDF.shape[1:]) == "pallas"

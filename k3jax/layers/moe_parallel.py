@@ -98,7 +98,8 @@ def _ragged_dispatch(x, wts, exps, w1, w3, w2, act, impl, gmm) -> jax.Array:
     id_in = exchange(local_id[:, None], jnp.full((capacity, 1), e_local, jnp.int32), send_offsets, send_sizes,
                      land_at, recv_sizes, axis_name=EXPERT_AXIS)[:, 0]
     # Rows past what arrived carry the id e_local: not a local expert, so they cost nothing and give 0.
-    y_in = local_experts(impl, x_in, jnp.ones((capacity, 1), jnp.float32), id_in[:, None], w1, w3, w2, act, gmm=gmm)
+    y_in = local_experts(impl, x_in, jnp.ones((capacity, 1), jnp.float32), id_in[:, None], w1, w3, w2, act, gmm=gmm,
+                         expert_offset=0)   # ids e_local mark empty rows: masked
     y_back = exchange(y_in, jnp.zeros((n * k, y_in.shape[1]), y_in.dtype), recv_offsets, recv_sizes, back_at,
                       send_sizes, axis_name=EXPERT_AXIS)            # in `order`, as sent
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype), unique_indices=True)

@@ -87,7 +87,7 @@ def route_topk_pallas(logits, bias_E, *, spec: RouterSpec, interpret: bool | Non
                           k_width=k_width),
         grid=(m,),
         out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=1, num_stages=1),   # in-warp reductions: no barriers
         interpret=default_interpret() if interpret is None else interpret,
         name="route_topk",
     )(logits.astype(jnp.float32), bias_E.astype(jnp.float32))
