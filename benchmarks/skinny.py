@@ -36,9 +36,10 @@ LAUNCHES = [
     ("shared down", ((1024, (2304,)),)),
 ]
 SMALL = [("small", ((256, (512, 256, 64)),)), ("small split", ((512, (128,)),))]
-PLANS = {"bn 64 then split K": SkinnyBlocks(min_block_n=64), "bn >= 32 before split": SkinnyBlocks(min_block_n=32),
+PLANS = {"default": SkinnyBlocks(),
+         "bn 64 then split K": SkinnyBlocks(unsplit_programs=10 ** 6), "bn >= 32 before split": SkinnyBlocks(min_block_n=32),
          "bn >= 16 before split": SkinnyBlocks(min_block_n=16),
-         "bn 64, one program per SM": SkinnyBlocks(min_block_n=64, target_programs=132),
+         "bn 64, one program per SM": SkinnyBlocks(target_programs=132),
          "bn >= 16, one program per SM": SkinnyBlocks(min_block_n=16, target_programs=132)}
 REPS = 50
 

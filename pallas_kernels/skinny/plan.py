@@ -6,9 +6,11 @@ products are written side by side into output g ([M, sum_j N_gj]). Every weight'
 into blocks of `bn` (the largest power of two <= block_n dividing N), and a group's reduction axis
 into `splits` equal slices when the columns alone give too few programs to keep every SM streaming
 (narrow weights such as 4096 -> 2304); split groups write fp32 partial sums [splits, M, N] that the
-caller adds up. Narrower column blocks (down to `min_block_n`) are preferred when they alone reach the
-program target: then no group splits, and its outputs need no adding up (nor the slicing kernels
-that would follow at decode).
+caller adds up. A launch whose columns alone give at least `unsplit_programs` programs (one per SM)
+is not split, so its outputs need no adding up (KDA's q|k|v|f_a|b|g: 197 programs). Narrower column
+blocks (down to `min_block_n`) may be tried first to reach the program target without a split; by
+default they are not (on the H200, 32-wide blocks of bf16 stream slower than 64-wide ones:
+`benchmarks/skinny.py`).
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from pallas_kernels._util import largest_block
 @dataclass(frozen=True)
 class SkinnyBlocks:
     """block_n / block_k: largest column block and reduction step (powers of two >= 16); min_block_n:
-    the narrowest column block tried before splitting the reduction axis.
+    the narrowest column block tried before splitting the reduction axis. unsplit_programs: launches
+    with at least this many column blocks are never split.
     target_programs: split the reduction axis until the launch has about this many programs (two
     per SM of an H200). min_split_k: no reduction slice shorter than this."""
 
     block_n: int = 64
-    min_block_n: int = 32
+    min_block_n: int = 64
     block_k: int = 128
     target_programs: int = 264
+    unsplit_programs: int = 132
     min_split_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
@@ -77,7 +81,7 @@ def plan(shapes: tuple[tuple[int, tuple[int, ...]], ...], blocks: SkinnyBlocks) 
         block_n //= 2
     segments, first, weight = [], 0, 0
     for g, (k_dim, bk, widths, bns) in enumerate(layout):
-        splits = _splits(k_dim, bk, columns, blocks)
+        splits = 1 if columns >= blocks.unsplit_programs else _splits(k_dim, bk, columns, blocks)
         col = 0
         for n, bn in zip(widths, bns):
             seg = Segment(group=g, weight=weight, out_col=col, k_dim=k_dim, n_dim=n, bn=bn, bk=bk, splits=splits,

@@ -43,17 +43,19 @@ def test_plan_covers_every_block_once():
 
 def test_narrow_weights_split_the_reduction_axis():
     """4096 -> 2304 (an output projection of the 48B shape): 36 column blocks alone would leave most
-    SMs idle, and even 32-wide blocks give too few, so the reduction axis is cut until there are about
-    two programs per SM. KDA's q|k|v|f_a|b|g reaches that count with 32-wide blocks alone: no split
-    (so no partial sums to add up); min_block_n=64 keeps 64-wide blocks and splits instead."""
+    SMs idle, so the reduction axis is cut until there are about two programs per SM. KDA's
+    q|k|v|f_a|b|g has one column block per SM already: no split (no partial sums to add up). With
+    min_block_n=32 it reaches two per SM with 32-wide blocks instead; without the unsplit rule it splits."""
     (seg,) = plan(((4096, (2304,)),), SkinnyBlocks())
     assert seg.splits == 8 and seg.programs == 288 and seg.bn == 64
     kda = ((2304, (4096, 4096, 4096, 128, 32, 128)),)
     fused = plan(kda, SkinnyBlocks())
-    assert {s.splits for s in fused} == {1} and {s.bn for s in fused} == {32}
-    assert sum(s.programs for s in fused) == 3 * 128 + 4 + 1 + 4
-    wide = plan(kda, SkinnyBlocks(min_block_n=64))
-    assert {s.splits for s in wide} == {2} and sum(s.programs for s in wide) == 2 * (192 + 2 + 1 + 2)
+    assert {s.splits for s in fused} == {1} and sum(s.programs for s in fused) == 192 + 2 + 1 + 2
+    narrow = plan(kda, SkinnyBlocks(min_block_n=32))
+    assert {s.splits for s in narrow} == {1} and {s.bn for s in narrow} == {32}
+    assert sum(s.programs for s in narrow) == 3 * 128 + 4 + 1 + 4
+    split = plan(kda, SkinnyBlocks(unsplit_programs=1000))
+    assert {s.splits for s in split} == {2} and sum(s.programs for s in split) == 2 * (192 + 2 + 1 + 2)
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
