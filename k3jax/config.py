@@ -136,6 +136,8 @@ class ExpertParallel:
         require_positive(self.data_shards, "expert_parallel.data_shards")
 
 
+SHARED_IMPLS = ("auto", "mlp")   # MoEConfig.shared_impl
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Routed experts with a sigmoid router and shared experts (arch §6)."""
@@ -159,6 +161,10 @@ class MoEConfig:
     # Top-k routing on the few-row (decode) path: one kernel launch or XLA's sort
     # (pallas_kernels.router.ROUTER_IMPLS; ungrouped routers only, grouped ones always take XLA).
     router_impl: RouterImpl = "auto"
+    # The shared expert at decode: "auto" runs it as one more pair in the routed experts' pair
+    # kernels when it has their shape (one shared expert, no latent, unpacked, unsharded experts:
+    # Kimi-Linear), saving its own launches; "mlp" keeps it a separate MLP (the reference).
+    shared_impl: str = "auto"
     expert_parallel: ExpertParallel | None = None  # set by k3jax.sharding.config_for_mesh
     # How tokens reach the expert shards when they split over them (k3jax.layers.moe_parallel):
     # "gather" (all_gather + psum_scatter) or "ragged" (each pair only to its expert's shard).
@@ -172,6 +178,7 @@ class MoEConfig:
         require_positive(self.num_experts, "num_experts")
         require_choice(self.gmm_impl, GMM_IMPLS, "moe.gmm_impl")
         require_choice(self.router_impl, ROUTER_IMPLS, "moe.router_impl")
+        require_choice(self.shared_impl, SHARED_IMPLS, "moe.shared_impl")
         if self.latent_size is not None:
             require_positive(self.latent_size, "routed_expert_hidden_size")
         require_positive(self.num_experts_per_token, "num_experts_per_token")
@@ -362,6 +369,7 @@ IMPL_OPTIONS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "moe": ("moe", "impl", EXPERT_IMPLS),
     "gmm": ("moe", "gmm_impl", GMM_IMPLS),
     "router": ("moe", "router_impl", ROUTER_IMPLS),
+    "shared": ("moe", "shared_impl", SHARED_IMPLS),
     "ep_dispatch": ("moe", "ep_dispatch", EP_DISPATCHES),
     "attn_res": ("attn_res", "impl", ATTN_RES_IMPLS),
     "linear": (None, "linear_impl", SKINNY_IMPLS),

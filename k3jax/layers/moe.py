@@ -17,7 +17,7 @@ from k3jax.config import MoEConfig
 from k3jax.layers.activation import gated_activation
 from k3jax.layers.linear import Linear, linears, takes_fused_kernel
 from k3jax.layers.mlp import MLP
-from k3jax.layers.moe_experts import local_experts
+from k3jax.layers.moe_experts import local_experts, resolve_expert_impl
 from k3jax.layers.moe_parallel import expert_parallel
 from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import normal, param, random_bytes, zeros
@@ -76,13 +76,14 @@ def route_partial_logits(partials_SNE: jax.Array, bias_E: jax.Array, cfg: MoECon
     return route_logits(jnp.sum(partials_SNE, axis=0), bias_E, cfg)
 
 
-def routed_experts(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg: MoEConfig) -> jax.Array:
+def routed_experts(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg: MoEConfig, shared=None) -> jax.Array:
     """The routed experts' combined output [N, D] fp32: the configured local path, expert-parallel
-    when the model was sharded for it (cfg.expert_parallel)."""
+    when the model was sharded for it (cfg.expert_parallel). shared: see `local_experts`."""
     if cfg.expert_parallel is not None:
         return expert_parallel(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, ep=cfg.expert_parallel,
                                impl=cfg.impl, gmm=cfg.gmm_impl, dispatch=cfg.ep_dispatch)
-    return local_experts(cfg.impl, x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, gmm=cfg.gmm_impl)
+    return local_experts(cfg.impl, x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, gmm=cfg.gmm_impl,
+                         shared=shared)
 
 
 class Router(nnx.Module):
@@ -155,12 +156,30 @@ class MoE(nnx.Module):
             if cfg.latent_use_norm:
                 self.routed_expert_norm = RMSNorm(dl, cfg.norm_eps, dtype=dtype, rngs=rngs, axis_name="moe_latent")
 
+    def _shared_weights_for_pairs(self, tokens: int):
+        """(gate [1, D, F], up [1, D, F], down [1, F, D]) when the shared expert rides in the routed
+        experts' pair kernels (cfg.shared_impl "auto", one shared expert of the routed experts'
+        shape on full-width inputs, unpacked, unsharded experts on the "pairs" path), else None."""
+        cfg, shared = self.cfg, self.shared_experts
+        if (cfg.shared_impl != "auto" or shared is None or cfg.num_shared_experts != 1 or cfg.latent_size is not None
+                or cfg.packed_experts or cfg.expert_parallel is not None):
+            return None
+        w1 = self.experts.w1[...]
+        if resolve_expert_impl(cfg.impl, tokens, w1.shape[1:], cfg.gmm_impl) != "pairs":
+            return None
+        gate, up, down = (lin.kernel[...] for lin in (shared.gate_proj, shared.up_proj, shared.down_proj))
+        if gate.shape != w1.shape[1:] or gate.dtype != w1.dtype:
+            return None
+        return gate[None], up[None], down[None]
+
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         cfg = self.cfg
         b, t, d = x_BTD.shape
         x_ND = x_BTD.reshape(b * t, d)
         shared = self.shared_experts
-        fused = [(x_ND, [self.gate], jnp.float32)] + ([(x_ND, [shared.gate_proj, shared.up_proj])] if shared else [])
+        folded = self._shared_weights_for_pairs(b * t)
+        separate = shared is not None and folded is None
+        fused = [(x_ND, [self.gate], jnp.float32)] + ([(x_ND, [shared.gate_proj, shared.up_proj])] if separate else [])
         if takes_fused_kernel(fused):
             # Decode: the router logits and the shared experts' gate|up read x in one launch (bf16 x
             # and weights, exact products, fp32 sums: the fp32 router up to the order of summation);
@@ -174,13 +193,14 @@ class MoE(nnx.Module):
                 weights, experts = self.gate(x_ND)
         with jax.named_scope("routed_experts"):
             expert_in = x_ND if cfg.latent_size is None else self.routed_expert_down_proj(x_ND)
-            routed = routed_experts(expert_in, weights, experts, *self.experts.weights(), cfg).astype(x_BTD.dtype)
+            routed = routed_experts(expert_in, weights, experts, *self.experts.weights(), cfg,
+                                    shared=folded).astype(x_BTD.dtype)
             if cfg.latent_size is not None:
                 if cfg.latent_use_norm:
                     routed = self.routed_expert_norm(routed)
                 routed = self.routed_expert_up_proj(routed)
         out = routed.reshape(b, t, d)
-        if shared is not None:
+        if separate:
             with jax.named_scope("shared_experts"):
                 if shared_gate_up:
                     gate, up = shared_gate_up[0]

@@ -85,16 +85,28 @@ def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
 
 
 def experts_pairs(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
-                  gmm: GmmImpl = "auto", expert_offset=None) -> jax.Array:
+                  gmm: GmmImpl = "auto", expert_offset=None, shared=None) -> jax.Array:
     """Token-expert pairs in token order, one kernel tile per pair (no sort): the gated half and the
-    down projection (routing weight in its epilogue), summed over each token's X choices. -> [N, D] fp32."""
+    down projection (routing weight in its epilogue), summed over each token's X choices. -> [N, D] fp32.
+
+    shared: optional (gate [S, D, F], up [S, D, F], down [S, F, D]) always-active experts, run as S
+    more pairs per token (weight 1) in the same launches; their outputs join the sum."""
     n, k = experts_NX.shape
     index, inside = _local_index(experts_NX, w1_EDF.shape[0], expert_offset)
+    extra = None
+    if shared is not None:
+        s = shared[0].shape[0]
+        ids = jnp.broadcast_to(w1_EDF.shape[0] + jnp.arange(s, dtype=index.dtype), (n, s))
+        index, inside = jnp.concatenate([index, ids], axis=1), jnp.concatenate([inside, jnp.ones((n, s), bool)], axis=1)
+        weights_NX = jnp.concatenate([weights_NX.astype(jnp.float32), jnp.ones((n, s), jnp.float32)], axis=1)
+        k, extra = k + s, shared
     index, inside = index.reshape(-1), inside.reshape(-1)
     # pair p = token p // X: the kernel reads x's row for it (no repeated copy); pairs outside this
     # shard come back as zeros, so the routing weight needs no mask.
-    h = pair_glu(x_ND, w1_EDF, w3_EDF, index, inside, spec=act.glu_spec, repeat=k, impl=gmm)
-    y = pair_matmul(h, w2_EFD, index, inside, weights_NX.reshape(-1), impl=gmm)
+    h = pair_glu(x_ND, w1_EDF, w3_EDF, index, inside, spec=act.glu_spec, repeat=k, impl=gmm,
+                 extra=None if extra is None else extra[:2])
+    y = pair_matmul(h, w2_EFD, index, inside, weights_NX.reshape(-1), impl=gmm,
+                    extra=None if extra is None else extra[2])
     return jnp.sum(y.reshape(n, k, -1), axis=1)
 
 
@@ -108,8 +120,19 @@ def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
     return jnp.einsum("nx,nxd->nd", jnp.where(inside, weights_NX, 0.0), y, precision=_HIGHEST)
 
 
+def resolve_expert_impl(impl: ExpertImpl, tokens: int, weight_sides: tuple[int, int], gmm: GmmImpl = "auto") -> str:
+    """The path `local_experts` takes for `tokens` tokens on experts with [K, N] weight sides:
+    "auto" picks the kernel's pairs up to PAIRS_MAX_TOKENS tokens and ragged beyond (the kernel
+    reads touched experts only), without the kernel gather for few tokens."""
+    if impl != "auto":
+        return impl
+    if resolve_gmm_impl(gmm, *weight_sides) == "pallas":
+        return "pairs" if tokens <= PAIRS_MAX_TOKENS else "ragged"
+    return "gather" if tokens <= GATHER_MAX_TOKENS else "ragged"
+
+
 def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
-                  gmm: GmmImpl = "auto", expert_offset=None) -> jax.Array:
+                  gmm: GmmImpl = "auto", expert_offset=None, shared=None) -> jax.Array:
     """The routed experts' combined output [N, D] fp32 over this shard's experts.
 
     Args:
@@ -118,20 +141,19 @@ def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF
         shard's experts, arrays or packed `Mxfp4Weight`s (the kernels decode them; "gather" and
         "dense" dequantise first). gmm: the grouped-matmul implementation of "ragged" and "pairs".
         expert_offset: the global id of this shard's first expert; None when every expert is local.
+        shared: (gate, up, down) of always-active experts folded into the "pairs" path
+          (`experts_pairs`); other paths refuse it.
     """
-    if impl == "auto":  # the kernel reads touched experts only; without it gather does, for few tokens
-        n, kernel = x_ND.shape[0], resolve_gmm_impl(gmm, *w1_EDF.shape[1:]) == "pallas"
-        if kernel:
-            impl = "pairs" if n <= PAIRS_MAX_TOKENS else "ragged"
-        else:
-            impl = "gather" if n <= GATHER_MAX_TOKENS else "ragged"
+    impl = resolve_expert_impl(impl, x_ND.shape[0], w1_EDF.shape[1:], gmm)
     if impl in ("gather", "dense") and isinstance(w1_EDF, Mxfp4Weight):   # the references take arrays
         w1_EDF, w3_EDF, w2_EFD = (dequantize(w, x_ND.dtype) for w in (w1_EDF, w3_EDF, w2_EFD))
     args = (x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
     if impl == "ragged":
         return experts_ragged(*args, gmm=gmm, expert_offset=expert_offset)
+    if shared is not None and impl != "pairs":
+        raise ValueError(f"routed experts: shared experts ride only in the 'pairs' path, not {impl!r}")
     if impl == "pairs":
-        return experts_pairs(*args, gmm=gmm, expert_offset=expert_offset)
+        return experts_pairs(*args, gmm=gmm, expert_offset=expert_offset, shared=shared)
     if impl == "gather":
         return experts_gather(*args, expert_offset=expert_offset)
     if impl == "dense":

@@ -33,9 +33,11 @@ from pallas_kernels.moe_gmm.schedule import tile_schedule
 from pallas_kernels.moe_gmm.tuning import TileBlocks
 
 
-def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=False, e2m1="bits"):
+def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=False, e2m1="bits", extra_from=None):
     """refs: the schedule (sorted rows: one [3, tiles] ref; pairs: group [M] and valid [M]), lhs,
-    w (plain) or w_gate, w_up (glu); then the row scale when `scaled`; then out.
+    w (plain) or w_gate, w_up (glu); then, when `extra_from` is set, a second set of the same
+    weights holding groups extra_from, extra_from + 1, ... (pairs only: e.g. the shared experts
+    riding in the routed experts' launch); then the row scale when `scaled`; then out.
 
     Pairs (`repeat` > 0): program `tile` computes output row `tile` from lhs row tile // repeat, and
     writes zeros when the pair is not valid (no masking pass after the kernel).
@@ -53,6 +55,8 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=Fals
     lhs_refs, refs = refs[len(sched):len(sched) + n_lhs], refs[len(sched) + n_lhs:]
     n_weights = (1 if spec is None else 2) * n_lhs
     w_refs, rest = refs[:n_weights], refs[n_weights:]
+    if extra_from is not None:
+        extra_refs, rest = rest[:n_weights], rest[n_weights:]
     scale_ref = rest[0] if scaled else None
     out_ref = rest[-1]
     tile, col = pl.program_id(0), pl.program_id(1)
@@ -75,47 +79,62 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=Fals
                       bk=bk, k_dim=k_dim, spec=spec, e2m1=e2m1)
         return
 
-    @pl.when(first < last)
-    def _():
-        rows = first + jnp.arange(bm)
-        row_mask = rows < last
+    if extra_from is None:
+        pl.when(first < last)(lambda: _tile(lhs_refs, w_refs, scale_ref, out_ref, group=group, first=first, last=last,
+                                            src=src, cols=cols, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec,
+                                            scaled=scaled, quantized=quantized))
+        return
+    for weights, lo, at in ((w_refs, 0, (first < last) & (group < extra_from)),
+                            (extra_refs, extra_from, (first < last) & (group >= extra_from))):
+        pl.when(at)(functools.partial(_tile, lhs_refs, weights, scale_ref, out_ref, group=group - lo, first=first,
+                                      last=last, src=src, cols=cols, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec,
+                                      scaled=scaled, quantized=quantized))
 
-        def step(kk, accs):
-            k0 = pl.multiple_of(kk * bk, bk)
-            a = plt.load(lhs_refs[0].at[pl.ds(src, bm), pl.ds(k0, bk)],
-                         mask=jnp.broadcast_to(row_mask[:, None], (bm, bk)), other=0.0)
-            return tuple(acc + jnp.dot(a, w[group, pl.ds(k0, bk), cols], preferred_element_type=jnp.float32)
-                         for acc, w in zip(accs, w_refs))
 
-        def step_mxfp4(kk, accs):
-            half, groups = bk // 2, bk // GROUP
-            r0 = pl.multiple_of(kk * half, half)
-            mask = jnp.broadcast_to(row_mask[:, None], (bm, half))
-            a_lo, a_hi = (plt.load(ref.at[pl.ds(src, bm), pl.ds(r0, half)], mask=mask, other=0.0) for ref in lhs_refs)
-            out = []
-            for acc, packed, scale in zip(accs, w_refs[0::2], w_refs[1::2]):
-                codes = packed[group, pl.ds(r0, half), cols].astype(jnp.int32)             # [bk/2, bn]
-                factor = scale_factor(scale[group, pl.ds(kk * groups, groups), cols])       # [bk/32, bn]
-                factor = jnp.broadcast_to(factor[:, None, :], (groups, GROUP // 2, bn)).reshape(half, bn)
-                w_lo = (decode_e2m1(codes) * factor).astype(a_lo.dtype)
-                w_hi = (decode_e2m1(codes >> 4) * factor).astype(a_lo.dtype)
-                out.append(acc + jnp.dot(a_lo, w_lo, preferred_element_type=jnp.float32)
-                           + jnp.dot(a_hi, w_hi, preferred_element_type=jnp.float32))
-            return tuple(out)
+def _tile(lhs_refs, w_refs, scale_ref, out_ref, *, group, first, last, src, cols, bm, bn, bk, k_dim, spec, scaled,
+          quantized):
+    """One row tile (rows [first, last), lhs rows from `src`) times columns `cols` of group `group`
+    of the weights in w_refs, with the epilogue; see `_kernel`."""
+    n_lhs = len(lhs_refs)
+    rows = first + jnp.arange(bm)
+    row_mask = rows < last
 
-        zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs[::n_lhs])
-        if quantized:
-            accs = jax.lax.fori_loop(0, k_dim // bk, step_mxfp4, zeros)
-        else:
-            accs = jax.lax.fori_loop(0, k_dim // bk, step, zeros)
-        if spec is not None:
-            out = glu(accs[0], accs[1], spec)
-        elif scaled:
-            out = accs[0] * plt.load(scale_ref.at[pl.ds(first, bm)], mask=row_mask, other=0.0)[:, None]
-        else:
-            out = accs[0]
-        plt.store(out_ref.at[pl.ds(first, bm), cols], out.astype(out_ref.dtype),
-                  mask=jnp.broadcast_to(row_mask[:, None], (bm, bn)))
+    def step(kk, accs):
+        k0 = pl.multiple_of(kk * bk, bk)
+        a = plt.load(lhs_refs[0].at[pl.ds(src, bm), pl.ds(k0, bk)],
+                     mask=jnp.broadcast_to(row_mask[:, None], (bm, bk)), other=0.0)
+        return tuple(acc + jnp.dot(a, w[group, pl.ds(k0, bk), cols], preferred_element_type=jnp.float32)
+                     for acc, w in zip(accs, w_refs))
+
+    def step_mxfp4(kk, accs):
+        half, groups = bk // 2, bk // GROUP
+        r0 = pl.multiple_of(kk * half, half)
+        mask = jnp.broadcast_to(row_mask[:, None], (bm, half))
+        a_lo, a_hi = (plt.load(ref.at[pl.ds(src, bm), pl.ds(r0, half)], mask=mask, other=0.0) for ref in lhs_refs)
+        out = []
+        for acc, packed, scale in zip(accs, w_refs[0::2], w_refs[1::2]):
+            codes = packed[group, pl.ds(r0, half), cols].astype(jnp.int32)             # [bk/2, bn]
+            factor = scale_factor(scale[group, pl.ds(kk * groups, groups), cols])       # [bk/32, bn]
+            factor = jnp.broadcast_to(factor[:, None, :], (groups, GROUP // 2, bn)).reshape(half, bn)
+            w_lo = (decode_e2m1(codes) * factor).astype(a_lo.dtype)
+            w_hi = (decode_e2m1(codes >> 4) * factor).astype(a_lo.dtype)
+            out.append(acc + jnp.dot(a_lo, w_lo, preferred_element_type=jnp.float32)
+                       + jnp.dot(a_hi, w_hi, preferred_element_type=jnp.float32))
+        return tuple(out)
+
+    zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs[::n_lhs])
+    if quantized:
+        accs = jax.lax.fori_loop(0, k_dim // bk, step_mxfp4, zeros)
+    else:
+        accs = jax.lax.fori_loop(0, k_dim // bk, step, zeros)
+    if spec is not None:
+        out = glu(accs[0], accs[1], spec)
+    elif scaled:
+        out = accs[0] * plt.load(scale_ref.at[pl.ds(first, bm)], mask=row_mask, other=0.0)[:, None]
+    else:
+        out = accs[0]
+    plt.store(out_ref.at[pl.ds(first, bm), cols], out.astype(out_ref.dtype),
+              mask=jnp.broadcast_to(row_mask[:, None], (bm, bn)))
 
 
 def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn, bk, k_dim, spec, e2m1):
@@ -165,9 +184,10 @@ def _blocks_for(k_dim: int, n_dim: int, blocks: TileBlocks) -> tuple[int, int]:
 
 
 def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: TileBlocks, interpret, pairs=None,
-          repeat: int = 1):
+          repeat: int = 1, extra=None):
     """`pairs` = (group [M], valid [M]): one tile per output row instead of the group schedule (rows
-    unsorted); output row r reads lhs row r // repeat."""
+    unsorted); output row r reads lhs row r // repeat. `extra` (pairs, unquantized): a second set of
+    weights like `weights` whose groups follow theirs (ids G, G + 1, ...)."""
     k_dim = lhs.shape[1]
     n_dim = weights[0].shape[2]
     bn, bk = _blocks_for(k_dim, n_dim, blocks)
@@ -195,9 +215,18 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
         lhs_parts = tuple(part.reshape(part.shape[0], k_dim // GROUP, GROUP // 2) for part in lhs_parts)
         weights = tuple(w.reshape(w.shape[0], k_dim // GROUP, GROUP // 2, n_dim) if i % 2 == 0 else w
                         for i, w in enumerate(weights))
+    extra_from = None
+    if extra is not None:
+        if quantized or pairs is None or any(isinstance(w, Mxfp4Weight) for w in extra):
+            raise ValueError("grouped matmul (pallas): extra weights are for unquantized pairs only")
+        if any(w.shape[1:] != (k_dim, n_dim) or w.dtype != weights[0].dtype for w in extra):
+            raise ValueError(f"grouped matmul (pallas): extra weights {[w.shape for w in extra]} do not match "
+                             f"[S, {k_dim}, {n_dim}] {weights[0].dtype}")
+        extra_from = weights[0].shape[0]
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec, scaled=scaled,
-                               repeat=0 if pairs is None else repeat, quantized=quantized, gemv=gemv, e2m1=blocks.e2m1)
-    operands = (*sched, *lhs_parts, *weights) + ((row_scale.astype(jnp.float32),) if scaled else ())
+                               repeat=0 if pairs is None else repeat, quantized=quantized, gemv=gemv, e2m1=blocks.e2m1,
+                               extra_from=extra_from)
+    operands = (*sched, *lhs_parts, *weights, *(extra or ())) + ((row_scale.astype(jnp.float32),) if scaled else ())
     out = pl.pallas_call(
         kernel,
         grid=(tiles, n_dim // bn),
@@ -273,7 +302,7 @@ def _validate_pairs(lhs, group, valid, repeat: int):
 
 @functools.partial(jax.jit, static_argnames=("spec", "repeat", "blocks", "interpret"))
 def pair_glu_pallas(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), repeat: int = 1,
-                    blocks: TileBlocks | None = None, interpret: bool | None = None):
+                    extra: tuple | None = None, blocks: TileBlocks | None = None, interpret: bool | None = None):
     """Unsorted pairs, one tile each: out[r] = act(x @ w_gate[group[r]], x @ w_up[group[r]]) with
     x = lhs[r // repeat] where valid[r], else 0. For a few rows (decode) this skips the sort and the
     schedule; a group chosen by several rows is read once per row.
@@ -281,6 +310,8 @@ def pair_glu_pallas(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(
     Args:
       lhs: [M / repeat, K] (each row serves `repeat` consecutive pairs: a token's expert choices).
       w_gate, w_up: [G, K, F] (or both `Mxfp4Weight`). group: [M] int32 in [0, G). valid: [M] bool.
+      extra: optional (gate, up) [S, K, F] of S more groups, ids G .. G + S - 1 (bf16 weights only:
+        the shared experts in the same launch as the routed ones).
     Returns:
       [M, F] in lhs's dtype.
     """
@@ -289,18 +320,18 @@ def pair_glu_pallas(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(
     return _call(lhs, (w_gate, w_up), None, None, spec=spec, out_dtype=lhs.dtype,
                  blocks=blocks or TileBlocks.for_rows(1, isinstance(w_gate, Mxfp4Weight), _interpreted(interpret)),
                  interpret=interpret,
-                 pairs=(group, valid), repeat=repeat)
+                 pairs=(group, valid), repeat=repeat, extra=None if extra is None else tuple(extra))
 
 
 @functools.partial(jax.jit, static_argnames=("repeat", "blocks", "interpret"))
-def pair_matmul_pallas(lhs, rhs, group, valid, row_scale=None, *, repeat: int = 1, blocks: TileBlocks | None = None,
-                       interpret: bool | None = None):
+def pair_matmul_pallas(lhs, rhs, group, valid, row_scale=None, *, repeat: int = 1, extra=None,
+                       blocks: TileBlocks | None = None, interpret: bool | None = None):
     """Unsorted pairs, one tile each: out[r] = lhs[r // repeat] @ rhs[group[r]] (times row_scale[r])
     where valid[r], else 0 (row_scale is not read there). Shapes as `pair_glu_pallas` with rhs
-    [G, K, N]; -> [M, N] (fp32 with row_scale)."""
+    [G, K, N] and `extra` [S, K, N] (groups G ..); -> [M, N] (fp32 with row_scale)."""
     _validate(lhs, (rhs,), jnp.zeros((rhs.shape[0],), jnp.int32))
     _validate_pairs(lhs, group, valid, repeat)
     out_dtype = jnp.float32 if row_scale is not None else lhs.dtype
     return _call(lhs, (rhs,), None, row_scale, spec=None, out_dtype=out_dtype,
                  blocks=blocks or TileBlocks.for_rows(1, isinstance(rhs, Mxfp4Weight), _interpreted(interpret)),
-                 interpret=interpret, pairs=(group, valid), repeat=repeat)
+                 interpret=interpret, pairs=(group, valid), repeat=repeat, extra=None if extra is None else (extra,))

@@ -110,18 +110,20 @@ def _pair_impl(impl: GmmImpl, k_dim: int, n_dim: int) -> str:
     return "pallas" if resolve_gmm_impl(impl, k_dim, n_dim) == "pallas" else "xla"
 
 
-def pair_matmul(lhs, rhs, group, valid, row_scale=None, *, repeat: int = 1, impl: GmmImpl = "auto"):
+def pair_matmul(lhs, rhs, group, valid, row_scale=None, *, repeat: int = 1, extra=None, impl: GmmImpl = "auto"):
     """Unsorted pairs, each with its own group: out[r] = lhs[r // repeat] @ rhs[group[r]] (* row_scale[r])
-    where valid[r], else 0. lhs [M / repeat, K], rhs [G, K, N], group [M] int32, valid [M] bool -> [M, N]."""
+    where valid[r], else 0. lhs [M / repeat, K], rhs [G, K, N], group [M] int32, valid [M] bool -> [M, N].
+    extra: optional [S, K, N] bf16 weights of groups G .. G + S - 1 (the shared experts)."""
     if _pair_impl(impl, *rhs.shape[1:]) == "pallas":
-        return pair_matmul_pallas(lhs, rhs, group, valid, row_scale, repeat=repeat)
-    return pair_matmul_reference(lhs, _dense(rhs, lhs.dtype), group, valid, row_scale, repeat=repeat)
+        return pair_matmul_pallas(lhs, rhs, group, valid, row_scale, repeat=repeat, extra=extra)
+    return pair_matmul_reference(lhs, _dense(rhs, lhs.dtype), group, valid, row_scale, repeat=repeat, extra=extra)
 
 
-def pair_glu(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), repeat: int = 1, impl: GmmImpl = "auto"):
+def pair_glu(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), repeat: int = 1, extra=None,
+             impl: GmmImpl = "auto"):
     """Unsorted pairs: act(x @ w_gate[group[r]], x @ w_up[group[r]]) with x = lhs[r // repeat] where
-    valid[r], else 0."""
+    valid[r], else 0. extra: optional (gate, up) [S, K, F] bf16 weights of groups G .. G + S - 1."""
     if _pair_impl(impl, *w_gate.shape[1:]) == "pallas":
-        return pair_glu_pallas(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat)
+        return pair_glu_pallas(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat, extra=extra)
     return pair_glu_reference(lhs, _dense(w_gate, lhs.dtype), _dense(w_up, lhs.dtype), group, valid, spec=spec,
-                              repeat=repeat)
+                              repeat=repeat, extra=extra)

@@ -181,6 +181,10 @@ def test_moe_config_knows_the_choices():
         dataclasses.replace(base, gmm_impl="cuda")
     with pytest.raises(ValueError, match="moe.impl"):
         dataclasses.replace(base, impl="fast")
+    with pytest.raises(ValueError, match="moe.shared_impl"):
+        dataclasses.replace(base, shared_impl="fused")
+    with pytest.raises(ValueError, match="moe.router_impl"):
+        dataclasses.replace(base, router_impl="sort")
     with pytest.raises(ValueError, match="do not split over 3"):
         dataclasses.replace(base, expert_parallel=ExpertParallel(expert_shards=3))
 
@@ -191,3 +195,35 @@ def test_situ_formula(rng):
     expected = 4 * np.tanh(gate / 4) / (1 + np.exp(-gate)) * 25 * np.tanh(up / 25)
     assert_close("situ", gated_activation(gate, up, Activation("situ", 4.0, 25.0)), expected)
     assert_close("silu", gated_activation(gate, up, Activation("silu")), gate / (1 + np.exp(-gate)) * up)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_shared_expert_in_the_pair_kernels(rng, tokens):
+    """shared_impl "auto" on the pairs path runs the shared expert as one more pair per token in the
+    routed experts' kernels: the layer equals the separate shared MLP ("mlp"), and a token loop in
+    numpy-free jnp (routed choice by choice plus the shared MLP)."""
+    from flax import nnx
+
+    from k3jax.layers.moe import MoE
+    cfg = MoEConfig(hidden_size=64, num_experts=8, num_experts_per_token=3, expert_intermediate_size=32,
+                    routed_scaling_factor=1.5, impl="pairs", gmm_impl="pallas")
+    x = jnp.asarray(rng.standard_normal((1, tokens, 64)), jnp.float32)
+    layers = {}
+    for shared_impl in ("auto", "mlp"):
+        layer = MoE(dataclasses.replace(cfg, shared_impl=shared_impl), dtype=jnp.float32, rngs=nnx.Rngs(3))
+        layers[shared_impl] = layer
+        assert (layer._shared_weights_for_pairs(tokens) is None) == (shared_impl == "mlp")
+    folded, separate = layers["auto"](x), layers["mlp"](x)
+    assert_close("shared expert as a pair", folded, separate, dtype="float32")
+    m = layers["mlp"]
+    weights, experts = route(x[0], m.gate.kernel[...], m.gate.e_score_correction_bias[...], cfg)
+    act = cfg.activation
+    rows = []
+    for t in range(tokens):
+        y = m.shared_experts(x[0, t][None])[0]
+        for j in range(cfg.num_experts_per_token):
+            e = experts[t, j]
+            h = gated_activation(x[0, t] @ m.experts.w1[...][e], x[0, t] @ m.experts.w3[...][e], act)
+            y = y + weights[t, j] * (h @ m.experts.w2[...][e])
+        rows.append(y)
+    assert_close("token loop", folded[0], jnp.stack(rows), dtype="float32")

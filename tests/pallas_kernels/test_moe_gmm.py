@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tolerances import assert_close, kernel_dtype
 
-from pallas_kernels.moe_gmm import (GluSpec, GmmBlocks, TileBlocks, grouped_glu, grouped_glu_pallas,
+from pallas_kernels.moe_gmm import (GluSpec, GmmBlocks, TileBlocks, glu, grouped_glu, grouped_glu_pallas,
                                     grouped_glu_reference, grouped_matmul, grouped_matmul_pallas,
                                     grouped_matmul_reference, max_tiles, pair_glu_pallas, pair_glu_reference,
                                     pair_matmul_pallas, pair_matmul_reference, tile_schedule)
@@ -147,6 +147,37 @@ def test_pair_tiles_match_ragged_dot(rng, interpret, dtype):
     want = grouped_glu_reference(sorted_lhs, w[0], w[1], sizes, spec=SPECS[1])[unsort]
     assert_close("pair glu", got, want, dtype=tol)
     assert not np.asarray(got[~valid], np.float32).any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pairs_with_extra_groups(rng, interpret, dtype):
+    """`extra` weights hold groups G, G + 1, .. in the same launch (the shared experts beside the
+    routed ones): equal to one weight array with both stacked, and to a per-row einsum."""
+    tokens, x_per, k, f, g, s = 3, 3, 64, 32, 5, 1
+    m = tokens * x_per
+    lhs = jnp.asarray(rng.standard_normal((tokens, k)), dtype)
+    group = rng.integers(0, g, m).astype(np.int32)
+    group[x_per - 1::x_per] = g             # each token's last pair is the extra group (its shared expert)
+    group, valid = jnp.asarray(group), jnp.asarray(rng.uniform(size=m) > 0.2)
+    w = [jnp.asarray(rng.standard_normal((g, k, f)) / 8, dtype) for _ in range(2)]
+    ws = [jnp.asarray(rng.standard_normal((s, k, f)) / 8, dtype) for _ in range(2)]
+    w2, w2s = (jnp.asarray(rng.standard_normal((n, f, k)) / 8, dtype) for n in (g, s))
+    scale = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+    tol = kernel_dtype(dtype, interpret)
+    stacked = [jnp.concatenate([a, b]) for a, b in zip(w, ws)]
+    h = pair_glu_pallas(lhs, w[0], w[1], group, valid, spec=SPECS[1], repeat=x_per, extra=tuple(ws), interpret=interpret)
+    assert_close("glu, extra groups", h, pair_glu_pallas(lhs, *stacked, group, valid, spec=SPECS[1], repeat=x_per,
+                                                         interpret=interpret), dtype=tol)
+    x = jnp.repeat(lhs, x_per, axis=0).astype(jnp.float32)
+    rows = [glu(x[r] @ stacked[0][group[r]].astype(jnp.float32), x[r] @ stacked[1][group[r]].astype(jnp.float32),
+                SPECS[1]) * valid[r] for r in range(m)]
+    assert_close("glu, extra groups vs rows", h, jnp.stack(rows), dtype=tol)
+    y = pair_matmul_pallas(h, w2, group, valid, scale, extra=w2s, interpret=interpret)
+    want = pair_matmul_reference(h, jnp.concatenate([w2, w2s]), group, valid, scale)
+    assert_close("matmul, extra groups", y, want, dtype=tol)
+    assert_close("reference, extra", pair_matmul_reference(h, w2, group, valid, scale, extra=w2s), want, dtype=dtype)
+    with pytest.raises(ValueError, match="do not match"):
+        pair_matmul_pallas(h, w2, group, valid, scale, extra=w2s[:, :16], interpret=interpret)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
