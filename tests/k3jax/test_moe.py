@@ -227,3 +227,17 @@ def test_shared_expert_in_the_pair_kernels(rng, tokens):
             y = y + weights[t, j] * (h @ m.experts.w2[...][e])
         rows.append(y)
     assert_close("token loop", folded[0], jnp.stack(rows), dtype="float32")
+
+
+def test_bf16_router_sums_the_same_products(rng):
+    """bf16 inputs and router weight take a bf16 matmul with fp32 accumulation: the same exact
+    products as upcasting both to fp32 first (the Hugging Face order), summed in fp32."""
+    cfg = MoEConfig(hidden_size=256, num_experts=64, num_experts_per_token=6, expert_intermediate_size=16,
+                    routed_scaling_factor=2.0)
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((256, 64)) * 0.05, jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(64) * 0.01, jnp.float32)
+    weights, experts = route(x, w, bias, cfg)
+    ref_w, ref_e = route(x.astype(jnp.float32), w.astype(jnp.float32), bias, cfg)
+    np.testing.assert_array_equal(np.asarray(experts), np.asarray(ref_e))
+    assert_close("bf16 router", weights, ref_w, dtype="float32")
