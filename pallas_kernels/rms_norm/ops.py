@@ -10,8 +10,8 @@ from typing import Literal, get_args
 
 import jax
 
-from pallas_kernels.rms_norm.kernel import rms_norm_pallas
-from pallas_kernels.rms_norm.reference import rms_norm_reference
+from pallas_kernels.rms_norm.kernel import add_rms_norm_pallas, rms_norm_pallas
+from pallas_kernels.rms_norm.reference import add_rms_norm_reference, rms_norm_reference
 
 NormImpl = Literal["auto", "xla", "pallas"]
 NORM_IMPLS: tuple[str, ...] = get_args(NormImpl)
@@ -28,3 +28,20 @@ def rms_norm(x, weight, eps: float, *, impl: NormImpl = "auto"):
     if impl == "pallas" and rows <= MAX_ROWS:
         return rms_norm_pallas(x.reshape(rows, x.shape[-1]), weight, eps=eps).reshape(x.shape)
     return rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm(h, parts, weight, eps: float, *, parts_axis: int = 0, impl: NormImpl = "auto"):
+    """(h + cast(sum of parts), weight * rmsnorm(that)) for h [..., D] and fp32 parts with one extra
+    axis at `parts_axis` (0: [S, ..., D]; 1: [rows, S, D] with rows = h's rows flattened)."""
+    if impl not in NORM_IMPLS:
+        raise ValueError(f"rms norm: unknown impl {impl!r}; expected one of {NORM_IMPLS}")
+    d = h.shape[-1]
+    rows = h.size // d
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+    flat = parts.reshape((-1, rows, d) if parts_axis == 0 else (rows, -1, d))
+    if impl == "pallas" and rows <= MAX_ROWS:
+        new_h, normed = add_rms_norm_pallas(h.reshape(rows, d), flat, weight, eps=eps, parts_axis=parts_axis)
+    else:
+        new_h, normed = add_rms_norm_reference(h.reshape(rows, d), flat, weight, eps, parts_axis=parts_axis)
+    return new_h.reshape(h.shape), normed.reshape(h.shape)

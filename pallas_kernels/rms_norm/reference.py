@@ -11,3 +11,9 @@ def rms_norm_reference(x, weight, eps: float):
     xf = x.astype(jnp.float32)
     y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     return (weight * y).astype(x.dtype)
+
+
+def add_rms_norm_reference(h, parts, weight, eps: float, *, parts_axis: int = 0):
+    """Same contract as `kernel.add_rms_norm_pallas`."""
+    h = (h + jnp.sum(parts.astype(jnp.float32), axis=parts_axis).astype(h.dtype)).astype(h.dtype)
+    return h, rms_norm_reference(h, weight, eps)
