@@ -42,20 +42,36 @@ class DecoderLayer(nnx.Module):
             self.mlp_res = AttnResPoint(hidden_size, attn_res.eps, dtype=dtype, rngs=rngs)
 
     def mixer(self, x_BTD, seq: SeqInfo, layer_state, *, fresh: bool):
-        """Mixer on the normed input: (delta [B, T, D], new layer state)."""
+        """Mixer behind its pre-norm: (delta [B, T, D], new layer state)."""
         with jax.named_scope("norm"):
             x_BTD = self.input_layernorm(x_BTD)
+        return self.mixer_normed(x_BTD, seq, layer_state, fresh=fresh)
+
+    def mixer_normed(self, x_BTD, seq: SeqInfo, layer_state, *, fresh: bool, partial: bool = False):
+        """Mixer on an input already normed by input_layernorm: (delta, new layer state). partial:
+        the delta may come back as a `SplitSum` (fp32 partial sums) for `residual.add_norm`."""
         with jax.named_scope(self.mixer_kind):
-            return self.self_attn(x_BTD, seq, layer_state, fresh=fresh)
+            return self.self_attn(x_BTD, seq, layer_state, fresh=fresh, **({"partial": True} if partial else {}))
 
     def ffn(self, y_BTD: jax.Array) -> jax.Array:
-        """FFN on the normed input: delta [B, T, D]."""
+        """FFN behind its pre-norm: delta [B, T, D]."""
         with jax.named_scope("norm"):
             y_BTD = self.post_attention_layernorm(y_BTD)
+        return self.ffn_normed(y_BTD)
+
+    def ffn_normed(self, y_BTD: jax.Array, *, partial: bool = False):
+        """FFN on an input already normed by post_attention_layernorm: delta [B, T, D], or (partial)
+        possibly a `SplitSum` for `residual.add_norm`."""
         if hasattr(self, "block_sparse_moe"):
-            return self.block_sparse_moe(y_BTD)
+            return self.block_sparse_moe(y_BTD, partial=partial)
         with jax.named_scope("dense_mlp"):
             return self.mlp(y_BTD)
+
+    @property
+    def takes_partial_mixer(self) -> bool:
+        """Whether the mixer can return its output projection's partial sums (`partial=`)."""
+        import inspect
+        return "partial" in inspect.signature(type(self.self_attn).__call__).parameters
 
     @property
     def mixer_kind(self) -> str:

@@ -15,6 +15,7 @@ from k3jax.decoder_layer import DecoderLayer
 from k3jax.layers.attn_res import AttnResPoint
 from k3jax.layers.linear import Embedding, Linear
 from k3jax.layers.norms import RMSNorm
+from k3jax.layers.residual import add, add_norm
 from k3jax.mtp import MTPLayer
 from k3jax.state import DecodeState, KDAPending, SeqInfo
 
@@ -41,8 +42,7 @@ class KimiModel(nnx.Module):
             h = self.embed_tokens(tokens_BT)
         states = list(state.layers) if state is not None else [None] * len(self.layers)
         if self.attn_res_cfg is None:
-            for i, layer in enumerate(self.layers):
-                h, states[i] = layer(h, seq, states[i], fresh=fresh)
+            h = self._pre_norm_layers(h, seq, states, fresh)
         elif self.attn_res_cfg.impl == "buffer":
             h = self._attn_res_buffer(h, seq, states, fresh)
         else:
@@ -51,6 +51,25 @@ class KimiModel(nnx.Module):
             return h, None
         lengths = state.lengths + jnp.sum(seq.valid, axis=1, dtype=jnp.int32)
         return h, DecodeState(layers=tuple(states), lengths=lengths)
+
+    def _pre_norm_layers(self, h, seq, states, fresh):
+        """Plain pre-norm residual blocks (Kimi-Linear), each residual add fused with the norm that
+        reads its result (`residual.add_norm`: one launch at decode, the branch's partial sums added
+        inside it)."""
+        layers = self.layers
+        with jax.named_scope("norm"):
+            x = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
+            a, states[i] = layer.mixer_normed(x, seq, states[i], fresh=fresh, partial=layer.takes_partial_mixer)
+            with jax.named_scope("norm"):
+                h, y = add_norm(h, a, layer.post_attention_layernorm)
+            f = layer.ffn_normed(y, partial=i + 1 < len(layers))
+            if i + 1 < len(layers):
+                with jax.named_scope("norm"):
+                    h, x = add_norm(h, f, layers[i + 1].input_layernorm)
+            else:
+                h = add(h, f)
+        return h
 
     def _attn_res_buffer(self, emb, seq, states, fresh):
         """AttnRes with a fixed-size block buffer [NB, B, T, D] plus validity masks (arch §3.4, §3.6).

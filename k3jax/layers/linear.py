@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.params import normal, param
+from k3jax.layers.residual import SplitSum
 from pallas_kernels.skinny import SKINNY_MAX_ROWS, SkinnyImpl, fused_projections, resolve_skinny_impl
 
 
@@ -24,8 +25,14 @@ class Linear(nnx.Module):
         self.kernel = param(rngs, (in_features, out_features), dtype, normal(std), axes)
         self.impl = impl
 
-    def __call__(self, x: jax.Array, *, out_dtype=None) -> jax.Array:
-        """x: [..., in] -> [..., out] (accumulated in fp32 when `out_dtype` is float32)."""
+    def __call__(self, x: jax.Array, *, out_dtype=None, partial: bool = False):
+        """x: [..., in] -> [..., out] (accumulated in fp32 when `out_dtype` is float32).
+
+        partial: on the few-row kernel path, return the fp32 partial sums over its slices of the
+        reduction axis as a `k3jax.layers.residual.SplitSum` for an add that sums them itself."""
+        if partial and takes_fused_kernel([(x, (self,))]):
+            (parts,), = linears([(x, (self,))], partial_sums=(0,))
+            return SplitSum(parts, 0, x.shape[:-1] + (self.kernel.shape[1],), out_dtype or self.kernel.dtype)
         return linears([(x, (self,))], out_dtype=out_dtype)[0][0]
 
 

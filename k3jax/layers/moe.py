@@ -20,6 +20,7 @@ from k3jax.layers.mlp import MLP
 from k3jax.layers.moe_experts import local_experts, resolve_expert_impl
 from k3jax.layers.moe_parallel import expert_parallel
 from k3jax.layers.norms import RMSNorm
+from k3jax.layers.residual import SplitSum
 from k3jax.layers.params import normal, param, random_bytes, zeros
 from pallas_kernels.moe_gmm.mxfp4 import GROUP as MXFP4_GROUP
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
@@ -83,14 +84,15 @@ def route_partial_logits(partials_SNE: jax.Array, bias_E: jax.Array, cfg: MoECon
     return route_logits(jnp.sum(partials_SNE, axis=0), bias_E, cfg)
 
 
-def routed_experts(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg: MoEConfig, shared=None) -> jax.Array:
+def routed_experts(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg: MoEConfig, shared=None,
+                   summed: bool = True) -> jax.Array:
     """The routed experts' combined output [N, D] fp32: the configured local path, expert-parallel
-    when the model was sharded for it (cfg.expert_parallel). shared: see `local_experts`."""
+    when the model was sharded for it (cfg.expert_parallel). shared, summed: see `local_experts`."""
     if cfg.expert_parallel is not None:
         return expert_parallel(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, ep=cfg.expert_parallel,
                                impl=cfg.impl, gmm=cfg.gmm_impl, dispatch=cfg.ep_dispatch)
     return local_experts(cfg.impl, x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, gmm=cfg.gmm_impl,
-                         shared=shared)
+                         shared=shared, summed=summed)
 
 
 class Router(nnx.Module):
@@ -179,7 +181,10 @@ class MoE(nnx.Module):
             return None
         return gate[None], up[None], down[None]
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, *, partial: bool = False):
+        """x [B, T, D] -> [B, T, D]. partial: when the shared expert rides in the pair kernels
+        (`_shared_weights_for_pairs`), return the weighted pairs unsummed as a
+        `k3jax.layers.residual.SplitSum` for the residual add to sum."""
         cfg = self.cfg
         b, t, d = x_BTD.shape
         x_ND = x_BTD.reshape(b * t, d)
@@ -200,6 +205,10 @@ class MoE(nnx.Module):
                 weights, experts = self.gate(x_ND)
         with jax.named_scope("routed_experts"):
             expert_in = x_ND if cfg.latent_size is None else self.routed_expert_down_proj(x_ND)
+            if partial and folded is not None:   # every term of the layer's output is a pair
+                pairs = routed_experts(expert_in, weights, experts, *self.experts.weights(), cfg, shared=folded,
+                                       summed=False)
+                return SplitSum(pairs, 1, (b, t, d), x_BTD.dtype)
             routed = routed_experts(expert_in, weights, experts, *self.experts.weights(), cfg,
                                     shared=folded).astype(x_BTD.dtype)
             if cfg.latent_size is not None:

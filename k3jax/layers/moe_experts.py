@@ -85,9 +85,10 @@ def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
 
 
 def experts_pairs(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
-                  gmm: GmmImpl = "auto", expert_offset=None, shared=None) -> jax.Array:
+                  gmm: GmmImpl = "auto", expert_offset=None, shared=None, summed: bool = True) -> jax.Array:
     """Token-expert pairs in token order, one kernel tile per pair (no sort): the gated half and the
-    down projection (routing weight in its epilogue), summed over each token's X choices. -> [N, D] fp32.
+    down projection (routing weight in its epilogue), summed over each token's X choices. -> [N, D] fp32
+    (summed=False: the weighted pairs [N, X, D] fp32, for an add that sums them itself).
 
     shared: optional (gate [S, D, F], up [S, D, F], down [S, F, D]) always-active experts, run as S
     more pairs per token (weight 1) in the same launches; their outputs join the sum."""
@@ -107,7 +108,7 @@ def experts_pairs(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Act
                  extra=None if extra is None else extra[:2])
     y = pair_matmul(h, w2_EFD, index, inside, weights_NX.reshape(-1), impl=gmm,
                     extra=None if extra is None else extra[2])
-    return jnp.sum(y.reshape(n, k, -1), axis=1)
+    return jnp.sum(y.reshape(n, k, -1), axis=1) if summed else y.reshape(n, k, -1)
 
 
 def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
@@ -132,8 +133,9 @@ def resolve_expert_impl(impl: ExpertImpl, tokens: int, weight_sides: tuple[int, 
 
 
 def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
-                  gmm: GmmImpl = "auto", expert_offset=None, shared=None) -> jax.Array:
-    """The routed experts' combined output [N, D] fp32 over this shard's experts.
+                  gmm: GmmImpl = "auto", expert_offset=None, shared=None, summed: bool = True) -> jax.Array:
+    """The routed experts' combined output [N, D] fp32 over this shard's experts (summed=False, on the
+    "pairs" path only: the weighted pairs [N, X, D] fp32 unsummed).
 
     Args:
       impl: one of EXPERT_IMPLS. x_ND: expert inputs. weights_NX / experts_NX: the router's
@@ -150,10 +152,10 @@ def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF
     args = (x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
     if impl == "ragged":
         return experts_ragged(*args, gmm=gmm, expert_offset=expert_offset)
-    if shared is not None and impl != "pairs":
-        raise ValueError(f"routed experts: shared experts ride only in the 'pairs' path, not {impl!r}")
+    if (shared is not None or not summed) and impl != "pairs":
+        raise ValueError(f"routed experts: shared experts and unsummed pairs are the 'pairs' path's, not {impl!r}")
     if impl == "pairs":
-        return experts_pairs(*args, gmm=gmm, expert_offset=expert_offset, shared=shared)
+        return experts_pairs(*args, gmm=gmm, expert_offset=expert_offset, shared=shared, summed=summed)
     if impl == "gather":
         return experts_gather(*args, expert_offset=expert_offset)
     if impl == "dense":

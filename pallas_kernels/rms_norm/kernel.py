@@ -48,9 +48,9 @@ def _add_kernel(h_ref, parts_ref, w_ref, h_out_ref, o_ref, *, eps: float, featur
     cols = pl.ds(0, width)
     at = (lambda s: parts_ref.at[jnp.int32(s), row, cols]) if parts_axis == 0 else (
         lambda s: parts_ref.at[row, jnp.int32(s), cols])
-    delta = plt.load(at(0), mask=valid, other=0.0)
+    delta = plt.load(at(0), mask=valid, other=0.0).astype(jnp.float32)
     for s in range(1, parts):
-        delta = delta + plt.load(at(s), mask=valid, other=0.0)
+        delta = delta + plt.load(at(s), mask=valid, other=0.0).astype(jnp.float32)
     h = plt.load(h_ref.at[row, cols], mask=valid, other=0.0).astype(jnp.float32)
     h = (h + delta.astype(h_out_ref.dtype).astype(jnp.float32)).astype(h_out_ref.dtype)
     plt.store(h_out_ref.at[row, cols], h, mask=valid)
@@ -63,9 +63,10 @@ def add_rms_norm_pallas(h, parts, weight, *, eps: float, parts_axis: int = 0, in
     """(h + cast(sum of parts), weight * rmsnorm(that)) in one launch.
 
     Args:
-      h: [M, D] residual rows. parts: fp32 partial sums of the branch output, [S, M, D]
-        (parts_axis 0) or [M, S, D] (parts_axis 1), added in order s = 0..S-1 and cast to h's dtype
-        before the residual add (the model's rounding). weight: [D].
+      h: [M, D] residual rows. parts: partial sums of the branch output (fp32; or the output itself
+        as one part in any dtype), [S, M, D] (parts_axis 0) or [M, S, D] (parts_axis 1), added in
+        fp32 in order s = 0..S-1 and cast to h's dtype before the residual add (the model's
+        rounding). weight: [D].
     Returns:
       (new residual [M, D], its norm [M, D]), both in h's dtype.
     """
@@ -84,7 +85,7 @@ def add_rms_norm_pallas(h, parts, weight, *, eps: float, parts_axis: int = 0, in
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=default_interpret() if interpret is None else interpret,
         name="add_rms_norm",
-    )(h, parts.astype(jnp.float32), weight)
+    )(h, parts, weight)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
