@@ -109,10 +109,12 @@ class KimiDeltaAttention(nnx.Module):
         self.o_norm = GatedRMSNorm(k, cfg.norm_eps, rngs=rngs)
         self.o_proj = lin(p, d, ("kda_proj", "embed"))
 
-    def __call__(self, x_BTD: jax.Array, seq: SeqInfo, state: KDAState | None, *, fresh: bool = False):
+    def __call__(self, x_BTD: jax.Array, seq: SeqInfo, state: KDAState | None, *, fresh: bool = False,
+                 partial: bool = False):
         """Returns (out [B, T, D], new KDAState or None when `state` is None).
 
-        `fresh` (no history) needs no special path here: a fresh state is all zeros."""
+        `fresh` (no history) needs no special path here: a fresh state is all zeros. partial: out
+        may be o_proj's fp32 partial sums (`Linear(partial=True)`) for the residual add to sum."""
         cfg = self.cfg
         b, t, _ = x_BTD.shape
         h, k, p = cfg.num_heads, cfg.head_dim, cfg.proj_size
@@ -123,7 +125,7 @@ class KimiDeltaAttention(nnx.Module):
         mixed, proj = self._projections(x_BTD, low_rank=decode)
         mixed = jnp.where(valid, mixed, 0).astype(dtype)
         if decode:
-            return (self._verify if seq.tentative else self._decode_step)(x_BTD, mixed, proj, state)
+            return (self._verify if seq.tentative else self._decode_step)(x_BTD, mixed, proj, state, partial=partial)
         conv_state = (jnp.zeros((b, cfg.conv_size - 1, 3 * p), dtype) if state is None else state.conv)
         pre, new_conv = short_conv(mixed, conv_state, self._taps(), seq.pad)
         act = jax.nn.silu(pre).astype(dtype)
@@ -140,7 +142,7 @@ class KimiDeltaAttention(nnx.Module):
                    impl=cfg.impl, chunk_size=cfg.chunk_size)
 
         out = self.o_norm(o, z.reshape(b, t, h, k), dtype).reshape(b, t, p)
-        out = self.o_proj(out)
+        out = self.o_proj(out, partial=partial)
         return out, (None if state is None else KDAState(conv=new_conv, recurrent=s.astype(state.recurrent.dtype)))
 
     def _projections(self, x_BTD, *, low_rank: bool = False):
@@ -190,17 +192,17 @@ class KimiDeltaAttention(nnx.Module):
         """[W, 3P] q | k | v conv taps side by side (the prefill conv)."""
         return jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
 
-    def _decode_step(self, x_BTD, mixed_BTC, proj, state: KDAState):
+    def _decode_step(self, x_BTD, mixed_BTC, proj, state: KDAState, *, partial: bool = False):
         """One token per row through the fused decode step (`kda_decode`, impl cfg.decode_impl)."""
         cfg = self.cfg
         b, h, k, w = x_BTD.shape[0], cfg.num_heads, cfg.head_dim, cfg.conv_size
         inputs = jax.tree.map(lambda a: a[:, 0], self._decode_inputs(mixed_BTC, proj))
         out, conv, s = kda_decode(inputs, self._decode_weights(), state.conv.reshape(b, w - 1, 3, h, k),
                                   state.recurrent, impl=cfg.decode_impl)
-        out = self.o_proj(out.reshape(b, 1, h * k))
+        out = self.o_proj(out.reshape(b, 1, h * k), partial=partial)
         return out, KDAState(conv=conv.reshape(b, w - 1, 3 * h * k), recurrent=s)
 
-    def _verify(self, x_BTD, mixed_BTC, proj, state: KDAState):
+    def _verify(self, x_BTD, mixed_BTC, proj, state: KDAState, *, partial: bool = False):
         """A speculative window of T tokens per row: the outputs of T fused decode steps (exactly
         what decoding them one by one gives) and a KDAPending to commit any prefix of them."""
         cfg = self.cfg
@@ -208,7 +210,7 @@ class KimiDeltaAttention(nnx.Module):
         inputs = self._decode_inputs(mixed_BTC, proj)
         out = kda_verify_outputs(inputs, self._decode_weights(), state.conv.reshape(b, w - 1, 3, h, k),
                                  state.recurrent, impl=cfg.decode_impl)
-        out = self.o_proj(out.reshape(b, t, h * k))
+        out = self.o_proj(out.reshape(b, t, h * k), partial=partial)
         return out, KDAPending(inputs=inputs, conv=state.conv, recurrent=state.recurrent)
 
     def commit(self, pending: KDAPending, keep_B: jax.Array) -> KDAState:
