@@ -15,14 +15,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from k3jax.layers.flash_attention import flash_attention, online_softmax_init, online_softmax_step
+from pallas_kernels.mla_absorb import absorb_query_pallas, absorb_refusal, absorb_value_pallas
 from pallas_kernels.mla_decode import mla_decode_pallas
-from pallas_kernels.mla_decode.hopper import hopper_takes, mla_decode_hopper
+from pallas_kernels.mla_decode.hopper import TILE_ROWS, hopper_takes, mla_decode_hopper, mla_decode_hopper_splits
+from pallas_kernels.skinny import SkinnyImpl, resolve_skinny_impl
 
 # Attention over the latent cache (steps with history): "absorbed" (pure JAX, W_UK folded into
 # the query), "naive" (keys and values expanded per head: the reference), "pallas" (the
 # flash-decoding kernel over the cache, Triton lowering; interpret mode off the GPU) or "hopper"
 # (the Mosaic GPU kernel: warpgroup MMAs, TMA; on a GPU with a bf16/fp16 cache whose sizes it
-# takes, else the "pallas" form).
+# takes, else the "pallas" form). Around the two kernel forms, W_UK and W_UV are applied either by
+# einsums or by few-row kernels reading kv_b_proj's kernel in place (`absorb`: `absorb_kernels_take`).
 MLADecodeImpl = Literal["absorbed", "naive", "pallas", "hopper"]
 MLA_DECODE_IMPLS: tuple[str, ...] = get_args(MLADecodeImpl)
 
@@ -308,7 +311,7 @@ def prefill_attention(impl: MLAPrefillImpl, q_nope_BTHN, q_pe_BTHP, latent_BTL, 
 
 
 def cache_attention(impl: MLADecodeImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, *, scale: float,
-                    v_dim: int) -> jax.Array:
+                    v_dim: int, absorb: SkinnyImpl = "auto") -> jax.Array:
     """Attention of T query tokens per row over a latent cache (the one dispatch site of MLA decode).
 
     Args:
@@ -316,16 +319,24 @@ def cache_attention(impl: MLADecodeImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv
       w_kv_b: kv_b_proj kernel [R, H * (nope + v)].
       last_slot_BT: [B, T] int32 the last slot each query sees (its own slot); the T queries of a
         row sit at consecutive slots.
+      absorb: how the "pallas" and "hopper" forms apply W_UK and W_UV: "xla" (einsums), "pallas"
+        (`absorb_queries` and the value kernel, where `absorb_kernels_take`), "auto" ("pallas" on a GPU).
     Returns:
       [B, T, H, V] in the query dtype.
     """
     if impl in ("pallas", "hopper"):
-        h, n = q_nope_BTHN.shape[2:]
+        b, t, h, n = q_nope_BTHN.shape
+        r = w_kv_b.shape[0]
+        if absorb_kernels_take(impl, absorb, b * t, r, n, v_dim):
+            # Slices of one query (as the layer cuts them) merge back into it in XLA: no copy.
+            q = jnp.concatenate([q_nope_BTHN, q_pe_BTHP], axis=-1).reshape(b * t, -1)
+            rows = absorb_queries(impl, q, w_kv_b, cache_BSL, heads=h, tokens=t, nope=n, v_dim=v_dim)
+            return absorbed_cache_attention(impl, rows, cache_BSL, w_kv_b, last_slot_BT, heads=h, nope=n, v_dim=v_dim,
+                                            scale=scale, out_dtype=q_nope_BTHN.dtype)
         w_uk, w_uv = split_kv_b(w_kv_b, h, n, v_dim)
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, w_uk, preferred_element_type=jnp.float32)
         lengths = last_slot_BT[:, -1] + 1
-        kernel = (mla_decode_hopper if impl == "hopper" and jax.default_backend() == "gpu"
-                  and hopper_takes(cache_BSL.shape, cache_BSL.dtype, q_lat.shape[-1]) else mla_decode_pallas)
+        kernel = mla_decode_hopper if _runs_hopper(impl, cache_BSL, r) else mla_decode_pallas
         lat = kernel(q_lat.astype(cache_BSL.dtype), q_pe_BTHP, cache_BSL, lengths, scale=scale)
         return jnp.einsum("bthr,rhv->bthv", lat, w_uv.astype(jnp.float32)).astype(q_nope_BTHN.dtype)
     slots = jnp.arange(cache_BSL.shape[1])
@@ -335,3 +346,65 @@ def cache_attention(impl: MLADecodeImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv
     if impl == "naive":
         return attention_naive(q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, mask, scale=scale, v_dim=v_dim)
     raise ValueError(f"MLA decode: unknown impl {impl!r}; expected one of {MLA_DECODE_IMPLS}")
+
+
+def _runs_hopper(impl: MLADecodeImpl, cache_BSL, latent_dim: int) -> bool:
+    """Whether the "hopper" form runs the Mosaic GPU kernel (else the "pallas" form stands in)."""
+    return (impl == "hopper" and jax.default_backend() == "gpu"
+            and hopper_takes(cache_BSL.shape, cache_BSL.dtype, latent_dim))
+
+
+def absorb_kernels_take(impl: MLADecodeImpl, absorb: SkinnyImpl, rows: int, latent_dim: int, nope: int,
+                        v_dim: int) -> bool:
+    """Whether decode attention of `rows` query tokens (B * T) applies W_UK and W_UV with the few-row
+    kernels (`pallas_kernels.mla_absorb`): a kernel form ("pallas", "hopper"), `absorb` resolving to
+    "pallas" and sizes the kernels take (at most 16 rows)."""
+    return (impl in ("pallas", "hopper") and resolve_skinny_impl(absorb) == "pallas"
+            and absorb_refusal(rows, latent_dim, nope, v_dim) is None)
+
+
+def absorb_queries(impl: MLADecodeImpl, q_MC, w_kv_b, cache_BSL, *, heads: int, tokens: int, nope: int, v_dim: int,
+                   q_col: int = 0, kv_MC=None, kv_col: int = 0, norm_weight=None, eps: float = 1e-6):
+    """The queries of `absorbed_cache_attention` (W_UK folded in, the rope part beside it) in the layout
+    its kernel reads, in one launch; optionally with the new latents normalised (kv_a_layernorm).
+
+    Args:
+      q_MC: [B * T, C] rows holding each head's [nope | rope] query from column q_col (read in place).
+      kv_MC, kv_col, norm_weight, eps: optional rows holding [c_kv | k_pe] from column kv_col and the
+        kv_a_layernorm weight and eps.
+    Returns:
+      rows [B * T_pad, H, R + P] in the cache dtype (and the latents [B * T, R + P] in kv's dtype).
+    """
+    r = w_kv_b.shape[0]
+    rope = cache_BSL.shape[2] - r
+    multiple = TILE_ROWS if _runs_hopper(impl, cache_BSL, r) else 1   # whole Hopper query tiles, no padding copy
+    return absorb_query_pallas(q_MC, w_kv_b, heads=heads, tokens=tokens, nope=nope, rope=rope, v_dim=v_dim,
+                               q_col=q_col, multiple=multiple, out_dtype=cache_BSL.dtype, kv=kv_MC, kv_col=kv_col,
+                               norm_weight=norm_weight, eps=eps)
+
+
+def absorbed_cache_attention(impl: MLADecodeImpl, rows, cache_BSL, w_kv_b, last_slot_BT, *, heads: int, nope: int,
+                             v_dim: int, scale: float, out_dtype) -> jax.Array:
+    """`cache_attention`'s "pallas" / "hopper" forms on queries from `absorb_queries`, with W_UV applied
+    by the few-row value kernel. On the Hopper kernel that kernel also merges the sequence splits.
+
+    Args:
+      rows: [B * T_pad, H, R + P] from `absorb_queries` (same impl and cache).
+      cache_BSL, w_kv_b, last_slot_BT, scale: as `cache_attention`. out_dtype: the result's dtype.
+    Returns:
+      [B, T, H, V].
+    """
+    b, t = last_slot_BT.shape
+    r = w_kv_b.shape[0]
+    t_pad = rows.shape[0] // b
+    lengths = last_slot_BT[:, -1] + 1
+    kw = dict(heads=heads, tokens=t, nope=nope, v_dim=v_dim, out_dtype=out_dtype)
+    if _runs_hopper(impl, cache_BSL, r):
+        o, lse = mla_decode_hopper_splits(rows.reshape(b, t_pad * heads, -1), cache_BSL, lengths, heads=heads, sq=t,
+                                          latent_dim=r, scale=scale)
+        out = absorb_value_pallas(o, w_kv_b, lse=lse, **kw)
+    else:
+        q = rows.reshape(b, t_pad, heads, -1)[:, :t]
+        lat = mla_decode_pallas(q[..., :r], q[..., r:], cache_BSL, lengths, scale=scale)
+        out = absorb_value_pallas(lat.reshape(b * t, heads, r), w_kv_b, **kw)
+    return out.reshape(b, t, heads, v_dim)

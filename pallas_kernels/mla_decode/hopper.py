@@ -17,7 +17,9 @@ the cache; rows past H x Sq are padding. Three warpgroups:
 A split covers whole blocks and stops at the row's length; in the block that holds the length,
 the values of the slots past it are zeroed in shared memory before P @ V (their probabilities are
 already 0, and a cache poisoned there must not reach the output). Splits write their normalised
-output (bf16) and log-sum-exp (base 2); `combine_splits` merges them.
+output (bf16) and log-sum-exp (base 2); `combine_splits` merges them. `mla_decode_hopper_splits` is
+the kernel alone: it takes query rows already laid out as it reads them (a caller's kernel can write
+them so) and returns the splits unmerged (for a consumer kernel that merges them itself).
 
 Runs on NVIDIA Hopper GPUs only (Mosaic GPU's interpret mode lacks `run_state`, the accumulator
 update); its lowering for CUDA is checked on any host. The twin is `reference.mla_decode_reference`,
@@ -221,6 +223,11 @@ def combine_splits(o, lse):
     return jnp.sum(o.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
 
 
+def query_rows(heads: int, sq: int) -> int:
+    """Query rows the kernel reads per batch row: heads x query tokens, up to whole tiles."""
+    return -(-heads * sq // TILE_ROWS) * TILE_ROWS
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "blocks"))
 def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: HopperMLABlocks = HopperMLABlocks()):
     """Absorbed MLA attention over a latent cache on Hopper (`kernel.mla_decode_pallas`'s contract).
@@ -235,21 +242,46 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
     """
     validate_inputs(q_lat, q_pe, cache, lengths)
     b, sq, h, r = q_lat.shape
-    width = cache.shape[2]
-    s = cache.shape[1]
-    bkv = blocks.block_kv
+    rows = sq * h
+    q = jnp.concatenate([q_lat, q_pe], axis=-1).reshape(b, rows, cache.shape[2]).astype(cache.dtype)
+    q = jnp.pad(q, ((0, 0), (0, query_rows(h, sq) - rows), (0, 0)))
+    o, lse = mla_decode_hopper_splits(q, cache, lengths, heads=h, sq=sq, latent_dim=r, scale=scale, blocks=blocks)
+    return combine_splits(o, lse)[:, :rows].reshape(b, sq, h, r)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "sq", "latent_dim", "scale", "blocks"))
+def mla_decode_hopper_splits(q, cache, lengths, *, heads: int, sq: int, latent_dim: int, scale: float,
+                             blocks: HopperMLABlocks = HopperMLABlocks()):
+    """The kernel itself on queries already laid out as it reads them, returning the splits unmerged.
+
+    Args:
+      q: [B, rows, R + P] in the cache dtype: row t * heads + h is [q_lat | q_pe] of query token t,
+        head h; rows >= query_rows(heads, sq) (rows past heads x sq are padding, any values).
+      cache, lengths, scale, blocks: as `mla_decode_hopper`. latent_dim: R.
+    Returns:
+      (o [B, splits, rows, R] each split's normalised output in the cache dtype,
+       lse [B, splits, rows] fp32 its base-2 log-sum-exp; -huge where the split saw no slot):
+      `combine_splits` merges them. Rows past heads x sq are padding.
+    """
+    b, s, width = cache.shape
+    r = latent_dim
+    n_rows = query_rows(heads, sq)
+    if (q.ndim != 3 or q.shape[0] != b or q.shape[1] < n_rows or q.shape[2] != width or q.dtype != cache.dtype
+            or lengths.shape != (b,)):
+        raise ValueError(f"mla_decode_hopper: queries [{b}, >= {n_rows}, {width}] in {jnp.dtype(cache.dtype)} and "
+                         f"lengths [{b}] needed for cache {cache.shape}; got {q.shape} {jnp.dtype(q.dtype)} and "
+                         f"{lengths.shape}")
     if (why := _refusal(cache.shape, cache.dtype, r, blocks)) is not None:
         raise ValueError(f"mla_decode_hopper: {why}")
-    rows = sq * h
-    tiles = -(-rows // TILE_ROWS)
-    q = jnp.concatenate([q_lat, q_pe], axis=-1).reshape(b, rows, width).astype(cache.dtype)
-    q = jnp.pad(q, ((0, 0), (0, tiles * TILE_ROWS - rows), (0, 0)))
+    bkv = blocks.block_kv
+    tiles = n_rows // TILE_ROWS
+    out_rows = q.shape[1]
     splits = blocks.splits_for(b * tiles, s)
     split_len = -(-(s // bkv) // splits) * bkv
     splits = -(-s // split_len)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = blocks.stages
-    kernel = functools.partial(_kernel, heads=h, sq=sq, r=r, bkv=bkv, stages=stages, split_len=split_len,
+    kernel = functools.partial(_kernel, heads=heads, sq=sq, r=r, bkv=bkv, stages=stages, split_len=split_len,
                                scale=scale, shared=blocks.shared_scores)
 
     def entry(len_ref, q_ref, c_ref, o_ref, lse_ref):
@@ -270,8 +302,8 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
 
     o, lse = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((b, splits, tiles * TILE_ROWS, r), cache.dtype),
-                  jax.ShapeDtypeStruct((b, splits, tiles * TILE_ROWS), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((b, splits, out_rows, r), cache.dtype),
+                  jax.ShapeDtypeStruct((b, splits, out_rows), jnp.float32)),
         grid=(tiles, splits, b),
         grid_names=("tile", "split", "row"),
         num_threads=3,
@@ -279,4 +311,4 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
         # Row reductions of the WGMMA layout stay within warps: no reduction scratch is needed.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
     )(jnp.minimum(lengths, s).astype(jnp.int32), q, cache)
-    return combine_splits(o, lse)[:, :rows].reshape(b, sq, h, r)
+    return o, lse

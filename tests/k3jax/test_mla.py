@@ -13,12 +13,12 @@ import pytest
 from flax import nnx
 from tolerances import assert_close, xla_dtype
 
-from k3jax.config import tiny_kimi_linear
+from k3jax.config import tiny_k3, tiny_kimi_linear
 from k3jax.layers.mla import MultiHeadLatentAttention
 from k3jax.layers.mla_attention import (MLA_DECODE_IMPLS, attention_absorbed, attention_cudnn, attention_cudnn_cache,
                                         attention_flash, attention_flash_cache,
                                         attention_naive, cache_attention, chunk_attention, prefill_attention)
-from k3jax.state import SeqInfo
+from k3jax.state import MLACache, SeqInfo
 
 
 def test_mla_absorbed_equals_naive(rng):
@@ -65,10 +65,58 @@ def test_cache_attention_implementations_agree(rng, impl):
     assert_close(impl, out, ref, dtype=xla_dtype("float32"))     # fp32 dots run on TF32 units on a GPU
 
 
+@pytest.mark.parametrize("impl", ["pallas", "hopper"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_absorb_kernels_around_the_kernel_forms(rng, impl, dtype):
+    """W_UK and W_UV through the few-row kernels (absorb="pallas"; interpret mode off the GPU, where
+    "hopper" stands in with the Triton form): equal to the naive expansion, ragged rows, poisoned
+    tails, three query tokens per row."""
+    b, t, s, h, n, p, r, v = 3, 3, 64, 4, 16, 16, 32, 16
+    dt = jnp.dtype(dtype)
+    q_nope = jnp.asarray(rng.standard_normal((b, t, h, n)), dt)
+    q_pe = jnp.asarray(rng.standard_normal((b, t, h, p)), dt)
+    last = np.array([[0, 1, 2], [30, 31, 32], [61, 62, 63]], np.int32)
+    cache = rng.standard_normal((b, s, r + p))
+    inside = np.arange(s)[None, :, None] <= last[:, -1:, None]
+    w_kv_b = jnp.asarray(rng.standard_normal((r, h * (n + v))) / np.sqrt(r), dt)
+    kw = dict(scale=(n + p) ** -0.5, v_dim=v)
+    ref = cache_attention("naive", q_nope, q_pe, jnp.asarray(np.where(inside, cache, 0.0), dt), w_kv_b,
+                          jnp.asarray(last), **kw)
+    out = cache_attention(impl, q_nope, q_pe, jnp.asarray(np.where(inside, cache, np.nan), dt), w_kv_b,
+                          jnp.asarray(last), absorb="pallas", **kw)
+    assert out.dtype == dt
+    assert_close(f"{impl} with the absorb kernels", out, ref, dtype=xla_dtype(dtype))
+
+
+@pytest.mark.parametrize("make", [tiny_kimi_linear, tiny_k3])
+@pytest.mark.parametrize("decode_impl", ["pallas", "hopper"])
+def test_layer_decode_through_the_absorb_kernels(rng, make, decode_impl):
+    """A decode step (two tokens per row, one row left-padded) with linear_impl="pallas": the input
+    launch, the query launch (absorbed queries and the normalised latents, read from the input
+    launch's output in place), the attention kernel and the value launch; output and written cache
+    equal linear_impl="xla" (the einsums and the XLA norm)."""
+    cfg = dataclasses.replace(make().mla, decode_impl=decode_impl)
+    b, t, s = 3, 2, 64
+    x = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), jnp.float32)
+    cache = MLACache(latent=jnp.asarray(rng.standard_normal((b, s, cfg.latent_size)), jnp.float32))
+    seq = SeqInfo.make(jnp.asarray(np.array([[1, 1], [0, 1], [1, 1]])), jnp.asarray([5, 20, 62]))
+    outs = {}
+    for impl in ("xla", "pallas"):
+        layer = MultiHeadLatentAttention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), linear_impl=impl)
+        outs[impl] = layer(x, seq, cache, fresh=False)
+        jaxpr = str(jax.make_jaxpr(lambda x: layer(x, seq, cache, fresh=False))(x))
+        assert ("mla_absorb_query" in jaxpr and "mla_absorb_value" in jaxpr) == (impl == "pallas")
+    (out, new_cache), (ref, ref_cache) = outs["pallas"], outs["xla"]
+    assert_close("cache", new_cache.latent, ref_cache.latent)
+    assert_close("layer output", out, ref)
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Mosaic GPU kernel runs on a GPU only")
-def test_hopper_cache_attention_at_the_models_latent_width(rng):
+@pytest.mark.parametrize("absorb", ["xla", "pallas"])
+def test_hopper_cache_attention_at_the_models_latent_width(rng, absorb):
     """bf16, R = 512 latent + 64 rope (the kernel itself, not its fallback), 3 query tokens per
-    row, ragged lengths, slots past them poisoned: equal to the naive expansion."""
+    row, ragged lengths, slots past them poisoned: equal to the naive expansion, with W_UK / W_UV as
+    einsums or as the few-row kernels (which also merge the kernel's splits)."""
     b, t, s, h, n, p, r, v = 3, 3, 512, 8, 128, 64, 512, 128
     q_nope = jnp.asarray(rng.standard_normal((b, t, h, n)), jnp.bfloat16)
     q_pe = jnp.asarray(rng.standard_normal((b, t, h, p)), jnp.bfloat16)
@@ -80,7 +128,8 @@ def test_hopper_cache_attention_at_the_models_latent_width(rng):
     w_kv_b = jnp.asarray(rng.standard_normal((r, h * (n + v))) / np.sqrt(r), jnp.bfloat16)
     kw = dict(scale=(n + p) ** -0.5, v_dim=v)
     ref = cache_attention("naive", q_nope, q_pe, clean, w_kv_b, jnp.asarray(last), **kw)
-    assert_close("hopper", cache_attention("hopper", q_nope, q_pe, poisoned, w_kv_b, jnp.asarray(last), **kw), ref)
+    assert_close("hopper", cache_attention("hopper", q_nope, q_pe, poisoned, w_kv_b, jnp.asarray(last), absorb=absorb,
+                                           **kw), ref)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

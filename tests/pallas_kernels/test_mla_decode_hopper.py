@@ -15,7 +15,8 @@ import pytest
 from tolerances import assert_close
 
 from pallas_kernels.mla_decode import mla_decode_reference
-from pallas_kernels.mla_decode.hopper import HopperMLABlocks, combine_splits, hopper_takes, mla_decode_hopper
+from pallas_kernels.mla_decode.hopper import (HopperMLABlocks, combine_splits, hopper_takes, mla_decode_hopper,
+                                              mla_decode_hopper_splits, query_rows)
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
 
@@ -48,12 +49,34 @@ def test_matches_reference_with_ragged_lengths_and_poisoned_tail(rng, b, sq, h, 
         assert_close(f"{blocks}", out, ref, dtype="bfloat16")
 
 
+@on_gpu
+@pytest.mark.parametrize("sq,h,rows", [(1, 12, 192), (2, 32, 128), (3, 8, 96)])
+def test_splits_on_query_rows_as_laid_out(rng, sq, h, rows):
+    """The kernel on query rows that are already laid out (row t * H + h; more rows than whole tiles,
+    NaN in the padding rows), its splits merged by `combine_splits`: equal to the reference."""
+    lengths = np.asarray([512, 77], np.int32)
+    q, qp, clean, dirty = _inputs(rng, 2, sq, h, 512, lengths, poison=True)
+    packed = np.full((2, rows, 576), np.nan, np.float32)
+    packed[:, :sq * h] = np.asarray(jnp.concatenate([q, qp], -1), np.float32).reshape(2, sq * h, 576)
+    assert rows >= query_rows(h, sq)
+    o, lse = mla_decode_hopper_splits(jnp.asarray(packed, jnp.bfloat16), dirty, jnp.asarray(lengths), heads=h, sq=sq,
+                                      latent_dim=512, scale=0.07)
+    assert o.shape[2] == rows and lse.shape[2] == rows
+    out = combine_splits(o[:, :, :sq * h], lse[:, :, :sq * h]).reshape(2, sq, h, 512)
+    assert_close("splits", out, mla_decode_reference(q, qp, clean, jnp.asarray(lengths), scale=0.07), dtype="bfloat16")
+
+
 def test_lowers_for_cuda_on_any_host():
     """The full Pallas -> Mosaic GPU lowering runs (no GPU needed) and emits the Mosaic GPU kernel."""
     args = (jax.ShapeDtypeStruct((2, 2, 32, 512), jnp.bfloat16), jax.ShapeDtypeStruct((2, 2, 32, 64), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, 1024, 576), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
     exported = jax.export.export(jax.jit(lambda *a: mla_decode_hopper(*a, scale=0.1)), platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
+    # Query rows laid out by the caller, past whole tiles (12 heads: 16 token slots x 12 = 192 rows).
+    splits = jax.export.export(jax.jit(lambda q, c, n: mla_decode_hopper_splits(q, c, n, heads=12, sq=1, latent_dim=512,
+                                                                                 scale=0.1)), platforms=["cuda"])(
+        jax.ShapeDtypeStruct((2, 192, 576), jnp.bfloat16), *args[2:])
+    assert splits.out_avals[0].shape[2] == 192
 
 
 def test_combine_splits_equals_one_softmax(rng):
@@ -79,6 +102,9 @@ def test_combine_splits_equals_one_softmax(rng):
 
 def test_rejects_what_it_cannot_run():
     q, qp = jnp.zeros((1, 1, 4, 512), jnp.bfloat16), jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="queries"):   # fewer rows than one tile
+        mla_decode_hopper_splits(jnp.zeros((1, 4, 576), jnp.bfloat16), jnp.zeros((1, 128, 576), jnp.bfloat16),
+                                 jnp.array([3]), heads=4, sq=1, latent_dim=512, scale=1.0)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         mla_decode_hopper(q, qp, jnp.zeros((1, 128, 576), jnp.float32), jnp.array([3]), scale=1.0)
     with pytest.raises(ValueError, match="multiple of block_kv"):
