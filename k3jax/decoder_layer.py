@@ -51,7 +51,7 @@ class DecoderLayer(nnx.Module):
         """Mixer on an input already normed by input_layernorm: (delta, new layer state). partial:
         the delta may come back as a `SplitSum` (fp32 partial sums) for `residual.add_norm`."""
         with jax.named_scope(self.mixer_kind):
-            return self.self_attn(x_BTD, seq, layer_state, fresh=fresh, **({"partial": True} if partial else {}))
+            return self.self_attn(x_BTD, seq, layer_state, fresh=fresh, partial=partial)
 
     def ffn(self, y_BTD: jax.Array) -> jax.Array:
         """FFN behind its pre-norm: delta [B, T, D]."""
@@ -66,12 +66,6 @@ class DecoderLayer(nnx.Module):
             return self.block_sparse_moe(y_BTD, partial=partial)
         with jax.named_scope("dense_mlp"):
             return self.mlp(y_BTD)
-
-    @property
-    def takes_partial_mixer(self) -> bool:
-        """Whether the mixer can return its output projection's partial sums (`partial=`)."""
-        import inspect
-        return "partial" in inspect.signature(type(self.self_attn).__call__).parameters
 
     @property
     def mixer_kind(self) -> str:

@@ -60,7 +60,7 @@ class KimiModel(nnx.Module):
         with jax.named_scope("norm"):
             x = layers[0].input_layernorm(h)
         for i, layer in enumerate(layers):
-            a, states[i] = layer.mixer_normed(x, seq, states[i], fresh=fresh, partial=layer.takes_partial_mixer)
+            a, states[i] = layer.mixer_normed(x, seq, states[i], fresh=fresh, partial=True)
             with jax.named_scope("norm"):
                 h, y = add_norm(h, a, layer.post_attention_layernorm)
             f = layer.ffn_normed(y, partial=i + 1 < len(layers))

@@ -54,8 +54,10 @@ class MultiHeadLatentAttention(nnx.Module):
             self.g_proj = lin(d, h * cfg.v_head_dim, ("embed", "mla_o"))
         self.o_proj = lin(h * cfg.v_head_dim, d, ("mla_o", "embed"))
 
-    def __call__(self, x_BTD: jax.Array, seq: SeqInfo, cache: MLACache | None, *, fresh: bool):
-        """Returns (out [B, T, D], updated cache or None).
+    def __call__(self, x_BTD: jax.Array, seq: SeqInfo, cache: MLACache | None, *, fresh: bool,
+                 partial: bool = False):
+        """Returns (out [B, T, D], updated cache or None). partial: out may be o_proj's fp32 partial
+        sums (`Linear(partial=True)`) for the residual add to sum.
 
         fresh=True means no row has history: attention runs over this call's tokens with the
         `prefill_impl` form.
@@ -102,7 +104,7 @@ class MultiHeadLatentAttention(nnx.Module):
         if cfg.use_output_gate:  # K3: sigmoid gate from the layer input on the concatenated heads
             gate = jax.nn.sigmoid(gate_logits[0].astype(jnp.float32))
             attn = attn.astype(jnp.float32) * gate
-        return self.o_proj(attn.astype(x_BTD.dtype)), cache
+        return self.o_proj(attn.astype(x_BTD.dtype), partial=partial), cache
 
     def _absorbed_decode(self, q_BTHD, kv_BTL, first_outs, fused: bool, w_kv_b, seq: SeqInfo, cache: MLACache):
         """Decode attention through the few-row kernels: the absorbed queries and the normalised new
