@@ -43,14 +43,12 @@ def main():
     for (b, h, kd) in [(1, 2, 16), (8, 32, 128)]:
         try:
             r = lambda *sh, dt=jnp.float32, sc=1.0: jnp.asarray(sc * rng.standard_normal(sh), dt)
+            inputs = KDADecodeInputs(r(b, 3, h, kd, dt=jnp.bfloat16), r(b, h, kd, dt=jnp.bfloat16),
+                                     r(b, h, dt=jnp.bfloat16), r(b, h, kd, dt=jnp.bfloat16))
             conv, state = r(b, 3, 3, h, kd, dt=jnp.bfloat16), r(b, h, kd, kd)
-            f_a, g_a, z = r(b, kd, dt=jnp.bfloat16), r(b, kd, dt=jnp.bfloat16), r(b, h, kd, dt=jnp.bfloat16)
-            f_b, g_b = (r(kd, h * kd, dt=jnp.bfloat16, sc=kd ** -0.5) for _ in range(2))
-            for lb in (None, -5.0):   # Kimi-Linear (low-rank output gate), K3 (full-rank z)
-                inputs = KDADecodeInputs(r(b, 3, h, kd, dt=jnp.bfloat16), f_a, r(b, h, dt=jnp.bfloat16),
-                                         **(dict(g_a=g_a) if lb is None else dict(z=z)))
+            for lb in (None, -5.0):
                 weights = KDADecodeWeights(*(r(4, h, kd, sc=0.5) for _ in range(3)), r(h, kd), r(h, kd), r(kd),
-                                           f_b=f_b, g_b=g_b if lb is None else None, lower_bound=lb)
+                                           lower_bound=lb)
                 ref = jax.jit(kda_decode_xla)(inputs, weights, conv, state)
                 out = kda_decode_pallas(inputs, weights, conv, state + 0)
                 print(f"kda_decode b{b} h{h} k{kd} lb={lb}: err out {rel(out[0], ref[0]):.2e} "

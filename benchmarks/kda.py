@@ -132,26 +132,24 @@ def prefill_rows(shapes, fla, iters):
 def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32):
     rows = []
     for b in batches:
-        ks = jax.random.split(jax.random.key(b), 12)
+        ks = jax.random.split(jax.random.key(b), 10)
         n = lambda i, shape, dt=jnp.float32, s=1.0: (s * jax.random.normal(ks[i], shape, jnp.float32)).astype(dt)
         per_layer = lambda i, shape, dt=jnp.float32, s=1.0: tuple(
             n(i, shape, dt, s) * 1 for _ in range(layers))  # separate buffers, no slicing in the timed call
         x = per_layer(0, (b, 3, h, kd), jnp.bfloat16)
         conv = per_layer(1, (b, 3, 3, h, kd), jnp.bfloat16)
         w = n(2, (4, 3, h, kd), s=0.5)      # the q, k, v taps
-        f = per_layer(3, (b, kd), jnp.bfloat16)          # f_a (rank R = K, as in Kimi-Linear)
+        f = per_layer(3, (b, h, kd), jnp.bfloat16)
         dt_b, a_log = n(4, (h, kd)), n(5, (h, kd))
-        bl, z = per_layer(6, (b, h), jnp.bfloat16), per_layer(7, (b, kd), jnp.bfloat16)   # z: the low-rank g_a
+        bl, z = per_layer(6, (b, h), jnp.bfloat16), per_layer(7, (b, h, kd), jnp.bfloat16)
         nw = n(8, (kd,))
         states = per_layer(9, (b, h, kd, kd), state_dtype, s=0.1)
 
-        f_b, g_b = (n(i, (kd, h * kd), jnp.bfloat16, kd ** -0.5) for i in (10, 11))   # gate weights [R, P]
-        weights = KDADecodeWeights(q_conv=w[:, 0], k_conv=w[:, 1], v_conv=w[:, 2], dt_bias=dt_b, a_log=a_log,
-                                   o_norm_w=nw, f_b=f_b, g_b=g_b)
+        weights = KDADecodeWeights(q_conv=w[:, 0], k_conv=w[:, 1], v_conv=w[:, 2], dt_bias=dt_b, a_log=a_log, o_norm_w=nw)
 
         def run(step):
             def layers_fn(states, x, conv, f, bl, z):
-                return tuple(step(KDADecodeInputs(x[i], f[i], bl[i], g_a=z[i]), weights, conv[i], states[i])[2]
+                return tuple(step(KDADecodeInputs(x[i], f[i], bl[i], z[i]), weights, conv[i], states[i])[2]
                              for i in range(layers))  # one launch per layer, states updated in place
             return jax.jit(layers_fn, donate_argnums=0)
 

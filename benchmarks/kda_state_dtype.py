@@ -45,9 +45,8 @@ def layer_errors(steps: int, heads: int, kd: int, seed: int = 0) -> list[dict]:
     # softplus(dt_bias) in [1e-4, 0.1]: per-token decays from e^-1.6 (fast) to e^-1e-4 (slow).
     dt = np.log(np.expm1(np.exp(rng.uniform(np.log(1e-4), np.log(0.1), (heads, kd)))))
     weights = KDADecodeWeights(*(f32(width, heads, kd, scale=0.5) for _ in range(3)), dt_bias=jnp.asarray(dt, jnp.float32),
-                               a_log=a_log, o_norm_w=jnp.ones((kd,), jnp.float32),
-                               f_b=f32(kd, heads * kd, scale=0.5 * kd ** -0.5))   # f = f_a @ f_b, about 0.5 * N(0, 1)
-    xs = KDADecodeInputs(x_qkv=f32(steps, b, 3, heads, kd), f_a=f32(steps, b, kd),
+                               a_log=a_log, o_norm_w=jnp.ones((kd,), jnp.float32))
+    xs = KDADecodeInputs(x_qkv=f32(steps, b, 3, heads, kd), f=f32(steps, b, heads, kd, scale=0.5),
                          beta_logit=f32(steps, b, heads), z=f32(steps, b, heads, kd))
 
     def run(state_dtype):

@@ -30,7 +30,7 @@ class KDAPending:
     """A KDA layer after a tentative (speculative verify) call of Q tokens: the state before the
     call plus what replaying any prefix of the Q tokens needs (`KimiDeltaAttention.commit`).
 
-    inputs: KDADecodeInputs with a token axis (x_qkv [B, Q, 3, H, K], f_a, beta_logit, and g_a or z).
+    inputs: KDADecodeInputs with a token axis (x_qkv [B, Q, 3, H, K], f, beta_logit, z).
     conv: [B, W-1, 3P] and recurrent: [B, H, K, V] the state before the call.
     """
 

@@ -121,12 +121,13 @@ class KimiDeltaAttention(nnx.Module):
         dtype = x_BTD.dtype
         valid = seq.valid[:, :, None]
 
-        decode = state is not None and (seq.tentative or t == 1)   # the fused step forms the gate logits
-        mixed, proj = self._projections(x_BTD, low_rank=decode)
+        mixed, proj = self._projections(x_BTD)
         mixed = jnp.where(valid, mixed, 0).astype(dtype)
-        if decode:
-            return (self._verify if seq.tentative else self._decode_step)(x_BTD, mixed, proj, state, partial=partial)
         conv_state = (jnp.zeros((b, cfg.conv_size - 1, 3 * p), dtype) if state is None else state.conv)
+        if state is not None and seq.tentative:
+            return self._verify(x_BTD, mixed, proj, state, partial=partial)
+        if t == 1 and state is not None:
+            return self._decode_step(x_BTD, mixed, proj, state, partial=partial)
         pre, new_conv = short_conv(mixed, conv_state, self._taps(), seq.pad)
         act = jax.nn.silu(pre).astype(dtype)
         q, kk, v = (act[..., i * p:(i + 1) * p].reshape(b, t, h, k) for i in range(3))
@@ -145,18 +146,14 @@ class KimiDeltaAttention(nnx.Module):
         out = self.o_proj(out, partial=partial)
         return out, (None if state is None else KDAState(conv=new_conv, recurrent=s.astype(state.recurrent.dtype)))
 
-    def _projections(self, x_BTD, *, low_rank: bool = False):
+    def _projections(self, x_BTD):
         """Every projection of the layer input: (mixed [B, T, 3P] = q|k|v before the conv, and
         (decay logits f [B, T, P], beta logits [B, T, H], output-gate logits z [B, T, P])).
-        With `low_rank` (decode: the fused step forms the logits itself) the low-rank second halves
-        are not applied: f_a [B, T, R] stands for f and, for a low-rank output gate, g_a [B, T, R]
-        for z; then everything is one launch on the few-row path (all of it reads x, q|k|v coming
-        out as one array), else a second launch applies f_b (and g_b)."""
+        On the few-row (decode) path they take two launches: everything that reads x (q|k|v coming
+        out as one array), then the low-rank second halves."""
         gate = self.g_proj if self.cfg.use_full_rank_gate else self.g_a_proj
         mixed, f_a, beta, g_first = grouped_projections(
             x_BTD, [[self.q_proj, self.k_proj, self.v_proj], [self.f_a_proj], [self.b_proj], [gate]])
-        if low_rank:
-            return mixed, (f_a, beta, g_first)
         if self.cfg.use_full_rank_gate:
             (f,), = linears([(f_a, [self.f_b_proj])])
             z = g_first
@@ -165,28 +162,23 @@ class KimiDeltaAttention(nnx.Module):
         return mixed, (f, beta, z)
 
     def _decode_inputs(self, mixed_BTC, proj) -> KDADecodeInputs:
-        """The fused decode step's per-token inputs, with the token axis, from the low-rank
-        projections (`_projections(..., low_rank=True)`): x_qkv [B, T, 3, H, K], f_a [B, T, R],
-        beta_logit [B, T, H], and g_a [B, T, R] (low-rank gate) or z [B, T, H, K] (full rank)."""
+        """The fused decode step's per-token inputs, with the token axis: x_qkv [B, T, 3, H, K], ..."""
         cfg = self.cfg
         b, t, h, k = mixed_BTC.shape[0], mixed_BTC.shape[1], cfg.num_heads, cfg.head_dim
-        f_a, beta, gate = proj
-        gate = dict(z=gate.reshape(b, t, h, k)) if cfg.use_full_rank_gate else dict(g_a=gate)
-        return KDADecodeInputs(x_qkv=mixed_BTC.reshape(b, t, 3, h, k), f_a=f_a, beta_logit=beta, **gate)
+        f, beta, z = proj
+        return KDADecodeInputs(x_qkv=mixed_BTC.reshape(b, t, 3, h, k), f=f.reshape(b, t, h, k), beta_logit=beta,
+                               z=z.reshape(b, t, h, k))
 
     def _decode_weights(self) -> KDADecodeWeights:
-        """The layer's weights as the fused decode step reads them: every array a parameter or a
-        reshape of one (nothing concatenated, broadcast or transposed per step; f_b / g_b are the
-        [R, P] kernels as stored)."""
+        """The layer's weights as the fused decode step reads them: every array a reshape of a
+        parameter (nothing concatenated or broadcast per step)."""
         cfg = self.cfg
         h, k, w = cfg.num_heads, cfg.head_dim, cfg.conv_size
         taps = lambda conv: conv[...].reshape(w, h, k)
         return KDADecodeWeights(
             q_conv=taps(self.q_conv1d), k_conv=taps(self.k_conv1d), v_conv=taps(self.v_conv1d),
             dt_bias=self.dt_bias[...].reshape(h, k), a_log=head_or_channel(self.A_log[...], cfg),
-            o_norm_w=self.o_norm.weight[...], f_b=self.f_b_proj.kernel[...],
-            g_b=None if cfg.use_full_rank_gate else self.g_b_proj.kernel[...],
-            lower_bound=cfg.gate_lower_bound, norm_eps=cfg.norm_eps, scale=k ** -0.5)
+            o_norm_w=self.o_norm.weight[...], lower_bound=cfg.gate_lower_bound, norm_eps=cfg.norm_eps, scale=k ** -0.5)
 
     def _taps(self) -> jax.Array:
         """[W, 3P] q | k | v conv taps side by side (the prefill conv)."""

@@ -1,10 +1,8 @@
-"""Fused KDA decode steps as Pallas kernels (Triton lowering): per (row, head) program, the head's
-slice of the low-rank gate products (f = f_a @ f_b, and z = g_a @ g_b for a low-rank output gate;
-the [R, H*K] weights read as stored), the conv window update + SiLU, q/k L2 norm, forget gate,
-beta, delta-rule update of the fp32 [K, V] state (in place) and the sigmoid-gated output RMSNorm.
-`kda_decode_pallas` runs one token (twin: `decode_xla.kda_decode_xla`); `kda_decode_steps_pallas`
-runs T tokens with the state kept on chip (twin: the scan of one-token steps in
-`decode_steps.kda_decode_steps`).
+"""Fused KDA decode steps as Pallas kernels (Triton lowering): per (row, head) program, the conv
+window update + SiLU, q/k L2 norm, forget gate, beta, delta-rule update of the fp32 [K, V] state
+(in place) and the sigmoid-gated output RMSNorm. `kda_decode_pallas` runs one token (twin:
+`decode_xla.kda_decode_xla`); `kda_decode_steps_pallas` runs T tokens with the state kept on chip
+(twin: the scan of one-token steps in `decode_steps.kda_decode_steps`).
 """
 
 from __future__ import annotations
@@ -21,34 +19,6 @@ from pallas_kernels.kda.decode_xla import validate_decode_inputs
 from pallas_kernels.kda.gate import forget_gate, gated_rms_norm, l2_normalize
 from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
 from pallas_kernels.kda.tuning import DecodeBlocks
-
-RANK_CHUNK = 32  # rows of a [R, K] gate weight block multiplied per step (bounds the live fp32 tile)
-
-
-def _low_rank(a_rows, b_ref, dtype):
-    """One row's slice of a low-rank projection: a [R] @ b_ref [R, K] (the head's columns) as [K],
-    the products in fp32 from a in b's dtype, rounded to `dtype` like a projection's output. One
-    row is too few for the matrix units: an elementwise multiply accumulated over chunks of R
-    (`a_rows(rows)` gives a's chunk), reduced once at the end."""
-    r = b_ref.shape[0]
-    chunk = min(r, RANK_CHUNK)
-    acc = None
-    for r0 in range(0, r, chunk):
-        rows = pl.ds(r0, chunk)
-        term = a_rows(rows).astype(b_ref.dtype).astype(jnp.float32)[:, None] * b_ref[rows, :].astype(jnp.float32)
-        acc = term if acc is None else acc + term
-    return jnp.sum(acc, axis=0).astype(dtype)
-
-
-def _gate_logits(fa_ref, fb_ref, gate_refs, at, dtype):
-    """(f [K], z [K]) of one token in `dtype`: f from (f_a, f_b); z from (g_a, g_b) when gate_refs
-    holds two refs, else the given logits (one ref). `at(ref, rows)` reads this token's entries
-    `rows` of a per-token ref (f_a, g_a or z)."""
-    f = _low_rank(lambda rows: at(fa_ref, rows), fb_ref, dtype)
-    if len(gate_refs) == 1:
-        return f, at(gate_refs[0], slice(None))
-    ga_ref, gb_ref = gate_refs
-    return f, _low_rank(lambda rows: at(ga_ref, rows), gb_ref, dtype)
 
 
 def _token(x, hist, w_refs, f, dt, a, beta_logit, z, nw, s, *, width, lower_bound, norm_eps, scale):
@@ -73,18 +43,14 @@ def _token(x, hist, w_refs, f, dt, a, beta_logit, z, nw, s, *, width, lower_boun
     return gated_rms_norm(o, z, nw, norm_eps).astype(dtype), s
 
 
-def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, fa_ref, fb_ref, dt_ref, a_log_ref, b_ref, *refs, width,
-                   n_gate, **settings):
-    """One token of one (row, head). refs: the output gate's n_gate refs (z [K], or g_a [R] and
-    g_b [R, K]), o_norm_w, state, then the outputs. conv_out_ref and s_out_ref may alias conv_ref
-    and s_ref: both blocks are read whole before anything is written back."""
-    gate_refs = refs[:n_gate]
-    nw_ref, s_ref, out_ref, conv_out_ref, s_out_ref = refs[n_gate:]
+def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref, s_ref,
+                   out_ref, conv_out_ref, s_out_ref, *, width, **settings):
+    """One token of one (row, head). conv_out_ref and s_out_ref may alias conv_ref and s_ref: both
+    blocks are read whole before anything is written back."""
     x = [x_ref[i, :] for i in range(3)]
     hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(3)]
     a = jnp.exp(a_log_ref[...].astype(jnp.float32))
-    f, z = _gate_logits(fa_ref, fb_ref, gate_refs, lambda ref, rows: ref[rows], x[0].dtype)
-    out, s = _token(x, hist, (wq_ref, wk_ref, wv_ref), f, dt_ref[...], a, b_ref[...], z,
+    out, s = _token(x, hist, (wq_ref, wk_ref, wv_ref), f_ref[...], dt_ref[...], a, b_ref[...], z_ref[...],
                     nw_ref[...], s_ref[...].astype(jnp.float32), width=width, **settings)
     for i in range(3):
         window = hist[i][1:] + [x[i]]
@@ -94,23 +60,19 @@ def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, fa_ref, fb_ref, dt_r
     out_ref[...] = out.astype(out_ref.dtype)
 
 
-def _steps_kernel(keep_ref, x_ref, conv_ref, wq_ref, wk_ref, wv_ref, fa_ref, fb_ref, dt_ref, a_log_ref, b_ref, *refs,
-                  steps, width, n_gate, **settings):
+def _steps_kernel(keep_ref, x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref,
+                  s_ref, out_ref, *state_out_refs, steps, width, **settings):
     """T tokens of one (row, head) with the state held on chip; the conv window and state advance
-    over the first keep tokens only and are written when the state outputs (conv, state) are given
-    (outputs-only calls, the speculative verify, write nothing else). refs: the output gate's
-    n_gate refs (z [T, K], or g_a [T, R] and g_b [R, K]), o_norm_w, state, out, then the state
-    outputs, which may alias conv_ref and s_ref: both are read whole before the token loop."""
-    gate_refs = refs[:n_gate]
-    nw_ref, s_ref, out_ref, *state_out_refs = refs[n_gate:]
+    over the first keep tokens only and are written when `state_out_refs` (conv, state) are given
+    (outputs-only calls, the speculative verify, write nothing else). The state outputs may alias
+    conv_ref and s_ref: both are read whole before the token loop."""
     keep = keep_ref[...]
     hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(3)]
     s = s_ref[...].astype(jnp.float32)
     dt, a, nw = dt_ref[...], jnp.exp(a_log_ref[...].astype(jnp.float32)), nw_ref[...]
     for t in range(steps):
         x = [x_ref[t, i, :] for i in range(3)]
-        f, z = _gate_logits(fa_ref, fb_ref, gate_refs, lambda ref, rows, t=t: ref[t, rows], x[0].dtype)
-        out, s_new = _token(x, hist, (wq_ref, wk_ref, wv_ref), f, dt, a, b_ref[t], z, nw, s,
+        out, s_new = _token(x, hist, (wq_ref, wk_ref, wv_ref), f_ref[t, :], dt, a, b_ref[t], z_ref[t, :], nw, s,
                             width=width, **settings)
         out_ref[t, :] = out.astype(out_ref.dtype)
         advance = t < keep
@@ -135,43 +97,16 @@ def _weight_specs(weights: KDADecodeWeights, h: int, kd: int) -> tuple[pl.BlockS
             pl.BlockSpec((None, a_cols), (lambda i, j: (j, 0)) if a_rows == h else (lambda i, j: (0, 0))))
 
 
-def _gate_operands(inputs: KDADecodeInputs, weights: KDADecodeWeights, kd: int, tokens: tuple[int, ...]):
-    """Grid (row, head) specs and operands of the gate inputs: (f_a, f_b) and (the output gate's
-    g_a, g_b, or z). The factor a is the row's [(T,) R]; the weight b [R, H*K] is read as stored,
-    the head's K columns per program. `tokens` is () for one token, (T,) for T."""
-    def factors(a, b):
-        lead = (0,) * (len(tokens) + 1)
-        return ([pl.BlockSpec((None, *tokens, a.shape[-1]), lambda i, j: (i, *lead)),
-                 pl.BlockSpec((b.shape[0], kd), lambda i, j: (0, j))], [a, b])
-
-    f_specs, f_ops = factors(inputs.f_a, weights.f_b)
-    if inputs.low_rank_gate:
-        gate_specs, gate_ops = factors(inputs.g_a, weights.g_b)
-    else:
-        spans = (0,) * len(tokens)
-        gate_specs = [pl.BlockSpec((None, *tokens, None, kd), lambda i, j: (i, *spans, j, 0))]
-        gate_ops = [inputs.z]
-    return f_specs, f_ops, gate_specs, gate_ops
-
-
-def _check_pow2(name: str, inputs: KDADecodeInputs, weights: KDADecodeWeights, kd: int) -> None:
-    ranks = [weights.f_b.shape[0]] + ([weights.g_b.shape[0]] if inputs.low_rank_gate else [])
-    if not all(is_pow2(n) for n in [kd] + ranks):
-        raise ValueError(f"{name}: the head dim and the gate ranks must be powers of two, got {kd} and {ranks}")
-
-
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array, state: jax.Array,
                       *, blocks: DecodeBlocks = DecodeBlocks(), interpret: bool | None = None):
     """Fused KDA decode step as one kernel; same contract as `kda_decode_xla`. The state (fp32 or
     bf16, read and written in its dtype, the math in fp32) is updated in place (input/output
-    aliased), and so is the conv state: donate both to avoid copies. Each (row, head) program forms
-    its head's gate logits from the low-rank factors itself (no separate projection launch).
+    aliased), and so is the conv state: donate both to avoid copies.
 
     Args:
-      inputs: KDADecodeInputs (x_qkv [B, 3, H, K], f_a [B, R], beta_logit [B, H], and z [B, H, K]
-        or g_a [B, R]).
-      weights: KDADecodeWeights of the layer (K and the ranks R powers of two).
+      inputs: KDADecodeInputs (x_qkv [B, 3, H, K], f [B, H, K], beta_logit [B, H], z [B, H, K]).
+      weights: KDADecodeWeights of the layer (K a power of two).
       conv_state: [B, W-1, 3, H, K]. state: [B, H, K, K] fp32 or bf16.
       blocks: launch settings. interpret: run in interpret mode (default: off the GPU).
     Returns:
@@ -180,31 +115,28 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
     validate_decode_inputs(inputs, weights, conv_state, state)
     b, _, h, kd = inputs.x_qkv.shape
     width = weights.q_conv.shape[0]
-    _check_pow2("kda_decode_pallas", inputs, weights, kd)
+    if not is_pow2(kd):
+        raise ValueError(f"kda_decode_pallas: the head dim must be a power of two, got {kd}")
     scale = kd ** -0.5 if weights.scale is None else weights.scale
     interpret = default_interpret() if interpret is None else interpret
-    f_specs, f_ops, gate_specs, gate_ops = _gate_operands(inputs, weights, kd, ())
-    kernel = functools.partial(_decode_kernel, width=width, n_gate=len(gate_ops), lower_bound=weights.lower_bound,
+    kernel = functools.partial(_decode_kernel, width=width, lower_bound=weights.lower_bound,
                                norm_eps=weights.norm_eps, scale=scale)
     row_head = lambda i, j: (i, j, 0)
     tap, dt_spec, a_spec = _weight_specs(weights, h, kd)
-    in_specs = [
-        pl.BlockSpec((None, 3, None, kd), lambda i, j: (i, 0, j, 0)),               # x_qkv
-        pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),  # conv_state
-        tap, tap, tap,                                                            # q, k, v conv
-        *f_specs,                                                                 # f_a, f_b
-        dt_spec, a_spec,                                                          # dt_bias, a_log
-        pl.BlockSpec((None, None), lambda i, j: (i, j)),                          # beta_logit
-        *gate_specs,                                                              # g_a, g_b | z
-        pl.BlockSpec((kd,), lambda i, j: (0,)),                                   # o_norm_w
-        pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0)),            # state
-    ]
-    operands = [inputs.x_qkv, conv_state, *weights.conv_taps, *f_ops, weights.dt_bias, weights.a_log,
-                inputs.beta_logit, *gate_ops, weights.o_norm_w, state]
     out, new_conv, new_state = pl.pallas_call(
         kernel,
         grid=(b, h),
-        in_specs=in_specs,
+        in_specs=[
+            pl.BlockSpec((None, 3, None, kd), lambda i, j: (i, 0, j, 0)),             # x_qkv
+            pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),  # conv_state
+            tap, tap, tap,                                                            # q, k, v conv
+            pl.BlockSpec((None, None, kd), row_head),                                 # f
+            dt_spec, a_spec,                                                          # dt_bias, a_log
+            pl.BlockSpec((None, None), lambda i, j: (i, j)),                          # beta_logit
+            pl.BlockSpec((None, None, kd), row_head),                                 # z
+            pl.BlockSpec((kd,), lambda i, j: (0,)),                                   # o_norm_w
+            pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0)),            # state
+        ],
         out_specs=[
             pl.BlockSpec((None, None, kd), row_head),
             pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),
@@ -213,11 +145,12 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
         out_shape=[jax.ShapeDtypeStruct((b, h, kd), inputs.x_qkv.dtype),
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)],
-        input_output_aliases={1: 1, len(operands) - 1: 2},
+        input_output_aliases={1: 1, 11: 2},
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode",
-    )(*operands)
+    )(inputs.x_qkv, conv_state, *weights.conv_taps, inputs.f, weights.dt_bias, weights.a_log, inputs.beta_logit,
+      inputs.z, weights.o_norm_w, state)
     return out, new_conv, new_state
 
 
@@ -227,13 +160,11 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
                             blocks: DecodeBlocks = DecodeBlocks(), interpret: bool | None = None):
     """T fused decode steps per row in one kernel (speculative verify and commit): per (row, head)
     program the state stays on chip across the T tokens; row b's conv window and state advance over
-    its first keep[b] tokens only. Same contract as `decode_steps.kda_decode_steps`; the gate
-    logits are formed in the kernel from the low-rank factors, as in `kda_decode_pallas`.
+    its first keep[b] tokens only. Same contract as `decode_steps.kda_decode_steps`.
 
     Args:
-      inputs: KDADecodeInputs with a token axis (x_qkv [B, T, 3, H, K], f_a [B, T, R],
-        beta_logit [B, T, H], and z [B, T, H, K] or g_a [B, T, R]). weights: KDADecodeWeights (K and
-        the ranks powers of two).
+      inputs: KDADecodeInputs with a token axis (x_qkv [B, T, 3, H, K], f [B, T, H, K],
+        beta_logit [B, T, H], z [B, T, H, K]). weights: KDADecodeWeights (K a power of two).
       conv_state: [B, W-1, 3, H, K] (aliased to the output conv state). state: [B, H, K, K] fp32 or
         bf16 (aliased to the output state; read and written in its dtype, the math in fp32).
       keep: [B] int32 in 0..T.
@@ -242,17 +173,17 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
     Returns:
       (out [B, T, H, K], conv_state and state after each row's kept tokens), or out alone.
     """
-    validate_decode_inputs(inputs, weights, conv_state, state, steps=True)
     b, t, _, h, kd = inputs.x_qkv.shape
     width = weights.q_conv.shape[0]
-    _check_pow2("kda_decode_steps_pallas", inputs, weights, kd)
+    if not is_pow2(kd):
+        raise ValueError(f"kda_decode_steps_pallas: the head dim must be a power of two, got {kd}")
     scale = kd ** -0.5 if weights.scale is None else weights.scale
     interpret = default_interpret() if interpret is None else interpret
-    f_specs, f_ops, gate_specs, gate_ops = _gate_operands(inputs, weights, kd, (t,))
-    kernel = functools.partial(_steps_kernel, steps=t, width=width, n_gate=len(gate_ops),
-                               lower_bound=weights.lower_bound, norm_eps=weights.norm_eps, scale=scale)
+    kernel = functools.partial(_steps_kernel, steps=t, width=width, lower_bound=weights.lower_bound,
+                               norm_eps=weights.norm_eps, scale=scale)
+    row_tokens_head = lambda i, j: (i, 0, j, 0)
     tap, dt_spec, a_spec = _weight_specs(weights, h, kd)
-    out_specs = [pl.BlockSpec((None, t, None, kd), lambda i, j: (i, 0, j, 0)),
+    out_specs = [pl.BlockSpec((None, t, None, kd), row_tokens_head),
                  pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),
                  pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0))]
     out_shape = [jax.ShapeDtypeStruct((b, t, h, kd), inputs.x_qkv.dtype),
@@ -260,29 +191,27 @@ def kda_decode_steps_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, 
                  jax.ShapeDtypeStruct(state.shape, state.dtype)]
     if outputs_only:
         out_specs, out_shape = out_specs[:1], out_shape[:1]
-    in_specs = [
-        pl.BlockSpec((None,), lambda i, j: (i,)),                                   # keep
-        pl.BlockSpec((None, t, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),         # x_qkv
-        pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),  # conv_state
-        tap, tap, tap,                                                              # q, k, v conv
-        *f_specs,                                                                   # f_a, f_b
-        dt_spec, a_spec,                                                            # dt_bias, a_log
-        pl.BlockSpec((None, t, None), lambda i, j: (i, 0, j)),                      # beta_logit
-        *gate_specs,                                                                # g_a, g_b | z
-        pl.BlockSpec((kd,), lambda i, j: (0,)),                                     # o_norm_w
-        pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0)),              # state
-    ]
-    operands = [keep.astype(jnp.int32), inputs.x_qkv, conv_state, *weights.conv_taps, *f_ops, weights.dt_bias,
-                weights.a_log, inputs.beta_logit, *gate_ops, weights.o_norm_w, state]
     results = pl.pallas_call(
         kernel,
         grid=(b, h),
-        in_specs=in_specs,
+        in_specs=[
+            pl.BlockSpec((None,), lambda i, j: (i,)),                                   # keep
+            pl.BlockSpec((None, t, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),         # x_qkv
+            pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0)),  # conv_state
+            tap, tap, tap,                                                              # q, k, v conv
+            pl.BlockSpec((None, t, None, kd), row_tokens_head),                         # f
+            dt_spec, a_spec,                                                            # dt_bias, a_log
+            pl.BlockSpec((None, t, None), lambda i, j: (i, 0, j)),                      # beta_logit
+            pl.BlockSpec((None, t, None, kd), row_tokens_head),                         # z
+            pl.BlockSpec((kd,), lambda i, j: (0,)),                                     # o_norm_w
+            pl.BlockSpec((None, None, kd, kd), lambda i, j: (i, j, 0, 0)),              # state
+        ],
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={} if outputs_only else {2: 1, len(operands) - 1: 2},
+        input_output_aliases={} if outputs_only else {2: 1, 12: 2},
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_verify_outputs" if outputs_only else "kda_decode_steps",
-    )(*operands)
+    )(keep.astype(jnp.int32), inputs.x_qkv, conv_state, *weights.conv_taps, inputs.f, weights.dt_bias, weights.a_log,
+      inputs.beta_logit, inputs.z, weights.o_norm_w, state)
     return results[0] if outputs_only else tuple(results)

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.kda.decode import kda_decode_steps_pallas
-from pallas_kernels.kda.decode_xla import validate_decode_inputs
 from pallas_kernels.kda.ops import KDADecodeImpl, kda_decode
 from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
 
@@ -25,16 +24,16 @@ def kda_decode_steps(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_st
     """T decode steps per row.
 
     Args:
-      inputs: KDADecodeInputs with a token axis: x_qkv [B, T, 3, H, K], f_a [B, T, R],
-        beta_logit [B, T, H], and z [B, T, H, K] or g_a [B, T, R] (the gate logits are formed per
-        token from the factors and the weights' f_b / g_b, as in one-token steps).
+      inputs: KDADecodeInputs with a token axis: x_qkv [B, T, 3, H, K], f [B, T, H, K],
+        beta_logit [B, T, H], z [B, T, H, K].
       weights: the layer's KDADecodeWeights. conv_state: [B, W-1, 3, H, K]. state: [B, H, K, V] fp32 or bf16.
       keep: [B] int32 tokens each row keeps (0..T); None keeps all T.
       impl: "xla" (a scan of the pure-JAX step) or "pallas" (one kernel over the T tokens).
     Returns:
       (out [B, T, H, K], conv_state and state after each row's kept tokens)
     """
-    validate_decode_inputs(inputs, weights, conv_state, state, steps=True)
+    if inputs.x_qkv.ndim != 5:
+        raise ValueError(f"kda_decode_steps: x_qkv must be [B, T, 3, H, K], got {inputs.x_qkv.shape}")
     b, t = inputs.x_qkv.shape[:2]
     if keep is not None and keep.shape != (b,):
         raise ValueError(f"kda_decode_steps: keep must be [{b}], got {keep.shape}")
@@ -62,7 +61,9 @@ def kda_verify_outputs(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_
     """The outputs of T decode steps per row and nothing else (a speculative verify window: the
     commit later replays the kept tokens). Same inputs as `kda_decode_steps`; -> out [B, T, H, K].
     With "pallas" the kernel writes no state, so no state pass and no copy of an aliased input."""
-    if impl == "pallas":   # (the kernel's wrapper checks the shapes)
+    if impl == "pallas":
+        if inputs.x_qkv.ndim != 5:
+            raise ValueError(f"kda_verify_outputs: x_qkv must be [B, T, 3, H, K], got {inputs.x_qkv.shape}")
         keep = jnp.full((inputs.x_qkv.shape[0],), inputs.x_qkv.shape[1], jnp.int32)
         return kda_decode_steps_pallas(inputs, weights, conv_state, state, keep, outputs_only=True)
     return kda_decode_steps(inputs, weights, conv_state, state, impl=impl)[0]

@@ -74,12 +74,10 @@ def kda_varlen(q, k, v, g, beta, cu_seqlens, *, scale=None, initial_state=None, 
 
 def kda_decode(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array, state: jax.Array, *,
                impl: KDADecodeImpl = "xla", blocks: DecodeBlocks = DecodeBlocks(), interpret: bool | None = None):
-    """One KDA decode step per row (the low-rank gate products, conv, gates, delta rule and output
-    norm fused).
+    """One KDA decode step per row (conv, gates, delta rule and output norm fused).
 
     Args:
-      inputs: KDADecodeInputs of this token (f_a, and g_a or z). weights: the layer's
-        KDADecodeWeights (with f_b, and g_b for a low-rank output gate).
+      inputs: KDADecodeInputs of this token. weights: the layer's KDADecodeWeights.
       conv_state: [B, W-1, 3, H, K]. state: [B, H, K, V] fp32.
       impl: one of KDA_DECODE_IMPLS. blocks / interpret: kernel settings ("pallas" only).
     Returns:

@@ -1,10 +1,7 @@
 """Pallas KDA kernels (interpret mode on CPU, compiled on a GPU) against their pure-JAX twins and
-the recurrent reference, fresh random inputs; the decode step with its low-rank gate products
-folded in (both output-gate forms)."""
+the recurrent reference, fresh random inputs."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +10,6 @@ from tolerances import TOLERANCES, assert_close, kernel_dtype
 
 from pallas_kernels.kda import (ChunkBlocks, KDADecodeInputs, KDADecodeWeights, kda_chunk_pallas, kda_decode_pallas,
                                 kda_decode_xla, kda_recurrent_reference)
-from pallas_kernels.skinny import fused_projections_pallas
 
 
 def _l2(x):
@@ -46,61 +42,27 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     assert np.all(np.asarray(o, np.float32) != 0) or gates[1] <= -1e2  # every element written
 
 
-def _decode_inputs(rng, b, h, kd, width=4, dtype=jnp.bfloat16, lower_bound=None, a_shape=None, low_rank_gate=True,
-                   rank=16):
-    """a_shape: of a_log, [H, K] by default ([H, 1] per head and [1, K] per channel in the models).
-    low_rank_gate: the output gate as g_a [B, R] with weights' g_b (Kimi-Linear) or z [B, H, K] (K3)."""
+def _decode_inputs(rng, b, h, kd, width=4, dtype=jnp.bfloat16, lower_bound=None, a_shape=None):
+    """a_shape: of a_log, [H, K] by default ([H, 1] per head and [1, K] per channel in the models)."""
     r = lambda *shape, dt=jnp.float32, s=1.0: jnp.asarray(s * rng.standard_normal(shape), dt)
-    gate = dict(g_a=r(b, rank, dt=dtype)) if low_rank_gate else dict(z=r(b, h, kd, dt=dtype))
-    inputs = KDADecodeInputs(x_qkv=r(b, 3, h, kd, dt=dtype), f_a=r(b, rank, dt=dtype), beta_logit=r(b, h, dt=dtype),
-                             **gate)
-    factor = lambda: r(rank, h * kd, dt=dtype, s=rank ** -0.5)   # logits of unit scale
+    inputs = KDADecodeInputs(x_qkv=r(b, 3, h, kd, dt=dtype), f=r(b, h, kd, dt=dtype), beta_logit=r(b, h, dt=dtype),
+                             z=r(b, h, kd, dt=dtype))
     weights = KDADecodeWeights(q_conv=r(width, h, kd, s=0.5), k_conv=r(width, h, kd, s=0.5),
                                v_conv=r(width, h, kd, s=0.5), dt_bias=r(h, kd), a_log=r(*(a_shape or (h, kd))),
-                               o_norm_w=r(kd), f_b=factor(), g_b=factor() if low_rank_gate else None,
-                               lower_bound=lower_bound)
+                               o_norm_w=r(kd), lower_bound=lower_bound)
     return inputs, weights, r(b, width - 1, 3, h, kd, dt=dtype), r(b, h, kd, kd)
 
 
-def _check_decode_kernel(inputs, weights, conv, state, interpret):
+@pytest.mark.parametrize("b,h,kd,a_shape", [(1, 2, 16, None), (3, 4, 32, (4, 1)), (2, 3, 16, (1, 16))])
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_decode_kernel_matches_xla_twin(rng, interpret, b, h, kd, a_shape, lower_bound):
+    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape)
     out_r, conv_r, state_r = kda_decode_xla(inputs, weights, conv, state)
     out, new_conv, new_state = kda_decode_pallas(inputs, weights, conv, state, interpret=interpret)
     assert_close("out", out, out_r, dtype="bfloat16")
     np.testing.assert_array_equal(np.asarray(new_conv, np.float32), np.asarray(conv_r, np.float32))
     assert_close("state", new_state, state_r, dtype=kernel_dtype("float32", interpret))
     assert np.all(np.asarray(out, np.float32) != 0)
-
-
-@pytest.mark.parametrize("b,h,kd,a_shape", [(1, 2, 16, None), (3, 4, 32, (4, 1)), (2, 3, 16, (1, 16))])
-@pytest.mark.parametrize("lower_bound", [None, -5.0])
-def test_decode_kernel_matches_xla_twin(rng, interpret, b, h, kd, a_shape, lower_bound):
-    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape,
-                                                  low_rank_gate=lower_bound is None)
-    _check_decode_kernel(inputs, weights, conv, state, interpret)
-
-
-@pytest.mark.parametrize("b", [1, 8])
-@pytest.mark.parametrize("low_rank_gate", [True, False], ids=["low_rank_z", "full_rank_z"])
-def test_decode_kernel_folds_the_low_rank_gates(rng, interpret, b, low_rank_gate):
-    """f = f_a @ f_b, and z = g_a @ g_b (Kimi-Linear) or z given (K3), formed per (row, head)
-    program from the [R, H*K] weights (R over several multiply chunks) == the XLA twin's dots."""
-    inputs, weights, conv, state = _decode_inputs(rng, b, 2, 32, low_rank_gate=low_rank_gate, rank=64,
-                                                  a_shape=(2, 1), lower_bound=None if low_rank_gate else -5.0)
-    _check_decode_kernel(inputs, weights, conv, state, interpret)
-
-
-def test_folded_gates_equal_the_projected_logits(rng, interpret):
-    """The step from (f_a, g_a) and the weights equals the step from z projected beforehand by the
-    few-row kernel (bf16 out of fp32 accumulation, the unfused path) to bf16 rounding."""
-    inputs, weights, conv, state = _decode_inputs(rng, 4, 2, 32, rank=64)
-    z, = fused_projections_pallas((inputs.g_a,), (weights.g_b,), counts=(1,), interpret=interpret)
-    assert z.dtype == jnp.bfloat16
-    given = dataclasses.replace(inputs, g_a=None, z=z.reshape(4, 2, 32))
-    out, _, new_state = kda_decode_pallas(inputs, weights, conv, state, interpret=interpret)
-    out_z, _, state_z = kda_decode_pallas(given, dataclasses.replace(weights, g_b=None), conv, state,
-                                          interpret=interpret)
-    assert_close("out", out, out_z, dtype="bfloat16")
-    np.testing.assert_array_equal(np.asarray(new_state), np.asarray(state_z))   # z only gates the output
 
 
 def test_bf16_state_is_read_and_written_in_bf16(rng, interpret):
@@ -124,13 +86,13 @@ def test_decode_step_agrees_with_the_recurrence(rng):
     inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, dtype=jnp.float32)
     conv = jnp.zeros_like(conv)
     identity = jnp.zeros_like(weights.q_conv).at[-1].set(1.0)  # conv = identity
-    weights = dataclasses.replace(weights, q_conv=identity, k_conv=identity, v_conv=identity)
+    weights = KDADecodeWeights(q_conv=identity, k_conv=identity, v_conv=identity, dt_bias=weights.dt_bias,
+                               a_log=weights.a_log, o_norm_w=weights.o_norm_w)
     _, _, new_state = kda_decode_xla(inputs, weights, conv, state)
     x = np.asarray(inputs.x_qkv)
     silu = lambda z: z / (1 + np.exp(-z))
     q, k, v = (silu(x[:, i]) for i in range(3))
-    f = (np.asarray(inputs.f_a, np.float64) @ np.asarray(weights.f_b, np.float64)).reshape(b, h, kd)
-    u = f + np.asarray(weights.dt_bias)
+    u = np.asarray(inputs.f) + np.asarray(weights.dt_bias)
     g = -np.exp(np.asarray(weights.a_log)) * np.logaddexp(0, u)
     beta = 1 / (1 + np.exp(-np.asarray(inputs.beta_logit)))
     _, s_ref = kda_recurrent_reference(_l2(q)[:, None], _l2(k)[:, None], v[:, None], g[:, None], beta[:, None],
@@ -142,9 +104,3 @@ def test_decode_names_the_bad_argument(rng):
     inputs, weights, conv, state = _decode_inputs(rng, 2, 2, 16)
     with pytest.raises(ValueError, match=r"state must have shape \(2, 2, 16, 16\)"):
         kda_decode_xla(inputs, weights, conv, state[:, :, :8])
-    with pytest.raises(ValueError, match=r"f_b must have shape \(16, 32\)"):
-        kda_decode_xla(inputs, dataclasses.replace(weights, f_b=weights.f_b[:, :16]), conv, state)
-    with pytest.raises(ValueError, match="needs both g_a"):   # a low-rank gate without its weight
-        kda_decode_xla(inputs, dataclasses.replace(weights, g_b=None), conv, state)
-    with pytest.raises(ValueError, match="exactly one of z"):
-        kda_decode_xla(dataclasses.replace(inputs, z=inputs.x_qkv[:, 0]), weights, conv, state)
