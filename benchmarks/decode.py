@@ -78,6 +78,8 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--moe", default=None, help="routed-expert implementation (k3jax option 'moe')")
     ap.add_argument("--gmm", default=None, help="grouped matmul implementation (k3jax option 'gmm')")
     ap.add_argument("--linear", default=None, help="few-row projection implementation (k3jax option 'linear')")
+    ap.add_argument("--norm", default=None, help="RMSNorm / residual-add implementation (k3jax option 'norm')")
+    ap.add_argument("--shared", default=None, help="shared-expert path (k3jax option 'shared')")
     ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
                     help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
     ap.add_argument("--mesh", default=None, help="run sharded over this many local devices, e.g. expert=2 or data=2 "
@@ -90,7 +92,9 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def build(args) -> k3jax.CausalLM:
-    impls = {"ep_dispatch": getattr(args, "ep_dispatch", None), "mla": args.mla, "moe": args.moe, "gmm": args.gmm, "linear": args.linear, "mla_prefill": getattr(args, "mla_prefill", None)}
+    impls = {"ep_dispatch": getattr(args, "ep_dispatch", None), "mla": args.mla, "moe": args.moe, "gmm": args.gmm,
+             "linear": args.linear, "mla_prefill": getattr(args, "mla_prefill", None), "norm": args.norm,
+             "shared": args.shared}
     if args.kernels == "pallas":
         impls.update(kda="pallas", kda_decode="pallas", mla=getattr(args, "mla", None) or "hopper")
     if args.model == "kimi-linear-48b":
@@ -225,7 +229,8 @@ def main(argv=None) -> int:
     pre = [prefill_row(gen, cfg, spec, rng) for spec in args.prefill]
     record = {"benchmark": "decode", "model": args.model, "dtype": args.dtype, "moe_impl": cfg.moe.impl,
               "gmm_impl": cfg.moe.gmm_impl, "kda_impl": cfg.kda.impl, "kda_decode_impl": cfg.kda.decode_impl,
-              "mla_impl": cfg.mla.decode_impl, "linear_impl": cfg.linear_impl, "env": environment(), "rows": rows,
+              "mla_impl": cfg.mla.decode_impl, "linear_impl": cfg.linear_impl, "norm_impl": cfg.norm_impl,
+              "shared_impl": cfg.moe.shared_impl, "env": environment(), "rows": rows,
               "prefill": pre}
     path = write(name, record)
     print(table(rows, ["batch", "prompt_len", "tpot_ms", "tok_per_s", "floor_ms", "ratio_to_floor", "mbu_achievable",

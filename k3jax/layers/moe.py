@@ -73,26 +73,36 @@ def route_logits(logits: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -> tuple[
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def route_partial_logits(partials_SNE: jax.Array, bias_E: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array]:
+def route_partial_logits(partials_SNE: jax.Array, bias_E: jax.Array, cfg: MoEConfig,
+                         always: int = 0) -> tuple[jax.Array, jax.Array]:
     """`route` from fp32 partial sums of the router logits [S, N, E] (the few-row projection
     kernel's slices of the reduction axis): one top-k kernel launch for ungrouped routers
-    (cfg.router_impl, `pallas_kernels.router`), else `route_logits` on their sum."""
+    (cfg.router_impl, `pallas_kernels.router`), else `route_logits` on their sum. always: that
+    many always-active experts E, E + 1, .. appended to each token's choices with weight 1 (the
+    shared expert riding in the pair kernels)."""
     if cfg.num_expert_group == 1:
         spec = RouterSpec(k=cfg.num_experts_per_token, score=cfg.score_function, renormalize=cfg.renormalize,
-                          scale=cfg.routed_scaling_factor)
+                          scale=cfg.routed_scaling_factor, always=always)
         return route_topk(partials_SNE, bias_E, spec, impl=cfg.router_impl)
-    return route_logits(jnp.sum(partials_SNE, axis=0), bias_E, cfg)
+    weights, experts = route_logits(jnp.sum(partials_SNE, axis=0), bias_E, cfg)
+    if always:
+        n, e = weights.shape[0], partials_SNE.shape[-1]
+        weights = jnp.concatenate([weights, jnp.ones((n, always), weights.dtype)], axis=1)
+        experts = jnp.concatenate([experts, jnp.broadcast_to(e + jnp.arange(always, dtype=experts.dtype),
+                                                             (n, always))], axis=1)
+    return weights, experts
 
 
 def routed_experts(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg: MoEConfig, shared=None,
-                   summed: bool = True) -> jax.Array:
+                   summed: bool = True, shared_chosen: bool = False) -> jax.Array:
     """The routed experts' combined output [N, D] fp32: the configured local path, expert-parallel
-    when the model was sharded for it (cfg.expert_parallel). shared, summed: see `local_experts`."""
+    when the model was sharded for it (cfg.expert_parallel). shared, summed, shared_chosen: see
+    `local_experts`."""
     if cfg.expert_parallel is not None:
         return expert_parallel(x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, ep=cfg.expert_parallel,
                                impl=cfg.impl, gmm=cfg.gmm_impl, dispatch=cfg.ep_dispatch)
     return local_experts(cfg.impl, x_ND, weights_NX, experts_NX, w1, w3, w2, cfg.activation, gmm=cfg.gmm_impl,
-                         shared=shared, summed=summed)
+                         shared=shared, summed=summed, shared_chosen=shared_chosen)
 
 
 class Router(nnx.Module):
@@ -198,19 +208,21 @@ class MoE(nnx.Module):
             # the top-k kernel adds the router's partial sums itself.
             with jax.named_scope("router"):
                 (partials,), *shared_gate_up = linears(fused, partial_sums=(0,))
-                weights, experts = route_partial_logits(partials, self.gate.e_score_correction_bias[...], cfg)
+                always = 0 if folded is None else folded[0].shape[0]   # the shared expert joins the choices
+                weights, experts = route_partial_logits(partials, self.gate.e_score_correction_bias[...], cfg,
+                                                        always=always)
         else:
-            shared_gate_up = None
+            shared_gate_up, always = None, 0
             with jax.named_scope("router"):
                 weights, experts = self.gate(x_ND)
         with jax.named_scope("routed_experts"):
             expert_in = x_ND if cfg.latent_size is None else self.routed_expert_down_proj(x_ND)
             if partial and folded is not None:   # every term of the layer's output is a pair
                 pairs = routed_experts(expert_in, weights, experts, *self.experts.weights(), cfg, shared=folded,
-                                       summed=False)
+                                       summed=False, shared_chosen=always > 0)
                 return SplitSum(pairs, 1, (b, t, d), x_BTD.dtype)
             routed = routed_experts(expert_in, weights, experts, *self.experts.weights(), cfg,
-                                    shared=folded).astype(x_BTD.dtype)
+                                    shared=folded, shared_chosen=always > 0).astype(x_BTD.dtype)
             if cfg.latent_size is not None:
                 if cfg.latent_use_norm:
                     routed = self.routed_expert_norm(routed)

@@ -85,22 +85,25 @@ def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
 
 
 def experts_pairs(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
-                  gmm: GmmImpl = "auto", expert_offset=None, shared=None, summed: bool = True) -> jax.Array:
+                  gmm: GmmImpl = "auto", expert_offset=None, shared=None, summed: bool = True,
+                  shared_chosen: bool = False) -> jax.Array:
     """Token-expert pairs in token order, one kernel tile per pair (no sort): the gated half and the
     down projection (routing weight in its epilogue), summed over each token's X choices. -> [N, D] fp32
     (summed=False: the weighted pairs [N, X, D] fp32, for an add that sums them itself).
 
     shared: optional (gate [S, D, F], up [S, D, F], down [S, F, D]) always-active experts, run as S
-    more pairs per token (weight 1) in the same launches; their outputs join the sum."""
+    more pairs per token (weight 1) in the same launches; their outputs join the sum.
+    shared_chosen: the choices already end with those S pairs (ids E.., weight 1: the router
+    kernel appends them, `RouterSpec.always`)."""
     n, k = experts_NX.shape
     index, inside = _local_index(experts_NX, w1_EDF.shape[0], expert_offset)
-    extra = None
-    if shared is not None:
+    extra = shared
+    if shared is not None and not shared_chosen:
         s = shared[0].shape[0]
         ids = jnp.broadcast_to(w1_EDF.shape[0] + jnp.arange(s, dtype=index.dtype), (n, s))
         index, inside = jnp.concatenate([index, ids], axis=1), jnp.concatenate([inside, jnp.ones((n, s), bool)], axis=1)
         weights_NX = jnp.concatenate([weights_NX.astype(jnp.float32), jnp.ones((n, s), jnp.float32)], axis=1)
-        k, extra = k + s, shared
+        k = k + s
     index, inside = index.reshape(-1), inside.reshape(-1)
     # pair p = token p // X: the kernel reads x's row for it (no repeated copy); pairs outside this
     # shard come back as zeros, so the routing weight needs no mask.
@@ -133,7 +136,8 @@ def resolve_expert_impl(impl: ExpertImpl, tokens: int, weight_sides: tuple[int, 
 
 
 def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
-                  gmm: GmmImpl = "auto", expert_offset=None, shared=None, summed: bool = True) -> jax.Array:
+                  gmm: GmmImpl = "auto", expert_offset=None, shared=None, summed: bool = True,
+                  shared_chosen: bool = False) -> jax.Array:
     """The routed experts' combined output [N, D] fp32 over this shard's experts (summed=False, on the
     "pairs" path only: the weighted pairs [N, X, D] fp32 unsummed).
 
@@ -144,7 +148,7 @@ def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF
         "dense" dequantise first). gmm: the grouped-matmul implementation of "ragged" and "pairs".
         expert_offset: the global id of this shard's first expert; None when every expert is local.
         shared: (gate, up, down) of always-active experts folded into the "pairs" path
-          (`experts_pairs`); other paths refuse it.
+          (`experts_pairs`); other paths refuse it. shared_chosen: the choices already list them.
     """
     impl = resolve_expert_impl(impl, x_ND.shape[0], w1_EDF.shape[1:], gmm)
     if impl in ("gather", "dense") and isinstance(w1_EDF, Mxfp4Weight):   # the references take arrays
@@ -155,7 +159,8 @@ def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF
     if (shared is not None or not summed) and impl != "pairs":
         raise ValueError(f"routed experts: shared experts and unsummed pairs are the 'pairs' path's, not {impl!r}")
     if impl == "pairs":
-        return experts_pairs(*args, gmm=gmm, expert_offset=expert_offset, shared=shared, summed=summed)
+        return experts_pairs(*args, gmm=gmm, expert_offset=expert_offset, shared=shared, summed=summed,
+                             shared_chosen=shared_chosen)
     if impl == "gather":
         return experts_gather(*args, expert_offset=expert_offset)
     if impl == "dense":

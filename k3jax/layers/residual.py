@@ -1,7 +1,7 @@
 """Residual adds of the decoder stack. At decode a branch output may arrive as fp32 partial sums
 (`SplitSum`: a projection's slices of the reduction axis, or the expert pairs of each token), which
-the add, fused with the norm that reads its result, sums itself: one launch
-(`pallas_kernels.rms_norm.add_rms_norm`) where XLA runs a summing add and a two-kernel norm."""
+the add sums: XLA's add fusion, then the norm that reads its result; with norm impl "fused", the add
+and the norm in one launch (`pallas_kernels.rms_norm.add_rms_norm`)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def add(h: jax.Array, delta) -> jax.Array:
 
 
 def add_norm(h: jax.Array, delta, norm: RMSNorm) -> tuple[jax.Array, jax.Array]:
-    """(h + delta, norm(h + delta)): one kernel launch on the few-row path when `norm` takes the
-    kernel (its impl), else the add and `norm`."""
-    if norm.impl != "xla" and norm.weight[...].dtype == h.dtype:
+    """(h + delta, norm(h + delta)): one kernel launch on the few-row path when `norm`'s impl is
+    "fused", else the add (XLA sums a SplitSum's parts inside it) and `norm`."""
+    if norm.impl == "fused" and norm.weight[...].dtype == h.dtype:
         if isinstance(delta, SplitSum):
             parts, axis = delta.parts, delta.axis
         else:

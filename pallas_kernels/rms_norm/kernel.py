@@ -82,7 +82,7 @@ def add_rms_norm_pallas(h, parts, weight, *, eps: float, parts_axis: int = 0, in
                           parts=parts.shape[parts_axis], parts_axis=parts_axis),
         grid=(m,),
         out_shape=(jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype)),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=16, num_stages=1),   # many loads in flight: one program per row
         interpret=default_interpret() if interpret is None else interpret,
         name="add_rms_norm",
     )(h, parts, weight)

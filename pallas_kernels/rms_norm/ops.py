@@ -1,7 +1,8 @@
 """The dispatch site of the row RMSNorm.
 
 impl "xla": the twin (two XLA kernels on the GPU). impl "pallas": one launch for at most MAX_ROWS
-rows (decode), the twin beyond. impl "auto": "pallas" on a GPU backend, "xla" elsewhere.
+rows (decode), the twin beyond. impl "fused": as "pallas", and the residual add before a norm
+(`add_rms_norm`) joins its launch. impl "auto": "pallas" on a GPU backend, "xla" elsewhere.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import jax
 from pallas_kernels.rms_norm.kernel import add_rms_norm_pallas, rms_norm_pallas
 from pallas_kernels.rms_norm.reference import add_rms_norm_reference, rms_norm_reference
 
-NormImpl = Literal["auto", "xla", "pallas"]
+NormImpl = Literal["auto", "xla", "pallas", "fused"]
 NORM_IMPLS: tuple[str, ...] = get_args(NormImpl)
 MAX_ROWS = 64    # one program per row: a prompt's rows are XLA's (it fuses them well at that size)
 
@@ -25,7 +26,7 @@ def rms_norm(x, weight, eps: float, *, impl: NormImpl = "auto"):
     rows = x.size // x.shape[-1]
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-    if impl == "pallas" and rows <= MAX_ROWS:
+    if impl in ("pallas", "fused") and rows <= MAX_ROWS:
         return rms_norm_pallas(x.reshape(rows, x.shape[-1]), weight, eps=eps).reshape(x.shape)
     return rms_norm_reference(x, weight, eps)
 
@@ -40,7 +41,7 @@ def add_rms_norm(h, parts, weight, eps: float, *, parts_axis: int = 0, impl: Nor
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "xla"
     flat = parts.reshape((-1, rows, d) if parts_axis == 0 else (rows, -1, d))
-    if impl == "pallas" and rows <= MAX_ROWS:
+    if impl in ("pallas", "fused") and rows <= MAX_ROWS:
         new_h, normed = add_rms_norm_pallas(h.reshape(rows, d), flat, weight, eps=eps, parts_axis=parts_axis)
     else:
         new_h, normed = add_rms_norm_reference(h.reshape(rows, d), flat, weight, eps, parts_axis=parts_axis)

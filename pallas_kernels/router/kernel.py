@@ -56,7 +56,11 @@ def _kernel(logits_ref, bias_ref, w_ref, e_ref, *, spec: RouterSpec, splits: int
     if spec.renormalize:
         out_w = out_w / (jnp.sum(out_w) + 1e-20)
     out_w = out_w * spec.scale
-    used = slot < spec.k
+    if spec.always:   # always-active experts E, E + 1, .. with weight 1 after the k chosen
+        extra = (slot >= spec.k) & (slot < spec.k + spec.always)
+        out_w = jnp.where(extra, 1.0, out_w)
+        out_e = jnp.where(extra, experts + slot - spec.k, out_e)
+    used = slot < spec.k + spec.always
     plt.store(w_ref.at[row, pl.ds(0, k_width)], out_w, mask=used)
     plt.store(e_ref.at[row, pl.ds(0, k_width)], out_e, mask=used)
 
@@ -70,7 +74,8 @@ def route_topk_pallas(logits, bias_E, *, spec: RouterSpec, interpret: bool | Non
       bias_E: selection bias (e_score_correction_bias) [E], added to the scores for the choice only.
       spec: k, score function, renormalisation, scale.
     Returns:
-      (weights [M, k] fp32, experts [M, k] int32), best first.
+      (weights [M, k + always] fp32, experts [M, k + always] int32), best first, then the always-
+      active experts E, E + 1, .. with weight 1.
     """
     if logits.ndim == 2:
         logits = logits[None]
@@ -80,8 +85,9 @@ def route_topk_pallas(logits, bias_E, *, spec: RouterSpec, interpret: bool | Non
     splits, m, experts = logits.shape
     if spec.k > experts:
         raise ValueError(f"router: k={spec.k} exceeds the {experts} experts")
-    k_width = _pow2_at_least(spec.k)
-    out_shape = (jax.ShapeDtypeStruct((m, spec.k), jnp.float32), jax.ShapeDtypeStruct((m, spec.k), jnp.int32))
+    k_width = _pow2_at_least(spec.k + spec.always)
+    width = spec.k + spec.always
+    out_shape = (jax.ShapeDtypeStruct((m, width), jnp.float32), jax.ShapeDtypeStruct((m, width), jnp.int32))
     return pl.pallas_call(
         functools.partial(_kernel, spec=spec, splits=splits, experts=experts, width=_pow2_at_least(experts),
                           k_width=k_width),

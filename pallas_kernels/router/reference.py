@@ -19,4 +19,10 @@ def route_topk_reference(logits, bias_E, spec: RouterSpec):
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if spec.renormalize:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return weights * spec.scale, experts.astype(jnp.int32)
+    weights, experts = weights * spec.scale, experts.astype(jnp.int32)
+    if spec.always:
+        m, e = logits.shape
+        ids = jnp.broadcast_to(e + jnp.arange(spec.always, dtype=jnp.int32), (m, spec.always))
+        weights = jnp.concatenate([weights, jnp.ones((m, spec.always), jnp.float32)], axis=1)
+        experts = jnp.concatenate([experts, ids], axis=1)
+    return weights, experts

@@ -215,6 +215,12 @@ def test_shared_expert_in_the_pair_kernels(rng, tokens):
         assert (layer._shared_weights_for_pairs(tokens) is None) == (shared_impl == "mlp")
     folded, separate = layers["auto"](x), layers["mlp"](x)
     assert_close("shared expert as a pair", folded, separate, dtype="float32")
+    # The decode path: router logits from the few-row kernel, the router kernel appending the
+    # shared expert to each token's choices; and the unsummed pairs for the residual add.
+    fast = MoE(dataclasses.replace(cfg, router_impl="pallas"), dtype=jnp.float32, rngs=nnx.Rngs(3),
+               linear_impl="pallas")
+    assert_close("router kernel appends the shared expert", fast(x), separate, dtype="float32")
+    assert_close("unsummed pairs", fast(x, partial=True).value(), separate, dtype="float32")
     m = layers["mlp"]
     weights, experts = route(x[0], m.gate.kernel[...], m.gate.e_score_correction_bias[...], cfg)
     act = cfg.activation

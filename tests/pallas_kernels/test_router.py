@@ -31,6 +31,25 @@ def test_kernel_matches_top_k(rng, interpret, splits, m, experts, k, score, reno
     assert_close("weights", w, w_ref, dtype="float32")
 
 
+@pytest.mark.parametrize("always", [1, 2])
+def test_always_active_experts_follow_the_choices(rng, interpret, always):
+    """RouterSpec.always appends experts E, E + 1, .. with weight 1 after the k chosen (unscaled,
+    outside the renormalisation)."""
+    logits = jnp.asarray(rng.standard_normal((2, 3, 64)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(64) * 0.1, jnp.float32)
+    spec = RouterSpec(k=6, scale=2.5, always=always)
+    w, e = route_topk_pallas(logits, bias, spec=spec, interpret=interpret)
+    w_ref, e_ref = route_topk_reference(logits, bias, spec)
+    base_w, base_e = route_topk_reference(logits, bias, RouterSpec(k=6, scale=2.5))
+    assert w.shape == e.shape == (3, 6 + always)
+    np.testing.assert_array_equal(np.asarray(e), np.asarray(e_ref))
+    np.testing.assert_array_equal(np.asarray(e[:, :6]), np.asarray(base_e))
+    np.testing.assert_array_equal(np.asarray(e[:, 6:]), np.broadcast_to(64 + np.arange(always), (3, always)))
+    assert_close("chosen weights", w[:, :6], base_w, dtype="float32")
+    np.testing.assert_array_equal(np.asarray(w[:, 6:]), 1.0)
+    assert_close("reference", w, w_ref, dtype="float32")
+
+
 def test_ties_go_to_the_lowest_index(interpret):
     logits = jnp.asarray(np.repeat(np.array([[0.5, 1.0, 1.0, 0.2, 1.0, 0.5, 0.0, 1.0]], np.float32), 2, 0))
     bias = jnp.zeros((8,), jnp.float32)
