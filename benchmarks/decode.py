@@ -80,6 +80,7 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--linear", default=None, help="few-row projection implementation (k3jax option 'linear')")
     ap.add_argument("--norm", default=None, help="RMSNorm / residual-add implementation (k3jax option 'norm')")
     ap.add_argument("--shared", default=None, help="shared-expert path (k3jax option 'shared')")
+    ap.add_argument("--mla-absorb", default=None, help="MLA W_UK/W_UV few-row kernels (k3jax option 'mla_absorb')")
     ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
                     help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
     ap.add_argument("--mesh", default=None, help="run sharded over this many local devices, e.g. expert=2 or data=2 "
@@ -94,7 +95,7 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
 def build(args) -> k3jax.CausalLM:
     impls = {"ep_dispatch": getattr(args, "ep_dispatch", None), "mla": args.mla, "moe": args.moe, "gmm": args.gmm,
              "linear": args.linear, "mla_prefill": getattr(args, "mla_prefill", None), "norm": args.norm,
-             "shared": args.shared}
+             "shared": args.shared, "mla_absorb": args.mla_absorb}
     if args.kernels == "pallas":
         impls.update(kda="pallas", kda_decode="pallas", mla=getattr(args, "mla", None) or "hopper")
     if args.model == "kimi-linear-48b":

@@ -85,6 +85,10 @@ class MLAConfig:
     latent_norm_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm (HF default; arch §5.5)
     decode_impl: MLADecodeImpl = "absorbed"  # attention over the latent cache (MLA_DECODE_IMPLS)
     prefill_impl: MLAPrefillImpl = "auto"    # a fresh prompt over its own tokens (MLA_PREFILL_IMPLS)
+    # W_UK / W_UV (with kv_a_layernorm and the split merge) around the "pallas"/"hopper" decode forms:
+    # "xla" (einsums, the reference and the default until the kernels' compiled tests have run on a
+    # GPU), "pallas" (the few-row kernels of pallas_kernels.mla_absorb), "auto" ("pallas" on a GPU).
+    absorb_impl: SkinnyImpl = "xla"
 
     def __post_init__(self):
         for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
@@ -95,6 +99,7 @@ class MLAConfig:
             require_positive(self.q_lora_rank, "q_lora_rank")
         require_choice(self.decode_impl, MLA_DECODE_IMPLS, "mla.decode_impl")
         require_choice(self.prefill_impl, MLA_PREFILL_IMPLS, "mla.prefill_impl")
+        require_choice(self.absorb_impl, SKINNY_IMPLS, "mla.absorb_impl")
 
     @property
     def qk_head_dim(self) -> int:
@@ -366,6 +371,7 @@ IMPL_OPTIONS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "kda_state": ("kda", "state_dtype", KDA_STATE_DTYPES),
     "mla": ("mla", "decode_impl", MLA_DECODE_IMPLS),
     "mla_prefill": ("mla", "prefill_impl", MLA_PREFILL_IMPLS),
+    "mla_absorb": ("mla", "absorb_impl", SKINNY_IMPLS),
     "moe": ("moe", "impl", EXPERT_IMPLS),
     "gmm": ("moe", "gmm_impl", GMM_IMPLS),
     "router": ("moe", "router_impl", ROUTER_IMPLS),

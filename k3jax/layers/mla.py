@@ -31,14 +31,14 @@ def write_cache(latent_BSL: jax.Array, new_BTL: jax.Array, seq: SeqInfo) -> jax.
 class MultiHeadLatentAttention(nnx.Module):
     """MLA mixer. x [B, T, D] (the normed layer input) -> [B, T, D].
 
-    `linear_impl` also picks the few-row kernels of the "pallas" / "hopper" decode forms
+    `cfg.absorb_impl` picks the few-row kernels of the "pallas" / "hopper" decode forms
     (`mla_attention.absorb_kernels_take`): W_UK with the new latents' kv_a_layernorm in one launch,
     W_UV with the merge of the attention kernel's splits in another; "xla" keeps the einsums.
     """
 
     def __init__(self, cfg: MLAConfig, *, dtype, rngs: nnx.Rngs, linear_impl: SkinnyImpl = "auto"):
         self.cfg = cfg
-        self.absorb_impl = linear_impl
+        self.absorb_impl = cfg.absorb_impl
         d, h = cfg.hidden_size, cfg.num_heads
         lin = lambda i, o, axes: Linear(i, o, dtype=dtype, axes=axes, rngs=rngs, impl=linear_impl)
         if cfg.q_lora_rank is None:

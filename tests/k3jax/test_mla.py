@@ -91,10 +91,10 @@ def test_absorb_kernels_around_the_kernel_forms(rng, impl, dtype):
 @pytest.mark.parametrize("make", [tiny_kimi_linear, tiny_k3])
 @pytest.mark.parametrize("decode_impl", ["pallas", "hopper"])
 def test_layer_decode_through_the_absorb_kernels(rng, make, decode_impl):
-    """A decode step (two tokens per row, one row left-padded) with linear_impl="pallas": the input
-    launch, the query launch (absorbed queries and the normalised latents, read from the input
-    launch's output in place), the attention kernel and the value launch; output and written cache
-    equal linear_impl="xla" (the einsums and the XLA norm)."""
+    """A decode step (two tokens per row, one row left-padded) with absorb_impl and linear_impl
+    "pallas": the input launch, the query launch (absorbed queries and the normalised latents, read
+    from the input launch's output in place), the attention kernel and the value launch; output and
+    written cache equal "xla" (the einsums and the XLA norm)."""
     cfg = dataclasses.replace(make().mla, decode_impl=decode_impl)
     b, t, s = 3, 2, 64
     x = jnp.asarray(rng.standard_normal((b, t, cfg.hidden_size)), jnp.float32)
@@ -102,7 +102,8 @@ def test_layer_decode_through_the_absorb_kernels(rng, make, decode_impl):
     seq = SeqInfo.make(jnp.asarray(np.array([[1, 1], [0, 1], [1, 1]])), jnp.asarray([5, 20, 62]))
     outs = {}
     for impl in ("xla", "pallas"):
-        layer = MultiHeadLatentAttention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), linear_impl=impl)
+        layer = MultiHeadLatentAttention(dataclasses.replace(cfg, absorb_impl=impl), dtype=jnp.float32,
+                                         rngs=nnx.Rngs(0), linear_impl=impl)
         outs[impl] = layer(x, seq, cache, fresh=False)
         jaxpr = str(jax.make_jaxpr(lambda x: layer(x, seq, cache, fresh=False))(x))
         assert ("mla_absorb_query" in jaxpr and "mla_absorb_value" in jaxpr) == (impl == "pallas")
