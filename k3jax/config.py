@@ -168,8 +168,9 @@ class MoEConfig:
     router_impl: RouterImpl = "auto"
     # The shared expert at decode: "auto" runs it as one more pair in the routed experts' pair
     # kernels when it has their shape (one shared expert, no latent, unpacked, unsharded experts:
-    # Kimi-Linear), saving its own launches; "mlp" keeps it a separate MLP (the reference).
-    shared_impl: str = "auto"
+    # Kimi-Linear), saving its own launches; "mlp" keeps it a separate MLP (the reference, and the
+    # default until the pair kernels' extra-group tests have run compiled on a GPU).
+    shared_impl: str = "mlp"
     expert_parallel: ExpertParallel | None = None  # set by k3jax.sharding.config_for_mesh
     # How tokens reach the expert shards when they split over them (k3jax.layers.moe_parallel):
     # "gather" (all_gather + psum_scatter) or "ragged" (each pair only to its expert's shard).

@@ -206,7 +206,7 @@ def test_shared_expert_in_the_pair_kernels(rng, tokens):
 
     from k3jax.layers.moe import MoE
     cfg = MoEConfig(hidden_size=64, num_experts=8, num_experts_per_token=3, expert_intermediate_size=32,
-                    routed_scaling_factor=1.5, impl="pairs", gmm_impl="pallas")
+                    routed_scaling_factor=1.5, impl="pairs", gmm_impl="pallas", shared_impl="auto")
     x = jnp.asarray(rng.standard_normal((1, tokens, 64)), jnp.float32)
     layers = {}
     for shared_impl in ("auto", "mlp"):
