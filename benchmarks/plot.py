@@ -51,7 +51,8 @@ def plot_decode(out: str) -> str:
             ("+ few-row projections through the kernel", {1: 5.10, 64: 20.60}, "D-"),  # decode_run4_skinny.log
             ("+ one launch per shared input", _tpot("decode_run5_fused_projections.json"), "^-"),
             ("+ unsorted expert pairs, router in the shared launch", _tpot("decode_run6_pairs_router.json"), "v-"),
-            ("+ expert glue, Hopper MLA decode kernel", _tpot("decode_run8_mla_hopper.json"), "P-")]
+            ("+ expert glue, Hopper MLA decode kernel", _tpot("decode_run8_mla_hopper.json"), "P-"),
+            ("+ router and norm kernels, unsplit KDA launch", _tpot("decode_run10_glue_9c783c7.json"), "X-")]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, points, style in runs:
         xs = sorted(points)
