@@ -53,9 +53,9 @@ class KimiModel(nnx.Module):
         return h, DecodeState(layers=tuple(states), lengths=lengths)
 
     def _pre_norm_layers(self, h, seq, states, fresh):
-        """Plain pre-norm residual blocks (Kimi-Linear), each residual add fused with the norm that
-        reads its result (`residual.add_norm`: one launch at decode, the branch's partial sums added
-        inside it)."""
+        """Plain pre-norm residual blocks (Kimi-Linear). Each residual add goes with the norm that
+        reads its result (`residual.add_norm`); at decode the branch outputs arrive as fp32 partial
+        sums that the add sums (XLA's add fusion, or inside the norm's launch with norm="fused")."""
         layers = self.layers
         with jax.named_scope("norm"):
             x = layers[0].input_layernorm(h)

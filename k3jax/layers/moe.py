@@ -20,8 +20,8 @@ from k3jax.layers.mlp import MLP
 from k3jax.layers.moe_experts import local_experts, resolve_expert_impl
 from k3jax.layers.moe_parallel import expert_parallel
 from k3jax.layers.norms import RMSNorm
-from k3jax.layers.residual import SplitSum
 from k3jax.layers.params import normal, param, random_bytes, zeros
+from k3jax.layers.residual import SplitSum
 from pallas_kernels.moe_gmm.mxfp4 import GROUP as MXFP4_GROUP
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
 from pallas_kernels.router import RouterSpec, route_topk
