@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-before checkpoint-read kda kda-varlen kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-before checkpoint-read kda kda-varlen kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -33,12 +33,18 @@ for step in "$@"; do
               --moe auto --batch 1 64 --new-tokens 32 --profile --prefill 1x8192 64x1024 --name decode_after 2>&1 \
               | quiet | tee "$W/decode.log" ;;
     decode-fast) OUT=$W timeout 360 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
-              --moe auto --batch ${DECODE_BATCH:-1 64} --new-tokens 32 --profile --name decode_fast 2>&1 | quiet | tee "$W/decode.log" ;;
+              --moe auto --batch ${DECODE_BATCH:-1 64} --new-tokens 32 --profile ${DECODE_ARGS:-} --name decode_fast 2>&1 | quiet | tee "$W/decode.log" ;;
     skinny-tests) K3JAX_TEST_DEVICE=gpu timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_skinny.py tests/pallas_kernels/test_moe_gmm.py tests/pallas_kernels/test_router.py \
               tests/pallas_kernels/test_rms_norm.py -k "not mgpu" 2>&1 | quiet | tail -8 \
               | tee "$W/skinny_tests.log" ;;
     skinny) OUT=$W timeout 200 python3 benchmarks/skinny.py 2>&1 | quiet | tee "$W/skinny.log" ;;
+    ttft) OUT=$W timeout 200 python3 benchmarks/ttft_overhead.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
+              --moe auto --tokens 8192 2>&1 | quiet | tee "$W/ttft.log" ;;
+    glue-tests) K3JAX_TEST_DEVICE=gpu timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+              tests/pallas_kernels/test_router.py tests/pallas_kernels/test_rms_norm.py tests/pallas_kernels/test_mla_absorb.py \
+              tests/pallas_kernels/test_mla_decode_hopper.py tests/pallas_kernels/test_moe_gmm.py tests/k3jax/test_mla.py \
+              -k "not mgpu" 2>&1 | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 | tee "$W/glue_tests.log" ;;
     checkpoint-read) OUT=$W timeout 200 python3 benchmarks/checkpoint_read.py 2>&1 | quiet | tee "$W/checkpoint_read.log" ;;
     decode-xla-linear) OUT=$W timeout 240 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --linear xla --batch 1 --new-tokens 32 --name decode_xla_linear 2>&1 | quiet \
