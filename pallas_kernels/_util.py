@@ -14,6 +14,11 @@ def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): a block that covers n lanes with masked loads."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def largest_block(dim: int, block: int) -> int | None:
     """The largest power of two in [16, block] dividing dim (None when dim is not a multiple of 16)."""
     b = block

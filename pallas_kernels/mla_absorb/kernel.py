@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._util import default_interpret, is_pow2, largest_block
+from pallas_kernels._util import default_interpret, is_pow2, largest_block, next_pow2
 
 ROWS = 16  # query tokens per call at most (B * T): one tile of the matrix units
 
@@ -47,10 +47,6 @@ class AbsorbBlocks:
     block_splits: int = 128
     num_warps: int = 4
     num_stages: int = 2
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def padded_tokens(tokens: int, heads: int, multiple: int) -> int:
@@ -94,7 +90,7 @@ def _store_rows(ref, rows, lead: tuple, col, x, mask):
 
 def _copy_cols(src_ref, src_col, dst_ref, dst_rows, lead: tuple, dst_col, width: int, live):
     """dst[dst_rows, *lead, dst_col:+width] = src[rows, src_col:+width] for the live rows of a tile."""
-    wide = _pow2(width)
+    wide = next_pow2(width)
     mask = live[:, None] & (jnp.arange(wide) < width)[None, :]
     x = plt.load(src_ref.at[pl.ds(0, ROWS), pl.ds(src_col, wide)], mask=mask, other=0)
     _store_rows(dst_ref, dst_rows, lead, dst_col, x, mask)
@@ -129,7 +125,7 @@ def _query_kernel(*refs, heads, tokens, t_pad, nope, rope, v_dim, r, br, rows, q
     if latent:
         @pl.when(pid == heads * blocks)
         def _norm():
-            wide = _pow2(r)
+            wide = next_pow2(r)
             cols = jnp.arange(wide) < r
             mask = live[:, None] & cols[None, :]
             x = plt.load(kv_ref.at[pl.ds(0, ROWS), pl.ds(kv_col, wide)], mask=mask, other=0).astype(jnp.float32)
@@ -274,7 +270,7 @@ def absorb_value_pallas(o, w_kv_b, *, heads: int, tokens: int, nope: int, v_dim:
     if (why := absorb_refusal(m, r, nope, v_dim)) is not None:
         raise ValueError(f"absorbed values: {why}")
     bv, bk = largest_block(v_dim, blocks.block_v), largest_block(r, blocks.block_k)
-    sb = max(16, min(blocks.block_splits, _pow2(splits)))
+    sb = max(16, min(blocks.block_splits, next_pow2(splits)))
     kernel = functools.partial(_value_kernel, heads=heads, tokens=tokens, nope=nope, v_dim=v_dim, r=r, bv=bv, bk=bk,
                                sb=sb, splits=splits, rows=m, combine=combine)
     return pl.pallas_call(

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._util import default_interpret
+from pallas_kernels._util import default_interpret, next_pow2
 
 
 def _normed(x, w_ref, dtype, *, eps: float, features: int, valid, cols):
@@ -78,7 +78,7 @@ def add_rms_norm_pallas(h, parts, weight, *, eps: float, parts_axis: int = 0, in
         raise ValueError(f"add rms norm: parts {parts.shape} (axis {parts_axis}) do not match rows {h.shape}")
     m, d = h.shape
     return pl.pallas_call(
-        functools.partial(_add_kernel, eps=eps, features=d, width=1 << (d - 1).bit_length(),
+        functools.partial(_add_kernel, eps=eps, features=d, width=next_pow2(d),
                           parts=parts.shape[parts_axis], parts_axis=parts_axis),
         grid=(m,),
         out_shape=(jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype)),
@@ -101,7 +101,7 @@ def rms_norm_pallas(x, weight, *, eps: float, interpret: bool | None = None):
         raise ValueError(f"rms norm: expected rows [M, D] and a weight [D]; got {x.shape} and {weight.shape}")
     m, d = x.shape
     return pl.pallas_call(
-        functools.partial(_kernel, eps=eps, features=d, width=1 << (d - 1).bit_length()),
+        functools.partial(_kernel, eps=eps, features=d, width=next_pow2(d)),
         grid=(m,),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),

@@ -19,14 +19,19 @@ NORM_IMPLS: tuple[str, ...] = get_args(NormImpl)
 MAX_ROWS = 64    # one program per row: a prompt's rows are XLA's (it fuses them well at that size)
 
 
-def rms_norm(x, weight, eps: float, *, impl: NormImpl = "auto"):
-    """weight * rmsnorm(x) over the last axis of x [..., D]; -> x's shape and dtype."""
+def _takes_kernel(impl: NormImpl, rows: int) -> bool:
+    """Whether `impl` runs `rows` rows through the kernels (checks the name)."""
     if impl not in NORM_IMPLS:
         raise ValueError(f"rms norm: unknown impl {impl!r}; expected one of {NORM_IMPLS}")
-    rows = x.size // x.shape[-1]
     if impl == "auto":
         impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-    if impl in ("pallas", "fused") and rows <= MAX_ROWS:
+    return impl in ("pallas", "fused") and rows <= MAX_ROWS
+
+
+def rms_norm(x, weight, eps: float, *, impl: NormImpl = "auto"):
+    """weight * rmsnorm(x) over the last axis of x [..., D]; -> x's shape and dtype."""
+    rows = x.size // x.shape[-1]
+    if _takes_kernel(impl, rows):
         return rms_norm_pallas(x.reshape(rows, x.shape[-1]), weight, eps=eps).reshape(x.shape)
     return rms_norm_reference(x, weight, eps)
 
@@ -34,14 +39,10 @@ def rms_norm(x, weight, eps: float, *, impl: NormImpl = "auto"):
 def add_rms_norm(h, parts, weight, eps: float, *, parts_axis: int = 0, impl: NormImpl = "auto"):
     """(h + cast(sum of parts), weight * rmsnorm(that)) for h [..., D] and fp32 parts with one extra
     axis at `parts_axis` (0: [S, ..., D]; 1: [rows, S, D] with rows = h's rows flattened)."""
-    if impl not in NORM_IMPLS:
-        raise ValueError(f"rms norm: unknown impl {impl!r}; expected one of {NORM_IMPLS}")
     d = h.shape[-1]
     rows = h.size // d
-    if impl == "auto":
-        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
     flat = parts.reshape((-1, rows, d) if parts_axis == 0 else (rows, -1, d))
-    if impl in ("pallas", "fused") and rows <= MAX_ROWS:
+    if _takes_kernel(impl, rows):
         new_h, normed = add_rms_norm_pallas(h.reshape(rows, d), flat, weight, eps=eps, parts_axis=parts_axis)
     else:
         new_h, normed = add_rms_norm_reference(h.reshape(rows, d), flat, weight, eps, parts_axis=parts_axis)

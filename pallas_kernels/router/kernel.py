@@ -18,12 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._util import default_interpret
+from pallas_kernels._util import default_interpret, next_pow2
 from pallas_kernels.router.spec import RouterSpec
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _kernel(logits_ref, bias_ref, w_ref, e_ref, *, spec: RouterSpec, splits: int, experts: int, width: int,
@@ -85,11 +81,11 @@ def route_topk_pallas(logits, bias_E, *, spec: RouterSpec, interpret: bool | Non
     splits, m, experts = logits.shape
     if spec.k > experts:
         raise ValueError(f"router: k={spec.k} exceeds the {experts} experts")
-    k_width = _pow2_at_least(spec.k + spec.always)
+    k_width = next_pow2(spec.k + spec.always)
     width = spec.k + spec.always
     out_shape = (jax.ShapeDtypeStruct((m, width), jnp.float32), jax.ShapeDtypeStruct((m, width), jnp.int32))
     return pl.pallas_call(
-        functools.partial(_kernel, spec=spec, splits=splits, experts=experts, width=_pow2_at_least(experts),
+        functools.partial(_kernel, spec=spec, splits=splits, experts=experts, width=next_pow2(experts),
                           k_width=k_width),
         grid=(m,),
         out_shape=out_shape,
