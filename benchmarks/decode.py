@@ -25,6 +25,7 @@ from benchmarks.hlo_dump import request_hlo_dump  # noqa: E402
 _DUMP = request_hlo_dump("hlo_dump", ".*decode_chunk.*") if __name__ == "__main__" and "--profile" in sys.argv else None
 
 import argparse  # noqa: E402
+import glob  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -136,7 +137,19 @@ def touched_experts(model, prompts: list, outputs: list) -> float:
     return float(np.mean(counts))
 
 
-def decode_row(gen, cfg, b, args, dtype_bytes, rng) -> dict:
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """"shared=auto,norm=fused" -> (the spec, {"shared": "auto", "norm": "fused"}), names checked."""
+    impls = {}
+    for item in spec.split(","):
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise SystemExit(f"--variants: expected opt=value[,opt=value...], got {spec!r}")
+        impls[name.strip()] = value.strip()
+    kimi_linear_48b_a3b().with_impls(**impls)   # unknown option names raise here
+    return spec, impls
+
+
+def decode_row(gen, cfg, b, args, dtype_bytes, rng, tag: str = "") -> dict:
     prompts = rng.integers(3, cfg.vocab_size - 300, (b, args.prompt_len)).tolist()
     sp = k3jax.SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -163,10 +176,10 @@ def decode_row(gen, cfg, b, args, dtype_bytes, rng) -> dict:
            "floor_ms": moved["total"] / HBM_ACHIEVABLE * 1e3, "ratio_to_floor": tpot / (moved["total"] / HBM_ACHIEVABLE),
            "mbu_achievable": moved["total"] / tpot / HBM_ACHIEVABLE, "mbu_datasheet": moved["total"] / tpot / HBM_DATASHEET,
            "tpot_all_ms": [t * 1e3 for t in tpots], "first_tokens": first[0].token_ids[:8]}
-    print(f"batch {b}: TPOT {tpot * 1e3:.2f} ms, {b / tpot:.1f} tok/s, MBU {row['mbu_achievable']:.1%}, "
-          f"first call {first_s:.1f} s", flush=True)
+    print(f"{tag + ' ' if tag else ''}batch {b}: TPOT {tpot * 1e3:.2f} ms, {b / tpot:.1f} tok/s, "
+          f"MBU {row['mbu_achievable']:.1%}, first call {first_s:.1f} s", flush=True)
     if args.profile:
-        row["profile"] = profile(gen, prompts, f"b{b}")
+        row["profile"] = profile(gen, prompts, f"b{b}{'_' + tag.replace('=', '-').replace(',', '_') if tag else ''}")
     return row
 
 
@@ -216,8 +229,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="profile 16 decode steps per batch size")
     ap.add_argument("--prefill", nargs="*", default=[], help="prefill rows as BxT, e.g. 1x8192 64x1024")
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="more option sets timed on the same weights after the base one, each as "
+                         "opt=value[,opt=value...], e.g. shared=auto,mla_absorb=pallas norm=fused")
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
+    variants = [parse_variant(v) for v in args.variants]   # bad option names fail before the weights are built
 
     model = build(args)
     cfg = model.config
@@ -225,6 +242,14 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
     rows = [decode_row(gen, cfg, b, args, dtype_bytes, rng) for b in args.batch]
+    for label, impls in variants:
+        if _DUMP:   # the summary maps kernels to scopes through this variant's own HLO
+            for old in glob.glob(os.path.join(_DUMP, "*.txt")):
+                os.remove(old)
+        vgen = k3jax.Generator(model.with_impls(**impls))
+        for b in args.batch:
+            rows.append({"variant": label, **decode_row(vgen, cfg, b, args, dtype_bytes, rng, tag=label)})
+        del vgen
     name = args.name or f"decode_{args.model}_{args.dtype}_{args.kernels}_{cfg.moe.impl}"
     write(name, {"benchmark": "decode", "rows": rows, "partial": True})  # kept if a prefill row dies
     pre = [prefill_row(gen, cfg, spec, rng) for spec in args.prefill]
@@ -234,7 +259,7 @@ def main(argv=None) -> int:
               "shared_impl": cfg.moe.shared_impl, "env": environment(), "rows": rows,
               "prefill": pre}
     path = write(name, record)
-    print(table(rows, ["batch", "prompt_len", "tpot_ms", "tok_per_s", "floor_ms", "ratio_to_floor", "mbu_achievable",
+    print(table(rows, ["variant", "batch", "prompt_len", "tpot_ms", "tok_per_s", "floor_ms", "ratio_to_floor", "mbu_achievable",
                        "prefill_ms", "first_call_s"]))
     if pre:
         print(table(pre, ["batch", "prompt_len", "prefill_ms", "tok_per_s", "first_call_s"]))

@@ -32,7 +32,7 @@ for step in "$@"; do
     decode) OUT=$W timeout 420 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --batch 1 64 --new-tokens 32 --profile --prefill 1x8192 64x1024 --name decode_after 2>&1 \
               | quiet | tee "$W/decode.log" ;;
-    decode-fast) OUT=$W timeout 360 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
+    decode-fast) OUT=$W timeout ${DECODE_LIMIT:-360} python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --batch ${DECODE_BATCH:-1 64} --new-tokens 32 --profile ${DECODE_ARGS:-} --name decode_fast 2>&1 | quiet | tee "$W/decode.log" ;;
     skinny-tests) K3JAX_TEST_DEVICE=gpu timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_skinny.py tests/pallas_kernels/test_moe_gmm.py tests/pallas_kernels/test_router.py \

@@ -110,10 +110,14 @@ def summarize(trace_dir: str, dump_dir: str, module: str, steps: int) -> dict:
         k["count"] += 1
         k["category"] = cat
         k["op_name"] = op_name[-120:]
-        spans.append((e["ts"], e["ts"] + e["dur"]))
+        spans.append((e["ts"], e["ts"] + e["dur"], e["name"]))
     spans.sort()
     busy, end = 0.0, -1e30
-    for a, b in spans:
+    idle_before = defaultdict(lambda: {"us": 0.0, "count": 0})
+    for a, b, name in spans:
+        if a > end > -1e30:   # the device sat idle until this kernel started
+            idle_before[name[:80]]["us"] += a - end
+            idle_before[name[:80]]["count"] += 1
         if b > end:
             busy += b - max(a, end)
             end = b
@@ -125,9 +129,12 @@ def summarize(trace_dir: str, dump_dir: str, module: str, steps: int) -> dict:
     rows.sort(key=lambda r: -r["us_per_step"])
     top = sorted(({"kernel": n[:80], **v, "us_per_step": v["us"] / steps} for n, v in by_kernel.items()),
                  key=lambda r: -r["us"])   # every kernel: the long tail is where the small fusions hide
+    gaps = sorted(({"kernel": n, "idle_us_per_step": v["us"] / steps, "count": v["count"],
+                    "mean_idle_us": v["us"] / v["count"]} for n, v in idle_before.items()),
+                  key=lambda r: -r["idle_us_per_step"])[:25]   # which launches the device waits for
     return {"steps": steps, "step_us": window / steps, "busy_us": busy / steps, "kernels_per_step": len(events) / steps,
             "mapped_ops": sum(1 for e in events if _op_name(e, op_names)),
-            "events": len(events), "rows": rows, "top_kernels": top}
+            "events": len(events), "rows": rows, "top_kernels": top, "idle_before": gaps}
 
 
 def markdown(summary: dict) -> str:
@@ -137,6 +144,10 @@ def markdown(summary: dict) -> str:
     for r in summary["rows"]:
         lines.append(f"| {r['category']} | {r['us_per_step']:.1f} | {r['pct_of_step']:.1f} | "
                      f"{r['kernels_per_step']:.0f} |")
+    if summary.get("idle_before"):
+        lines += ["", "| device idle before | us / step | launches | mean us |", "|---|---|---|---|"]
+        for r in summary["idle_before"][:10]:
+            lines.append(f"| {r['kernel']} | {r['idle_us_per_step']:.1f} | {r['count']} | {r['mean_idle_us']:.2f} |")
     return "\n".join(lines)
 
 
