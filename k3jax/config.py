@@ -21,6 +21,9 @@ from pallas_kernels.rms_norm import NORM_IMPLS, NormImpl
 from pallas_kernels.router import ROUTER_IMPLS, RouterImpl
 from pallas_kernels.skinny import SKINNY_IMPLS, SkinnyImpl
 
+# Decode steps per iteration of the compiled decode loop ("1": the reference form).
+LOOP_UNROLLS: tuple[str, ...] = ("1", "2", "4")
+
 __all__ = ["Activation", "AttnResConfig", "ConfigError", "ExpertParallel", "KDAConfig", "MLAConfig", "MLPConfig",
            "ModelConfig", "MoEConfig", "IMPL_OPTIONS", "kimi_linear_48b_a3b", "tiny_k3", "tiny_kimi_linear"]
 
@@ -272,6 +275,9 @@ class ModelConfig:
     model_type: str = "kimi_linear"
     linear_impl: SkinnyImpl = "auto"  # projections of few rows (pallas_kernels.skinny.SKINNY_IMPLS)
     norm_impl: NormImpl = "auto"      # residual-stream RMSNorms of few rows (pallas_kernels.rms_norm.NORM_IMPLS)
+    # Decode steps per iteration of the compiled decode loop (LOOP_UNROLLS): each iteration ends in a
+    # device-to-host read of the loop condition, which leaves the GPU idle for a moment.
+    loop_unroll: str = "1"
     # Prompt tokens per prefill call (rows x chunk length): a longer prompt runs as chunks that continue
     # the state, so prefill memory stays bounded; 0 runs every prompt in one call (the reference).
     prefill_chunk_tokens: int = 16384
@@ -279,6 +285,7 @@ class ModelConfig:
     def __post_init__(self):
         require_positive(self.vocab_size, "vocab_size")
         require_choice(self.linear_impl, SKINNY_IMPLS, "linear_impl")
+        require_choice(self.loop_unroll, LOOP_UNROLLS, "loop_unroll")
         require(isinstance(self.prefill_chunk_tokens, int) and self.prefill_chunk_tokens >= 0, "prefill_chunk_tokens",
                 f"must be a non-negative integer, got {self.prefill_chunk_tokens!r}")
         require_positive(self.hidden_size, "hidden_size")
@@ -381,6 +388,7 @@ IMPL_OPTIONS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "attn_res": ("attn_res", "impl", ATTN_RES_IMPLS),
     "linear": (None, "linear_impl", SKINNY_IMPLS),
     "norm": (None, "norm_impl", NORM_IMPLS),
+    "loop_unroll": (None, "loop_unroll", LOOP_UNROLLS),
 }
 RENAMED_IMPL_OPTIONS = {"kda_impl": "kda", "kda_decode_impl": "kda_decode", "mla_impl": "mla", "moe_impl": "moe",
                         "gmm_impl": "gmm", "attn_res_impl": "attn_res"}

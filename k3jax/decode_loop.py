@@ -107,17 +107,30 @@ def _fresh_loop_state(logits, done, seen, *, max_steps: int, pad_id: int, logpro
 
 
 def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_limit, *, filters: bool,
-                 pad_id: int = 0) -> LoopState:
+                 pad_id: int = 0, unroll: int = 1) -> LoopState:
     """Samples tokens until every row is done or `carry.step` reaches `step_limit` (<= the token
     buffer's width); returns the carry to continue from.
 
     filters (static): apply top-k / top-p (off compiles them away).
+    unroll (static): decode steps per loop iteration. The loop condition is read by the host once
+    per iteration (the GPU idles meanwhile); with unroll > 1 a chunk may run up to unroll - 1 steps
+    past `step_limit` (real steps while rows are running, steps on padding once all are done), and
+    steps at or past the token buffer's width write nothing (every row is done there: the buffer
+    holds the longest row's limit).
     """
     def cond(c: LoopState):
         return (c.step < step_limit) & ~jnp.all(c.done)
 
+    def iteration(c: LoopState) -> LoopState:
+        for _ in range(unroll):
+            c = body(c)
+        return c
+
     def body(c: LoopState) -> LoopState:
         rows = jnp.arange(c.count.shape[0])
+        width = c.tokens.shape[1]
+        slot = jnp.minimum(c.step, width - 1)
+        in_range = c.step < width
         with jax.named_scope("sampling"):
             logits = c.logits if c.penalty is None else apply_penalties(c.logits, inputs.sampler, c.penalty.counts,
                                                                           c.penalty.seen)
@@ -126,15 +139,15 @@ def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_li
             logprobs = c.logprobs
             if logprobs is not None:
                 chosen, top_ids, top_vals = token_logprobs(c.logits, tok, logprobs.top_ids.shape[2])
-                logprobs = LogprobBuffers(logprobs.sampled.at[:, c.step].set(chosen),
-                                          logprobs.top_ids.at[:, c.step].set(top_ids),
-                                          logprobs.top_vals.at[:, c.step].set(top_vals))
+                logprobs = LogprobBuffers(_write(logprobs.sampled, slot, chosen, in_range),
+                                          _write(logprobs.top_ids, slot, top_ids, in_range),
+                                          _write(logprobs.top_vals, slot, top_vals, in_range))
             penalty = c.penalty
             if penalty is not None:
                 live = (~c.done).astype(jnp.int32)
                 penalty = PenaltyState(penalty.counts.at[rows, tok].add(live),
                                        penalty.seen.at[rows, tok].set(penalty.seen[rows, tok] | ~c.done))
-        tokens = c.tokens.at[:, c.step].set(tok)
+        tokens = _write(c.tokens, slot, tok, in_range)
         count = c.count + (~c.done).astype(jnp.int32)
         stopped = ~c.done & jnp.any(tok[:, None] == inputs.stop_ids, axis=1)
         at_limit = ~c.done & ~stopped & (count >= inputs.max_new)
@@ -145,4 +158,9 @@ def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_li
         next_logits, state = decode_step(graphdef, params, c.state, tok)
         return LoopState(state, next_logits, tokens, count, done, finish, c.step + 1, penalty, logprobs)
 
-    return jax.lax.while_loop(cond, body, carry)
+    return jax.lax.while_loop(cond, iteration, carry)
+
+
+def _write(buffer, slot, value, in_range):
+    """buffer[:, slot] = value where in_range, else unchanged. buffer [B, N, ...], value [B, ...]."""
+    return buffer.at[:, slot].set(jnp.where(in_range, value, buffer[:, slot]))

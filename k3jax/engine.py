@@ -127,8 +127,12 @@ class Engine:
         self._inputs = LoopInputs(sampler=jax.tree.map(put, sampler_values([None] * s, vocab)),
                                   stop_ids=put(np.full((s, config.max_stop_ids), -1, np.int32)),
                                   max_new=put(np.ones(s, np.int32)), prompt_len=put(np.ones(s, np.int32)))
-        self._chunk = jax.jit(functools.partial(decode_chunk, model.graphdef), static_argnames=("filters", "pad_id"),
-                              donate_argnames=("carry",))
+        # Steps past a chunk's end would be lost here (rows continue in the next chunk), so the loop
+        # runs several steps per iteration only when they divide the chunk.
+        unroll = int(model.config.loop_unroll)
+        self._unroll = unroll if config.chunk_steps % unroll == 0 else 1
+        self._chunk = jax.jit(functools.partial(decode_chunk, model.graphdef),
+                              static_argnames=("filters", "pad_id", "unroll"), donate_argnames=("carry",))
         self._insert = jax.jit(_insert, donate_argnums=(0, 1))
 
     # ----- requests -----
@@ -231,7 +235,7 @@ class Engine:
                                     finish=jnp.full((s,), RUNNING, jnp.int32), step=jnp.zeros((), jnp.int32))
         filters = any(slot.row.sampling.filters for slot in self._slots if slot is not None)
         self._carry = self._chunk(self.model.params, carry, inputs, np.int32(steps), filters=filters,
-                                  pad_id=self.pad_id)
+                                  pad_id=self.pad_id, unroll=self._unroll)
         tokens, count, finish = jax.device_get((self._carry.tokens, self._carry.count, self._carry.finish))
         lp = None if self._carry.logprobs is None else jax.device_get(self._carry.logprobs)
         return self._collect(tokens, count, finish, lp)

@@ -95,7 +95,7 @@ class Generator:
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
         self.compiled_chunk = jax.jit(functools.partial(decode_chunk, model.graphdef),
-                                      static_argnames=("filters", "pad_id"), donate_argnames=("carry",))
+                                      static_argnames=("filters", "pad_id", "unroll"), donate_argnames=("carry",))
         self.compiled_spec_init = jax.jit(functools.partial(init_spec_loop, model.graphdef),
                                           static_argnames=("source", "max_tokens", "pad_id", "logprobs_k", "filters"),
                                           donate_argnames=("state",))
@@ -221,7 +221,8 @@ class Generator:
                 limit_step = min(steps, int(carry.step) + chunk)
                 if speculative is None:
                     carry = self.compiled_chunk(self.model.params, carry, inputs, np.int32(limit_step),
-                                                filters=filters, pad_id=pad_id)
+                                                filters=filters, pad_id=pad_id,
+                                                unroll=int(self.model.config.loop_unroll))
                 else:
                     carry = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
                                                      step_limit=np.int32(limit_step), source=source,

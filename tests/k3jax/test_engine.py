@@ -27,7 +27,9 @@ def run_all(engine: Engine) -> dict:
     return results, streamed
 
 
-def test_results_equal_static_generation(model):
+@pytest.mark.parametrize("unroll,chunk_steps", [("1", 5), ("2", 6)])
+def test_results_equal_static_generation(model, unroll, chunk_steps):
+    """(Two decode steps per loop iteration in the second case, against the one-step static loop.)"""
     rng = np.random.default_rng(0)
     requests = []
     for i in range(11):  # more requests than slots: admission happens while others decode
@@ -42,7 +44,9 @@ def test_results_equal_static_generation(model):
         else:
             sp = k3jax.SamplingParams(max_tokens=25, ignore_eos=True, stop=["e"])
         requests.append((f"r{i}", prompt, sp))
-    engine = Engine(model, EngineConfig(max_slots=4, max_len=128, chunk_steps=5))
+    engine = Engine(model.with_impls(loop_unroll=unroll), EngineConfig(max_slots=4, max_len=128,
+                                                                        chunk_steps=chunk_steps))
+    assert engine._unroll == int(unroll)
     for rid, prompt, sp in requests:
         engine.add(rid, prompt, sp)
     results, streamed = run_all(engine)

@@ -108,6 +108,29 @@ def test_streaming_chunks_add_up(rng):
         assert "".join(c.text for c in mine) == out[i].text
 
 
+@pytest.mark.parametrize("unroll", ["2", "4"])
+def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unroll):
+    """Several steps per loop iteration: the same tokens, counts, finish reasons and log-probabilities,
+    with limits that are not multiples of the unroll, rows that stop early on a stop id, chunk
+    boundaries (stream_every) inside an iteration, and penalties."""
+    prompts = [rng.integers(3, 512, n).tolist() for n in (5, 13, 8)]
+    free = generator.generate(prompts[0], k3jax.SamplingParams(max_new_tokens=12))[0].token_ids
+    params = [k3jax.SamplingParams(max_new_tokens=11, stop_token_ids=(free[5],), logprobs=2),
+              k3jax.SamplingParams(max_new_tokens=7, temperature=1.0, seed=1, logprobs=2),
+              k3jax.SamplingParams(max_new_tokens=13, temperature=0.7, top_p=0.5, seed=2, presence_penalty=0.5,
+                                   logprobs=2)]
+    unrolled = k3jax.Generator(model.with_impls(loop_unroll=unroll))
+    for stream_every in (None, 3):
+        kw = {} if stream_every is None else {"stream": lambda chunk: None, "stream_every": stream_every}
+        want = generator.generate(prompts, params, **kw)
+        got = unrolled.generate(prompts, params, **kw)
+        for w, g in zip(want, got):
+            assert g.token_ids == w.token_ids
+            assert g.finish_reason == w.finish_reason
+            assert g.outputs[0].logprobs == w.outputs[0].logprobs
+    assert want[0].finish_reason == "stop" and len(want[0].token_ids) == free.index(free[5]) + 1
+
+
 def test_greedy_matches_hf_generate(oracle_dir):
     ref = np.load(oracle_dir / "hf" / "kl_alt" / "reference.npz")
     model = k3jax.load(oracle_dir / "hf" / "kl_alt")
