@@ -22,7 +22,7 @@ from pallas_kernels.router import ROUTER_IMPLS, RouterImpl
 from pallas_kernels.skinny import SKINNY_IMPLS, SkinnyImpl
 
 # Decode steps per iteration of the compiled decode loop ("1": the reference form).
-LOOP_UNROLLS: tuple[str, ...] = ("1", "2", "4")
+LOOP_UNROLLS: tuple[str, ...] = ("auto", "1", "2", "4")
 
 __all__ = ["Activation", "AttnResConfig", "ConfigError", "ExpertParallel", "KDAConfig", "MLAConfig", "MLPConfig",
            "ModelConfig", "MoEConfig", "IMPL_OPTIONS", "kimi_linear_48b_a3b", "tiny_k3", "tiny_kimi_linear"]
@@ -89,9 +89,9 @@ class MLAConfig:
     decode_impl: MLADecodeImpl = "absorbed"  # attention over the latent cache (MLA_DECODE_IMPLS)
     prefill_impl: MLAPrefillImpl = "auto"    # a fresh prompt over its own tokens (MLA_PREFILL_IMPLS)
     # W_UK / W_UV (with kv_a_layernorm and the split merge) around the "pallas"/"hopper" decode forms:
-    # "xla" (einsums, the reference and the default until the kernels' compiled tests have run on a
-    # GPU), "pallas" (the few-row kernels of pallas_kernels.mla_absorb), "auto" ("pallas" on a GPU).
-    absorb_impl: SkinnyImpl = "xla"
+    # "xla" (einsums, the reference), "pallas" (the few-row kernels of pallas_kernels.mla_absorb),
+    # "auto" ("pallas" on a GPU: about 5 us less per MLA layer at the 48B decode).
+    absorb_impl: SkinnyImpl = "auto"
 
     def __post_init__(self):
         for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
@@ -171,9 +171,8 @@ class MoEConfig:
     router_impl: RouterImpl = "auto"
     # The shared expert at decode: "auto" runs it as one more pair in the routed experts' pair
     # kernels when it has their shape (one shared expert, no latent, unpacked, unsharded experts:
-    # Kimi-Linear), saving its own launches; "mlp" keeps it a separate MLP (the reference, and the
-    # default until the pair kernels' extra-group tests have run compiled on a GPU).
-    shared_impl: str = "mlp"
+    # Kimi-Linear), saving its own launches; "mlp" keeps it a separate MLP (the reference).
+    shared_impl: str = "auto"
     expert_parallel: ExpertParallel | None = None  # set by k3jax.sharding.config_for_mesh
     # How tokens reach the expert shards when they split over them (k3jax.layers.moe_parallel):
     # "gather" (all_gather + psum_scatter) or "ragged" (each pair only to its expert's shard).
@@ -275,9 +274,9 @@ class ModelConfig:
     model_type: str = "kimi_linear"
     linear_impl: SkinnyImpl = "auto"  # projections of few rows (pallas_kernels.skinny.SKINNY_IMPLS)
     norm_impl: NormImpl = "auto"      # residual-stream RMSNorms of few rows (pallas_kernels.rms_norm.NORM_IMPLS)
-    # Decode steps per iteration of the compiled decode loop (LOOP_UNROLLS): each iteration ends in a
-    # device-to-host read of the loop condition, which leaves the GPU idle for a moment.
-    loop_unroll: str = "1"
+    # Decode steps per iteration of the compiled decode loop (LOOP_UNROLLS; `loop_steps`): each iteration
+    # ends in a device-to-host read of the loop condition, which leaves the GPU idle for a moment.
+    loop_unroll: str = "auto"
     # Prompt tokens per prefill call (rows x chunk length): a longer prompt runs as chunks that continue
     # the state, so prefill memory stays bounded; 0 runs every prompt in one call (the reference).
     prefill_chunk_tokens: int = 16384

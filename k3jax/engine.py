@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.causal_lm import CausalLM
-from k3jax.decode_loop import RUNNING, LoopInputs, LoopState, decode_chunk, init_loop_state
+from k3jax.decode_loop import RUNNING, LoopInputs, LoopState, decode_chunk, init_loop_state, loop_steps
 from k3jax.errors import ConfigError, require_positive
 from k3jax.generate import PROMPT_BUCKETS
 from k3jax.outputs import CompletionOutput, GenerationResult
@@ -129,7 +129,7 @@ class Engine:
                                   max_new=put(np.ones(s, np.int32)), prompt_len=put(np.ones(s, np.int32)))
         # Steps past a chunk's end would be lost here (rows continue in the next chunk), so the loop
         # runs several steps per iteration only when they divide the chunk.
-        unroll = int(model.config.loop_unroll)
+        unroll = loop_steps(model.config.loop_unroll)
         self._unroll = unroll if config.chunk_steps % unroll == 0 else 1
         self._chunk = jax.jit(functools.partial(decode_chunk, model.graphdef),
                               static_argnames=("filters", "pad_id", "unroll"), donate_argnames=("carry",))

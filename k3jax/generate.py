@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from k3jax.causal_lm import CausalLM
-from k3jax.decode_loop import STOPPED, LoopInputs, LoopState, decode_chunk, init_loop_state
+from k3jax.decode_loop import STOPPED, LoopInputs, LoopState, decode_chunk, init_loop_state, loop_steps
 from k3jax.memory_plan import check_generation_fits, device_capacity, mesh_spec_of, prefill_chunk_length
 from k3jax.outputs import (CompletionOutput, GenerationOutput, GenerationResult, GenerationTimings, SpeculativeStats,
                            StreamChunk)
@@ -222,7 +222,7 @@ class Generator:
                 if speculative is None:
                     carry = self.compiled_chunk(self.model.params, carry, inputs, np.int32(limit_step),
                                                 filters=filters, pad_id=pad_id,
-                                                unroll=int(self.model.config.loop_unroll))
+                                                unroll=loop_steps(self.model.config.loop_unroll))
                 else:
                     carry = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
                                                      step_limit=np.int32(limit_step), source=source,

@@ -1,7 +1,7 @@
 """Residual adds of the decoder stack. At decode a branch output may arrive as fp32 partial sums
 (`SplitSum`: a projection's slices of the reduction axis, or the expert pairs of each token), which
-the add sums: XLA's add fusion, then the norm that reads its result; with norm impl "fused", the add
-and the norm in one launch (`pallas_kernels.rms_norm.add_rms_norm`)."""
+the add sums: XLA's add fusion, then the norm that reads its result; with norm impl "fused" ("auto"
+on a GPU), the add and the norm in one launch (`pallas_kernels.rms_norm.add_rms_norm`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.norms import RMSNorm
-from pallas_kernels.rms_norm import add_rms_norm
+from pallas_kernels.rms_norm import add_rms_norm, resolve_norm_impl
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def add(h: jax.Array, delta) -> jax.Array:
 def add_norm(h: jax.Array, delta, norm: RMSNorm) -> tuple[jax.Array, jax.Array]:
     """(h + delta, norm(h + delta)): one kernel launch on the few-row path when `norm`'s impl is
     "fused", else the add (XLA sums a SplitSum's parts inside it) and `norm`."""
-    if norm.impl == "fused" and norm.weight[...].dtype == h.dtype:
+    if resolve_norm_impl(norm.impl) == "fused" and norm.weight[...].dtype == h.dtype:
         if isinstance(delta, SplitSum):
             parts, axis = delta.parts, delta.axis
         else:

@@ -318,7 +318,8 @@ def pair_glu_pallas(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(
     _validate(lhs, (w_gate, w_up), jnp.zeros((w_gate.shape[0],), jnp.int32))
     _validate_pairs(lhs, group, valid, repeat)
     return _call(lhs, (w_gate, w_up), None, None, spec=spec, out_dtype=lhs.dtype,
-                 blocks=blocks or TileBlocks.for_rows(1, isinstance(w_gate, Mxfp4Weight), _interpreted(interpret)),
+                 blocks=blocks or TileBlocks.for_pairs(group.shape[0], w_gate.shape[1], w_gate.shape[2],
+                                                       isinstance(w_gate, Mxfp4Weight), _interpreted(interpret)),
                  interpret=interpret,
                  pairs=(group, valid), repeat=repeat, extra=None if extra is None else tuple(extra))
 
@@ -333,5 +334,6 @@ def pair_matmul_pallas(lhs, rhs, group, valid, row_scale=None, *, repeat: int = 
     _validate_pairs(lhs, group, valid, repeat)
     out_dtype = jnp.float32 if row_scale is not None else lhs.dtype
     return _call(lhs, (rhs,), None, row_scale, spec=None, out_dtype=out_dtype,
-                 blocks=blocks or TileBlocks.for_rows(1, isinstance(rhs, Mxfp4Weight), _interpreted(interpret)),
+                 blocks=blocks or TileBlocks.for_pairs(group.shape[0], rhs.shape[1], rhs.shape[2],
+                                                       isinstance(rhs, Mxfp4Weight), _interpreted(interpret)),
                  interpret=interpret, pairs=(group, valid), repeat=repeat, extra=None if extra is None else (extra,))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SM_COUNT = 132   # streaming multiprocessors of an H100 / H200 SXM: one wave of one-program-per-SM launches
+
 
 @dataclass(frozen=True)
 class GmmBlocks:
@@ -47,3 +49,20 @@ class TileBlocks:
             return cls(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4 if not packed else 3,
                        gemv=packed, e2m1="table" if interpreted else "bits")
         return cls(block_m=64, block_n=128, block_k=128 if packed else 64, num_warps=4, num_stages=3)
+
+    @classmethod
+    def for_pairs(cls, pairs: int, k_dim: int, n_dim: int, packed: bool = False,
+                  interpreted: bool = False) -> "TileBlocks":
+        """Unsorted pairs (one row each) of [k_dim, n_dim] weights. Packed weights: `for_rows(1)`.
+        bf16 (`benchmarks/pair_tiles.py` on the H200, B=1 of the 48B shape): 64-deep steps when the
+        reduction is short (the down projection, K=1024: 16.2 us for 18.7 with 128-deep steps), and
+        128-wide column blocks with 8 warps when 64-wide ones would leave a second, nearly empty wave
+        of programs that 128-wide ones avoid (gate|up of 8 routed + 1 shared pair: 144 programs ->
+        72, 27.9 us for 31.2)."""
+        if packed:
+            return cls.for_rows(1, packed=True, interpreted=interpreted)
+        block_k = 64 if k_dim <= 1024 else 128
+        waves = lambda bn: pairs * -(-n_dim // bn) / SM_COUNT
+        if waves(64) > 1 >= waves(128):
+            return cls(block_m=16, block_n=128, block_k=block_k, num_warps=8, num_stages=3)
+        return cls(block_m=16, block_n=64, block_k=block_k, num_warps=4, num_stages=4)

@@ -180,6 +180,42 @@ def test_pairs_with_extra_groups(rng, interpret, dtype):
         pair_matmul_pallas(h, w2, group, valid, scale, extra=w2s[:, :16], interpret=interpret)
 
 
+@pytest.mark.parametrize("blocks", [TileBlocks(16, 128, 128, 8, 3), TileBlocks(16, 64, 64, 4, 4)])
+def test_pairs_under_the_decode_tile_settings(rng, interpret, blocks):
+    """The tile settings `TileBlocks.for_pairs` picks at the 48B decode (128-wide, 8 warps; 64-deep
+    steps), on sides that are several blocks long and one that is not a multiple of the block:
+    equal to a per-row einsum."""
+    tokens, x_per, k, f = 2, 3, 320, 256
+    m, g = tokens * x_per, 4
+    lhs = jnp.asarray(rng.standard_normal((tokens, k)), jnp.bfloat16)
+    group = jnp.asarray(rng.integers(0, g, m).astype(np.int32))
+    valid = jnp.asarray(rng.uniform(size=m) > 0.2)
+    w1, w3 = (jnp.asarray(rng.standard_normal((g, k, f)) / 16, jnp.bfloat16) for _ in range(2))
+    w2 = jnp.asarray(rng.standard_normal((g, f, k)) / 16, jnp.bfloat16)
+    scale = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
+    h = pair_glu_pallas(lhs, w1, w3, group, valid, spec=SPECS[1], repeat=x_per, blocks=blocks, interpret=interpret)
+    x = jnp.repeat(lhs, x_per, axis=0).astype(jnp.float32)
+    rows = [glu(x[r] @ w1[group[r]].astype(jnp.float32), x[r] @ w3[group[r]].astype(jnp.float32), SPECS[1]) * valid[r]
+            for r in range(m)]
+    tol = kernel_dtype(jnp.bfloat16, interpret)
+    assert_close("glu pairs", h, jnp.stack(rows), dtype=tol)
+    y = pair_matmul_pallas(h, w2, group, valid, scale, blocks=blocks, interpret=interpret)
+    assert_close("matmul pairs", y, pair_matmul_reference(h, w2, group, valid, scale), dtype=tol)
+
+
+def test_pair_tile_rule():
+    """128-wide blocks only where 64-wide ones spill just past one wave of programs; 64-deep steps
+    for short reductions; packed weights keep their own form."""
+    glu9 = TileBlocks.for_pairs(9, 2304, 1024)
+    assert (glu9.block_n, glu9.block_k, glu9.num_warps) == (128, 128, 8)
+    glu8 = TileBlocks.for_pairs(8, 2304, 1024)
+    assert (glu8.block_n, glu8.block_k) == (64, 128)
+    down9 = TileBlocks.for_pairs(9, 1024, 2304)
+    assert (down9.block_n, down9.block_k) == (64, 64)
+    assert TileBlocks.for_pairs(72, 2304, 1024).block_n == 64
+    assert TileBlocks.for_pairs(9, 2304, 1024, packed=True) == TileBlocks.for_rows(1, packed=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_pairs_read_each_token_row_for_its_choices(rng, interpret, dtype):
     """repeat = X: pair r reads token r // X (a token's X expert choices, no repeated copy of the
