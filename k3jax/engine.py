@@ -129,7 +129,7 @@ class Engine:
                                   max_new=put(np.ones(s, np.int32)), prompt_len=put(np.ones(s, np.int32)))
         # Steps past a chunk's end would be lost here (rows continue in the next chunk), so the loop
         # runs several steps per iteration only when they divide the chunk.
-        unroll = loop_steps(model.config.loop_unroll)
+        unroll = loop_steps(model.config.loop_unroll, config.max_slots)
         self._unroll = unroll if config.chunk_steps % unroll == 0 else 1
         self._chunk = jax.jit(functools.partial(decode_chunk, model.graphdef),
                               static_argnames=("filters", "pad_id", "unroll"), donate_argnames=("carry",))

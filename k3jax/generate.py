@@ -222,7 +222,7 @@ class Generator:
                 if speculative is None:
                     carry = self.compiled_chunk(self.model.params, carry, inputs, np.int32(limit_step),
                                                 filters=filters, pad_id=pad_id,
-                                                unroll=loop_steps(self.model.config.loop_unroll))
+                                                unroll=loop_steps(self.model.config.loop_unroll, batch))
                 else:
                     carry = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
                                                      step_limit=np.int32(limit_step), source=source,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -129,6 +130,15 @@ def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unro
             assert g.finish_reason == w.finish_reason
             assert g.outputs[0].logprobs == w.outputs[0].logprobs
     assert want[0].finish_reason == "stop" and len(want[0].token_ids) == free.index(free[5]) + 1
+
+
+def test_loop_steps_choice():
+    from k3jax.decode_loop import loop_steps
+    assert loop_steps("2", 64) == 2 and loop_steps("1", 1) == 1
+    assert loop_steps("auto", 1) == (4 if jax.default_backend() == "gpu" else 1)
+    assert loop_steps("auto", 64) == 1
+    with pytest.raises(k3jax.errors.ConfigError, match="loop_unroll"):
+        k3jax.tiny_kimi_linear().with_impls(loop_unroll="3")
 
 
 def test_greedy_matches_hf_generate(oracle_dir):
