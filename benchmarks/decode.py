@@ -179,7 +179,8 @@ def decode_row(gen, cfg, b, args, dtype_bytes, rng, tag: str = "") -> dict:
     print(f"{tag + ' ' if tag else ''}batch {b}: TPOT {tpot * 1e3:.2f} ms, {b / tpot:.1f} tok/s, "
           f"MBU {row['mbu_achievable']:.1%}, first call {first_s:.1f} s", flush=True)
     if args.profile:
-        row["profile"] = profile(gen, prompts, f"b{b}{'_' + tag.replace('=', '-').replace(',', '_') if tag else ''}")
+        suffix = "_" + tag.replace("=", "-").replace(",", "_") if tag else ""
+        row["profile"] = profile(gen, prompts, f"b{b}{suffix}")
     return row
 
 

@@ -28,11 +28,13 @@ from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
 SHAPE = {"experts": 256, "top_k": 8, "hidden": 2304, "inter": 1024, "shared": 4}
 SMALL = {"experts": 16, "top_k": 2, "hidden": 128, "inter": 64, "shared": 2}
-GLU_TILES = {"16x64x128 w4 s4 (default)": TileBlocks(16, 64, 128, 4, 4), "16x128x64 w4 s4": TileBlocks(16, 128, 64, 4, 4),
+GLU_TILES = {"16x64x128 w4 s4 (default)": TileBlocks(16, 64, 128, 4, 4),
+             "16x128x64 w4 s4": TileBlocks(16, 128, 64, 4, 4),
              "16x128x128 w4 s3": TileBlocks(16, 128, 128, 4, 3), "16x128x128 w8 s3": TileBlocks(16, 128, 128, 8, 3),
              "16x64x256 w4 s3": TileBlocks(16, 64, 256, 4, 3), "16x64x128 w4 s2": TileBlocks(16, 64, 128, 4, 2),
              "16x32x256 w4 s4": TileBlocks(16, 32, 256, 4, 4)}
-DOWN_TILES = {"16x64x128 w4 s4 (default)": TileBlocks(16, 64, 128, 4, 4), "16x128x128 w4 s4": TileBlocks(16, 128, 128, 4, 4),
+DOWN_TILES = {"16x64x128 w4 s4 (default)": TileBlocks(16, 64, 128, 4, 4),
+              "16x128x128 w4 s4": TileBlocks(16, 128, 128, 4, 4),
               "16x128x64 w4 s4": TileBlocks(16, 128, 64, 4, 4), "16x32x256 w4 s4": TileBlocks(16, 32, 256, 4, 4),
               "16x64x256 w4 s3": TileBlocks(16, 64, 256, 4, 3), "16x256x64 w8 s3": TileBlocks(16, 256, 64, 8, 3),
               "16x64x64 w4 s4": TileBlocks(16, 64, 64, 4, 4)}
@@ -87,7 +89,8 @@ def main(argv=None) -> int:
                     continue
                 moved = pairs * nbytes
                 n_dim = f if what == "gate|up" else d
-                row = {"launch": what, "pairs": pairs, "tiles": label, "programs": pairs * (n_dim // min(blocks.block_n, n_dim)),
+                programs = pairs * (n_dim // min(blocks.block_n, n_dim))
+                row = {"launch": what, "pairs": pairs, "tiles": label, "programs": programs,
                        "us": t * 1e6, "tb_s": moved / t / 1e12, "pct_4_3": moved / t / HBM_ACHIEVABLE}
                 rows.append(row)
                 print(f"{what:8s} {pairs} pairs {label:26s} programs {row['programs']:4d} {row['us']:7.2f} us "

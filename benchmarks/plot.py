@@ -52,7 +52,9 @@ def plot_decode(out: str) -> str:
             ("+ one launch per shared input", _tpot("decode_run5_fused_projections.json"), "^-"),
             ("+ unsorted expert pairs, router in the shared launch", _tpot("decode_run6_pairs_router.json"), "v-"),
             ("+ expert glue, Hopper MLA decode kernel", _tpot("decode_run8_mla_hopper.json"), "P-"),
-            ("+ router and norm kernels, unsplit KDA launch", _tpot("decode_run10_glue_9c783c7.json"), "X-")]
+            ("+ router and norm kernels, unsplit KDA launch", _tpot("decode_run10_glue_9c783c7.json"), "X-"),
+            ("+ shared expert as a pair, add+norm, pair tiles, 4 steps per loop iteration",
+             _tpot("decode_run14_defaults_21c2203.json"), "*-")]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, points, style in runs:
         xs = sorted(points)

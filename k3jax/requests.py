@@ -36,7 +36,9 @@ def encode_prompt(model, tokenizer, prompt, *, chat_options: dict | None = None)
         if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
             raise ValueError(f"a token-id prompt must be one-dimensional, got shape {prompt.shape}")
         ids = list(prompt)
-        if not all(isinstance(i, (int, np.integer)) and not isinstance(i, (bool, np.bool_)) for i in ids):
+        # Checked per distinct element type, not per element: a long prompt's check costs microseconds.
+        types = set(map(type, ids))
+        if not all(issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_)) for t in types):
             raise ValueError("a token-id prompt must be a flat list of integers")
     else:
         raise ValueError(f"a prompt must be a str, a list of message dicts or a list of token ids, "
@@ -44,10 +46,14 @@ def encode_prompt(model, tokenizer, prompt, *, chat_options: dict | None = None)
     if not ids:
         raise ValueError("empty prompt")
     vocab = model.config.vocab_size
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise ValueError(f"prompt holds token id {bad[0]} outside the vocabulary [0, {vocab})")
-    return [int(i) for i in ids]
+    try:
+        arr = np.asarray(ids, dtype=np.int64)
+    except OverflowError:
+        arr = None
+    if arr is None or arr.min() < 0 or arr.max() >= vocab:
+        bad = next(i for i in ids if not 0 <= i < vocab)
+        raise ValueError(f"prompt holds token id {bad} outside the vocabulary [0, {vocab})")
+    return arr.tolist()
 
 
 def check_sampling(sp, vocab: int, tokenizer) -> None:
