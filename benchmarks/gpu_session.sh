@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-before checkpoint-read kda kda-varlen kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-before checkpoint-read kda kda-varlen kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -39,6 +39,7 @@ for step in "$@"; do
               tests/pallas_kernels/test_rms_norm.py -k "not mgpu" 2>&1 | quiet | tail -8 \
               | tee "$W/skinny_tests.log" ;;
     skinny) OUT=$W timeout 200 python3 benchmarks/skinny.py 2>&1 | quiet | tee "$W/skinny.log" ;;
+    pair-tiles) OUT=$W timeout 200 python3 benchmarks/pair_tiles.py 2>&1 | quiet | tee "$W/pair_tiles.log" ;;
     ttft) OUT=$W timeout 200 python3 benchmarks/ttft_overhead.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --tokens 8192 2>&1 | quiet | tee "$W/ttft.log" ;;
     glue-tests) K3JAX_TEST_DEVICE=gpu timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
