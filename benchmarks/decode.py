@@ -193,8 +193,8 @@ def profile(gen, prompts, tag: str) -> dict:
     gen.generate(prompts, sp)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         out = gen.generate(prompts, sp)
-    try:  # the first token comes from the prefill's logits: steps - 1 model forwards in the loop
-        summary = summarize(trace_dir, _DUMP, "decode_chunk", out.timings.steps - 1)
+    try:  # every token is sampled in the loop, each followed by a model forward: `steps` forwards
+        summary = summarize(trace_dir, _DUMP, "decode_chunk", out.timings.steps)
     except Exception as e:  # noqa: BLE001 - a profile that cannot be read must not lose the timings
         print(f"profile {tag}: could not summarise ({type(e).__name__}: {e})", flush=True)
         return {"error": str(e)}

@@ -175,6 +175,14 @@ def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_li
     return jax.lax.while_loop(cond, iteration, carry)
 
 
+def decode_chunk_flat(graphdef, treedef, leaves, carry: LoopState, inputs: LoopInputs, step_limit, **options):
+    """`decode_chunk` with the parameters as a flat tuple of arrays (`jax.tree.leaves(params)`, whose
+    structure is `treedef`): a compiled call dispatches over a tuple of arrays in a fraction of the
+    host time it takes over the nnx State (0.9 against 3.2 ms for the 48B shape's 603 arrays, paid
+    once per chunk of decode steps)."""
+    return decode_chunk(graphdef, jax.tree.unflatten(treedef, leaves), carry, inputs, step_limit, **options)
+
+
 def _write(buffer, slot, value, in_range):
     """buffer[:, slot] = value where in_range, else unchanged. buffer [B, N, ...], value [B, ...]."""
     return buffer.at[:, slot].set(jnp.where(in_range, value, buffer[:, slot]))

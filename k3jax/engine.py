@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.causal_lm import CausalLM
-from k3jax.decode_loop import RUNNING, LoopInputs, LoopState, decode_chunk, init_loop_state, loop_steps
+from k3jax.decode_loop import RUNNING, LoopInputs, LoopState, decode_chunk_flat, init_loop_state, loop_steps
 from k3jax.errors import ConfigError, require_positive
 from k3jax.generate import PROMPT_BUCKETS
 from k3jax.outputs import CompletionOutput, GenerationResult
@@ -131,7 +131,9 @@ class Engine:
         # runs several steps per iteration only when they divide the chunk.
         unroll = loop_steps(model.config.loop_unroll, config.max_slots)
         self._unroll = unroll if config.chunk_steps % unroll == 0 else 1
-        self._chunk = jax.jit(functools.partial(decode_chunk, model.graphdef),
+        leaves, treedef = jax.tree.flatten(model.params)
+        self._param_leaves = tuple(leaves)
+        self._chunk = jax.jit(functools.partial(decode_chunk_flat, model.graphdef, treedef),
                               static_argnames=("filters", "pad_id", "unroll"), donate_argnames=("carry",))
         self._insert = jax.jit(_insert, donate_argnums=(0, 1))
 
@@ -234,7 +236,7 @@ class Engine:
                                     count=jnp.zeros((s,), jnp.int32), done=put(~active),
                                     finish=jnp.full((s,), RUNNING, jnp.int32), step=jnp.zeros((), jnp.int32))
         filters = any(slot.row.sampling.filters for slot in self._slots if slot is not None)
-        self._carry = self._chunk(self.model.params, carry, inputs, np.int32(steps), filters=filters,
+        self._carry = self._chunk(self._param_leaves, carry, inputs, np.int32(steps), filters=filters,
                                   pad_id=self.pad_id, unroll=self._unroll)
         tokens, count, finish = jax.device_get((self._carry.tokens, self._carry.count, self._carry.finish))
         lp = None if self._carry.logprobs is None else jax.device_get(self._carry.logprobs)

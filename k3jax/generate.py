@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from k3jax.causal_lm import CausalLM
-from k3jax.decode_loop import STOPPED, LoopInputs, LoopState, decode_chunk, init_loop_state, loop_steps
+from k3jax.decode_loop import STOPPED, LoopInputs, LoopState, decode_chunk_flat, init_loop_state, loop_steps
 from k3jax.memory_plan import check_generation_fits, device_capacity, mesh_spec_of, prefill_chunk_length
 from k3jax.outputs import (CompletionOutput, GenerationOutput, GenerationResult, GenerationTimings, SpeculativeStats,
                            StreamChunk)
@@ -94,7 +94,9 @@ class Generator:
     def __init__(self, model: CausalLM, tokenizer=None):
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
-        self.compiled_chunk = jax.jit(functools.partial(decode_chunk, model.graphdef),
+        leaves, treedef = jax.tree.flatten(model.params)
+        self._param_leaves = tuple(leaves)   # the model's parameters never change (CausalLM is immutable)
+        self.compiled_chunk = jax.jit(functools.partial(decode_chunk_flat, model.graphdef, treedef),
                                       static_argnames=("filters", "pad_id", "unroll"), donate_argnames=("carry",))
         self.compiled_spec_init = jax.jit(functools.partial(init_spec_loop, model.graphdef),
                                           static_argnames=("source", "max_tokens", "pad_id", "logprobs_k", "filters"),
@@ -121,7 +123,8 @@ class Generator:
           prompts: a str, a chat message list, a token-id list, or a list of those.
           sampling: one SamplingParams for all prompts, or one per prompt (default:
             `default_sampling()`).
-          stream: called with StreamChunk(s) of new tokens every `stream_every` decode steps.
+          stream: called with StreamChunk(s) of new tokens every `stream_every` decode steps (rounded
+            up to the decode loop's steps per iteration, `loop_unroll`: 4 on a GPU for <= 8 rows).
           chat_options: renderer options (K3: thinking, thinking_effort, tools, ...).
           speculative: decode with drafts verified q = k + 1 tokens at a time (SpeculativeConfig);
             greedy output equals decoding without it token for token in exact arithmetic (tested
@@ -220,7 +223,7 @@ class Generator:
             while not done and not interrupted.is_set():
                 limit_step = min(steps, int(carry.step) + chunk)
                 if speculative is None:
-                    carry = self.compiled_chunk(self.model.params, carry, inputs, np.int32(limit_step),
+                    carry = self.compiled_chunk(self._param_leaves, carry, inputs, np.int32(limit_step),
                                                 filters=filters, pad_id=pad_id,
                                                 unroll=loop_steps(self.model.config.loop_unroll, batch))
                 else:

@@ -173,9 +173,15 @@ def state_shardings(state: DecodeState, mesh: Mesh) -> DecodeState:
 def config_for_mesh(cfg: ModelConfig, mesh: Mesh | None) -> ModelConfig:
     """The config a model runs with on `mesh`: expert parallelism on when the mesh's expert axis
     has more than one device and the experts split over it, off otherwise (also for mesh=None);
-    with a tensor axis, few-row projections take XLA's dot (the Pallas kernel needs whole weights)."""
-    if mesh is not None and mesh.shape.get("tensor", 1) > 1 and cfg.linear_impl != "xla":
-        cfg = cfg.replace(linear_impl="xla")
+    with a tensor axis, the few-row kernels that need whole weights step aside: projections take
+    XLA's dot, MLA's W_UK / W_UV the einsums, and the shared expert stays its own MLP."""
+    if mesh is not None and mesh.shape.get("tensor", 1) > 1:
+        if cfg.linear_impl != "xla":
+            cfg = cfg.replace(linear_impl="xla")
+        if cfg.mla is not None and cfg.mla.absorb_impl != "xla":
+            cfg = cfg.replace(mla=dataclasses.replace(cfg.mla, absorb_impl="xla"))
+        if cfg.moe is not None and cfg.moe.shared_impl != "mlp":
+            cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, shared_impl="mlp"))
     if cfg.moe is None:
         return cfg
     ep = None

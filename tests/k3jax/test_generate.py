@@ -121,9 +121,10 @@ def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unro
               k3jax.SamplingParams(max_new_tokens=13, temperature=0.7, top_p=0.5, seed=2, presence_penalty=0.5,
                                    logprobs=2)]
     unrolled = k3jax.Generator(model.with_impls(loop_unroll=unroll))
+    one_step = k3jax.Generator(model.with_impls(loop_unroll="1"))
     for stream_every in (None, 3):
         kw = {} if stream_every is None else {"stream": lambda chunk: None, "stream_every": stream_every}
-        want = generator.generate(prompts, params, **kw)
+        want = one_step.generate(prompts, params, **kw)
         got = unrolled.generate(prompts, params, **kw)
         for w, g in zip(want, got):
             assert g.token_ids == w.token_ids

@@ -10,7 +10,7 @@ from tolerances import assert_close
 
 import k3jax
 from k3jax.config import ExpertParallel
-from k3jax.sharding import MeshSpec, logical_spec, make_mesh
+from k3jax.sharding import MeshSpec, config_for_mesh, logical_spec, make_mesh
 
 MESHES = [MeshSpec(expert=8), MeshSpec(data=2, expert=4), MeshSpec(tensor=8)]
 
@@ -83,3 +83,13 @@ def test_rules_and_mesh_spec():
         MeshSpec.parse("pipeline=2")
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh(MeshSpec(data=4, expert=4))
+
+
+def test_tensor_axis_turns_whole_weight_kernels_off():
+    """Kernels that read whole weights (few-row projections, MLA absorb, the shared expert as a pair)
+    are not chosen on a mesh with a tensor axis, whatever was asked; without one, choices stay."""
+    cfg = k3jax.tiny_kimi_linear().with_impls(linear="pallas", mla_absorb="pallas", shared="auto")
+    on_tensor = config_for_mesh(cfg, make_mesh(MeshSpec(data=4, tensor=2)))
+    assert (on_tensor.linear_impl, on_tensor.mla.absorb_impl, on_tensor.moe.shared_impl) == ("xla", "xla", "mlp")
+    on_data = config_for_mesh(cfg, make_mesh(MeshSpec(data=8)))
+    assert (on_data.linear_impl, on_data.mla.absorb_impl, on_data.moe.shared_impl) == ("pallas", "pallas", "auto")
