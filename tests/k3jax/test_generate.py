@@ -156,8 +156,13 @@ def test_bad_input(generator, model):
         generator.generate([], k3jax.SamplingParams())
     with pytest.raises(ValueError, match="empty prompt"):
         generator.generate([[1, 2], []])
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        generator.generate([1, 2, 9999])
+    for ids, bad in (([1, 2, 9999], 9999), ([1, 2**63], 2**63), ([3, -1], -1),
+                     (np.array([1, 2**64 - 1], np.uint64), 2**64 - 1)):
+        with pytest.raises(ValueError, match=f"token id {bad} outside the vocabulary"):
+            generator.generate([ids])
+    for ids in ([1, True], [1, 2.0], [[1, 2]]):
+        with pytest.raises(ValueError, match="flat list of integers"):
+            generator.generate([ids])
     with pytest.raises(ValueError, match="need a tokenizer"):
         generator.generate("text without a tokenizer")
     short = k3jax.Generator(model.with_config(dataclasses.replace(model.config, max_position_embeddings=32)))
