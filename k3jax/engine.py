@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 
 import jax
@@ -27,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.causal_lm import CausalLM
-from k3jax.decode_loop import RUNNING, LoopInputs, LoopState, decode_chunk_flat, init_loop_state, loop_steps
+from k3jax.decode_loop import RUNNING, LoopInputs, LoopState, compiled_decode_chunk, init_loop_state, loop_steps
 from k3jax.errors import ConfigError, require_positive
 from k3jax.generate import PROMPT_BUCKETS
 from k3jax.outputs import CompletionOutput, GenerationResult
@@ -131,10 +130,7 @@ class Engine:
         # runs several steps per iteration only when they divide the chunk.
         unroll = loop_steps(model.config.loop_unroll, config.max_slots)
         self._unroll = unroll if config.chunk_steps % unroll == 0 else 1
-        leaves, treedef = jax.tree.flatten(model.params)
-        self._param_leaves = tuple(leaves)
-        self._chunk = jax.jit(functools.partial(decode_chunk_flat, model.graphdef, treedef),
-                              static_argnames=("filters", "pad_id", "unroll"), donate_argnames=("carry",))
+        self._chunk, self._param_leaves = compiled_decode_chunk(model.graphdef, model.params)
         self._insert = jax.jit(_insert, donate_argnums=(0, 1))
 
     # ----- requests -----

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from k3jax.causal_lm import CausalLM
-from k3jax.decode_loop import STOPPED, LoopInputs, LoopState, decode_chunk_flat, init_loop_state, loop_steps
+from k3jax.decode_loop import STOPPED, LoopInputs, LoopState, compiled_decode_chunk, init_loop_state, loop_steps
 from k3jax.memory_plan import check_generation_fits, device_capacity, mesh_spec_of, prefill_chunk_length
 from k3jax.outputs import (CompletionOutput, GenerationOutput, GenerationResult, GenerationTimings, SpeculativeStats,
                            StreamChunk)
@@ -94,10 +94,8 @@ class Generator:
     def __init__(self, model: CausalLM, tokenizer=None):
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else model.tokenizer
-        leaves, treedef = jax.tree.flatten(model.params)
-        self._param_leaves = tuple(leaves)   # the model's parameters never change (CausalLM is immutable)
-        self.compiled_chunk = jax.jit(functools.partial(decode_chunk_flat, model.graphdef, treedef),
-                                      static_argnames=("filters", "pad_id", "unroll"), donate_argnames=("carry",))
+        # (the model's parameters never change: CausalLM is immutable)
+        self.compiled_chunk, self._param_leaves = compiled_decode_chunk(model.graphdef, model.params)
         self.compiled_spec_init = jax.jit(functools.partial(init_spec_loop, model.graphdef),
                                           static_argnames=("source", "max_tokens", "pad_id", "logprobs_k", "filters"),
                                           donate_argnames=("state",))
