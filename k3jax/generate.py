@@ -217,9 +217,9 @@ class Generator:
         t1 = time.perf_counter()
         matches: dict[int, StopMatch] = {}
         with self.model.placement.context(), _sigint_as_flag() as interrupted:
-            done = False
+            done, step = False, 0      # the carry's step, as last read back (one read per chunk)
             while not done and not interrupted.is_set():
-                limit_step = min(steps, int(carry.step) + chunk)
+                limit_step = min(steps, step + chunk)
                 if speculative is None:
                     carry = self.compiled_chunk(self._param_leaves, carry, inputs, np.int32(limit_step),
                                                 filters=filters, pad_id=pad_id,
@@ -230,8 +230,9 @@ class Generator:
                                                      filters=filters)
                 if any(row_stops) or adapter is not None:
                     carry = self._match_stops(carry, rows, matches, adapter)
-                all_done, step = jax.device_get((carry.done.all(), carry.step))
-                done = bool(all_done) or int(step) >= steps
+                row_done, step = jax.device_get((carry.done, carry.step))   # no reduction op dispatched
+                step = int(step)
+                done = bool(row_done.all()) or step >= steps
         tokens, count, finish, row_done = jax.device_get((carry.tokens, carry.count, carry.finish, carry.done))
         if adapter is not None:
             adapter.update(tokens, count, row_done, matches, final=True)
