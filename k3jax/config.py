@@ -22,7 +22,7 @@ from pallas_kernels.router import ROUTER_IMPLS, RouterImpl
 from pallas_kernels.skinny import SKINNY_IMPLS, SkinnyImpl
 
 # Decode steps per iteration of the compiled decode loop ("1": the reference form).
-LOOP_UNROLLS: tuple[str, ...] = ("auto", "1", "2", "4")
+LOOP_UNROLLS: tuple[str, ...] = ("auto", "1", "2", "4", "8")
 
 __all__ = ["Activation", "AttnResConfig", "ConfigError", "ExpertParallel", "KDAConfig", "MLAConfig", "MLPConfig",
            "ModelConfig", "MoEConfig", "IMPL_OPTIONS", "kimi_linear_48b_a3b", "tiny_k3", "tiny_kimi_linear"]
