@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from k3jax.sampling import SamplerInputs, apply_penalties, sample, token_logprobs
 from k3jax.state import DecodeState
@@ -172,14 +173,50 @@ def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_li
     return jax.lax.while_loop(cond, iteration, carry)
 
 
+# Token buffers of up to this many entries travel with the status in a chunk's host view.
+VIEW_TOKENS_MAX = 1 << 20
+
+
+def host_view(c) -> jax.Array:
+    """What the host reads after a chunk, as one int32 array (every read of a device array costs
+    about 0.5 ms of host time on the GPU machine, whatever its size): [B, 4] count, finish, done,
+    step per row, followed by the token buffer's N columns when B * N <= VIEW_TOKENS_MAX. `c`: a
+    LoopState or a speculative loop's carry (same fields)."""
+    b = c.count.shape[0]
+    status = jnp.stack([c.count, c.finish, c.done.astype(jnp.int32), jnp.broadcast_to(c.step, (b,))],
+                       axis=1).astype(jnp.int32)
+    return jnp.concatenate([status, c.tokens], axis=1) if c.tokens.size <= VIEW_TOKENS_MAX else status
+
+
+@dataclass
+class HostCarry:
+    """A host view read back: count, finish [B] int32, done [B] bool, step, and tokens [B, N] int32
+    (None when the buffer was too large to travel with the status). Writable copies."""
+
+    count: np.ndarray
+    finish: np.ndarray
+    done: np.ndarray
+    step: int
+    tokens: np.ndarray | None
+
+
+def read_host_view(view) -> HostCarry:
+    """One transfer of `host_view`'s array -> HostCarry."""
+    v = np.array(view)
+    return HostCarry(count=v[:, 0], finish=v[:, 1], done=v[:, 2].astype(bool), step=int(v[0, 3]),
+                     tokens=v[:, 4:] if v.shape[1] > 4 else None)
+
+
 def compiled_decode_chunk(graphdef, params):
     """(chunk, leaves): `decode_chunk` compiled over the parameters as a flat tuple of arrays, called
-    as chunk(leaves, carry, inputs, step_limit, filters=, pad_id=, unroll=) with the carry donated.
-    A compiled call dispatches over a tuple of arrays in a fraction of the host time it takes over
-    the nnx State (0.9 against 3.2 ms for the 48B shape's 603 arrays, paid once per chunk)."""
+    as chunk(leaves, carry, inputs, step_limit, filters=, pad_id=, unroll=) -> (carry, host_view)
+    with the carry donated. A compiled call dispatches over a tuple of arrays in a fraction of the
+    host time it takes over the nnx State (0.9 against 3.2 ms for the 48B shape's 603 arrays, paid
+    once per chunk)."""
     leaves, treedef = jax.tree.flatten(params)
 
     def decode_chunk_flat(flat, carry, inputs, step_limit, **options):   # profiles find it as "decode_chunk"
-        return decode_chunk(graphdef, jax.tree.unflatten(treedef, flat), carry, inputs, step_limit, **options)
+        carry = decode_chunk(graphdef, jax.tree.unflatten(treedef, flat), carry, inputs, step_limit, **options)
+        return carry, host_view(carry)
 
     return jax.jit(decode_chunk_flat, static_argnames=("filters", "pad_id", "unroll"), donate_argnames=("carry",)), tuple(leaves)

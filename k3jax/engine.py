@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.causal_lm import CausalLM
-from k3jax.decode_loop import RUNNING, LoopInputs, LoopState, compiled_decode_chunk, init_loop_state, loop_steps
+from k3jax.decode_loop import (RUNNING, LoopInputs, LoopState, compiled_decode_chunk, init_loop_state, loop_steps,
+                               read_host_view)
 from k3jax.errors import ConfigError, require_positive
 from k3jax.generate import PROMPT_BUCKETS
 from k3jax.outputs import CompletionOutput, GenerationResult
@@ -232,9 +233,11 @@ class Engine:
                                     count=jnp.zeros((s,), jnp.int32), done=put(~active),
                                     finish=jnp.full((s,), RUNNING, jnp.int32), step=jnp.zeros((), jnp.int32))
         filters = any(slot.row.sampling.filters for slot in self._slots if slot is not None)
-        self._carry = self._chunk(self._param_leaves, carry, inputs, np.int32(steps), filters=filters,
-                                  pad_id=self.pad_id, unroll=self._unroll)
-        tokens, count, finish = jax.device_get((self._carry.tokens, self._carry.count, self._carry.finish))
+        self._carry, view = self._chunk(self._param_leaves, carry, inputs, np.int32(steps), filters=filters,
+                                        pad_id=self.pad_id, unroll=self._unroll)
+        host = read_host_view(view)     # one transfer
+        tokens = host.tokens if host.tokens is not None else np.asarray(jax.device_get(self._carry.tokens))
+        count, finish = host.count, host.finish
         lp = None if self._carry.logprobs is None else jax.device_get(self._carry.logprobs)
         return self._collect(tokens, count, finish, lp)
 

@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from k3jax.causal_lm import CausalLM
-from k3jax.decode_loop import STOPPED, LoopInputs, LoopState, compiled_decode_chunk, init_loop_state, loop_steps
+from k3jax.decode_loop import (STOPPED, HostCarry, LoopInputs, LoopState, compiled_decode_chunk, host_view,
+                               init_loop_state, loop_steps, read_host_view)
 from k3jax.memory_plan import check_generation_fits, device_capacity, mesh_spec_of, prefill_chunk_length
 from k3jax.outputs import (CompletionOutput, GenerationOutput, GenerationResult, GenerationTimings, SpeculativeStats,
                            StreamChunk)
@@ -87,6 +88,12 @@ def _sigint_as_flag():
         signal.signal(signal.SIGINT, previous)
 
 
+def _spec_chunk_with_view(graphdef, params, **kwargs):
+    """`spec_decode_chunk` -> (carry, host_view(carry))."""
+    carry = spec_decode_chunk(graphdef, params, **kwargs)
+    return carry, host_view(carry)
+
+
 class Generator:
     """Generation for one model and its tokenizer. Immutable: it holds only the compiled decode
     chunk, so calls never share per-call state (streams, buffers) and may run from several threads."""
@@ -99,7 +106,7 @@ class Generator:
         self.compiled_spec_init = jax.jit(functools.partial(init_spec_loop, model.graphdef),
                                           static_argnames=("source", "max_tokens", "pad_id", "logprobs_k", "filters"),
                                           donate_argnames=("state",))
-        self.compiled_spec_chunk = jax.jit(functools.partial(spec_decode_chunk, model.graphdef),
+        self.compiled_spec_chunk = jax.jit(functools.partial(_spec_chunk_with_view, model.graphdef),
                                            static_argnames=("source", "filters"), donate_argnames=("carry",))
 
     # ----- prompts -----
@@ -217,23 +224,24 @@ class Generator:
         t1 = time.perf_counter()
         matches: dict[int, StopMatch] = {}
         with self.model.placement.context(), _sigint_as_flag() as interrupted:
-            done, step = False, 0      # the carry's step, as last read back (one read per chunk)
+            done, step = False, 0
             while not done and not interrupted.is_set():
                 limit_step = min(steps, step + chunk)
                 if speculative is None:
-                    carry = self.compiled_chunk(self._param_leaves, carry, inputs, np.int32(limit_step),
-                                                filters=filters, pad_id=pad_id,
-                                                unroll=loop_steps(self.model.config.loop_unroll, batch))
+                    carry, view = self.compiled_chunk(self._param_leaves, carry, inputs, np.int32(limit_step),
+                                                      filters=filters, pad_id=pad_id,
+                                                      unroll=loop_steps(self.model.config.loop_unroll, batch))
                 else:
-                    carry = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
-                                                     step_limit=np.int32(limit_step), source=source,
-                                                     filters=filters)
+                    carry, view = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
+                                                           step_limit=np.int32(limit_step), source=source,
+                                                           filters=filters)
+                host = read_host_view(view)       # one transfer per chunk
                 if any(row_stops) or adapter is not None:
-                    carry = self._match_stops(carry, rows, matches, adapter)
-                row_done, step = jax.device_get((carry.done, carry.step))   # no reduction op dispatched
-                step = int(step)
-                done = bool(row_done.all()) or step >= steps
-        tokens, count, finish, row_done = jax.device_get((carry.tokens, carry.count, carry.finish, carry.done))
+                    carry = self._match_stops(carry, host, rows, matches, adapter)
+                step = host.step
+                done = bool(host.done.all()) or step >= steps
+        tokens = host.tokens if host.tokens is not None else np.asarray(jax.device_get(carry.tokens))
+        count, finish, row_done = host.count, host.finish, host.done
         if adapter is not None:
             adapter.update(tokens, count, row_done, matches, final=True)
         t2 = time.perf_counter()
@@ -295,11 +303,13 @@ class Generator:
                                 accepted=int(per_position.sum()),
                                 acceptance_rate=[float(x) / total if total else float("nan") for x in per_position])
 
-    def _match_stops(self, carry: LoopState, rows: list[Row], matches: dict[int, StopMatch],
+    def _match_stops(self, carry: LoopState, host: HostCarry, rows: list[Row], matches: dict[int, StopMatch],
                      adapter: StreamAdapter | None) -> LoopState:
-        """Between chunks: finds stop strings in the running rows (ending those rows on the device)
-        and streams what is new."""
-        tokens, count, done = jax.device_get((carry.tokens, carry.count, carry.done))
+        """Between chunks: finds stop strings in the running rows (ending those rows on the device and
+        in `host`) and streams what is new."""
+        if host.tokens is None:
+            host.tokens = np.asarray(jax.device_get(carry.tokens))
+        tokens, count, done = host.tokens, host.count, host.done
         ended = []
         for r, row in enumerate(rows):
             if row.sampling.stop and r not in matches and count[r]:
@@ -309,11 +319,13 @@ class Generator:
                     if not done[r]:
                         ended.append(r)
         if adapter is not None:
-            adapter.update(tokens, count, done, matches)
+            adapter.update(tokens, count, done.copy(), matches)
         if ended:
             ended_rows = np.array(ended)
             carry = dataclasses.replace(carry, done=carry.done.at[ended_rows].set(True),
                                         finish=carry.finish.at[ended_rows].set(STOPPED))
+            host.done[ended_rows] = True
+            host.finish[ended_rows] = STOPPED
         return carry
 
 
