@@ -230,7 +230,8 @@ class Generator:
                 if speculative is None:
                     carry, view = self.compiled_chunk(self._param_leaves, carry, inputs, np.int32(limit_step),
                                                       filters=filters, pad_id=pad_id,
-                                                      unroll=loop_steps(self.model.config.loop_unroll, batch))
+                                                      unroll=loop_steps(self.model.config.loop_unroll, batch),
+                                                      inner=self.model.config.loop_inner)
                 else:
                     carry, view = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
                                                            step_limit=np.int32(limit_step), source=source,

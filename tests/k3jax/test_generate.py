@@ -109,9 +109,10 @@ def test_streaming_chunks_add_up(rng):
         assert "".join(c.text for c in mine) == out[i].text
 
 
-@pytest.mark.parametrize("unroll", ["2", "4"])
-def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unroll):
-    """Several steps per loop iteration: the same tokens, counts, finish reasons and log-probabilities,
+@pytest.mark.parametrize("unroll,inner", [("2", "unrolled"), ("4", "loop")])
+def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unroll, inner):
+    """Several steps per loop iteration (copies of the step, or an inner loop of a known trip count):
+    the same tokens, counts, finish reasons and log-probabilities,
     with limits that are not multiples of the unroll, rows that stop early on a stop id, chunk
     boundaries (stream_every) inside an iteration, and penalties."""
     prompts = [rng.integers(3, 512, n).tolist() for n in (5, 13, 8)]
@@ -120,7 +121,7 @@ def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unro
               k3jax.SamplingParams(max_new_tokens=7, temperature=1.0, seed=1, logprobs=2),
               k3jax.SamplingParams(max_new_tokens=13, temperature=0.7, top_p=0.5, seed=2, presence_penalty=0.5,
                                    logprobs=2)]
-    unrolled = k3jax.Generator(model.with_impls(loop_unroll=unroll))
+    unrolled = k3jax.Generator(model.with_impls(loop_unroll=unroll, loop_inner=inner))
     one_step = k3jax.Generator(model.with_impls(loop_unroll="1"))
     for stream_every in (None, 3):
         kw = {} if stream_every is None else {"stream": lambda chunk: None, "stream_every": stream_every}
