@@ -67,6 +67,12 @@ def _split(axes, shape, sizes: dict[str, int]) -> int:
 
 def weight_bytes(cfg: ModelConfig, mesh: MeshSpec, dtype) -> tuple[int, int]:
     """(all weights, the routed experts among them) in bytes per device."""
+    return _weight_bytes(cfg, mesh, jnp.dtype(dtype).name)
+
+
+@functools.lru_cache(maxsize=32)
+def _weight_bytes(cfg: ModelConfig, mesh: MeshSpec, dtype: str) -> tuple[int, int]:
+    """`weight_bytes`, kept per (config, mesh, dtype): every generate call checks it."""
     sizes = {"data": mesh.data, "expert": mesh.expert, "tensor": mesh.tensor}
     total = experts = 0
     for axes, shape, nbytes, is_expert in _param_table(cfg, jnp.dtype(dtype).name):
@@ -93,6 +99,12 @@ def _param_table(cfg: ModelConfig, dtype: str) -> tuple:
 def state_bytes(cfg: ModelConfig, mesh: MeshSpec, batch: int, context: int, dtype) -> tuple[int, int]:
     """(KDA state, MLA latent cache) bytes per device for `batch` rows of `context` tokens: rows over
     "data" when they divide, the KDA recurrent state's heads over "tensor" (k3jax.sharding)."""
+    return _state_bytes(cfg, mesh, batch, context, jnp.dtype(dtype).name)
+
+
+@functools.lru_cache(maxsize=64)
+def _state_bytes(cfg: ModelConfig, mesh: MeshSpec, batch: int, context: int, dtype: str) -> tuple[int, int]:
+    """`state_bytes`, kept per arguments (it traces the state's construction)."""
     shapes = jax.eval_shape(lambda: init_decode_state(cfg, batch, context, jnp.dtype(dtype)))
     rows = mesh.data if batch % mesh.data == 0 else 1
     kda = mla = 0
