@@ -26,7 +26,7 @@ import numpy as np
 
 from k3jax.causal_lm import CausalLM
 from k3jax.decode_loop import (STOPPED, HostCarry, LoopInputs, LoopState, compiled_decode_chunk, host_view,
-                               init_loop_state, loop_steps, read_host_view)
+                               init_loop_state, loop_steps, read_host_view, sample_first)
 from k3jax.memory_plan import check_generation_fits, device_capacity, mesh_spec_of, prefill_chunk_length
 from k3jax.outputs import (CompletionOutput, GenerationOutput, GenerationResult, GenerationTimings, SpeculativeStats,
                            StreamChunk)
@@ -231,7 +231,7 @@ class Generator:
                     carry, view = self.compiled_chunk(self._param_leaves, carry, inputs, np.int32(limit_step),
                                                       filters=filters, pad_id=pad_id,
                                                       unroll=loop_steps(self.model.config.loop_unroll, batch),
-                                                      inner=self.model.config.loop_inner)
+                                                      inner=self.model.config.loop_inner, sampled=True)
                 else:
                     carry, view = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
                                                            step_limit=np.int32(limit_step), source=source,
@@ -268,8 +268,10 @@ class Generator:
         logits, state = self.model.prefill(ids, mask, max_len=max_len)
         logits.block_until_ready()
         with self.model.placement.context():
-            return init_loop_state(state, logits, self.model.placement.put_rows(np.arange(batch) >= n),
-                                   max_steps=steps, pad_id=pad_id, seen=seen, logprobs_k=logprobs_k)
+            carry = init_loop_state(state, logits, self.model.placement.put_rows(np.arange(batch) >= n),
+                                    max_steps=steps, pad_id=pad_id, seen=seen, logprobs_k=logprobs_k)
+            # The first token is part of the prefill; the loop then never steps the model past a row's last token.
+            return sample_first(carry, inputs, filters=filters, pad_id=pad_id)
 
     def _prefill_speculative(self, spec: SpeculativeConfig, *, ids, mask, max_len, inputs, batch, n, steps, width,
                              pad_id, seen, logprobs_k, filters):
