@@ -134,6 +134,30 @@ def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unro
     assert want[0].finish_reason == "stop" and len(want[0].token_ids) == free.index(free[5]) + 1
 
 
+def test_no_model_step_past_the_last_token(model, rng):
+    """generate samples the first token with the prefill and steps the model once per further token:
+    n new tokens cost n - 1 decode steps (the state's consumed-token count says how many ran)."""
+    gen = k3jax.Generator(model.with_impls(loop_unroll="1"))
+    chunk, lengths = gen.compiled_chunk, []
+
+    def spy(*args, **kwargs):
+        carry, view = chunk(*args, **kwargs)
+        lengths.append(np.asarray(carry.state.lengths))
+        return carry, view
+
+    gen.compiled_chunk = spy
+    prompt = rng.integers(3, 512, 7).tolist()
+    outs = {n: gen.generate(prompt, k3jax.SamplingParams(max_new_tokens=n, ignore_eos=True))[0].token_ids
+            for n in (1, 5)}
+    assert len(outs[1]) == 1 and len(outs[5]) == 5 and outs[5][0] == outs[1][0]
+    width = 16                                      # the prompt's length bucket (left padding)
+    ids = np.array([[0] * (width - len(prompt)) + prompt], np.int32)
+    _, state = model.prefill(ids, (ids > 0).astype(np.int32) | (np.arange(width) >= width - len(prompt)),
+                             max_len=width + 16)
+    prefilled = int(np.asarray(state.lengths)[0])
+    assert [int(x[0]) for x in lengths] == [prefilled, prefilled + 4]   # 1 token: no step; 5 tokens: 4 steps
+
+
 def test_loop_steps_choice():
     from k3jax.decode_loop import loop_steps
     assert loop_steps("2", 64) == 2 and loop_steps("1", 1) == 1
