@@ -6,8 +6,8 @@ with a profile of one decode step summarised by category and prefill (TTFT) rows
         --moe auto --profile --prefill 1x8192 64x1024                                  # on the H200
 
 kimi-linear-48b is the released Kimi-Linear-48B-A3B shape with random weights (about 98 GB in
-bf16; initialised with the fast `unsafe_rbg` generator). TPOT = decode time / generated steps
-(median over repeats after a compiling warm-up). MBU follows performance.md §5.1-5.2: bytes that
+bf16; initialised with the fast `unsafe_rbg` generator). TPOT = decode time / (generated steps - 1)
+(the first token comes with the prefill; median over repeats after a compiling warm-up). MBU follows performance.md §5.1-5.2: bytes that
 must move per step = weights touched (non-routed + experts touched, uniform-routing estimate) +
 KDA state read+write + MLA latent cache read, over TPOT, against 4.3 TB/s.
 """
@@ -160,7 +160,7 @@ def decode_row(gen, cfg, b, args, dtype_bytes, rng, tag: str = "") -> dict:
         t0 = time.perf_counter()
         out = gen.generate(prompts, sp)
         walls.append(time.perf_counter() - t0)
-        tpots.append(out.timings.decode_s / out.timings.steps)
+        tpots.append(out.timings.tpot_s)   # the first token comes with the prefill
         prefills.append(out.timings.prefill_s)
     tpot = statistics.median(tpots)
     moved = step_bytes(cfg, b, args.prompt_len + args.new_tokens // 2, dtype_bytes)
@@ -193,8 +193,8 @@ def profile(gen, prompts, tag: str) -> dict:
     gen.generate(prompts, sp)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         out = gen.generate(prompts, sp)
-    try:  # every token is sampled in the loop, each followed by a model forward: `steps` forwards
-        summary = summarize(trace_dir, _DUMP, "decode_chunk", out.timings.steps)
+    try:  # the first token comes with the prefill; each later one costs one model forward in the loop
+        summary = summarize(trace_dir, _DUMP, "decode_chunk", out.timings.steps - 1)
     except Exception as e:  # noqa: BLE001 - a profile that cannot be read must not lose the timings
         print(f"profile {tag}: could not summarise ({type(e).__name__}: {e})", flush=True)
         return {"error": str(e)}

@@ -211,10 +211,11 @@ class Generator:
         chunk = stream_every if stream is not None else (
             STOP_STRING_CHUNK_STEPS if any(row_stops) else CHUNK_STEPS)
         filters = any(p.filters for p in params)
+        draws = any(p.temperature > 0 for p in params)
         logger.debug("generate: %d rows in a %d-row bucket, prompt width %d, %d steps", n, batch, width, steps)
 
         run = dict(ids=ids, mask=mask, max_len=max_len, inputs=inputs, batch=batch, n=n, steps=steps,
-                   pad_id=pad_id, seen=seen, logprobs_k=logprobs_k, filters=filters)
+                   pad_id=pad_id, seen=seen, logprobs_k=logprobs_k, filters=filters, draws=draws)
         t0 = time.perf_counter()
         source = None
         if speculative is None:
@@ -231,7 +232,8 @@ class Generator:
                     carry, view = self.compiled_chunk(self._param_leaves, carry, inputs, np.int32(limit_step),
                                                       filters=filters, pad_id=pad_id,
                                                       unroll=loop_steps(self.model.config.loop_unroll, batch),
-                                                      inner=self.model.config.loop_inner, sampled=True)
+                                                      inner=self.model.config.loop_inner, sampled=True,
+                                                      draws=draws)
                 else:
                     carry, view = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
                                                            step_limit=np.int32(limit_step), source=source,
@@ -257,24 +259,25 @@ class Generator:
             completions[row.index].append(completion_output(self.tokenizer, row, toks, finish[r], matches.get(r), lp))
         results = [GenerationResult(encoded[i], outs) for i, outs in enumerate(completions)]
         timings = GenerationTimings(prefill_s=t1 - t0, decode_s=t2 - t1, new_tokens=int(count[:n].sum()),
-                                    steps=int(count[:n].max()),
+                                    steps=int(count[:n].max()), first_tokens=int((count[:n] > 0).sum()),
                                     speculative=None if speculative is None else self._spec_stats(speculative, carry, n))
         output = GenerationOutput(results, timings, {"rows": batch, "prompt": width, "steps": steps})
         if interrupted.is_set():
             raise GenerationInterrupted(output)
         return output
 
-    def _prefill_plain(self, *, ids, mask, max_len, inputs, batch, n, steps, pad_id, seen, logprobs_k, filters):
+    def _prefill_plain(self, *, ids, mask, max_len, inputs, batch, n, steps, pad_id, seen, logprobs_k, filters,
+                       draws):
         logits, state = self.model.prefill(ids, mask, max_len=max_len)
         logits.block_until_ready()
         with self.model.placement.context():
             carry = init_loop_state(state, logits, self.model.placement.put_rows(np.arange(batch) >= n),
                                     max_steps=steps, pad_id=pad_id, seen=seen, logprobs_k=logprobs_k)
             # The first token is part of the prefill; the loop then never steps the model past a row's last token.
-            return sample_first(carry, inputs, filters=filters, pad_id=pad_id)
+            return sample_first(carry, inputs, filters=filters, pad_id=pad_id, draws=draws)
 
     def _prefill_speculative(self, spec: SpeculativeConfig, *, ids, mask, max_len, inputs, batch, n, steps, width,
-                             pad_id, seen, logprobs_k, filters):
+                             pad_id, seen, logprobs_k, filters, draws):
         """Prefill, the first token and the first drafts: (carry, draft source). The cache gets two
         windows of scratch slots past max_len: a verify window and the draft chain after it."""
         model = self.model

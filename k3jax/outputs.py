@@ -66,15 +66,26 @@ class SpeculativeStats:
 
 @dataclass
 class GenerationTimings:
+    """prefill_s: the prompts' prefill and each row's first token (time to first token). decode_s:
+    the rest of the tokens. new_tokens: all generated tokens; first_tokens: those sampled with the
+    prefill (one per row that generated any); steps: the longest row's token count."""
+
     prefill_s: float
     decode_s: float
     new_tokens: int
     steps: int
     speculative: SpeculativeStats | None = None
+    first_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
-        return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+        """Tokens generated in the decode phase per second of it (the first tokens excluded)."""
+        return (self.new_tokens - self.first_tokens) / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first, of the longest row: decode_s / (steps - 1)."""
+        return self.decode_s / (self.steps - 1) if self.steps > 1 else float("nan")
 
 
 @dataclass
