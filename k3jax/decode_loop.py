@@ -109,18 +109,16 @@ def _fresh_loop_state(logits, done, seen, *, max_steps: int, pad_id: int, logpro
                      penalty=penalty, logprobs=buffers, last=jnp.full((b,), pad_id, jnp.int32))
 
 
-UNROLL_MAX_ROWS = 8   # "auto" unrolls the loop for batches up to this many rows
-
-
 def loop_steps(choice: str, rows: int) -> int:
-    """Decode steps per loop iteration for ModelConfig.loop_unroll and a batch of `rows`: "auto" is 4
-    on a GPU for up to UNROLL_MAX_ROWS rows (the loop condition's read-back costs about 70 us per
-    iteration at the 48B shape: 4 steps per iteration took B=1 decode from 2.875 to 2.819 ms) and 1
-    otherwise (at B=64 a step takes 20 ms, and the unrolled program compiled in 85 s instead of
-    about 45; on the CPU, the tests' compile time)."""
-    if choice == "auto":
-        return 4 if jax.default_backend() == "gpu" and rows <= UNROLL_MAX_ROWS else 1
-    return int(choice)
+    """Decode steps per loop iteration for ModelConfig.loop_unroll (`rows`: the batch, kept for
+    choices that depend on it). "auto" is 1: on the H200 the GPU idles after each read-back of the
+    loop condition while the host launches the next iteration's command buffer, whose launch time
+    grows with its kernels, so more steps per iteration did not shorten a step (B=1, 32 tokens: 80.4 ms
+    with 4 steps per iteration as an inner loop or as copies in one run; 81.4 ms with 1 against 81.8
+    with 4 copies in another), and generate's last iteration then runs up to unroll - 1 steps nobody
+    reads (B=1 TPOT 2.64 against 2.55 ms with 1)."""
+    del rows
+    return 1 if choice == "auto" else int(choice)
 
 
 def sample_into(c: LoopState, logits, inputs: LoopInputs, *, filters: bool, pad_id: int,

@@ -129,7 +129,7 @@ class Generator:
           sampling: one SamplingParams for all prompts, or one per prompt (default:
             `default_sampling()`).
           stream: called with StreamChunk(s) of new tokens every `stream_every` decode steps (rounded
-            up to the decode loop's steps per iteration, `loop_unroll`: 4 on a GPU for <= 8 rows).
+            up to the decode loop's steps per iteration, option `loop_unroll`, 1 by default).
           chat_options: renderer options (K3: thinking, thinking_effort, tools, ...).
           speculative: decode with drafts verified q = k + 1 tokens at a time (SpeculativeConfig);
             greedy output equals decoding without it token for token in exact arithmetic (tested
@@ -269,12 +269,13 @@ class Generator:
     def _prefill_plain(self, *, ids, mask, max_len, inputs, batch, n, steps, pad_id, seen, logprobs_k, filters,
                        draws):
         logits, state = self.model.prefill(ids, mask, max_len=max_len)
-        logits.block_until_ready()
         with self.model.placement.context():
             carry = init_loop_state(state, logits, self.model.placement.put_rows(np.arange(batch) >= n),
                                     max_steps=steps, pad_id=pad_id, seen=seen, logprobs_k=logprobs_k)
             # The first token is part of the prefill; the loop then never steps the model past a row's last token.
-            return sample_first(carry, inputs, filters=filters, pad_id=pad_id, draws=draws)
+            carry = sample_first(carry, inputs, filters=filters, pad_id=pad_id, draws=draws)
+        carry.last.block_until_ready()      # the time to first token ends with the first token
+        return carry
 
     def _prefill_speculative(self, spec: SpeculativeConfig, *, ids, mask, max_len, inputs, batch, n, steps, width,
                              pad_id, seen, logprobs_k, filters, draws):
