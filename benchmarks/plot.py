@@ -43,6 +43,11 @@ def _tpot(name: str) -> dict:
     return {r["batch"]: r["tpot_ms"] for r in _load(name)["rows"]}
 
 
+def _variant_tpot(name: str, variant: str | None, batch: int) -> float:
+    """TPOT of one (variant, batch) row of a decode.py record (variant None: the base options)."""
+    return next(r["tpot_ms"] for r in _load(name)["rows"] if r.get("variant") == variant and r["batch"] == batch)
+
+
 def plot_decode(out: str) -> str:
     """TPOT against batch for the Kimi-Linear-48B shape: each recorded run, and the floors."""
     runs = [("before (gather experts, XLA dots)", {1: 9.05, 64: 220.56}, "o--"),  # 2026-11-29 baseline runs
@@ -54,7 +59,10 @@ def plot_decode(out: str) -> str:
             ("+ expert glue, Hopper MLA decode kernel", _tpot("decode_run8_mla_hopper.json"), "P-"),
             ("+ router and norm kernels, unsplit KDA launch", _tpot("decode_run10_glue_9c783c7.json"), "X-"),
             ("+ shared expert as a pair, add+norm, pair tiles, 4 steps per loop iteration",
-             _tpot("decode_run14_defaults_21c2203.json"), "*-")]
+             _tpot("decode_run14_defaults_21c2203.json"), "*-"),
+            ("+ flat dispatch, one read-back per chunk, first token with the prefill, 1 step per iteration",
+             {1: _variant_tpot("decode_run19_b1_sampled_first_ed80dc8.json", "loop_unroll=1", 1),
+              64: _variant_tpot("decode_run19_b64_sampled_first_ed80dc8.json", None, 64)}, "h-")]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label, points, style in runs:
         xs = sorted(points)
