@@ -242,7 +242,11 @@ def main(argv=None) -> int:
     gen = k3jax.Generator(model)
     rng = np.random.default_rng(0)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
-    rows = [decode_row(gen, cfg, b, args, dtype_bytes, rng) for b in args.batch]
+    name = args.name or f"decode_{args.model}_{args.dtype}_{args.kernels}_{cfg.moe.impl}"
+    rows = []
+    for b in args.batch:   # written after every row, so a run cut short keeps what it measured
+        rows.append(decode_row(gen, cfg, b, args, dtype_bytes, rng))
+        write(name, {"benchmark": "decode", "env": environment(), "rows": rows, "partial": True})
     for label, impls in variants:
         if _DUMP:   # the summary maps kernels to scopes through this variant's own HLO
             for old in glob.glob(os.path.join(_DUMP, "*.txt")):
@@ -250,9 +254,8 @@ def main(argv=None) -> int:
         vgen = k3jax.Generator(model.with_impls(**impls))
         for b in args.batch:
             rows.append({"variant": label, **decode_row(vgen, cfg, b, args, dtype_bytes, rng, tag=label)})
+            write(name, {"benchmark": "decode", "env": environment(), "rows": rows, "partial": True})
         del vgen
-    name = args.name or f"decode_{args.model}_{args.dtype}_{args.kernels}_{cfg.moe.impl}"
-    write(name, {"benchmark": "decode", "rows": rows, "partial": True})  # kept if a prefill row dies
     pre = [prefill_row(gen, cfg, spec, rng) for spec in args.prefill]
     record = {"benchmark": "decode", "model": args.model, "dtype": args.dtype, "moe_impl": cfg.moe.impl,
               "gmm_impl": cfg.moe.gmm_impl, "kda_impl": cfg.kda.impl, "kda_decode_impl": cfg.kda.decode_impl,
