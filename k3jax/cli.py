@@ -89,8 +89,9 @@ def _generate(args: argparse.Namespace) -> int:
         print()
     _print_results(out, args.stream)
     t = out.timings
-    print(f"prefill {t.prefill_s * 1e3:.0f} ms, decode {t.decode_s * 1e3:.0f} ms for {t.new_tokens} tokens "
-          f"({t.tokens_per_s:.1f} tok/s; first call includes compilation)")
+    print(f"prefill and first token {t.prefill_s * 1e3:.0f} ms, decode {t.decode_s * 1e3:.0f} ms for the "
+          f"{t.new_tokens - t.first_tokens} tokens after it ({t.tokens_per_s:.1f} tok/s; first call includes "
+          f"compilation)")
     if t.speculative is not None:
         s = t.speculative
         rates = ", ".join(f"{r:.2f}" for r in s.acceptance_rate)

@@ -51,7 +51,8 @@ class LogprobBuffers:
 class LoopState:
     """The while_loop carry.
 
-    state: model decode state. logits: [B, Vocab] fp32 for the next token. tokens: [B, N] int32
+    state: model decode state. logits: [B, Vocab] fp32 for the next token (in decode_chunk's
+    `sampled` order: those the latest token was sampled from). tokens: [B, N] int32
     generated so far. count: [B] tokens generated per row. done: [B]. finish: [B] RUNNING /
     STOPPED / LENGTH. step: scalar loop counter. penalty / logprobs: None unless requested. last:
     [B] int32 the tokens sampled by the latest step (pad for done rows).
@@ -156,10 +157,12 @@ def sample_into(c: LoopState, logits, inputs: LoopInputs, *, filters: bool, pad_
 
 @functools.partial(jax.jit, static_argnames=("filters", "pad_id", "draws"), donate_argnames=("carry",))
 def sample_first(carry: LoopState, inputs: LoopInputs, *, filters: bool, pad_id: int = 0,
-                 draws: bool = True) -> LoopState:
-    """The first new token of every row, from the prefill's logits in the carry: the carry that
-    `decode_chunk(sampled=True)` continues from (its `last` token not yet fed to the model)."""
-    return sample_into(carry, carry.logits, inputs, filters=filters, pad_id=pad_id, draws=draws)
+                 draws: bool = True) -> tuple[LoopState, jax.Array]:
+    """The first new token of every row, from the prefill's logits in the carry: (the carry that
+    `decode_chunk(sampled=True)` continues from, its `last` token not yet fed to the model; its
+    `host_view`)."""
+    carry = sample_into(carry, carry.logits, inputs, filters=filters, pad_id=pad_id, draws=draws)
+    return carry, host_view(carry)
 
 
 def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_limit, *, filters: bool,

@@ -233,10 +233,8 @@ class Engine:
                                     count=jnp.zeros((s,), jnp.int32), done=put(~active),
                                     finish=jnp.full((s,), RUNNING, jnp.int32), step=jnp.zeros((), jnp.int32))
         filters = any(slot.row.sampling.filters for slot in self._slots if slot is not None)
-        draws = any(slot.row.sampling.temperature > 0 for slot in self._slots if slot is not None)
         self._carry, view = self._chunk(self._param_leaves, carry, inputs, np.int32(steps), filters=filters,
-                                        pad_id=self.pad_id, unroll=self._unroll, inner=self.model.config.loop_inner,
-                                        draws=draws)
+                                        pad_id=self.pad_id, unroll=self._unroll, inner=self.model.config.loop_inner)
         host = read_host_view(view)     # one transfer
         tokens = host.tokens if host.tokens is not None else np.asarray(jax.device_get(self._carry.tokens))
         count, finish = host.count, host.finish

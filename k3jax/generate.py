@@ -88,6 +88,9 @@ def _sigint_as_flag():
         signal.signal(signal.SIGINT, previous)
 
 
+_host_view = jax.jit(host_view)
+
+
 def _spec_chunk_with_view(graphdef, params, **kwargs):
     """`spec_decode_chunk` -> (carry, host_view(carry))."""
     carry = spec_decode_chunk(graphdef, params, **kwargs)
@@ -219,15 +222,19 @@ class Generator:
         t0 = time.perf_counter()
         source = None
         if speculative is None:
-            carry = self._prefill_plain(**run)
+            carry, host = self._prefill_plain(**run)
         else:
             carry, source = self._prefill_speculative(speculative, width=width, **run)
-        t1 = time.perf_counter()
+            host = read_host_view(_host_view(carry))
+        t1 = time.perf_counter()        # every row's first token is on the host
         matches: dict[int, StopMatch] = {}
         with self.model.placement.context(), _sigint_as_flag() as interrupted:
-            done, step = False, 0
+            step = host.step
+            done = bool(host.done.all()) or step >= steps
+            if done and (any(row_stops) or adapter is not None):    # e.g. max_tokens=1: no chunk runs
+                carry = self._match_stops(carry, host, rows, matches, adapter)
             while not done and not interrupted.is_set():
-                limit_step = min(steps, step + chunk)
+                limit_step = min(steps, (step // chunk + 1) * chunk)   # chunk ends at multiples of `chunk`
                 if speculative is None:
                     carry, view = self.compiled_chunk(self._param_leaves, carry, inputs, np.int32(limit_step),
                                                       filters=filters, pad_id=pad_id,
@@ -273,9 +280,8 @@ class Generator:
             carry = init_loop_state(state, logits, self.model.placement.put_rows(np.arange(batch) >= n),
                                     max_steps=steps, pad_id=pad_id, seen=seen, logprobs_k=logprobs_k)
             # The first token is part of the prefill; the loop then never steps the model past a row's last token.
-            carry = sample_first(carry, inputs, filters=filters, pad_id=pad_id, draws=draws)
-        carry.last.block_until_ready()      # the time to first token ends with the first token
-        return carry
+            carry, view = sample_first(carry, inputs, filters=filters, pad_id=pad_id, draws=draws)
+        return carry, read_host_view(view)     # the time to first token ends with the first token on the host
 
     def _prefill_speculative(self, spec: SpeculativeConfig, *, ids, mask, max_len, inputs, batch, n, steps, width,
                              pad_id, seen, logprobs_k, filters, draws):

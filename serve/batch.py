@@ -414,17 +414,17 @@ def fetchable_outputs(engine: Engine, mesh) -> None:
 
     Workaround for the engine: `Engine._decode` reads each chunk's tokens with `jax.device_get`,
     which needs arrays whose every shard this process holds; across processes XLA may leave them
-    sharded. The engine's compiled chunk is wrapped so that tokens, counts, finish codes (and log
-    probabilities) come back replicated over the replica's mesh.
+    sharded. The engine's compiled chunk is wrapped so that its host view, tokens, counts, finish
+    codes (and log probabilities) come back replicated over the replica's mesh.
     """
     chunk = engine._chunk
     replicate = jax.jit(lambda *xs: xs, out_shardings=NamedSharding(mesh, P()))
 
     def run(*args, **kwargs):
-        carry = chunk(*args, **kwargs)
-        tokens, count, finish = replicate(carry.tokens, carry.count, carry.finish)
+        carry, view = chunk(*args, **kwargs)
+        tokens, count, finish, view = replicate(carry.tokens, carry.count, carry.finish, view)
         logprobs = carry.logprobs if carry.logprobs is None else replicate(carry.logprobs)[0]
-        return dataclasses.replace(carry, tokens=tokens, count=count, finish=finish, logprobs=logprobs)
+        return dataclasses.replace(carry, tokens=tokens, count=count, finish=finish, logprobs=logprobs), view
 
     engine._chunk = run
 

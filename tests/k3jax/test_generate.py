@@ -146,15 +146,16 @@ def test_no_model_step_past_the_last_token(model, rng):
 
     gen.compiled_chunk = spy
     prompt = rng.integers(3, 512, 7).tolist()
-    outs = {n: gen.generate(prompt, k3jax.SamplingParams(max_new_tokens=n, ignore_eos=True))[0].token_ids
-            for n in (1, 5)}
-    assert len(outs[1]) == 1 and len(outs[5]) == 5 and outs[5][0] == outs[1][0]
+    one = gen.generate(prompt, k3jax.SamplingParams(max_new_tokens=1, ignore_eos=True))[0].token_ids
+    assert len(one) == 1 and lengths == []           # one token: the prefill's, no decode chunk at all
+    five = gen.generate(prompt, k3jax.SamplingParams(max_new_tokens=5, ignore_eos=True))[0].token_ids
+    assert len(five) == 5 and five[0] == one[0]
     width = 16                                      # the prompt's length bucket (left padding)
     ids = np.array([[0] * (width - len(prompt)) + prompt], np.int32)
     _, state = model.prefill(ids, (ids > 0).astype(np.int32) | (np.arange(width) >= width - len(prompt)),
                              max_len=width + 16)
     prefilled = int(np.asarray(state.lengths)[0])
-    assert [int(x[0]) for x in lengths] == [prefilled, prefilled + 4]   # 1 token: no step; 5 tokens: 4 steps
+    assert [int(x[0]) for x in lengths] == [prefilled + 4]   # 5 tokens: 4 model steps
 
 
 def test_loop_steps_choice():

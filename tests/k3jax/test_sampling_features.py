@@ -82,6 +82,18 @@ def test_stop_strings_cut_text_and_tokens_exactly(gen, model, include):
     assert sum((c.token_ids for c in chunks), []) == streamed.token_ids
 
 
+def test_stop_string_in_the_only_token(gen):
+    """max_tokens=1 runs no decode chunk (the token comes with the prefill); a stop string inside that
+    token still ends the text there, streamed or not."""
+    free = gen.generate([PROMPT], k3jax.SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    assert len(free.token_ids) == 1 and free.text.strip()
+    stop = free.text.strip()[-1]
+    for kw in ({}, {"stream": lambda chunk: None, "stream_every": 2}):
+        out = gen.generate([PROMPT], k3jax.SamplingParams(max_tokens=1, ignore_eos=True, stop=[stop]), **kw)[0]
+        assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+        assert out.text == free.text[:free.text.rfind(stop)]
+
+
 def _reference_steps(model, prompt, steps, penalties=(1.0, 0.0, 0.0)):
     """Greedy with penalties and raw log-probabilities, one Python step at a time (numpy formulas)."""
     rep, pres, freq = penalties
