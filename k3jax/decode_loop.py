@@ -122,17 +122,15 @@ def loop_steps(choice: str, rows: int) -> int:
     return 1 if choice == "auto" else int(choice)
 
 
-def sample_into(c: LoopState, logits, inputs: LoopInputs, *, filters: bool, pad_id: int,
-                draws: bool = True) -> LoopState:
+def sample_into(c: LoopState, logits, inputs: LoopInputs, *, filters: bool, pad_id: int) -> LoopState:
     """One token per running row sampled from `logits` [B, Vocab] fp32 and recorded at `c.step`
     (tokens, count, stop checks, penalties, log-probabilities); done rows get `pad_id`. Returns the
-    carry with `logits`, the sampled tokens in `last`, and step + 1 (the model is not stepped).
-    draws (static): False when every row is greedy (no random draw is compiled)."""
+    carry with `logits`, the sampled tokens in `last`, and step + 1 (the model is not stepped)."""
     rows = jnp.arange(c.count.shape[0])
     with jax.named_scope("sampling"):
         scores = logits if c.penalty is None else apply_penalties(logits, inputs.sampler, c.penalty.counts,
                                                                   c.penalty.seen)
-        tok = sample(scores, inputs.sampler, inputs.prompt_len + c.count, filters=filters, draws=draws)
+        tok = sample(scores, inputs.sampler, inputs.prompt_len + c.count, filters=filters)
         tok = jnp.where(c.done, pad_id, tok)
         logprobs = c.logprobs
         if logprobs is not None:
@@ -155,19 +153,18 @@ def sample_into(c: LoopState, logits, inputs: LoopInputs, *, filters: bool, pad_
                                step=c.step + 1, penalty=penalty, logprobs=logprobs, last=tok)
 
 
-@functools.partial(jax.jit, static_argnames=("filters", "pad_id", "draws"), donate_argnames=("carry",))
-def sample_first(carry: LoopState, inputs: LoopInputs, *, filters: bool, pad_id: int = 0,
-                 draws: bool = True) -> tuple[LoopState, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("filters", "pad_id"), donate_argnames=("carry",))
+def sample_first(carry: LoopState, inputs: LoopInputs, *, filters: bool,
+                 pad_id: int = 0) -> tuple[LoopState, jax.Array]:
     """The first new token of every row, from the prefill's logits in the carry: (the carry that
     `decode_chunk(sampled=True)` continues from, its `last` token not yet fed to the model; its
     `host_view`)."""
-    carry = sample_into(carry, carry.logits, inputs, filters=filters, pad_id=pad_id, draws=draws)
+    carry = sample_into(carry, carry.logits, inputs, filters=filters, pad_id=pad_id)
     return carry, host_view(carry)
 
 
 def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_limit, *, filters: bool,
-                 pad_id: int = 0, unroll: int = 1, inner: str = "loop", sampled: bool = False,
-                 draws: bool = True) -> LoopState:
+                 pad_id: int = 0, unroll: int = 1, inner: str = "loop", sampled: bool = False) -> LoopState:
     """Samples tokens until every row is done or `carry.step` reaches `step_limit` (<= the token
     buffer's width); returns the carry to continue from.
 
@@ -177,7 +174,6 @@ def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_li
     (`carry.last`, from `sample_first`); a step feeds it to the model and samples from the logits,
     so the loop stops right after the last token is sampled and never steps the model past it.
     filters (static): apply top-k / top-p (off compiles them away).
-    draws (static): False when every row is greedy (the random draws compile away).
     unroll (static): decode steps per loop iteration. The loop condition is read by the host once
     per iteration (the GPU idles meanwhile); with unroll > 1 a chunk may run up to unroll - 1 steps
     past `step_limit` (real steps while rows are running, steps on padding once all are done), and
@@ -202,9 +198,8 @@ def decode_chunk(graphdef, params, carry: LoopState, inputs: LoopInputs, step_li
         # loop condition ends the chunk once every row is done.
         if sampled:
             logits, state = decode_step(graphdef, params, c.state, c.last)
-            return sample_into(dataclasses.replace(c, state=state), logits, inputs, filters=filters, pad_id=pad_id,
-                               draws=draws)
-        c = sample_into(c, c.logits, inputs, filters=filters, pad_id=pad_id, draws=draws)
+            return sample_into(dataclasses.replace(c, state=state), logits, inputs, filters=filters, pad_id=pad_id)
+        c = sample_into(c, c.logits, inputs, filters=filters, pad_id=pad_id)
         next_logits, state = decode_step(graphdef, params, c.state, c.last)
         return dataclasses.replace(c, state=state, logits=next_logits)
 
@@ -247,8 +242,7 @@ def read_host_view(view) -> HostCarry:
 
 def compiled_decode_chunk(graphdef, params):
     """(chunk, leaves): `decode_chunk` compiled over the parameters as a flat tuple of arrays, called
-    as chunk(leaves, carry, inputs, step_limit, filters=, pad_id=, unroll=, inner=, sampled=, draws=) ->
-    (carry, host_view)
+    as chunk(leaves, carry, inputs, step_limit, filters=, pad_id=, unroll=, inner=, sampled=) -> (carry, host_view)
     with the carry donated. A compiled call dispatches over a tuple of arrays in a fraction of the
     host time it takes over the nnx State (0.9 against 3.2 ms for the 48B shape's 603 arrays, paid
     once per chunk)."""
@@ -258,5 +252,5 @@ def compiled_decode_chunk(graphdef, params):
         carry = decode_chunk(graphdef, jax.tree.unflatten(treedef, flat), carry, inputs, step_limit, **options)
         return carry, host_view(carry)
 
-    return jax.jit(decode_chunk_flat, static_argnames=("filters", "pad_id", "unroll", "inner", "sampled", "draws"),
+    return jax.jit(decode_chunk_flat, static_argnames=("filters", "pad_id", "unroll", "inner", "sampled"),
                    donate_argnames=("carry",)), tuple(leaves)

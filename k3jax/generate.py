@@ -214,11 +214,10 @@ class Generator:
         chunk = stream_every if stream is not None else (
             STOP_STRING_CHUNK_STEPS if any(row_stops) else CHUNK_STEPS)
         filters = any(p.filters for p in params)
-        draws = any(p.temperature > 0 for p in params)
         logger.debug("generate: %d rows in a %d-row bucket, prompt width %d, %d steps", n, batch, width, steps)
 
         run = dict(ids=ids, mask=mask, max_len=max_len, inputs=inputs, batch=batch, n=n, steps=steps,
-                   pad_id=pad_id, seen=seen, logprobs_k=logprobs_k, filters=filters, draws=draws)
+                   pad_id=pad_id, seen=seen, logprobs_k=logprobs_k, filters=filters)
         t0 = time.perf_counter()
         source = None
         if speculative is None:
@@ -239,8 +238,7 @@ class Generator:
                     carry, view = self.compiled_chunk(self._param_leaves, carry, inputs, np.int32(limit_step),
                                                       filters=filters, pad_id=pad_id,
                                                       unroll=loop_steps(self.model.config.loop_unroll, batch),
-                                                      inner=self.model.config.loop_inner, sampled=True,
-                                                      draws=draws)
+                                                      inner=self.model.config.loop_inner, sampled=True)
                 else:
                     carry, view = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
                                                            step_limit=np.int32(limit_step), source=source,
@@ -273,18 +271,17 @@ class Generator:
             raise GenerationInterrupted(output)
         return output
 
-    def _prefill_plain(self, *, ids, mask, max_len, inputs, batch, n, steps, pad_id, seen, logprobs_k, filters,
-                       draws):
+    def _prefill_plain(self, *, ids, mask, max_len, inputs, batch, n, steps, pad_id, seen, logprobs_k, filters):
         logits, state = self.model.prefill(ids, mask, max_len=max_len)
         with self.model.placement.context():
             carry = init_loop_state(state, logits, self.model.placement.put_rows(np.arange(batch) >= n),
                                     max_steps=steps, pad_id=pad_id, seen=seen, logprobs_k=logprobs_k)
             # The first token is part of the prefill; the loop then never steps the model past a row's last token.
-            carry, view = sample_first(carry, inputs, filters=filters, pad_id=pad_id, draws=draws)
+            carry, view = sample_first(carry, inputs, filters=filters, pad_id=pad_id)
         return carry, read_host_view(view)     # the time to first token ends with the first token on the host
 
     def _prefill_speculative(self, spec: SpeculativeConfig, *, ids, mask, max_len, inputs, batch, n, steps, width,
-                             pad_id, seen, logprobs_k, filters, draws):
+                             pad_id, seen, logprobs_k, filters):
         """Prefill, the first token and the first drafts: (carry, draft source). The cache gets two
         windows of scratch slots past max_len: a verify window and the draft chain after it."""
         model = self.model

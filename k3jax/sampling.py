@@ -186,14 +186,10 @@ def sampling_keys(params: SamplerInputs, position_B: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seed, position_B)
 
 
-def sample(logits_BV: jax.Array, params: SamplerInputs, position_B: jax.Array, *, filters: bool,
-           draws: bool = True) -> jax.Array:
+def sample(logits_BV: jax.Array, params: SamplerInputs, position_B: jax.Array, *, filters: bool) -> jax.Array:
     """Picks one token per row: argmax where temperature == 0, else a draw from
-    `sampling_logits`. The random stream of a row depends only on (seed, position).
-    draws (static): False when every row is greedy (the random draw compiles away)."""
+    `sampling_logits`. The random stream of a row depends only on (seed, position)."""
     greedy = jnp.argmax(logits_BV.astype(jnp.float32), axis=-1).astype(jnp.int32)
-    if not draws:
-        return greedy
     scaled = sampling_logits(logits_BV, params, filters=filters)
     keys = sampling_keys(params, position_B)
     drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
