@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-sweep decode-overhead decode-before checkpoint-read kda kda-varlen kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-sweep decode-overhead decode-before checkpoint-read kda kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -84,6 +84,13 @@ for step in "$@"; do
               | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 | tee "$W/kda_varlen_tests.log"
           OUT=$W timeout ${VARLEN_LIMIT:-240} python3 benchmarks/kda_varlen.py ${VARLEN_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_varlen.log" ;;
+    kda-split) K3JAX_TEST_DEVICE=gpu timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+              tests/pallas_kernels/test_kda_kernels.py -k decode 2>&1 | quiet \
+              | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_split_tests.log"
+          OUT=$W timeout ${SPLIT_LIMIT:-240} python3 benchmarks/kda.py --decode-only --no-fla --warps 4 8 \
+              --splits 1 2 4 8 2>&1 | quiet | tail -14 | tee "$W/kda_split.log" ;;
+    skinny-sweep) OUT=$W timeout ${SWEEP_LIMIT:-240} python3 benchmarks/skinny.py --sweep 2>&1 | quiet \
+              | tee "$W/skinny_sweep.log" ;;
     kda-state) OUT=$W timeout 240 python3 benchmarks/kda.py --decode-only --no-fla --state-dtype float32 bfloat16 \
               2>&1 | quiet | tail -14 | tee "$W/kda_state.log" ;;
     mla-layer-tests) K3JAX_TEST_DEVICE=gpu timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \

@@ -3,6 +3,7 @@
     python benchmarks/kda.py                 # on the H200 (fla-core importable for the peer columns)
     python benchmarks/kda.py --small         # CPU smoke run (interpret mode, tiny shapes)
     python benchmarks/kda.py --decode-only --no-fla --state-dtype float32 bfloat16   # the bf16 state's speed
+    python benchmarks/kda.py --decode-only --no-fla --splits 1 2 4 8 0   # the one-token kernel's column blocks
 
 Prefill: B=1, T=8192, H=32 and 96, K=V=128, bf16 q/k/v, fp32 state; ours = q/k L2 norm + the two
 Pallas kernels, fla = chunk_kda(use_qk_l2norm_in_kernel=True). Decode: one fused step per layer
@@ -129,7 +130,9 @@ def prefill_rows(shapes, fla, iters):
     return rows
 
 
-def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32):
+def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32, splits=(1,)):
+    """splits: DecodeBlocks.value_blocks tried with each warp count (0: the auto rule); a split
+    launch's time includes the output norm that runs after it."""
     rows = []
     for b in batches:
         ks = jax.random.split(jax.random.key(b), 10)
@@ -167,19 +170,22 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         ref = run(kda_decode_xla)
         t_ref = timed(ref)
         s_r = ref(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1]
-        by_warps = {}
+        by_launch, errs = {}, {}
         for nwarps in warps:
-            ours = run(lambda *args, nwarps=nwarps: kda_decode_pallas(*args, blocks=DecodeBlocks(num_warps=nwarps)))
-            by_warps[nwarps] = timed(ours)
-            s_o = ours(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1]
-        best = min(by_warps, key=by_warps.get)
-        t_ours = by_warps[best]
+            for split in splits:
+                blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split)
+                label = f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")
+                ours = run(lambda *args, blocks=blocks: kda_decode_pallas(*args, blocks=blocks))
+                by_launch[label] = timed(ours)
+                errs[label] = rel(ours(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1], s_r)
+        best = min(by_launch, key=by_launch.get)
+        t_ours = by_launch[best]
         bytes_layer = 2 * b * h * kd * kd * jnp.dtype(state_dtype).itemsize
         per = t_ours / layers
-        row = {"B": b, "H": h, "state": jnp.dtype(state_dtype).name, "layers": layers, "us_per_layer": per * 1e6, "num_warps": best,
+        row = {"B": b, "H": h, "state": jnp.dtype(state_dtype).name, "layers": layers, "us_per_layer": per * 1e6, "launch": best,
                "TB_s": bytes_layer / per / 1e12, "pct_4.3TB_s": bytes_layer / per / HBM_ACHIEVABLE * 100,
-               "xla_ref_us_per_layer": t_ref / layers * 1e6, "err_state_vs_ref": rel(s_o, s_r),
-               "us_per_layer_by_warps": {str(k_): v_ / layers * 1e6 for k_, v_ in by_warps.items()}}
+               "xla_ref_us_per_layer": t_ref / layers * 1e6, "err_state_vs_ref": max(errs.values()),
+               "us_per_layer_by_launch": {str(k_): v_ / layers * 1e6 for k_, v_ in by_launch.items()}}
         if fla is not None and jnp.dtype(state_dtype) == jnp.float32:
             torch, _, fused_recurrent_kda = fla
             tq = torch.randn(b, 1, h, kd, device="cuda", dtype=torch.bfloat16)
@@ -202,17 +208,22 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-fla", action="store_true", help="skip the fla columns (its autotune takes ~90 s a shape)")
     ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--warps", nargs="+", type=int, default=[4, 8, 16], help="num_warps of the decode launches")
+    ap.add_argument("--splits", nargs="+", type=int, default=[1, 0],
+                    help="column blocks per head of the one-token kernel (DecodeBlocks.value_blocks; 0: auto)")
     ap.add_argument("--state-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="recurrent state dtypes of the decode rows (bfloat16: the kda_state option)")
     args = ap.parse_args(argv)
     fla = None if (args.small or args.no_fla) else fla_functions()
     if args.small:
         pre = prefill_rows([(1, 96, 2, 16)], None, 3)
-        dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 16, 3, None, 3, state_dtype=sd)]
+        dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 32, 3, None, 3, state_dtype=sd,
+                                                                     splits=args.splits)]
     else:
         pre = [] if args.decode_only else prefill_rows([(1, 8192, 32, 128), (1, 8192, 96, 128)], fla, args.iters)
         dec = [row for sd in args.state_dtype
-               for row in decode_rows([1, 8, 64, 256], 32, 128, 20, fla, args.iters, warps=(4, 8, 16), state_dtype=sd)]
+               for row in decode_rows([1, 8, 64, 256], 32, 128, 20, fla, args.iters, warps=tuple(args.warps), state_dtype=sd,
+                                  splits=args.splits)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write("kda" + ("_small" if args.small else "_decode" if args.decode_only else ""), record)
     print(table(pre, ["B", "T", "H", "ours_ms", "fla_ms", "speedup_vs_fla", "xla_ref_ms", "err_o_vs_ref"]))

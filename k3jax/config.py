@@ -34,6 +34,9 @@ QUANTIZATIONS = (None, "mxfp4")
 A_LOG_POLICIES = ("per_head", "per_channel")
 
 KDA_STATE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+# Programs per (row, head) of the Pallas one-token KDA step, each over a block of the state's columns
+# ("auto": enough for about one program per SM; "1": one program per head, the output norm fused).
+KDA_DECODE_SPLITS: tuple[str, ...] = ("auto", "1", "2", "4", "8")
 EP_DISPATCHES: tuple[str, ...] = ("gather", "ragged")
 
 
@@ -55,6 +58,7 @@ class KDAConfig:
     # dtype the recurrent state is kept in between calls (the math is fp32 either way): "bfloat16"
     # halves the state's bytes and its decode traffic, rounding it after every token.
     state_dtype: str = "float32"
+    decode_split: str = "auto"             # KDA_DECODE_SPLITS (decode_impl "pallas" only)
 
     def __post_init__(self):
         for f in ("hidden_size", "num_heads", "head_dim", "conv_size", "chunk_size"):
@@ -65,6 +69,7 @@ class KDAConfig:
         require(self.decode_impl != "reference", "kda.decode_impl", "'reference' is now called 'xla'")
         require_choice(self.decode_impl, KDA_DECODE_IMPLS, "kda.decode_impl")
         require_choice(self.state_dtype, KDA_STATE_DTYPES, "kda.state_dtype")
+        require_choice(self.decode_split, KDA_DECODE_SPLITS, "kda.decode_split")
         require(self.a_log_policy in A_LOG_POLICIES, "kda.a_log_policy",
                  f"expected one of {A_LOG_POLICIES}, got {self.a_log_policy!r}")
         if self.gate_lower_bound is not None:
@@ -381,6 +386,7 @@ IMPL_OPTIONS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "kda": ("kda", "impl", KDA_IMPLS),
     "kda_decode": ("kda", "decode_impl", KDA_DECODE_IMPLS),
     "kda_state": ("kda", "state_dtype", KDA_STATE_DTYPES),
+    "kda_split": ("kda", "decode_split", KDA_DECODE_SPLITS),
     "mla": ("mla", "decode_impl", MLA_DECODE_IMPLS),
     "mla_prefill": ("mla", "prefill_impl", MLA_PREFILL_IMPLS),
     "mla_absorb": ("mla", "absorb_impl", SKINNY_IMPLS),

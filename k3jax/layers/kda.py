@@ -17,7 +17,7 @@ from k3jax.layers.linear import Linear, linears, takes_fused_kernel
 from k3jax.layers.norms import GatedRMSNorm
 from k3jax.layers.params import normal, param, uniform
 from k3jax.state import KDAPending, KDAState, SeqInfo
-from pallas_kernels.kda import (KDADecodeInputs, KDADecodeWeights, kda, kda_decode, kda_decode_steps,
+from pallas_kernels.kda import (DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda, kda_decode, kda_decode_steps,
                                 kda_verify_outputs)
 from pallas_kernels.kda import forget_gate as gate_from_logits
 from pallas_kernels.kda import l2_normalize
@@ -184,13 +184,18 @@ class KimiDeltaAttention(nnx.Module):
         """[W, 3P] q | k | v conv taps side by side (the prefill conv)."""
         return jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
 
+    def _decode_blocks(self) -> DecodeBlocks:
+        """The one-token kernel's launch settings: cfg.decode_split column blocks per head."""
+        split = self.cfg.decode_split
+        return DecodeBlocks(value_blocks=0 if split == "auto" else int(split))
+
     def _decode_step(self, x_BTD, mixed_BTC, proj, state: KDAState, *, partial: bool = False):
         """One token per row through the fused decode step (`kda_decode`, impl cfg.decode_impl)."""
         cfg = self.cfg
         b, h, k, w = x_BTD.shape[0], cfg.num_heads, cfg.head_dim, cfg.conv_size
         inputs = jax.tree.map(lambda a: a[:, 0], self._decode_inputs(mixed_BTC, proj))
         out, conv, s = kda_decode(inputs, self._decode_weights(), state.conv.reshape(b, w - 1, 3, h, k),
-                                  state.recurrent, impl=cfg.decode_impl)
+                                  state.recurrent, impl=cfg.decode_impl, blocks=self._decode_blocks())
         out = self.o_proj(out.reshape(b, 1, h * k), partial=partial)
         return out, KDAState(conv=conv.reshape(b, w - 1, 3 * h * k), recurrent=s)
 

@@ -3,6 +3,12 @@ window update + SiLU, q/k L2 norm, forget gate, beta, delta-rule update of the f
 (in place) and the sigmoid-gated output RMSNorm. `kda_decode_pallas` runs one token (twin:
 `decode_xla.kda_decode_xla`); `kda_decode_steps_pallas` runs T tokens with the state kept on chip
 (twin: the scan of one-token steps in `decode_steps.kda_decode_steps`).
+
+With few rows (B * H programs leave most SMs idle: 32 at B=1 on the 48B shape) the one-token kernel
+splits each head's state into `value_blocks` column blocks, one program each: the delta rule is
+independent per state column, so a program needs only its [K, V / n] slice (q, k and the decay are
+recomputed per program, cheaply). The output norm is over a head's whole V, so the split kernel
+writes the un-normalised output and the gated norm runs after it as one XLA fusion.
 """
 
 from __future__ import annotations
@@ -21,26 +27,37 @@ from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
 from pallas_kernels.kda.tuning import DecodeBlocks
 
 
+def _conv_silu(x, hist, taps, width):
+    """Short causal conv + SiLU of one channel block: x [C] this token's pre-conv input, hist
+    [W-1][C] the previous inputs (oldest first), taps [W, C]. -> [C] in x's dtype."""
+    f32 = jnp.float32
+    pre = taps[width - 1].astype(f32) * x.astype(f32)
+    for j in range(width - 1):
+        pre += taps[j].astype(f32) * hist[j].astype(f32)
+    return jax.nn.silu(pre).astype(x.dtype)
+
+
+def _delta_rule(q_act, k_act, v, f, dt, a, beta_logit, s, *, lower_bound, scale):
+    """The state update and raw output of one (row, head) over a block of state columns: q_act,
+    k_act [K] conv outputs, v [Vb], f / dt [K], s [K, Vb] fp32. -> (o [Vb] fp32, new s)."""
+    f32 = jnp.float32
+    q, k = l2_normalize(q_act) * scale, l2_normalize(k_act)
+    g = forget_gate(f.astype(f32) + dt.astype(f32), a, lower_bound)
+    beta = jax.nn.sigmoid(beta_logit.astype(f32))
+    s = s * jnp.exp(g)[:, None]                              # [K, Vb]
+    pred = jnp.sum(s * k[:, None], axis=0)                   # [Vb]
+    s = s + k[:, None] * (beta * (v.astype(f32) - pred))[None, :]
+    return jnp.sum(s * q[:, None], axis=0), s
+
+
 def _token(x, hist, w_refs, f, dt, a, beta_logit, z, nw, s, *, width, lower_bound, norm_eps, scale):
     """One token of one (row, head): x [3][K] pre-conv q | k | v, hist [3][W-1][K] the previous
     pre-conv inputs (oldest first), w_refs the q, k, v taps [W, K], a = exp(A_log) fp32 ([1] or
     [K]), s [K, V] fp32. Returns (out [K] in x's dtype, new s)."""
-    f32 = jnp.float32
     dtype = x[0].dtype
-    acts = []
-    for i, w_ref in enumerate(w_refs):  # q, k, v
-        pre = w_ref[width - 1, :].astype(f32) * x[i].astype(f32)
-        for j in range(width - 1):
-            pre += w_ref[j, :].astype(f32) * hist[i][j].astype(f32)
-        acts.append(jax.nn.silu(pre).astype(dtype))
-    q, k, v = l2_normalize(acts[0]) * scale, l2_normalize(acts[1]), acts[2].astype(f32)
-    g = forget_gate(f.astype(f32) + dt.astype(f32), a, lower_bound)
-    beta = jax.nn.sigmoid(beta_logit.astype(f32))
-    s = s * jnp.exp(g)[:, None]                              # [K, V]
-    pred = jnp.sum(s * k[:, None], axis=0)                   # [V]
-    s = s + k[:, None] * (beta * (v - pred))[None, :]
-    o = jnp.sum(s * q[:, None], axis=0).astype(dtype)
-    return gated_rms_norm(o, z, nw, norm_eps).astype(dtype), s
+    q, k, v = (_conv_silu(x[i], hist[i], [w_ref[j, :] for j in range(width)], width) for i, w_ref in enumerate(w_refs))
+    o, s = _delta_rule(q, k, v, f, dt, a, beta_logit, s, lower_bound=lower_bound, scale=scale)
+    return gated_rms_norm(o.astype(dtype), z, nw, norm_eps).astype(dtype), s
 
 
 def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref, s_ref,
@@ -58,6 +75,37 @@ def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log
             conv_out_ref[j, i, :] = window[j]
     s_out_ref[...] = s.astype(s_out_ref.dtype)
     out_ref[...] = out.astype(out_ref.dtype)
+
+
+def _split_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, s_ref,
+                  o_ref, conv_out_ref, s_out_ref, *, width, block_v, lower_bound, scale):
+    """One token of one (row, head, state column block): the raw output block o [Vb] (un-normalised,
+    in x's dtype) and the block's new state columns. conv_out_ref is a fresh buffer (every program of
+    the head reads the whole q and k history): block j writes its v columns, block 0 q and k too.
+    s_out_ref may alias s_ref (each program reads its own block whole before writing it)."""
+    cols = pl.ds(pl.multiple_of(pl.program_id(2) * block_v, block_v), block_v)
+    q = _conv_silu(x_ref[0, :], [conv_ref[j, 0, :] for j in range(width - 1)],
+                   [wq_ref[j, :] for j in range(width)], width)
+    k = _conv_silu(x_ref[1, :], [conv_ref[j, 1, :] for j in range(width - 1)],
+                   [wk_ref[j, :] for j in range(width)], width)
+    x_v = x_ref[2, cols]
+    hist_v = [conv_ref[j, 2, cols] for j in range(width - 1)]
+    v = _conv_silu(x_v, hist_v, [wv_ref[j, cols] for j in range(width)], width)
+    a = jnp.exp(a_log_ref[...].astype(jnp.float32))
+    o, s = _delta_rule(q, k, v, f_ref[...], dt_ref[...], a, b_ref[...], s_ref[...].astype(jnp.float32),
+                       lower_bound=lower_bound, scale=scale)
+    s_out_ref[...] = s.astype(s_out_ref.dtype)
+    o_ref[...] = o.astype(o_ref.dtype)
+    window_v = hist_v[1:] + [x_v]
+    for j in range(width - 1):
+        conv_out_ref[j, 2, cols] = window_v[j]
+
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+        for i in range(2):
+            window = [conv_ref[j, i, :] for j in range(1, width - 1)] + [x_ref[i, :]]
+            for j in range(width - 1):
+                conv_out_ref[j, i, :] = window[j]
 
 
 def _steps_kernel(keep_ref, x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref,
@@ -102,7 +150,8 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
                       *, blocks: DecodeBlocks = DecodeBlocks(), interpret: bool | None = None):
     """Fused KDA decode step as one kernel; same contract as `kda_decode_xla`. The state (fp32 or
     bf16, read and written in its dtype, the math in fp32) is updated in place (input/output
-    aliased), and so is the conv state: donate both to avoid copies.
+    aliased), and so is the conv state unless the heads are split into column blocks
+    (`blocks.value_blocks_for`): donate both to avoid copies.
 
     Args:
       inputs: KDADecodeInputs (x_qkv [B, 3, H, K], f [B, H, K], beta_logit [B, H], z [B, H, K]).
@@ -119,6 +168,10 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
         raise ValueError(f"kda_decode_pallas: the head dim must be a power of two, got {kd}")
     scale = kd ** -0.5 if weights.scale is None else weights.scale
     interpret = default_interpret() if interpret is None else interpret
+    splits = blocks.value_blocks_for(b, h, kd)
+    if splits > 1:
+        return _decode_split(inputs, weights, conv_state, state, splits=splits, scale=scale, blocks=blocks,
+                             interpret=interpret)
     kernel = functools.partial(_decode_kernel, width=width, lower_bound=weights.lower_bound,
                                norm_eps=weights.norm_eps, scale=scale)
     row_head = lambda i, j: (i, j, 0)
@@ -151,6 +204,49 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
         name="kda_decode",
     )(inputs.x_qkv, conv_state, *weights.conv_taps, inputs.f, weights.dt_bias, weights.a_log, inputs.beta_logit,
       inputs.z, weights.o_norm_w, state)
+    return out, new_conv, new_state
+
+
+def _decode_split(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array, state: jax.Array, *,
+                  splits: int, scale: float, blocks: DecodeBlocks, interpret: bool):
+    """kda_decode_pallas over grid (row, head, column block); the gated norm after it in XLA."""
+    b, _, h, kd = inputs.x_qkv.shape
+    width = weights.q_conv.shape[0]
+    bv = kd // splits
+    a_rows, a_cols = weights.a_log.shape
+    head = lambda i, j, c: (i, 0, j, 0)
+    conv_spec = pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j, c: (i, 0, 0, j, 0))
+    tap = pl.BlockSpec((width, None, kd), lambda i, j, c: (0, j, 0))
+    state_spec = pl.BlockSpec((None, None, kd, bv), lambda i, j, c: (i, j, 0, c))
+    kernel = functools.partial(_split_kernel, width=width, block_v=bv, lower_bound=weights.lower_bound, scale=scale)
+    raw, new_conv, new_state = pl.pallas_call(
+        kernel,
+        grid=(b, h, splits),
+        in_specs=[
+            pl.BlockSpec((None, 3, None, kd), head),                                  # x_qkv
+            conv_spec,                                                                # conv_state
+            tap, tap, tap,                                                            # q, k, v conv
+            pl.BlockSpec((None, None, kd), lambda i, j, c: (i, j, 0)),                # f
+            pl.BlockSpec((None, kd), lambda i, j, c: (j, 0)),                         # dt_bias
+            pl.BlockSpec((None, a_cols), (lambda i, j, c: (j, 0)) if a_rows == h else (lambda i, j, c: (0, 0))),
+            pl.BlockSpec((None, None), lambda i, j, c: (i, j)),                       # beta_logit
+            state_spec,                                                               # state
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, bv), lambda i, j, c: (i, j, c)),
+            conv_spec,
+            state_spec,
+        ],
+        out_shape=[jax.ShapeDtypeStruct((b, h, kd), inputs.x_qkv.dtype),
+                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+                   jax.ShapeDtypeStruct(state.shape, state.dtype)],
+        input_output_aliases={9: 2},
+        compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
+        interpret=interpret,
+        name="kda_decode_split",
+    )(inputs.x_qkv, conv_state, *weights.conv_taps, inputs.f, weights.dt_bias, weights.a_log, inputs.beta_logit,
+      state)
+    out = gated_rms_norm(raw, inputs.z, weights.o_norm_w, weights.norm_eps).astype(inputs.x_qkv.dtype)
     return out, new_conv, new_state
 
 

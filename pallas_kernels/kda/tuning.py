@@ -5,9 +5,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+VALUE_BLOCK_CHOICES = (1, 2, 4, 8)
+
+
 @dataclass(frozen=True)
 class DecodeBlocks:
-    num_warps: int = 4   # H200 sweep: 4 beat 8 and 16 at every batch (benchmarks/RESULTS.md)
+    """num_warps: H200 sweep: 4 beat 8 and 16 at every batch (benchmarks/RESULTS.md).
+    value_blocks: programs per (row, head) of the one-token kernel, each over V / value_blocks state
+    columns; 0 picks the fewest of VALUE_BLOCK_CHOICES that give min_programs programs."""
+
+    num_warps: int = 4
+    value_blocks: int = 0
+    min_programs: int = 128
+
+    def __post_init__(self):
+        if self.value_blocks not in (0,) + VALUE_BLOCK_CHOICES:
+            raise ValueError(f"DecodeBlocks: value_blocks must be 0 (auto) or one of {VALUE_BLOCK_CHOICES}, "
+                             f"got {self.value_blocks!r}")
+
+    def value_blocks_for(self, rows: int, heads: int, value_dim: int) -> int:
+        """The column blocks per head for a [rows, heads, K, value_dim] state (blocks of >= 16
+        columns)."""
+        fits = [n for n in VALUE_BLOCK_CHOICES if value_dim % n == 0 and value_dim // n >= 16]
+        if self.value_blocks:
+            if self.value_blocks not in fits:
+                raise ValueError(f"kda_decode: value_blocks={self.value_blocks} does not split V={value_dim} into "
+                                 f"blocks of >= 16 columns")
+            return self.value_blocks
+        enough = [n for n in fits if rows * heads * n >= self.min_programs]
+        return min(enough) if enough else max(fits)
 
 
 @dataclass(frozen=True)
