@@ -35,7 +35,7 @@ A_LOG_POLICIES = ("per_head", "per_channel")
 
 KDA_STATE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 # Programs per (row, head) of the Pallas one-token KDA step, each over a block of the state's columns
-# ("auto": enough for about one program per SM; "1": one program per head, the output norm fused).
+# ("auto": `DecodeBlocks.value_blocks_for`; "1": one program per head, the output norm fused).
 KDA_DECODE_SPLITS: tuple[str, ...] = ("auto", "1", "2", "4", "8")
 EP_DISPATCHES: tuple[str, ...] = ("gather", "ragged")
 

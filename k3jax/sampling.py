@@ -181,6 +181,39 @@ def sampling_logits(logits_BV: jax.Array, params: SamplerInputs, *, filters: boo
     return scaled
 
 
+_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+_THREEFRY_PARITY = 0x1BD11BDA
+_ROW_KEY_SALT = 0x6B336A78
+
+
+def threefry2x32(k0, k1, x0, x1):
+    """Threefry-2x32 with 20 rounds (Salmon et al., SC'11; the block cipher of JAX's default PRNG)
+    on uint32 arrays that broadcast together: key (k0, k1), counter (x0, x1) -> two words. Plain
+    integer ops, so XLA fuses it into whatever consumes the words."""
+    u32 = lambda v: jnp.asarray(v, jnp.uint32)
+    k0, k1, x0, x1 = u32(k0), u32(k1), u32(x0), u32(x1)
+    ks = (k0, k1, k0 ^ k1 ^ u32(_THREEFRY_PARITY))
+    x0, x1 = x0 + ks[0], x1 + ks[1]
+    for i in range(5):
+        for r in _THREEFRY_ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = ((x1 << u32(r)) | (x1 >> u32(32 - r))) ^ x0
+        x0, x1 = x0 + ks[(i + 1) % 3], x1 + ks[(i + 2) % 3] + u32(i + 1)
+    return x0, x1
+
+
+def gumbel_argmax(scaled_BV: jax.Array, seed_B: jax.Array, position_B: jax.Array) -> jax.Array:
+    """One draw per row from softmax(scaled_BV) by the Gumbel-max rule, the noise of vocabulary
+    entry i being Threefry(row key, i) with row key = Threefry((seed, salt), (position, 0)): a
+    function of (seed, position) only, and one fused XLA reduction on the GPU where
+    jax.random.categorical takes several kernels. -> [B] int32."""
+    b, v = scaled_BV.shape
+    k0, k1 = threefry2x32(seed_B, _ROW_KEY_SALT, position_B.astype(jnp.uint32), 0)
+    bits, _ = threefry2x32(k0[:, None], k1[:, None], jax.lax.broadcasted_iota(jnp.uint32, (b, v), 1), 0)
+    u = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))     # in (0, 1), never 0 or 1
+    return jnp.argmax(scaled_BV - jnp.log(-jnp.log(u)), axis=-1).astype(jnp.int32)
+
+
 def sampling_keys(params: SamplerInputs, position_B: jax.Array) -> jax.Array:
     """One PRNG key per row: a function of (seed, position) only."""
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(params.seed, position_B)
@@ -191,8 +224,7 @@ def sample(logits_BV: jax.Array, params: SamplerInputs, position_B: jax.Array, *
     `sampling_logits`. The random stream of a row depends only on (seed, position)."""
     greedy = jnp.argmax(logits_BV.astype(jnp.float32), axis=-1).astype(jnp.int32)
     scaled = sampling_logits(logits_BV, params, filters=filters)
-    keys = sampling_keys(params, position_B)
-    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
+    drawn = gumbel_argmax(scaled, params.seed, position_B)
     return jnp.where(params.temperature > 0, drawn, greedy)
 
 

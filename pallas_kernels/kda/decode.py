@@ -4,11 +4,12 @@ window update + SiLU, q/k L2 norm, forget gate, beta, delta-rule update of the f
 `decode_xla.kda_decode_xla`); `kda_decode_steps_pallas` runs T tokens with the state kept on chip
 (twin: the scan of one-token steps in `decode_steps.kda_decode_steps`).
 
-With few rows (B * H programs leave most SMs idle: 32 at B=1 on the 48B shape) the one-token kernel
-splits each head's state into `value_blocks` column blocks, one program each: the delta rule is
-independent per state column, so a program needs only its [K, V / n] slice (q, k and the decay are
-recomputed per program, cheaply). The output norm is over a head's whole V, so the split kernel
-writes the un-normalised output and the gated norm runs after it as one XLA fusion.
+The one-token kernel can split each head's state into `value_blocks` column blocks, one program
+each (`DecodeBlocks.value_blocks_for`): the delta rule is independent per state column, so a
+program needs only its [K, V / n] slice (q, k and the decay are recomputed per program, cheaply).
+The output norm is over a head's whole V, so the split kernel writes the un-normalised output and
+the gated norm runs after it as one XLA fusion; every program reads the head's whole q/k conv
+history, so the new conv state goes to a fresh buffer (not in place).
 """
 
 from __future__ import annotations

@@ -12,11 +12,13 @@ VALUE_BLOCK_CHOICES = (1, 2, 4, 8)
 class DecodeBlocks:
     """num_warps: H200 sweep: 4 beat 8 and 16 at every batch (benchmarks/RESULTS.md).
     value_blocks: programs per (row, head) of the one-token kernel, each over V / value_blocks state
-    columns; 0 picks the fewest of VALUE_BLOCK_CHOICES that give min_programs programs."""
+    columns; 0 (auto) splits heads in two from `split_from` rows x heads on (H200, 48B shape: at B=1
+    four blocks made the kernel 6.6 -> 4.1 us but added the norm and a conv-state copy as two more
+    launches, no faster end to end; at B=64 two blocks ran 134 -> 115 us per layer)."""
 
     num_warps: int = 4
     value_blocks: int = 0
-    min_programs: int = 128
+    split_from: int = 1024
 
     def __post_init__(self):
         if self.value_blocks not in (0,) + VALUE_BLOCK_CHOICES:
@@ -32,8 +34,7 @@ class DecodeBlocks:
                 raise ValueError(f"kda_decode: value_blocks={self.value_blocks} does not split V={value_dim} into "
                                  f"blocks of >= 16 columns")
             return self.value_blocks
-        enough = [n for n in fits if rows * heads * n >= self.min_programs]
-        return min(enough) if enough else max(fits)
+        return 2 if rows * heads >= self.split_from and 2 in fits else 1
 
 
 @dataclass(frozen=True)

@@ -69,12 +69,12 @@ def test_decode_kernel_matches_xla_twin(rng, interpret, b, h, kd, a_shape, lower
     (1, 2, 32, 2, None, "float32"), (2, 3, 64, 4, (3, 1), "float32"), (1, 2, 64, 0, (1, 64), "bfloat16")])
 def test_decode_split_into_column_blocks_matches_xla_twin(rng, interpret, b, h, kd, splits, a_shape, state_dtype):
     """Each head's state cut into column blocks, one program each (0: the auto rule, which splits
-    2 heads of 64 columns four ways), the output norm after the kernel."""
+    2 heads in two from 2 rows x heads), the output norm after the kernel."""
     inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=-5.0 if splits == 4 else None,
                                                   a_shape=a_shape)
     state = state.astype(state_dtype)
-    blocks = DecodeBlocks(value_blocks=splits, min_programs=8)
-    assert blocks.value_blocks_for(b, h, kd) == (splits or 4)
+    blocks = DecodeBlocks(value_blocks=splits, split_from=2)
+    assert blocks.value_blocks_for(b, h, kd) == (splits or 2)
     out_r, conv_r, state_r = kda_decode_xla(inputs, weights, conv, state)
     out, new_conv, new_state = kda_decode_pallas(inputs, weights, conv, state, blocks=blocks, interpret=interpret)
     assert_close("out", out, out_r, dtype="bfloat16")
@@ -88,7 +88,7 @@ def test_decode_blocks_name_a_bad_split():
         DecodeBlocks(value_blocks=3)
     with pytest.raises(ValueError, match="value_blocks=8 does not split V=64"):
         DecodeBlocks(value_blocks=8).value_blocks_for(1, 2, 64)
-    assert DecodeBlocks().value_blocks_for(1, 32, 128) == 4 and DecodeBlocks().value_blocks_for(8, 32, 128) == 1
+    assert DecodeBlocks().value_blocks_for(1, 32, 128) == 1 and DecodeBlocks().value_blocks_for(64, 32, 128) == 2
 
 
 def test_bf16_state_is_read_and_written_in_bf16(rng, interpret):
