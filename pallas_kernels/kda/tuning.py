@@ -12,13 +12,14 @@ VALUE_BLOCK_CHOICES = (1, 2, 4, 8)
 class DecodeBlocks:
     """num_warps: H200 sweep: 4 beat 8 and 16 at every batch (benchmarks/RESULTS.md).
     value_blocks: programs per (row, head) of the one-token kernel, each over V / value_blocks state
-    columns; 0 (auto) splits heads in two from `split_from` rows x heads on (H200, 48B shape: at B=1
-    four blocks made the kernel 6.6 -> 4.1 us but added the norm and a conv-state copy as two more
-    launches, no faster end to end; at B=64 two blocks ran 134 -> 115 us per layer)."""
+    columns; 0 (auto) splits heads in two from `split_from` rows x heads on, by default never (H200,
+    48B shape, end to end: at B=1 four blocks made the kernel 6.6 -> 4.1 us but added the norm and a
+    conv-state copy as two more launches, 2.564 ms per token against 2.509 unsplit; at B=64 two
+    blocks, 134 -> 115 us per layer alone, gave 20.44 ms against 20.28)."""
 
     num_warps: int = 4
     value_blocks: int = 0
-    split_from: int = 1024
+    split_from: int | None = None
 
     def __post_init__(self):
         if self.value_blocks not in (0,) + VALUE_BLOCK_CHOICES:
@@ -34,7 +35,7 @@ class DecodeBlocks:
                 raise ValueError(f"kda_decode: value_blocks={self.value_blocks} does not split V={value_dim} into "
                                  f"blocks of >= 16 columns")
             return self.value_blocks
-        return 2 if rows * heads >= self.split_from and 2 in fits else 1
+        return 2 if self.split_from is not None and rows * heads >= self.split_from and 2 in fits else 1
 
 
 @dataclass(frozen=True)

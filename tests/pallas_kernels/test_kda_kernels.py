@@ -88,7 +88,8 @@ def test_decode_blocks_name_a_bad_split():
         DecodeBlocks(value_blocks=3)
     with pytest.raises(ValueError, match="value_blocks=8 does not split V=64"):
         DecodeBlocks(value_blocks=8).value_blocks_for(1, 2, 64)
-    assert DecodeBlocks().value_blocks_for(1, 32, 128) == 1 and DecodeBlocks().value_blocks_for(64, 32, 128) == 2
+    assert DecodeBlocks().value_blocks_for(1, 32, 128) == 1 and DecodeBlocks().value_blocks_for(256, 32, 128) == 1
+    assert DecodeBlocks(split_from=1024).value_blocks_for(64, 32, 128) == 2
 
 
 def test_bf16_state_is_read_and_written_in_bf16(rng, interpret):
