@@ -21,7 +21,8 @@ from pallas_kernels.rms_norm import NORM_IMPLS, NormImpl
 from pallas_kernels.router import ROUTER_IMPLS, RouterImpl
 from pallas_kernels.skinny import SKINNY_IMPLS, SkinnyImpl
 
-# Decode steps per iteration of the compiled decode loop ("1": the reference form).
+# Decode steps per iteration of the compiled decode loop ("1": the reference form; "auto":
+# `decode_loop.loop_steps`).
 LOOP_UNROLLS: tuple[str, ...] = ("auto", "1", "2", "4", "8")
 # How an iteration runs its steps: "loop", an inner loop of a known trip count (the host launches the
 # next step while the GPU runs one); "unrolled", copies of the step in one body (the reference).

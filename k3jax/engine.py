@@ -127,10 +127,7 @@ class Engine:
         self._inputs = LoopInputs(sampler=jax.tree.map(put, sampler_values([None] * s, vocab)),
                                   stop_ids=put(np.full((s, config.max_stop_ids), -1, np.int32)),
                                   max_new=put(np.ones(s, np.int32)), prompt_len=put(np.ones(s, np.int32)))
-        # Steps past a chunk's end would be lost here (rows continue in the next chunk), so the loop
-        # runs several steps per iteration only when they divide the chunk.
-        unroll = loop_steps(model.config.loop_unroll, config.max_slots)
-        self._unroll = unroll if config.chunk_steps % unroll == 0 else 1
+        self._unroll = loop_steps(model.config.loop_unroll, config.max_slots)   # a chunk never steps past its end
         self._chunk, self._param_leaves = compiled_decode_chunk(model.graphdef, model.params)
         self._insert = jax.jit(_insert, donate_argnums=(0, 1))
 

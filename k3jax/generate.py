@@ -131,8 +131,7 @@ class Generator:
           prompts: a str, a chat message list, a token-id list, or a list of those.
           sampling: one SamplingParams for all prompts, or one per prompt (default:
             `default_sampling()`).
-          stream: called with StreamChunk(s) of new tokens every `stream_every` decode steps (rounded
-            up to the decode loop's steps per iteration, option `loop_unroll`, 1 by default).
+          stream: called with StreamChunk(s) of new tokens every `stream_every` decode steps.
           chat_options: renderer options (K3: thinking, thinking_effort, tools, ...).
           speculative: decode with drafts verified q = k + 1 tokens at a time (SpeculativeConfig);
             greedy output equals decoding without it token for token in exact arithmetic (tested
@@ -176,7 +175,8 @@ class Generator:
         n = len(rows)
         batch = _pow2(n)
         width = _bucket(max(len(e) for e in encoded), PROMPT_BUCKETS, "prompt length")
-        steps = _bucket(max(sp.max_tokens for sp in params), STEP_BUCKETS, "max_tokens")
+        longest = max(sp.max_tokens for sp in params)     # the loop's last step (no row runs past it)
+        steps = _bucket(longest, STEP_BUCKETS, "max_tokens")   # the token buffer's width
         pad_id = self.model.config.pad_token_id or 0
         ids = np.full((batch, width), pad_id, np.int32)
         mask = np.zeros((batch, width), np.int32)
@@ -229,11 +229,11 @@ class Generator:
         matches: dict[int, StopMatch] = {}
         with self.model.placement.context(), _sigint_as_flag() as interrupted:
             step = host.step
-            done = bool(host.done.all()) or step >= steps
+            done = bool(host.done.all()) or step >= longest
             if done and (any(row_stops) or adapter is not None):    # e.g. max_tokens=1: no chunk runs
                 carry = self._match_stops(carry, host, rows, matches, adapter)
             while not done and not interrupted.is_set():
-                limit_step = min(steps, (step // chunk + 1) * chunk)   # chunk ends at multiples of `chunk`
+                limit_step = min(longest, (step // chunk + 1) * chunk)   # chunk ends at multiples of `chunk`
                 if speculative is None:
                     carry, view = self.compiled_chunk(self._param_leaves, carry, inputs, np.int32(limit_step),
                                                       filters=filters, pad_id=pad_id,
@@ -247,7 +247,7 @@ class Generator:
                 if any(row_stops) or adapter is not None:
                     carry = self._match_stops(carry, host, rows, matches, adapter)
                 step = host.step
-                done = bool(host.done.all()) or step >= steps
+                done = bool(host.done.all()) or step >= longest
         tokens = host.tokens if host.tokens is not None else np.asarray(jax.device_get(carry.tokens))
         count, finish, row_done = host.count, host.finish, host.done
         if adapter is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -133,10 +134,12 @@ def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unro
     assert want[0].finish_reason == "stop" and len(want[0].token_ids) == free.index(free[5]) + 1
 
 
-def test_no_model_step_past_the_last_token(model, rng):
+@pytest.mark.parametrize("unroll", ["1", "4"])
+def test_no_model_step_past_the_last_token(model, rng, unroll):
     """generate samples the first token with the prefill and steps the model once per further token:
-    n new tokens cost n - 1 decode steps (the state's consumed-token count says how many ran)."""
-    gen = k3jax.Generator(model.with_impls(loop_unroll="1"))
+    n new tokens cost n - 1 decode steps (the state's consumed-token count says how many ran), also
+    with 4 steps per loop iteration (one iteration of 4, then the last step alone)."""
+    gen = k3jax.Generator(model.with_impls(loop_unroll=unroll))
     chunk, lengths = gen.compiled_chunk, []
 
     def spy(*args, **kwargs):
@@ -148,20 +151,20 @@ def test_no_model_step_past_the_last_token(model, rng):
     prompt = rng.integers(3, 512, 7).tolist()
     one = gen.generate(prompt, k3jax.SamplingParams(max_new_tokens=1, ignore_eos=True))[0].token_ids
     assert len(one) == 1 and lengths == []           # one token: the prefill's, no decode chunk at all
-    five = gen.generate(prompt, k3jax.SamplingParams(max_new_tokens=5, ignore_eos=True))[0].token_ids
-    assert len(five) == 5 and five[0] == one[0]
+    six = gen.generate(prompt, k3jax.SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
+    assert len(six) == 6 and six[0] == one[0]
     width = 16                                      # the prompt's length bucket (left padding)
     ids = np.array([[0] * (width - len(prompt)) + prompt], np.int32)
     _, state = model.prefill(ids, (ids > 0).astype(np.int32) | (np.arange(width) >= width - len(prompt)),
                              max_len=width + 16)
     prefilled = int(np.asarray(state.lengths)[0])
-    assert [int(x[0]) for x in lengths] == [prefilled + 4]   # 5 tokens: 4 model steps
+    assert [int(x[0]) for x in lengths] == [prefilled + 5]   # 6 tokens: 5 model steps
 
 
 def test_loop_steps_choice():
     from k3jax.decode_loop import loop_steps
     assert loop_steps("2", 64) == 2 and loop_steps("1", 1) == 1
-    assert loop_steps("auto", 1) == 1 and loop_steps("auto", 64) == 1
+    assert loop_steps("auto", 1) == (4 if jax.default_backend() == "gpu" else 1) and loop_steps("auto", 64) == 1
     with pytest.raises(k3jax.errors.ConfigError, match="loop_unroll"):
         k3jax.tiny_kimi_linear().with_impls(loop_unroll="3")
 
