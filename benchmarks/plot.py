@@ -48,6 +48,9 @@ def _variant_tpot(name: str, variant: str | None, batch: int) -> float:
     return next(r["tpot_ms"] for r in _load(name)["rows"] if r.get("variant") == variant and r["batch"] == batch)
 
 
+DECODE_SWEEP = "decode_sweep_run1_2f1af95.json"
+
+
 def plot_decode(out: str) -> str:
     """TPOT against batch for the Kimi-Linear-48B shape: each recorded run, and the floors."""
     runs = [("before (gather experts, XLA dots)", {1: 9.05, 64: 220.56}, "o--"),  # 2026-11-29 baseline runs
@@ -62,26 +65,34 @@ def plot_decode(out: str) -> str:
              _tpot("decode_run14_defaults_21c2203.json"), "*-"),
             ("+ flat dispatch, one read-back per chunk, first token with the prefill, 1 step per iteration",
              {1: _variant_tpot("decode_run19_b1_sampled_first_ed80dc8.json", "loop_unroll=1", 1),
-              64: _variant_tpot("decode_run19_b64_sampled_first_ed80dc8.json", None, 64)}, "h-")]
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+              64: _variant_tpot("decode_run19_b64_sampled_first_ed80dc8.json", None, 64)}, "h-"),
+            ("+ fused token draw, 4 steps per iteration up to 16 rows (B = 1-256 sweep)",
+             _tpot(DECODE_SWEEP), "o-")]
+    fig, ax = plt.subplots(figsize=(6.4, 6.8))
+    fig.subplots_adjust(bottom=0.42)
     for label, points, style in runs:
         xs = sorted(points)
         ax.plot(xs, [points[x] for x in xs], style, label=label)
-    floors = {1: 1.465, 64: 15.91}   # bytes that must move / 4.3 TB/s (B=64: measured 162 experts per layer)
+    # bytes that must move / 4.3 TB/s, at each batch's measured count of distinct experts per layer
+    floors = {r["batch"]: r["floor_ms"] for r in _load(DECODE_SWEEP)["rows"]}
     ax.plot(sorted(floors), [floors[x] for x in sorted(floors)], "k:", label="memory floor (4.3 TB/s)")
     return _finish(fig, ax, "batch (rows decoding together)", "time per output token step (ms)",
-                   "Kimi-Linear-48B shape, bf16, one H200", os.path.join(out, "decode_tpot.png"))
+                   "Kimi-Linear-48B shape, bf16, one H200", os.path.join(out, "decode_tpot.png"), legend_below=True)
 
 
-def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: str) -> str:
-    """Log-log axes, labels, grid and legend; saves the PNG and returns its path."""
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: str, legend_below: bool = False) -> str:
+    """Log-log axes, labels, grid and legend (inside, or under the axes); saves the PNG and returns
+    its path."""
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    if legend_below:
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
+    else:
+        ax.legend(fontsize=8)
     return _save(fig, path)
 
 
