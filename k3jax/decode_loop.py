@@ -240,6 +240,12 @@ class HostCarry:
     step: int
     tokens: np.ndarray | None
 
+    def tokens_of(self, carry) -> np.ndarray:
+        """The token buffer [B, N]: the view's copy, or read from `carry.tokens` (kept for later calls)."""
+        if self.tokens is None:
+            self.tokens = np.asarray(jax.device_get(carry.tokens))
+        return self.tokens
+
 
 def read_host_view(view) -> HostCarry:
     """One transfer of `host_view`'s array -> HostCarry."""

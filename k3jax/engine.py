@@ -233,7 +233,7 @@ class Engine:
         self._carry, view = self._chunk(self._param_leaves, carry, inputs, np.int32(steps), filters=filters,
                                         pad_id=self.pad_id, unroll=self._unroll, inner=self.model.config.loop_inner)
         host = read_host_view(view)     # one transfer
-        tokens = host.tokens if host.tokens is not None else np.asarray(jax.device_get(self._carry.tokens))
+        tokens = host.tokens_of(self._carry)
         count, finish = host.count, host.finish
         lp = None if self._carry.logprobs is None else jax.device_get(self._carry.logprobs)
         return self._collect(tokens, count, finish, lp)

@@ -248,7 +248,7 @@ class Generator:
                     carry = self._match_stops(carry, host, rows, matches, adapter)
                 step = host.step
                 done = bool(host.done.all()) or step >= longest
-        tokens = host.tokens if host.tokens is not None else np.asarray(jax.device_get(carry.tokens))
+        tokens = host.tokens_of(carry)
         count, finish, row_done = host.count, host.finish, host.done
         if adapter is not None:
             adapter.update(tokens, count, row_done, matches, final=True)
@@ -317,9 +317,7 @@ class Generator:
                      adapter: StreamAdapter | None) -> LoopState:
         """Between chunks: finds stop strings in the running rows (ending those rows on the device and
         in `host`) and streams what is new."""
-        if host.tokens is None:
-            host.tokens = np.asarray(jax.device_get(carry.tokens))
-        tokens, count, done = host.tokens, host.count, host.done
+        tokens, count, done = host.tokens_of(carry), host.count, host.done
         ended = []
         for r, row in enumerate(rows):
             if row.sampling.stop and r not in matches and count[r]:
