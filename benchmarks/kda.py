@@ -173,6 +173,8 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         by_launch, errs = {}, {}
         for nwarps in warps:
             for split in splits:
+                if split and (kd % split or kd // split < 16):   # not whole blocks of >= 16 columns
+                    continue
                 blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split)
                 label = f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")
                 ours = run(lambda *args, blocks=blocks: kda_decode_pallas(*args, blocks=blocks))

@@ -71,6 +71,10 @@ class KDAConfig:
         require_choice(self.decode_impl, KDA_DECODE_IMPLS, "kda.decode_impl")
         require_choice(self.state_dtype, KDA_STATE_DTYPES, "kda.state_dtype")
         require_choice(self.decode_split, KDA_DECODE_SPLITS, "kda.decode_split")
+        if self.decode_split != "auto":
+            blocks = int(self.decode_split)
+            require(self.head_dim % blocks == 0 and self.head_dim // blocks >= 16, "kda.decode_split",
+                    f"{blocks} column blocks of a {self.head_dim}-wide head are not whole blocks of >= 16 columns")
         require(self.a_log_policy in A_LOG_POLICIES, "kda.a_log_policy",
                  f"expected one of {A_LOG_POLICIES}, got {self.a_log_policy!r}")
         if self.gate_lower_bound is not None:

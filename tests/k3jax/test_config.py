@@ -128,6 +128,11 @@ def test_sub_config_validation():
     cfg = tiny_kimi_linear()
     assert cfg.with_impls(kda="recurrent", mla="naive", moe="dense").kda.impl == "recurrent"
     json.dumps(cfg.mixers)  # plain tuples of strings
+    assert KDAConfig(hidden_size=8, num_heads=1, head_dim=64, decode_split="4").decode_split == "4"
+    with pytest.raises(ConfigError, match="kda.decode_split.*4 column blocks of a 32-wide head"):
+        KDAConfig(hidden_size=8, num_heads=1, head_dim=32, decode_split="4")
+    with pytest.raises(ConfigError, match="kda.decode_split"):
+        cfg.with_impls(kda_split="2")      # the tiny model's 16-wide heads
 
 
 def test_one_vocabulary_of_implementation_options():

@@ -113,8 +113,9 @@ def test_streaming_chunks_add_up(rng):
 def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unroll, inner):
     """Several steps per loop iteration (copies of the step, or an inner loop of a known trip count):
     the same tokens, counts, finish reasons and log-probabilities,
-    with limits that are not multiples of the unroll, rows that stop early on a stop id, chunk
-    boundaries (stream_every) inside an iteration, and penalties."""
+    with limits that are not multiples of the unroll, rows that stop early on a stop id, chunks
+    (stream_every=7) that end inside an iteration's worth of steps (whole iterations, then the rest
+    one step at a time), and penalties."""
     prompts = [rng.integers(3, 512, n).tolist() for n in (5, 13, 8)]
     free = generator.generate(prompts[0], k3jax.SamplingParams(max_new_tokens=12))[0].token_ids
     params = [k3jax.SamplingParams(max_new_tokens=11, stop_token_ids=(free[5],), logprobs=2),
@@ -123,7 +124,7 @@ def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unro
                                    logprobs=2)]
     unrolled = k3jax.Generator(model.with_impls(loop_unroll=unroll, loop_inner=inner))
     one_step = k3jax.Generator(model.with_impls(loop_unroll="1"))
-    for stream_every in (None, 3):
+    for stream_every in (None, 7):
         kw = {} if stream_every is None else {"stream": lambda chunk: None, "stream_every": stream_every}
         want = one_step.generate(prompts, params, **kw)
         got = unrolled.generate(prompts, params, **kw)
