@@ -4,6 +4,7 @@ with a profile of one decode step summarised by category and prefill (TTFT) rows
     python benchmarks/decode.py --model tiny-kimi-linear --batch 1 4                 # CPU smoke run
     python benchmarks/decode.py --model kimi-linear-48b --batch 1 64 --dtype bfloat16 --kernels pallas \
         --moe auto --profile --prefill 1x8192 64x1024                                  # on the H200
+    python benchmarks/decode.py ... --batch 1 --variants loop_unroll=1 --interleave 10   # A/B in alternating rounds
 
 kimi-linear-48b is the released Kimi-Linear-48B-A3B shape with random weights (about 98 GB in
 bf16; initialised with the fast `unsafe_rbg` generator). TPOT = decode time / (generated steps - 1)
@@ -184,6 +185,27 @@ def decode_row(gen, cfg, b, args, dtype_bytes, rng, tag: str = "") -> dict:
     return row
 
 
+def interleaved_rows(gens, cfg, b, args, rng) -> list[dict]:
+    """`args.interleave` rounds of one timed generate call per option set on the same prompts, in
+    turn (forward, then backward: A B B A ...), so the sets share the machine's drift; per set the
+    median TPOT over the rounds. gens: (label, Generator) with label "" for the base options."""
+    prompts = rng.integers(3, cfg.vocab_size - 300, (b, args.prompt_len)).tolist()
+    sp = k3jax.SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    tpots = {label: [] for label, _ in gens}
+    for r in range(args.interleave):
+        for label, g in (gens if r % 2 == 0 else gens[::-1]):
+            tpots[label].append(g.generate(prompts, sp).timings.tpot_s)
+    rows = []
+    for label, ts in tpots.items():
+        tpot = statistics.median(ts)
+        rows.append({**({"variant": label} if label else {}), "batch": b, "prompt_len": args.prompt_len,
+                     "new_tokens": args.new_tokens, "interleaved_rounds": args.interleave, "tpot_ms": tpot * 1e3,
+                     "tok_per_s": b / tpot, "tpot_all_ms": [t * 1e3 for t in ts]})
+        print(f"interleaved {label or 'base'} batch {b}: TPOT {tpot * 1e3:.3f} ms "
+              f"(min {min(ts) * 1e3:.3f}, max {max(ts) * 1e3:.3f} over {len(ts)})", flush=True)
+    return rows
+
+
 def profile(gen, prompts, tag: str) -> dict:
     """One generate call of 16 decode steps (one chunk) under the profiler -> category summary."""
     out_dir = os.environ.get("OUT", "/tmp")
@@ -233,6 +255,10 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="*", default=[],
                     help="more option sets timed on the same weights after the base one, each as "
                          "opt=value[,opt=value...], e.g. shared=auto,mla_absorb=pallas norm=fused")
+    ap.add_argument("--interleave", type=int, default=0, metavar="R",
+                    help="with --variants: then R rounds of one timed call per option set in turn on the same "
+                         "prompts (rows marked interleaved_rounds), so the sets are compared without the order "
+                         "in which they were timed")
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
     variants = [parse_variant(v) for v in args.variants]   # bad option names fail before the weights are built
@@ -247,6 +273,7 @@ def main(argv=None) -> int:
     for b in args.batch:   # written after every row, so a run cut short keeps what it measured
         rows.append(decode_row(gen, cfg, b, args, dtype_bytes, rng))
         write(name, {"benchmark": "decode", "env": environment(), "rows": rows, "partial": True})
+    kept = [("", gen)]
     for label, impls in variants:
         if _DUMP:   # the summary maps kernels to scopes through this variant's own HLO
             for old in glob.glob(os.path.join(_DUMP, "*.txt")):
@@ -255,7 +282,13 @@ def main(argv=None) -> int:
         for b in args.batch:
             rows.append({"variant": label, **decode_row(vgen, cfg, b, args, dtype_bytes, rng, tag=label)})
             write(name, {"benchmark": "decode", "env": environment(), "rows": rows, "partial": True})
+        if args.interleave:
+            kept.append((label, vgen))   # compiled already: the rounds below reuse it
         del vgen
+    for b in args.batch if args.interleave and len(kept) > 1 else ():
+        rows.extend(interleaved_rows(kept, cfg, b, args, rng))
+        write(name, {"benchmark": "decode", "env": environment(), "rows": rows, "partial": True})
+    del kept
     pre = [prefill_row(gen, cfg, spec, rng) for spec in args.prefill]
     record = {"benchmark": "decode", "model": args.model, "dtype": args.dtype, "moe_impl": cfg.moe.impl,
               "gmm_impl": cfg.moe.gmm_impl, "kda_impl": cfg.kda.impl, "kda_decode_impl": cfg.kda.decode_impl,
@@ -264,7 +297,7 @@ def main(argv=None) -> int:
               "prefill": pre}
     path = write(name, record)
     print(table(rows, ["variant", "batch", "prompt_len", "tpot_ms", "tok_per_s", "floor_ms", "ratio_to_floor", "mbu_achievable",
-                       "prefill_ms", "first_call_s"]))
+                       "prefill_ms", "first_call_s"] + (["interleaved_rounds"] if args.interleave else [])))
     if pre:
         print(table(pre, ["batch", "prompt_len", "prefill_ms", "tok_per_s", "first_call_s"]))
     print(f"wrote {path}")

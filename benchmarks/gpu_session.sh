@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-sweep decode-overhead decode-before checkpoint-read kda kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-overhead decode-before checkpoint-read kda kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -34,6 +34,9 @@ for step in "$@"; do
               | quiet | tee "$W/decode.log" ;;
     decode-fast) OUT=$W timeout ${DECODE_LIMIT:-360} python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --batch ${DECODE_BATCH:-1 64} --new-tokens 32 --profile ${DECODE_ARGS:-} --name decode_fast 2>&1 | quiet | tee "$W/decode.log" ;;
+    decode-ab) OUT=$W timeout ${DECODE_LIMIT:-300} python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
+              --kernels pallas --moe auto --batch ${DECODE_BATCH:-1} --new-tokens ${DECODE_TOKENS:-32} --repeats 1 \
+              --interleave ${DECODE_ROUNDS:-10} --name decode_ab ${DECODE_ARGS:-} 2>&1 | quiet | tee "$W/decode_ab.log" ;;
     decode-sweep) OUT=$W timeout ${DECODE_LIMIT:-500} python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --batch ${DECODE_BATCH:-1 8 32 64 128 256} --new-tokens 32 --name decode_sweep \
               2>&1 | quiet | grep -v "^ *@" | tee "$W/decode_sweep.log" ;;
