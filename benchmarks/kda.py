@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, write  # noqa: E402
 from pallas_kernels._util import default_interpret  # noqa: E402
 from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_chunk_xla,  # noqa: E402
-                                kda_decode_pallas, kda_decode_xla)
+                                kda_decode_pallas, kda_decode_xla, value_blocks_fit)
 from pallas_kernels.kda.chunk import chunk_inter, chunk_intra, kda_chunk_pallas, to_chunks  # noqa: E402
 
 
@@ -173,7 +173,7 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         by_launch, errs = {}, {}
         for nwarps in warps:
             for split in splits:
-                if split and (kd % split or kd // split < 16):   # not whole blocks of >= 16 columns
+                if split and not value_blocks_fit(kd, split):
                     continue
                 blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split)
                 label = f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")

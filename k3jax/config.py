@@ -15,7 +15,7 @@ from k3jax.layers.activation import Activation
 from k3jax.layers.attn_res import ATTN_RES_IMPLS, AttnResImpl
 from k3jax.layers.mla_attention import MLA_DECODE_IMPLS, MLA_PREFILL_IMPLS, MLADecodeImpl, MLAPrefillImpl
 from k3jax.layers.moe_experts import EXPERT_IMPLS, ExpertImpl
-from pallas_kernels.kda import KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl
+from pallas_kernels.kda import KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl, value_blocks_fit
 from pallas_kernels.moe_gmm import GMM_IMPLS, GmmImpl
 from pallas_kernels.rms_norm import NORM_IMPLS, NormImpl
 from pallas_kernels.router import ROUTER_IMPLS, RouterImpl
@@ -73,7 +73,7 @@ class KDAConfig:
         require_choice(self.decode_split, KDA_DECODE_SPLITS, "kda.decode_split")
         if self.decode_split != "auto":
             blocks = int(self.decode_split)
-            require(self.head_dim % blocks == 0 and self.head_dim // blocks >= 16, "kda.decode_split",
+            require(value_blocks_fit(self.head_dim, blocks), "kda.decode_split",
                     f"{blocks} column blocks of a {self.head_dim}-wide head are not whole blocks of >= 16 columns")
         require(self.a_log_policy in A_LOG_POLICIES, "kda.a_log_policy",
                  f"expected one of {A_LOG_POLICIES}, got {self.a_log_policy!r}")

@@ -11,7 +11,7 @@ from pallas_kernels.kda.ops import (KDA_DECODE_IMPLS, KDA_IMPLS, KDA_VARLEN_IMPL
                                     kda, kda_decode, kda_varlen)
 from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
 from pallas_kernels.kda.reference import kda_recurrent_reference, kda_varlen_reference, validate_inputs
-from pallas_kernels.kda.tuning import ChunkBlocks, DecodeBlocks
+from pallas_kernels.kda.tuning import ChunkBlocks, DecodeBlocks, value_blocks_fit
 from pallas_kernels.kda.varlen import kda_varlen_pallas
 
 __all__ = [
@@ -19,7 +19,7 @@ __all__ = [
     "kda", "kda_varlen", "kda_decode", "kda_decode_steps", "kda_verify_outputs", "KDAImpl", "KDA_IMPLS",
     "KDAVarlenImpl", "KDA_VARLEN_IMPLS", "KDADecodeImpl", "KDA_DECODE_IMPLS",
     # Arguments and launch settings
-    "KDADecodeInputs", "KDADecodeWeights", "ChunkBlocks", "DecodeBlocks",
+    "KDADecodeInputs", "KDADecodeWeights", "ChunkBlocks", "DecodeBlocks", "value_blocks_fit",
     # Implementations
     "kda_recurrent_reference", "kda_varlen_reference", "kda_chunk_xla", "kda_chunk_pallas", "kda_varlen_pallas", "kda_decode_xla", "kda_decode_pallas",
     "kda_decode_steps_pallas",

@@ -138,12 +138,12 @@ def _steps_kernel(keep_ref, x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_r
 
 
 def _weight_specs(weights: KDADecodeWeights, h: int, kd: int) -> tuple[pl.BlockSpec, pl.BlockSpec, pl.BlockSpec]:
-    """Grid (row, head) blocks of one conv tap array ([W, K] of the head), dt_bias and a_log (the
-    head's row, or the one row every head shares)."""
+    """Grid (row, head, ...) blocks of one conv tap array ([W, K] of the head), dt_bias and a_log (the
+    head's row, or the one row every head shares); later grid axes (column blocks) do not move them."""
     a_rows, a_cols = weights.a_log.shape
-    return (pl.BlockSpec((weights.q_conv.shape[0], None, kd), lambda i, j: (0, j, 0)),
-            pl.BlockSpec((None, kd), lambda i, j: (j, 0)),
-            pl.BlockSpec((None, a_cols), (lambda i, j: (j, 0)) if a_rows == h else (lambda i, j: (0, 0))))
+    return (pl.BlockSpec((weights.q_conv.shape[0], None, kd), lambda i, j, *_: (0, j, 0)),
+            pl.BlockSpec((None, kd), lambda i, j, *_: (j, 0)),
+            pl.BlockSpec((None, a_cols), (lambda i, j, *_: (j, 0)) if a_rows == h else (lambda i, j, *_: (0, 0))))
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
@@ -214,10 +214,9 @@ def _decode_split(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state
     b, _, h, kd = inputs.x_qkv.shape
     width = weights.q_conv.shape[0]
     bv = kd // splits
-    a_rows, a_cols = weights.a_log.shape
     head = lambda i, j, c: (i, 0, j, 0)
     conv_spec = pl.BlockSpec((None, width - 1, 3, None, kd), lambda i, j, c: (i, 0, 0, j, 0))
-    tap = pl.BlockSpec((width, None, kd), lambda i, j, c: (0, j, 0))
+    tap, dt_spec, a_spec = _weight_specs(weights, h, kd)
     state_spec = pl.BlockSpec((None, None, kd, bv), lambda i, j, c: (i, j, 0, c))
     kernel = functools.partial(_split_kernel, width=width, block_v=bv, lower_bound=weights.lower_bound, scale=scale)
     raw, new_conv, new_state = pl.pallas_call(
@@ -228,8 +227,7 @@ def _decode_split(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state
             conv_spec,                                                                # conv_state
             tap, tap, tap,                                                            # q, k, v conv
             pl.BlockSpec((None, None, kd), lambda i, j, c: (i, j, 0)),                # f
-            pl.BlockSpec((None, kd), lambda i, j, c: (j, 0)),                         # dt_bias
-            pl.BlockSpec((None, a_cols), (lambda i, j, c: (j, 0)) if a_rows == h else (lambda i, j, c: (0, 0))),
+            dt_spec, a_spec,                                                          # dt_bias, a_log
             pl.BlockSpec((None, None), lambda i, j, c: (i, j)),                       # beta_logit
             state_spec,                                                               # state
         ],

@@ -6,6 +6,13 @@ from dataclasses import dataclass
 
 
 VALUE_BLOCK_CHOICES = (1, 2, 4, 8)
+MIN_BLOCK_COLUMNS = 16
+
+
+def value_blocks_fit(value_dim: int, blocks: int) -> bool:
+    """Whether `blocks` column blocks cut a head of value_dim columns into whole blocks of at least
+    MIN_BLOCK_COLUMNS columns."""
+    return value_dim % blocks == 0 and value_dim // blocks >= MIN_BLOCK_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,7 @@ class DecodeBlocks:
     def value_blocks_for(self, rows: int, heads: int, value_dim: int) -> int:
         """The column blocks per head for a [rows, heads, K, value_dim] state (blocks of >= 16
         columns)."""
-        fits = [n for n in VALUE_BLOCK_CHOICES if value_dim % n == 0 and value_dim // n >= 16]
+        fits = [n for n in VALUE_BLOCK_CHOICES if value_blocks_fit(value_dim, n)]
         if self.value_blocks:
             if self.value_blocks not in fits:
                 raise ValueError(f"kda_decode: value_blocks={self.value_blocks} does not split V={value_dim} into "
