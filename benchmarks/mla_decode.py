@@ -2,12 +2,16 @@
 
     python benchmarks/mla_decode.py                          # on the H200: Triton-lowered and Hopper kernels
     python benchmarks/mla_decode.py --impl hopper --q 1 4    # the Hopper kernel, one and four query tokens
+    python benchmarks/mla_decode.py --impl hopper --splits 0 2 4 --profile   # split counts, device time per kernel
     python benchmarks/mla_decode.py --small                  # CPU smoke run (interpret mode, Triton form)
 
 bf16 cache [B, ctx, 576] (512 latent + 64 rope), q query tokens per row, every row at full
 length. `ms` is the time per call with 20 calls chained in one compiled loop (the host's dispatch
-amortised), `host_ms` one call timed from the host. TB/s counts the cache bytes read once (the
-floor); outputs are checked against the reference in the same run.
+amortised, but each loop iteration waits on the host for its condition), `call_ms` the same 20 calls
+unrolled in one program (no loop), `host_ms` one call timed from the host. TB/s counts the cache bytes read once (the
+floor); outputs are checked against the reference in the same run. `--profile` adds the device
+time of each kernel a call launches (a profiler trace): `kernel_ms` is the longest (the attention
+kernel), `device_ms` all of them (with the query layout and the split merge).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import HBM_ACHIEVABLE, chained_time, environment, median_time, table, write  # noqa: E402
+from benchmarks.kernel_profile import kernel_times  # noqa: E402
 from pallas_kernels.mla_decode import MLADecodeBlocks, mla_decode_pallas, mla_decode_reference  # noqa: E402
 from pallas_kernels.mla_decode.hopper import HopperMLABlocks, mla_decode_hopper  # noqa: E402
 
@@ -61,11 +66,16 @@ def main(argv=None) -> int:
     ap.add_argument("--num-warps", type=int, default=4)
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="try launch settings at B x ctx = 64 x 4K first")
-    ap.add_argument("--impl", nargs="+", default=["triton", "hopper"], choices=["triton", "hopper", "hopper-dup"],
-                    help="hopper-dup: the Hopper kernel with both compute warpgroups scoring each block")
+    ap.add_argument("--impl", nargs="+", default=["triton", "hopper"],
+                    choices=["triton", "hopper", "hopper-alternate", "hopper-each"],
+                    help="hopper: the Hopper kernel (warpgroup 0 scores every block); -alternate: the warpgroups "
+                         "take turns; -each: both score every block")
     ap.add_argument("--q", nargs="+", type=int, default=[1], help="query tokens per row")
     ap.add_argument("--shapes", nargs="*", default=None, help="HxBxCTX entries, e.g. 32x64x4096")
     ap.add_argument("--name", default=None, help="name of the JSON record (default mla_decode)")
+    ap.add_argument("--splits", nargs="+", type=int, default=[0],
+                    help="Hopper kernel: sequence splits per row to try (0 = its own choice)")
+    ap.add_argument("--profile", action="store_true", help="device time per kernel of each call (profiler trace)")
     args = ap.parse_args(argv)
     if args.sweep:
         best = sweep(args.iters)
@@ -81,10 +91,12 @@ def main(argv=None) -> int:
                              num_stages=args.num_stages)
     rows = []
     scale = 192 ** -0.5
-    kernels = {"triton": lambda q, qp, c, n: mla_decode_pallas(q, qp, c, n, scale=scale, blocks=blocks),
-               "hopper": lambda q, qp, c, n: mla_decode_hopper(q, qp, c, n, scale=scale),
-               "hopper-dup": lambda q, qp, c, n: mla_decode_hopper(q, qp, c, n, scale=scale,
-                                                                   blocks=HopperMLABlocks(shared_scores=False))}
+    kernels = {("triton", 0): lambda q, qp, c, n: mla_decode_pallas(q, qp, c, n, scale=scale, blocks=blocks)}
+    for n_splits in args.splits:
+        for impl, scoring in (("hopper", "first"), ("hopper-alternate", "alternate"), ("hopper-each", "each")):
+            hb = HopperMLABlocks(num_splits=n_splits, scoring=scoring)
+            kernels[impl, n_splits] = lambda q, qp, c, n, hb=hb: mla_decode_hopper(q, qp, c, n, scale=scale, blocks=hb)
+    runs = [(impl, n) for impl in impls for n in ([0] if impl == "triton" else args.splits)]
     ref = jax.jit(lambda q, qp, c, n: mla_decode_reference(q, qp, c, n, scale=scale))
     for h, b, ctx in grid:
         ks = jax.random.split(jax.random.key(ctx + b + h), 3)
@@ -94,25 +106,35 @@ def main(argv=None) -> int:
             q = jax.random.normal(ks[0], (b, sq, h, r), jnp.bfloat16)
             qp = jax.random.normal(ks[1], (b, sq, h, p), jnp.bfloat16)
             expect = ref(q, qp, cache, lengths)
-            for impl in impls:
-                fn = jax.jit(kernels[impl])
+            for impl, n_splits in runs:
+                kernel = kernels[impl, n_splits]
+                fn = jax.jit(kernel)
                 try:
                     host, _ = median_time(lambda: fn(q, qp, cache, lengths), iters=args.iters)
-                    t = chained_time(kernels[impl], (q, qp, cache, lengths), iters=max(3, args.iters // 5))
+                    t = chained_time(kernel, (q, qp, cache, lengths), iters=max(3, args.iters // 5))
+                    t_call = chained_time(kernel, (q, qp, cache, lengths), iters=max(3, args.iters // 5), unroll=True)
+                    per_kernel = kernel_times(kernel, (q, qp, cache, lengths)) if args.profile else {}
                 except Exception as e:  # noqa: BLE001 - report and go on to the next shape
                     print(f"{impl} H={h} B={b} ctx={ctx} q={sq}: failed: {str(e)[:300]}", flush=True)
                     continue
                 out = fn(q, qp, cache, lengths)
                 err = float(jnp.linalg.norm(out - expect) / jnp.linalg.norm(expect))
                 nbytes = b * ctx * (r + p) * 2
-                row = {"impl": impl, "H": h, "B": b, "ctx": ctx, "q": sq, "ms": t * 1e3, "host_ms": host * 1e3,
-                       "TB_s": nbytes / t / 1e12,
-                       "pct_4.3TB_s": nbytes / t / HBM_ACHIEVABLE * 100, "err_vs_ref": err}
+                row = {"impl": impl, "splits": n_splits, "H": h, "B": b, "ctx": ctx, "q": sq, "ms": t * 1e3,
+                       "host_ms": host * 1e3, "TB_s": nbytes / t / 1e12,
+                       "pct_4.3TB_s": nbytes / t / HBM_ACHIEVABLE * 100, "call_ms": t_call * 1e3,
+                       "call_pct_4.3TB_s": nbytes / t_call / HBM_ACHIEVABLE * 100, "err_vs_ref": err}
+                if per_kernel:
+                    kernel_us = max(per_kernel.values())
+                    row.update({"kernel_ms": kernel_us / 1e3, "device_ms": sum(per_kernel.values()) / 1e3,
+                                "kernel_pct_4.3TB_s": nbytes / (kernel_us * 1e-6) / HBM_ACHIEVABLE * 100,
+                                "kernels_us": {k: round(v, 2) for k, v in per_kernel.items()}})
                 rows.append(row)
                 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     record = {"benchmark": "mla_decode", "env": environment(), "blocks": vars(args), "rows": rows}
     path = write(args.name or "mla_decode" + ("_small" if args.small else ""), record)
-    print(table(rows, ["impl", "H", "B", "ctx", "q", "ms", "host_ms", "TB_s", "pct_4.3TB_s", "err_vs_ref"]))
+    print(table(rows, ["impl", "splits", "H", "B", "ctx", "q", "ms", "host_ms", "pct_4.3TB_s", "call_ms",
+                       "call_pct_4.3TB_s", "kernel_ms", "device_ms", "kernel_pct_4.3TB_s", "err_vs_ref"]))
     print(f"wrote {path}")
     return 0
 

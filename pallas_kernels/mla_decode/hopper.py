@@ -1,16 +1,18 @@
 """Absorbed MLA decode for Hopper, in Pallas Mosaic GPU (warpgroup MMA, TMA, warp specialisation).
 
-One program per (query tile, sequence split, row). A query tile is 64 query rows (heads x query
+One program per (row, sequence split, query tile). A query tile is 64 query rows (heads x query
 tokens, row t * H + h), the M side of one warpgroup MMA, so every head of a tile shares one read of
-the cache; rows past H x Sq are padding. Three warpgroups:
+the cache; rows past H x Sq are padding. The tiles of one (row, split) are launched next to each
+other, so when there are several (H x Sq > 64) the later ones find the cache blocks in L2. Three
+warpgroups:
 
 * the memory warpgroup copies the tile's queries once and then the split's cache blocks
   ([block_kv, R + P] each) into a ring of `stages` shared-memory buffers (TMA, one barrier per
   buffer), reusing a buffer once both compute warpgroups have released it;
 * compute warpgroup 0 scores the block (Q [64, R + P] @ K^T, fp32) and runs the online softmax in
   the exp2 domain; it hands the bf16 probabilities and the rescale factor to warpgroup 1 through
-  one shared-memory buffer guarded by a ready / free barrier pair (`shared_scores`; otherwise both
-  score the block);
+  one shared-memory buffer guarded by a ready / free barrier pair (`HopperMLABlocks.scoring` names
+  the other arrangements: the two taking turns, or both scoring every block);
 * each compute warpgroup accumulates P @ V for its half of the R output columns in registers
   ([64, R / 2] fp32: the whole [64, R] would not fit one warpgroup's registers).
 
@@ -47,19 +49,38 @@ _SMEM_BYTES = 227 * 1024  # shared memory one H100/H200 block may take
 _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (measured: ~1.6 KB)
 
 
+SCORINGS = ("alternate", "first", "each")
+
+
 @dataclass(frozen=True)
 class HopperMLABlocks:
     """Launch settings: cache slots per block, buffers in flight, splits along the sequence
-    (0 = enough programs for one wave over `sms` multiprocessors), and who scores a block:
-    `shared_scores` = warpgroup 0 alone, passing the probabilities to warpgroup 1 through shared
-    memory (one Q K^T per block); False = each compute warpgroup scores it itself (twice the
-    score MMAs, no hand-off)."""
+    (0 = enough programs for one wave over `sms` multiprocessors), and who scores a block (Q K^T
+    and the online softmax):
+
+    * "first" (default): warpgroup 0 scores every block and hands the bf16 probabilities and the
+      rescale factor to warpgroup 1 through shared memory;
+    * "alternate": the two compute warpgroups take turns (even blocks warpgroup 0, odd ones 1), each
+      handing its probabilities, rescale factor and running maximum to the other; a warpgroup issues
+      the score MMA of its next block before it waits for the other's probabilities. Exact, but on
+      the H200 it ran at half the speed of "first" (both warpgroups then hold a score tile beside
+      their [64, 256] fp32 accumulator, and ptxas spills 1.3 KB per thread);
+    * "each": both score every block themselves (twice the score MMAs, no hand-off).
+    """
 
     block_kv: int = 64
     stages: int = 2
     num_splits: int = 0
-    shared_scores: bool = True
+    scoring: str = "first"
     sms: int = 132
+
+    def __post_init__(self):
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"HopperMLABlocks: scoring must be one of {SCORINGS}, got {self.scoring!r}")
+
+    @property
+    def shares_probabilities(self) -> bool:
+        return self.scoring != "each"
 
     def splits_for(self, programs: int, slots: int) -> int:
         if self.num_splits:
@@ -67,26 +88,31 @@ class HopperMLABlocks:
         return max(1, min(self.sms // max(1, programs), slots // (2 * self.block_kv)))
 
 
-def _kernel(len_ref, q_ref, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv, stages, split_len, scale, shared):
-    (q_or_out, kv_smem, p_smem, alpha_smem, stat_smem), (q_bar, kv_bars, p_ready, p_free), consumed, done = scoped
-    q_smem, out_smem = q_or_out        # the query tile, then (after both warpgroups are done) the output
+def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv, stages, split_len, scale, scoring,
+            n_slots, q_copy_rows):
+    (q_or_out, kv_smem, p_smem, alpha_smem, m_smem), (q_bar, kv_bars, ready, p_free), consumed, done = scoped
+    (q_lat_smem, q_pe_smem), out_smem = q_or_out   # the query tile, then (both warpgroups done) the output
     tile, split, row = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("row")
     wg = lax.axis_index("wg")
-    length = len_ref[row]
+    length = jnp.minimum(len_ref[row], n_slots)
     start = split * split_len
     stop = jnp.minimum(start + split_len, length)
     n_blocks = jnp.maximum(0, (stop - start + bkv - 1) // bkv)
     half = r // 2
     layout = plgpu.Layout.WGMMA
+    row_layout = layout.reduce(1)
 
-    def scores(slot, i, limit, cols, m, l):
-        """Scores of block i (Q K^T, fp32), masked, and the online-softmax step (base 2)."""
-        def mma(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].transpose((1, 0)))
-            return acc_ref[...]
+    def issue_scores(s_ref, slot):
+        plgpu.wgmma(s_ref, q_lat_smem, kv_smem.at[slot, :, pl.ds(0, r)].transpose((1, 0)))
+        plgpu.wgmma(s_ref, q_pe_smem, kv_smem.at[slot, :, pl.ds(r, q_pe_smem.shape[1])].transpose((1, 0)))
 
-        s = pl.run_scoped(mma, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
-        s = jnp.where(start + i * bkv + cols <= limit, s * (scale * _LOG2E), _NEG)
+    def softmax(s, i, limit, m, l):
+        """Block i's scores (fp32, Q K^T) masked, and the online-softmax step (base 2). `limit` [64]
+        is each query row's last visible slot; the [64, bkv] mask is rebuilt per block (keeping it
+        live across blocks would cost registers the accumulators need)."""
+        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=layout)
+        visible = start + i * bkv + cols <= lax.broadcast_in_dim(limit, s.shape, [0])
+        s = jnp.where(visible, s * (scale * _LOG2E), _NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -100,70 +126,157 @@ def _kernel(len_ref, q_ref, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv,
         @pl.when(base + bkv > length)
         def _():
             v_ref = kv_smem.at[slot, :, pl.ds(w * half, half)]
-            v = plgpu.load(v_ref, (), layout=layout)
+            v = plgpu.load(v_ref, layout=layout)
             slots = base + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=layout)
             v_ref[...] = jnp.where(slots < length, v, jnp.zeros_like(v))
             plgpu.commit_smem()
 
-    def compute(w):
-        plgpu.barrier_wait(q_bar)
-        scorer = w == 0 or not shared
+    def add_values(acc, alpha, p, slot, w):
+        """acc * alpha + P @ V over this warpgroup's half of the value columns (P in registers or
+        shared memory); waits for every MMA this warpgroup has in flight."""
+        def values(acc_ref):
+            plgpu.wgmma(acc_ref, p, kv_smem.at[slot, :, pl.ds(w * half, half)])
+
+        return pl.run_state(values)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [0])))
+
+    def publish(p, alpha, m, other):
+        """Hands block probabilities, the rescale factor and the running maximum to `other`."""
+        p_smem[...] = p
+        alpha_smem[...] = alpha
+        m_smem[...] = m
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ready.at[other])
+
+    def receive(w):
+        plgpu.barrier_wait(ready.at[w])
+        return plgpu.load(alpha_smem, layout=row_layout), plgpu.load(m_smem, layout=row_layout)
+
+    def row_sums_meet(w, l):
+        """Once both warpgroups are past their loops (every hand-off taken, no more reads of the query
+        tile): each posts its row sum (warpgroup w in the hand-off buffer w) and reads the other's."""
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+        (alpha_smem if w == 0 else m_smem)[...] = l
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+        return plgpu.load(m_smem if w == 0 else alpha_smem, layout=row_layout)
+
+    def finish(w, acc, m, l):
+        """Normalise, write this warpgroup's half of the output and (warpgroup 0) the log-sum-exp
+        (staged in the hand-off buffer 1, which warpgroup 1 no longer reads). `l` is the row sum
+        both warpgroups agree on."""
+        seen = l > 0
+        inv = 1.0 / jnp.where(seen, l, 1.0)
+        out_smem.at[w][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_smem.dtype)
+        if w == 0:
+            m_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), _NEG)
+        plgpu.commit_smem()
+        rows = pl.ds(tile * TILE_ROWS, TILE_ROWS)
+        plgpu.copy_smem_to_gmem(out_smem.at[w], o_ref.at[row, split, rows, pl.ds(w * half, half)])
+        if w == 0:
+            plgpu.copy_smem_to_gmem(m_smem, lse_ref.at[row, split, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    def start_state():
         q_rows = tile * TILE_ROWS + plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, bkv), 0, layout=layout)
-        limit = length - sq + jnp.minimum(q_rows // heads, sq - 1)     # last visible slot of each query row
-        cols = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, bkv), 1, layout=layout)
-        m = plgpu.layout_cast(jnp.full((TILE_ROWS,), _NEG, jnp.float32), layout.reduce(1))
-        l = plgpu.layout_cast(jnp.zeros((TILE_ROWS,), jnp.float32), layout.reduce(1))
+        limit = (length - sq + jnp.minimum(q_rows // heads, sq - 1)).max(axis=1)   # each query row's last slot
+        m = plgpu.layout_cast(jnp.full((TILE_ROWS,), _NEG, jnp.float32), row_layout)
+        l = plgpu.layout_cast(jnp.zeros((TILE_ROWS,), jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout)
+        return limit, acc, m, l
+
+    def compute_one_scorer(w):
+        """"first" (warpgroup 0 scores every block) and "each" (both do)."""
+        plgpu.barrier_wait(q_bar)
+        shared = scoring == "first"
+        scorer = w == 0 or not shared
+        limit, acc, m, l = start_state()
 
         def step(i, carry):
             acc, m, l = carry
             slot = lax.rem(i, stages)
             plgpu.barrier_wait(kv_bars.at[slot])
             if scorer:
-                p, alpha, m, l = scores(slot, i, limit, cols, m, l)
+                def mma(s_ref):
+                    issue_scores(s_ref, slot)
+                    return s_ref[...]
+
+                s = pl.run_scoped(mma, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
+                p, alpha, m, l = softmax(s, i, limit, m, l)
                 if shared:                       # hand the probabilities and the rescale to warpgroup 1
                     @pl.when(i > 0)
                     def _():
                         plgpu.barrier_wait(p_free)   # warpgroup 1 is done with the previous block's
 
-                    p_smem[...] = p
-                    alpha_smem[...] = alpha
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(p_ready)
+                    publish(p, alpha, m, 1)
             else:
-                plgpu.barrier_wait(p_ready)
+                alpha, m = receive(w)
                 p = p_smem
-                alpha = plgpu.load(alpha_smem, (), layout=layout.reduce(1))
             zero_tail(slot, i, w)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-            def values(acc_ref):
-                plgpu.wgmma(acc_ref, p, kv_smem.at[slot, :, pl.ds(w * half, half)])
-
-            acc = pl.run_state(values)(plgpu.ACC.init(acc))
+            acc = add_values(acc, alpha, p, slot, w)
             if not scorer:
                 plgpu.barrier_arrive(p_free)
             plgpu.barrier_arrive(consumed.at[slot])
             return acc, m, l
 
         acc, m, l = lax.fori_loop(0, n_blocks, step, (acc, m, l))
-        if shared and w == 0:
-            stat_smem[...] = l
-        plgpu.barrier_arrive(done)          # both warpgroups are past their last read of q_smem
-        plgpu.barrier_wait(done)
-        if shared and w == 1:
-            l = plgpu.load(stat_smem, (), layout=layout.reduce(1))
-        seen = l > 0
-        inv = 1.0 / jnp.where(seen, l, 1.0)
-        out_smem.at[w][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_smem.dtype)
-        if w == 0:
-            alpha_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), _NEG)
-        plgpu.commit_smem()
-        rows = pl.ds(tile * TILE_ROWS, TILE_ROWS)
-        plgpu.copy_smem_to_gmem(out_smem.at[w], o_ref.at[row, split, rows, pl.ds(w * half, half)])
-        if w == 0:
-            plgpu.copy_smem_to_gmem(alpha_smem, lse_ref.at[row, split, rows])
-        plgpu.wait_smem_to_gmem(0)
+        other_l = row_sums_meet(w, l)
+        if shared and w == 1:               # warpgroup 1 never scored: warpgroup 0's sum is the row's
+            l = other_l
+        finish(w, acc, m, l)
+
+    def compute_alternating(w):
+        """"alternate": warpgroup w scores blocks w, w + 2, ...; before scoring its next block it takes
+        the other's previous one (probabilities from shared memory) into its half of the output."""
+        plgpu.barrier_wait(q_bar)
+        other = 1 - w
+        limit, acc, m, l = start_state()
+
+        def take_other(i, acc, m, l):
+            """Block i, scored by the other warpgroup: rescale and add its P @ V for this half."""
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(kv_bars.at[slot])
+            alpha, m = receive(w)
+            zero_tail(slot, i, w)
+            acc = add_values(acc, alpha, p_smem, slot, w)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc, m, l * alpha
+
+        def own(k, carry, take_previous=True):
+            """Block 2k + w: its score MMA is issued first and runs while this warpgroup waits for
+            (and takes) the other's block 2k + w - 1; then its softmax, hand-off and P @ V."""
+            acc, m, l = carry
+            i = 2 * k + w
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(kv_bars.at[slot])
+
+            def overlapped(s_ref):
+                issue_scores(s_ref, slot)
+                taken = take_other(i - 1, acc, m, l) if take_previous else (acc, m, l)
+                return (s_ref[...], *taken)
+
+            s, acc, m, l = pl.run_scoped(overlapped, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
+            p, alpha, m, l = softmax(s, i, limit, m, l)
+            publish(p, alpha, m, other)          # the other takes it before its next block (or at the end)
+            zero_tail(slot, i, w)
+            acc = add_values(acc, alpha, p, slot, w)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc, m, l
+
+        count = (n_blocks - w + 1) // 2          # blocks w, w + 2, ... below n_blocks
+        carry = (acc, m, l)
+        if w == 0:                               # block 0 has no previous block to take
+            carry = lax.fori_loop(0, jnp.minimum(count, 1), functools.partial(own, take_previous=False), carry)
+            carry = lax.fori_loop(1, count, own, carry)
+        else:
+            carry = lax.fori_loop(0, count, own, carry)
+        last_is_other = (n_blocks > 0) & (lax.rem(n_blocks, 2) == w)     # block n - 1 scored by the other
+        acc, m, l = lax.fori_loop(0, last_is_other.astype(jnp.int32),
+                                  lambda _, c: take_other(n_blocks - 1, *c), carry)
+        finish(w, acc, m, l + row_sums_meet(w, l))
+
+    compute = compute_alternating if scoring == "alternate" else compute_one_scorer
 
     @pl.when(wg < 2)
     def _compute():
@@ -174,7 +287,15 @@ def _kernel(len_ref, q_ref, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv,
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        plgpu.copy_gmem_to_smem(q_ref.at[row, pl.ds(tile * TILE_ROWS, TILE_ROWS)], q_smem, q_bar)
+        # The tile's q_lat and q_pe, from one laid-out array or two; rows past the last one are zeros
+        # (out of bounds) or left as they are: padding either way.
+        rows = pl.ds(tile * TILE_ROWS, q_copy_rows)
+        if len(q_refs) == 1:
+            lat_src, pe_src = q_refs[0].at[row, rows, pl.ds(0, r)], q_refs[0].at[row, rows, pl.ds(r, q_pe_smem.shape[1])]
+        else:
+            lat_src, pe_src = q_refs[0].at[row, rows], q_refs[1].at[row, rows]
+        plgpu.copy_gmem_to_smem(lat_src, q_lat_smem.at[pl.ds(0, q_copy_rows)], q_bar)
+        plgpu.copy_gmem_to_smem(pe_src, q_pe_smem.at[pl.ds(0, q_copy_rows)], q_bar)
 
         @pl.loop(0, n_blocks)
         def _load(i):
@@ -189,8 +310,9 @@ def _kernel(len_ref, q_ref, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv,
 
 def smem_bytes(width: int, blocks: HopperMLABlocks) -> int:
     """Shared memory of one program: the query tile, the cache ring and one block's probabilities
-    (bf16; `shared_scores` only), two per-row statistics (fp32)."""
-    p_cols = blocks.block_kv if blocks.shared_scores else 0
+    (bf16; not when each warpgroup scores for itself), two per-row statistics (fp32: the rescale
+    factor and running maximum handed over; at the end the row sums and the log-sum-exp)."""
+    p_cols = blocks.block_kv if blocks.shares_probabilities else 0
     return (2 * width * (TILE_ROWS + blocks.stages * blocks.block_kv) + 2 * TILE_ROWS * p_cols + 8 * TILE_ROWS
             + _SMEM_OVERHEAD)
 
@@ -204,6 +326,8 @@ def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks) -> str | None:
     if s % blocks.block_kv or r % 128 or width % 64 or blocks.block_kv % 64:
         return (f"cache length {s} must be a multiple of block_kv={blocks.block_kv} (itself of 64); "
                 f"R={r} a multiple of 128 and R + P={width} of 64")
+    if blocks.scoring == "alternate" and blocks.stages < 2:
+        return "scoring='alternate' needs stages >= 2 (a warpgroup scores block i before it takes block i - 1)"
     if smem_bytes(width, blocks) > _SMEM_BYTES:
         return (f"{smem_bytes(width, blocks)} bytes of shared memory for block_kv={blocks.block_kv}, "
                 f"stages={blocks.stages}; at most {_SMEM_BYTES}")
@@ -243,10 +367,16 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
     validate_inputs(q_lat, q_pe, cache, lengths)
     b, sq, h, r = q_lat.shape
     rows = sq * h
-    q = jnp.concatenate([q_lat, q_pe], axis=-1).reshape(b, rows, cache.shape[2]).astype(cache.dtype)
-    q = jnp.pad(q, ((0, 0), (0, query_rows(h, sq) - rows), (0, 0)))
-    o, lse = mla_decode_hopper_splits(q, cache, lengths, heads=h, sq=sq, latent_dim=r, scale=scale, blocks=blocks)
-    return combine_splits(o, lse)[:, :rows].reshape(b, sq, h, r)
+    if rows >= TILE_ROWS or rows % 8 == 0:   # the kernel reads q_lat and q_pe where they are
+        parts = tuple(x.reshape(b, rows, x.shape[-1]).astype(cache.dtype) for x in (q_lat, q_pe))
+        copy_rows = min(rows, TILE_ROWS)
+    else:                                    # fewer rows than a tile, not whole 8-row groups: lay them out
+        q = jnp.concatenate([q_lat, q_pe], axis=-1).reshape(b, rows, cache.shape[2]).astype(cache.dtype)
+        parts, copy_rows = (jnp.pad(q, ((0, 0), (0, query_rows(h, sq) - rows), (0, 0))),), TILE_ROWS
+    o, lse = _launch(parts, cache, lengths, heads=h, sq=sq, latent_dim=r, scale=scale, blocks=blocks,
+                     out_rows=query_rows(h, sq), q_copy_rows=copy_rows)
+    lat = o[:, 0].astype(jnp.float32) if o.shape[1] == 1 else combine_splits(o, lse)   # one split: normalised already
+    return lat[:, :rows].reshape(b, sq, h, r)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "sq", "latent_dim", "scale", "blocks"))
@@ -271,30 +401,43 @@ def mla_decode_hopper_splits(q, cache, lengths, *, heads: int, sq: int, latent_d
         raise ValueError(f"mla_decode_hopper: queries [{b}, >= {n_rows}, {width}] in {jnp.dtype(cache.dtype)} and "
                          f"lengths [{b}] needed for cache {cache.shape}; got {q.shape} {jnp.dtype(q.dtype)} and "
                          f"{lengths.shape}")
+    return _launch((q,), cache, lengths, heads=heads, sq=sq, latent_dim=r, scale=scale, blocks=blocks,
+                   out_rows=q.shape[1], q_copy_rows=TILE_ROWS)
+
+
+def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, out_rows, q_copy_rows):
+    """The kernel launch. q_parts: (rows [B, >= whole tiles, R + P],) laid out, or (q_lat [B, Sq*H, R],
+    q_pe [B, Sq*H, P]) copied side by side into each tile, `q_copy_rows` rows per copy (a whole tile,
+    or all rows when there are fewer)."""
+    b, s, width = cache.shape
+    r = latent_dim
     if (why := _refusal(cache.shape, cache.dtype, r, blocks)) is not None:
         raise ValueError(f"mla_decode_hopper: {why}")
     bkv = blocks.block_kv
-    tiles = n_rows // TILE_ROWS
-    out_rows = q.shape[1]
+    tiles = query_rows(heads, sq) // TILE_ROWS
     splits = blocks.splits_for(b * tiles, s)
     split_len = -(-(s // bkv) // splits) * bkv
     splits = -(-s // split_len)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = blocks.stages
     kernel = functools.partial(_kernel, heads=heads, sq=sq, r=r, bkv=bkv, stages=stages, split_len=split_len,
-                               scale=scale, shared=blocks.shared_scores)
+                               scale=scale, scoring=blocks.scoring, n_slots=s, q_copy_rows=q_copy_rows)
+    n_parts = len(q_parts)
 
-    def entry(len_ref, q_ref, c_ref, o_ref, lse_ref):
+    def entry(len_ref, *refs):
+        q_refs, (c_ref, o_ref, lse_ref) = refs[:n_parts], refs[n_parts:]
         pl.run_scoped(
-            lambda *scoped: kernel(len_ref, q_ref, c_ref, o_ref, lse_ref, scoped),
-            (plgpu.RefUnion(plgpu.SMEM((TILE_ROWS, width), cache.dtype, transforms=transforms),
+            lambda *scoped: kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped),
+            (plgpu.RefUnion((plgpu.SMEM((TILE_ROWS, r), cache.dtype, transforms=transforms),
+                             plgpu.SMEM((TILE_ROWS, width - r), cache.dtype, transforms=transforms)),
                             plgpu.SMEM((2, TILE_ROWS, r // 2), cache.dtype, transforms=transforms)),
              plgpu.SMEM((stages, bkv, width), cache.dtype, transforms=transforms),
-             (plgpu.SMEM((TILE_ROWS, bkv), cache.dtype, transforms=transforms) if blocks.shared_scores
-              else plgpu.SMEM((8,), jnp.float32)),                   # unused when both warpgroups score
-             plgpu.SMEM((TILE_ROWS,), jnp.float32),
-             plgpu.SMEM((TILE_ROWS,), jnp.float32)),
-            (plgpu.Barrier(), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(), plgpu.Barrier()),
+             (plgpu.SMEM((TILE_ROWS, bkv), cache.dtype, transforms=transforms) if blocks.shares_probabilities
+              else plgpu.SMEM((8,), jnp.float32)),                   # unused when each warpgroup scores
+             plgpu.SMEM((TILE_ROWS,), jnp.float32),                  # rescale factor handed over
+             plgpu.SMEM((TILE_ROWS,), jnp.float32)),                 # running maximum handed over
+            (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2),
+             plgpu.Barrier()),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
@@ -304,11 +447,13 @@ def mla_decode_hopper_splits(q, cache, lengths, *, heads: int, sq: int, latent_d
         entry,
         out_type=(jax.ShapeDtypeStruct((b, splits, out_rows, r), cache.dtype),
                   jax.ShapeDtypeStruct((b, splits, out_rows), jnp.float32)),
-        grid=(tiles, splits, b),
-        grid_names=("tile", "split", "row"),
+        # The last grid axis varies fastest in the launch order (Mosaic GPU maps it to blockIdx.x): the
+        # tiles of one (row, split) run side by side, so the second tile's cache reads hit L2.
+        grid=(b, splits, tiles),
+        grid_names=("row", "split", "tile"),
         num_threads=3,
         thread_name="wg",
         # Row reductions of the WGMMA layout stay within warps: no reduction scratch is needed.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-    )(jnp.minimum(lengths, s).astype(jnp.int32), q, cache)
+    )(lengths.astype(jnp.int32), *q_parts, cache)
     return o, lse

@@ -31,7 +31,13 @@ def _inputs(rng, b, sq, h, s, lengths, poison):
     return q, qp, clean, dirty
 
 
+VARIANTS = {"default": HopperMLABlocks(), "splits3": HopperMLABlocks(num_splits=3),
+            "splits1": HopperMLABlocks(num_splits=1), "alternate": HopperMLABlocks(scoring="alternate"),
+            "each": HopperMLABlocks(scoring="each"), "each_stages1": HopperMLABlocks(block_kv=128, stages=1, scoring="each")}
+
+
 @on_gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("b,sq,h,s,lengths", [
     (4, 1, 32, 1024, [1024, 700, 65, 3]),      # full, ragged, just past one block, shorter than a block
     (3, 1, 96, 512, [512, 300, 64]),           # 96 heads: two query tiles
@@ -39,14 +45,12 @@ def _inputs(rng, b, sq, h, s, lengths, poison):
     (2, 8, 16, 256, [256, 100]),               # eight query tokens, 16 heads
     (1, 1, 32, 8192, [8000]),                  # one row split over many programs
 ])
-def test_matches_reference_with_ragged_lengths_and_poisoned_tail(rng, b, sq, h, s, lengths):
+def test_matches_reference_with_ragged_lengths_and_poisoned_tail(rng, b, sq, h, s, lengths, variant):
     lengths = np.asarray(lengths, np.int32)
     q, qp, clean, dirty = _inputs(rng, b, sq, h, s, lengths, poison=True)
     ref = mla_decode_reference(q, qp, clean, jnp.asarray(lengths), scale=0.07)
-    for blocks in (HopperMLABlocks(), HopperMLABlocks(num_splits=3), HopperMLABlocks(shared_scores=False),
-                   HopperMLABlocks(block_kv=128, stages=1, shared_scores=False)):
-        out = mla_decode_hopper(q, qp, dirty, jnp.asarray(lengths), scale=0.07, blocks=blocks)
-        assert_close(f"{blocks}", out, ref, dtype="bfloat16")
+    out = mla_decode_hopper(q, qp, dirty, jnp.asarray(lengths), scale=0.07, blocks=VARIANTS[variant])
+    assert_close(variant, out, ref, dtype="bfloat16")
 
 
 @on_gpu
@@ -109,6 +113,11 @@ def test_rejects_what_it_cannot_run():
         mla_decode_hopper(q, qp, jnp.zeros((1, 128, 576), jnp.float32), jnp.array([3]), scale=1.0)
     with pytest.raises(ValueError, match="multiple of block_kv"):
         mla_decode_hopper(q, qp, jnp.zeros((1, 96, 576), jnp.bfloat16), jnp.array([3]), scale=1.0)
+    with pytest.raises(ValueError, match="stages >= 2"):
+        mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
+                          blocks=HopperMLABlocks(block_kv=128, stages=1, scoring="alternate"))
+    with pytest.raises(ValueError, match="scoring must be one of"):
+        HopperMLABlocks(scoring="both")
     with pytest.raises(ValueError, match="shared memory"):
         mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
                           blocks=HopperMLABlocks(block_kv=128, stages=2))
