@@ -66,9 +66,24 @@ def server(checkpoint):
     proc.wait(timeout=30)
 
 
+def _client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return _client(server)
+
+
+@pytest.fixture
+def fresh_client(server):
+    """A client with its own connection pool, for the tests that open many connections at once. A
+    pooled keep-alive connection left idle by an earlier test is closed by the server after 5 s
+    (uvicorn's keep-alive timeout); a request sent on it in that instant fails with "Server
+    disconnected without sending a response", and these clients do not retry."""
+    c = _client(server)
+    yield c
+    c.close()
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +192,9 @@ def test_bad_requests_get_openai_errors(client, server):
     assert err.value.code == 400 and "error" in json.loads(err.value.read())
 
 
-def test_a_full_queue_answers_429(client):
+def test_a_full_queue_answers_429(fresh_client):
+    client = fresh_client
+
     def one(i):
         try:
             client.completions.create(model=MODEL, prompt=f"flood {i}", max_tokens=200, temperature=0,
@@ -190,7 +207,8 @@ def test_a_full_queue_answers_429(client):
     assert codes.count(429) >= 1 and codes.count(200) >= 8 and set(codes) == {200, 429}
 
 
-def test_short_load_test(client, capsys):
+def test_short_load_test(fresh_client, capsys):
+    client = fresh_client
     latencies, errors = [], 0
     stop_at = time.monotonic() + 8
 
