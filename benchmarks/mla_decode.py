@@ -28,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 from benchmarks.common import HBM_ACHIEVABLE, chained_time, environment, median_time, table, write  # noqa: E402
 from benchmarks.kernel_profile import kernel_times  # noqa: E402
 from pallas_kernels.mla_decode import MLADecodeBlocks, mla_decode_pallas, mla_decode_reference  # noqa: E402
-from pallas_kernels.mla_decode.hopper import HopperMLABlocks, mla_decode_hopper  # noqa: E402
+from pallas_kernels.mla_decode.hopper import TILE_ROWS, HopperMLABlocks, mla_decode_hopper, query_rows  # noqa: E402
 
 
 def sweep(iters):
@@ -67,9 +67,10 @@ def main(argv=None) -> int:
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="try launch settings at B x ctx = 64 x 4K first")
     ap.add_argument("--impl", nargs="+", default=["triton", "hopper"],
-                    choices=["triton", "hopper", "hopper-alternate", "hopper-each"],
+                    choices=["triton", "hopper", "hopper-alternate", "hopper-each", "hopper-one-buffer"],
                     help="hopper: the Hopper kernel (warpgroup 0 scores every block); -alternate: the warpgroups "
-                         "take turns; -each: both score every block")
+                         "take turns; -each: both score every block; -one-buffer: queries laid out by XLA into one "
+                         "[64, 576] buffer, one score MMA")
     ap.add_argument("--q", nargs="+", type=int, default=[1], help="query tokens per row")
     ap.add_argument("--shapes", nargs="*", default=None, help="HxBxCTX entries, e.g. 32x64x4096")
     ap.add_argument("--name", default=None, help="name of the JSON record (default mla_decode)")
@@ -93,8 +94,9 @@ def main(argv=None) -> int:
     scale = 192 ** -0.5
     kernels = {("triton", 0): lambda q, qp, c, n: mla_decode_pallas(q, qp, c, n, scale=scale, blocks=blocks)}
     for n_splits in args.splits:
-        for impl, scoring in (("hopper", "first"), ("hopper-alternate", "alternate"), ("hopper-each", "each")):
-            hb = HopperMLABlocks(num_splits=n_splits, scoring=scoring)
+        for impl, scoring, buffers in (("hopper", "first", 2), ("hopper-alternate", "alternate", 2),
+                                       ("hopper-each", "each", 2), ("hopper-one-buffer", "first", 1)):
+            hb = HopperMLABlocks(num_splits=n_splits, scoring=scoring, query_buffers=buffers)
             kernels[impl, n_splits] = lambda q, qp, c, n, hb=hb: mla_decode_hopper(q, qp, c, n, scale=scale, blocks=hb)
     runs = [(impl, n) for impl in impls for n in ([0] if impl == "triton" else args.splits)]
     ref = jax.jit(lambda q, qp, c, n: mla_decode_reference(q, qp, c, n, scale=scale))
@@ -120,7 +122,10 @@ def main(argv=None) -> int:
                 out = fn(q, qp, cache, lengths)
                 err = float(jnp.linalg.norm(out - expect) / jnp.linalg.norm(expect))
                 nbytes = b * ctx * (r + p) * 2
-                row = {"impl": impl, "splits": n_splits, "H": h, "B": b, "ctx": ctx, "q": sq, "ms": t * 1e3,
+                launched = (0 if impl == "triton" else
+                            HopperMLABlocks(num_splits=n_splits).split_layout(b * query_rows(h, sq) // TILE_ROWS, ctx)[0])
+                row = {"impl": impl, "splits": n_splits, "launched_splits": launched, "H": h, "B": b, "ctx": ctx, "q": sq,
+                       "ms": t * 1e3,
                        "host_ms": host * 1e3, "TB_s": nbytes / t / 1e12,
                        "pct_4.3TB_s": nbytes / t / HBM_ACHIEVABLE * 100, "call_ms": t_call * 1e3,
                        "call_pct_4.3TB_s": nbytes / t_call / HBM_ACHIEVABLE * 100, "err_vs_ref": err}
@@ -133,7 +138,7 @@ def main(argv=None) -> int:
                 print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     record = {"benchmark": "mla_decode", "env": environment(), "blocks": vars(args), "rows": rows}
     path = write(args.name or "mla_decode" + ("_small" if args.small else ""), record)
-    print(table(rows, ["impl", "splits", "H", "B", "ctx", "q", "ms", "host_ms", "pct_4.3TB_s", "call_ms",
+    print(table(rows, ["impl", "splits", "launched_splits", "H", "B", "ctx", "q", "ms", "host_ms", "pct_4.3TB_s", "call_ms",
                        "call_pct_4.3TB_s", "kernel_ms", "device_ms", "kernel_pct_4.3TB_s", "err_vs_ref"]))
     print(f"wrote {path}")
     return 0

@@ -66,35 +66,50 @@ class HopperMLABlocks:
       the H200 it ran at half the speed of "first" (both warpgroups then hold a score tile beside
       their [64, 256] fp32 accumulator, and ptxas spills 1.3 KB per thread);
     * "each": both score every block themselves (twice the score MMAs, no hand-off).
+
+    `query_buffers`: 2 = the tile's q_lat and q_pe in two shared-memory buffers, copied from where
+    they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score
+    MMA, the queries laid out by XLA first (the form before; kept to compare the two in one run).
     """
 
     block_kv: int = 64
     stages: int = 2
     num_splits: int = 0
     scoring: str = "first"
+    query_buffers: int = 2
     sms: int = 132
 
     def __post_init__(self):
         if self.scoring not in SCORINGS:
             raise ValueError(f"HopperMLABlocks: scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        if self.query_buffers not in (1, 2):
+            raise ValueError(f"HopperMLABlocks: query_buffers must be 1 or 2, got {self.query_buffers}")
 
     @property
     def shares_probabilities(self) -> bool:
         return self.scoring != "each"
 
     def splits_for(self, programs: int, slots: int) -> int:
+        """Splits asked for (`split_layout` gives the count that runs)."""
         if self.num_splits:
             return self.num_splits
         return max(1, min(self.sms // max(1, programs), slots // (2 * self.block_kv)))
+
+    def split_layout(self, programs: int, slots: int) -> tuple[int, int]:
+        """(splits launched, slots per split): splits cover whole blocks, so e.g. 132 asked over
+        2,048 blocks launch 128 of 16 blocks each."""
+        split_len = -(-(slots // self.block_kv) // self.splits_for(programs, slots)) * self.block_kv
+        return -(-slots // split_len), split_len
 
 
 def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv, stages, split_len, scale, scoring,
             n_slots, q_copy_rows):
     (q_or_out, kv_smem, p_smem, alpha_smem, m_smem), (q_bar, kv_bars, ready, p_free), consumed, done = scoped
-    (q_lat_smem, q_pe_smem), out_smem = q_or_out   # the query tile, then (both warpgroups done) the output
+    q_bufs, out_smem = q_or_out        # the query tile (one or two buffers), then (both done) the output
     tile, split, row = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("row")
     wg = lax.axis_index("wg")
-    length = jnp.minimum(len_ref[row], n_slots)
+    given_length = len_ref[row]
+    length = jnp.minimum(given_length, n_slots)
     start = split * split_len
     stop = jnp.minimum(start + split_len, length)
     n_blocks = jnp.maximum(0, (stop - start + bkv - 1) // bkv)
@@ -103,8 +118,12 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
     row_layout = layout.reduce(1)
 
     def issue_scores(s_ref, slot):
-        plgpu.wgmma(s_ref, q_lat_smem, kv_smem.at[slot, :, pl.ds(0, r)].transpose((1, 0)))
-        plgpu.wgmma(s_ref, q_pe_smem, kv_smem.at[slot, :, pl.ds(r, q_pe_smem.shape[1])].transpose((1, 0)))
+        if len(q_bufs) == 1:
+            plgpu.wgmma(s_ref, q_bufs[0], kv_smem.at[slot].transpose((1, 0)))
+        else:
+            q_lat_smem, q_pe_smem = q_bufs
+            plgpu.wgmma(s_ref, q_lat_smem, kv_smem.at[slot, :, pl.ds(0, r)].transpose((1, 0)))
+            plgpu.wgmma(s_ref, q_pe_smem, kv_smem.at[slot, :, pl.ds(r, q_pe_smem.shape[1])].transpose((1, 0)))
 
     def softmax(s, i, limit, m, l):
         """Block i's scores (fp32, Q K^T) masked, and the online-softmax step (base 2). `limit` [64]
@@ -115,7 +134,10 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
         s = jnp.where(visible, s * (scale * _LOG2E), _NEG)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        # A query row that has seen no visible slot yet (its last slot is before this split, or
+        # before slot 0) keeps m = -huge: subtract 0 there so its masked scores give p = 0, not 1.
+        shift = jnp.where(m_new > 0.5 * _NEG, m_new, 0.0)
+        p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
         return p.astype(kv_smem.dtype), alpha, m_new, l * alpha + p.sum(axis=1)
 
     def zero_tail(slot, i, w):
@@ -140,22 +162,29 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
         return pl.run_state(values)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [0])))
 
     def publish(p, alpha, m, other):
-        """Hands block probabilities, the rescale factor and the running maximum to `other`."""
+        """Hands block probabilities, the rescale factor and (when `other` scores later blocks) the
+        running maximum to `other`."""
         p_smem[...] = p
         alpha_smem[...] = alpha
-        m_smem[...] = m
+        if scoring == "alternate":
+            m_smem[...] = m
         plgpu.commit_smem()
         plgpu.barrier_arrive(ready.at[other])
 
-    def receive(w):
+    def receive(w, m):
+        """(rescale factor, running maximum) of the block the other warpgroup scored."""
         plgpu.barrier_wait(ready.at[w])
-        return plgpu.load(alpha_smem, layout=row_layout), plgpu.load(m_smem, layout=row_layout)
+        alpha = plgpu.load(alpha_smem, layout=row_layout)
+        return alpha, (plgpu.load(m_smem, layout=row_layout) if scoring == "alternate" else m)
 
     def row_sums_meet(w, l):
         """Once both warpgroups are past their loops (every hand-off taken, no more reads of the query
-        tile): each posts its row sum (warpgroup w in the hand-off buffer w) and reads the other's."""
+        tile): each posts its row sum (warpgroup w in the hand-off buffer w) and reads the other's.
+        With "each" both have the whole sum already: only the first meeting (the query tile free)."""
         plgpu.barrier_arrive(done)
         plgpu.barrier_wait(done)
+        if scoring == "each":
+            return l
         (alpha_smem if w == 0 else m_smem)[...] = l
         plgpu.commit_smem()
         plgpu.barrier_arrive(done)
@@ -180,7 +209,8 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
 
     def start_state():
         q_rows = tile * TILE_ROWS + plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, bkv), 0, layout=layout)
-        limit = (length - sq + jnp.minimum(q_rows // heads, sq - 1)).max(axis=1)   # each query row's last slot
+        last = jnp.minimum(given_length - sq + jnp.minimum(q_rows // heads, sq - 1), n_slots - 1)
+        limit = last.max(axis=1)             # each query row's last visible slot
         m = plgpu.layout_cast(jnp.full((TILE_ROWS,), _NEG, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((TILE_ROWS,), jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout)
@@ -211,8 +241,10 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
 
                     publish(p, alpha, m, 1)
             else:
-                alpha, m = receive(w)
+                alpha, m = receive(w, m)
                 p = p_smem
+            # With "each", warpgroup 0 may zero value columns of slots past the length while warpgroup 1's
+            # score MMA still reads them as keys: only scores that are masked anyway can change.
             zero_tail(slot, i, w)
             acc = add_values(acc, alpha, p, slot, w)
             if not scorer:
@@ -237,7 +269,7 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
             """Block i, scored by the other warpgroup: rescale and add its P @ V for this half."""
             slot = lax.rem(i, stages)
             plgpu.barrier_wait(kv_bars.at[slot])
-            alpha, m = receive(w)
+            alpha, m = receive(w, m)
             zero_tail(slot, i, w)
             acc = add_values(acc, alpha, p_smem, slot, w)
             plgpu.barrier_arrive(consumed.at[slot])
@@ -287,15 +319,19 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        # The tile's q_lat and q_pe, from one laid-out array or two; rows past the last one are zeros
-        # (out of bounds) or left as they are: padding either way.
+        # The tile's queries, from one laid-out array or two; rows past the last one are zeros (out of
+        # bounds) or left as they are: padding either way.
         rows = pl.ds(tile * TILE_ROWS, q_copy_rows)
-        if len(q_refs) == 1:
-            lat_src, pe_src = q_refs[0].at[row, rows, pl.ds(0, r)], q_refs[0].at[row, rows, pl.ds(r, q_pe_smem.shape[1])]
+        if len(q_bufs) == 1:
+            plgpu.copy_gmem_to_smem(q_refs[0].at[row, rows], q_bufs[0].at[pl.ds(0, q_copy_rows)], q_bar)
         else:
-            lat_src, pe_src = q_refs[0].at[row, rows], q_refs[1].at[row, rows]
-        plgpu.copy_gmem_to_smem(lat_src, q_lat_smem.at[pl.ds(0, q_copy_rows)], q_bar)
-        plgpu.copy_gmem_to_smem(pe_src, q_pe_smem.at[pl.ds(0, q_copy_rows)], q_bar)
+            pe = q_bufs[1].shape[1]
+            if len(q_refs) == 1:
+                srcs = q_refs[0].at[row, rows, pl.ds(0, r)], q_refs[0].at[row, rows, pl.ds(r, pe)]
+            else:
+                srcs = q_refs[0].at[row, rows], q_refs[1].at[row, rows]
+            for src, buf in zip(srcs, q_bufs):
+                plgpu.copy_gmem_to_smem(src, buf.at[pl.ds(0, q_copy_rows)], q_bar)
 
         @pl.loop(0, n_blocks)
         def _load(i):
@@ -367,7 +403,7 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
     validate_inputs(q_lat, q_pe, cache, lengths)
     b, sq, h, r = q_lat.shape
     rows = sq * h
-    if rows >= TILE_ROWS or rows % 8 == 0:   # the kernel reads q_lat and q_pe where they are
+    if blocks.query_buffers == 2 and (rows >= TILE_ROWS or rows % 8 == 0):   # read where they are
         parts = tuple(x.reshape(b, rows, x.shape[-1]).astype(cache.dtype) for x in (q_lat, q_pe))
         copy_rows = min(rows, TILE_ROWS)
     else:                                    # fewer rows than a tile, not whole 8-row groups: lay them out
@@ -415,9 +451,7 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
         raise ValueError(f"mla_decode_hopper: {why}")
     bkv = blocks.block_kv
     tiles = query_rows(heads, sq) // TILE_ROWS
-    splits = blocks.splits_for(b * tiles, s)
-    split_len = -(-(s // bkv) // splits) * bkv
-    splits = -(-s // split_len)
+    splits, split_len = blocks.split_layout(b * tiles, s)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = blocks.stages
     kernel = functools.partial(_kernel, heads=heads, sq=sq, r=r, bkv=bkv, stages=stages, split_len=split_len,
@@ -428,15 +462,18 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
         q_refs, (c_ref, o_ref, lse_ref) = refs[:n_parts], refs[n_parts:]
         pl.run_scoped(
             lambda *scoped: kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped),
-            (plgpu.RefUnion((plgpu.SMEM((TILE_ROWS, r), cache.dtype, transforms=transforms),
-                             plgpu.SMEM((TILE_ROWS, width - r), cache.dtype, transforms=transforms)),
+            (plgpu.RefUnion(((plgpu.SMEM((TILE_ROWS, width), cache.dtype, transforms=transforms),)
+                             if blocks.query_buffers == 1 else
+                             (plgpu.SMEM((TILE_ROWS, r), cache.dtype, transforms=transforms),
+                              plgpu.SMEM((TILE_ROWS, width - r), cache.dtype, transforms=transforms))),
                             plgpu.SMEM((2, TILE_ROWS, r // 2), cache.dtype, transforms=transforms)),
              plgpu.SMEM((stages, bkv, width), cache.dtype, transforms=transforms),
              (plgpu.SMEM((TILE_ROWS, bkv), cache.dtype, transforms=transforms) if blocks.shares_probabilities
               else plgpu.SMEM((8,), jnp.float32)),                   # unused when each warpgroup scores
              plgpu.SMEM((TILE_ROWS,), jnp.float32),                  # rescale factor handed over
              plgpu.SMEM((TILE_ROWS,), jnp.float32)),                 # running maximum handed over
-            (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2),
+            (plgpu.Barrier(num_arrivals=blocks.query_buffers), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=2),
              plgpu.Barrier()),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2),

@@ -33,7 +33,11 @@ def _inputs(rng, b, sq, h, s, lengths, poison):
 
 VARIANTS = {"default": HopperMLABlocks(), "splits3": HopperMLABlocks(num_splits=3),
             "splits1": HopperMLABlocks(num_splits=1), "alternate": HopperMLABlocks(scoring="alternate"),
-            "each": HopperMLABlocks(scoring="each"), "each_stages1": HopperMLABlocks(block_kv=128, stages=1, scoring="each")}
+            # one or two splits: many blocks per split, so the alternating steady state and ring reuse run
+            "alternate_splits1": HopperMLABlocks(scoring="alternate", num_splits=1),
+            "alternate_splits2": HopperMLABlocks(scoring="alternate", num_splits=2),
+            "each": HopperMLABlocks(scoring="each"), "each_stages1": HopperMLABlocks(block_kv=128, stages=1, scoring="each"),
+            "one_query_buffer": HopperMLABlocks(query_buffers=1)}
 
 
 @on_gpu
@@ -43,6 +47,9 @@ VARIANTS = {"default": HopperMLABlocks(), "splits3": HopperMLABlocks(num_splits=
     (3, 1, 96, 512, [512, 300, 64]),           # 96 heads: two query tiles
     (2, 4, 32, 512, [512, 129]),               # four query tokens per row (verify step)
     (2, 8, 16, 256, [256, 100]),               # eight query tokens, 16 heads
+    (2, 3, 24, 256, [256, 70]),                # 72 query rows: a second tile past the last row (zero-filled)
+    (2, 1, 12, 256, [256, 100]),               # 12 rows: laid out by XLA (not whole 8-row groups)
+    (2, 4, 32, 256, [256, 2]),                 # query tokens 0 and 1 of row 1 see no slot: zeros
     (1, 1, 32, 8192, [8000]),                  # one row split over many programs
 ])
 def test_matches_reference_with_ragged_lengths_and_poisoned_tail(rng, b, sq, h, s, lengths, variant):
@@ -70,16 +77,24 @@ def test_splits_on_query_rows_as_laid_out(rng, sq, h, rows):
     assert_close("splits", out, mla_decode_reference(q, qp, clean, jnp.asarray(lengths), scale=0.07), dtype="bfloat16")
 
 
-def test_lowers_for_cuda_on_any_host():
-    """The full Pallas -> Mosaic GPU lowering runs (no GPU needed) and emits the Mosaic GPU kernel."""
-    args = (jax.ShapeDtypeStruct((2, 2, 32, 512), jnp.bfloat16), jax.ShapeDtypeStruct((2, 2, 32, 64), jnp.bfloat16),
+@pytest.mark.parametrize("variant,sq,h", [(v, 2, 32) for v in VARIANTS]
+                         + [(v, sq, h) for v in ("default", "one_query_buffer") for sq, h in ((1, 12), (3, 24))])
+def test_lowers_for_cuda_on_any_host(variant, sq, h):
+    """The full Pallas -> Mosaic GPU lowering runs (no GPU needed) and emits the Mosaic GPU kernel, for
+    every variant and for query rows of whole tiles (64), fewer (12) and past them (72)."""
+    args = (jax.ShapeDtypeStruct((2, sq, h, 512), jnp.bfloat16), jax.ShapeDtypeStruct((2, sq, h, 64), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, 1024, 576), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
-    exported = jax.export.export(jax.jit(lambda *a: mla_decode_hopper(*a, scale=0.1)), platforms=["cuda"])(*args)
+    exported = jax.export.export(jax.jit(lambda *a: mla_decode_hopper(*a, scale=0.1, blocks=VARIANTS[variant])),
+                                 platforms=["cuda"])(*args)
     assert "mosaic_gpu" in exported.mlir_module()
+
+
+def test_lowers_laid_out_rows_for_cuda_on_any_host():
+    args = (jax.ShapeDtypeStruct((2, 1024, 576), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
     # Query rows laid out by the caller, past whole tiles (12 heads: 16 token slots x 12 = 192 rows).
     splits = jax.export.export(jax.jit(lambda q, c, n: mla_decode_hopper_splits(q, c, n, heads=12, sq=1, latent_dim=512,
                                                                                  scale=0.1)), platforms=["cuda"])(
-        jax.ShapeDtypeStruct((2, 192, 576), jnp.bfloat16), *args[2:])
+        jax.ShapeDtypeStruct((2, 192, 576), jnp.bfloat16), *args)
     assert splits.out_avals[0].shape[2] == 192
 
 
@@ -118,9 +133,17 @@ def test_rejects_what_it_cannot_run():
                           blocks=HopperMLABlocks(block_kv=128, stages=1, scoring="alternate"))
     with pytest.raises(ValueError, match="scoring must be one of"):
         HopperMLABlocks(scoring="both")
+    with pytest.raises(ValueError, match="query_buffers must be 1 or 2"):
+        HopperMLABlocks(query_buffers=3)
     with pytest.raises(ValueError, match="shared memory"):
         mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
                           blocks=HopperMLABlocks(block_kv=128, stages=2))
+
+
+def test_split_layout_launches_whole_blocks():
+    assert HopperMLABlocks().split_layout(1, 131072) == (128, 1024)        # 132 asked, 16 blocks each
+    assert HopperMLABlocks(num_splits=66).split_layout(64, 4096) == (64, 64)
+    assert HopperMLABlocks().split_layout(64, 4096) == (2, 2048)
 
 
 def test_hopper_takes_names_what_it_runs():
