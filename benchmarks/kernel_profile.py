@@ -9,31 +9,20 @@ A chained or host timer gives the time of a whole call; this says which kernels 
 
 from __future__ import annotations
 
-import glob
-import gzip
-import json
-import os
 import tempfile
 from collections import defaultdict
 from typing import Callable
 
 import jax
 
-
-def _gpu_kernel_events(trace_file: str) -> list[dict]:
-    """Complete events ("X") on the device lanes of a perfetto trace (kernels and copies)."""
-    with gzip.open(trace_file) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device = {pid for pid, name in procs.items() if "/device:GPU" in name or "GPU:" in name}
-    return [e for e in events if e.get("ph") == "X" and "dur" in e and e["pid"] in device
-            and not str(e.get("name", "")).startswith(("while", "cond", "conditional"))]
+from benchmarks.profile_summary import device_events, latest_trace
 
 
 def kernel_times(fn: Callable, args: tuple, *, calls: int = 20) -> dict[str, float]:
-    """Mean device microseconds per call of each kernel that `fn(*args)` launches ({} when the
-    trace has no device lane, e.g. on the CPU). `fn` is jitted and warmed up first."""
+    """Mean device microseconds per call of each kernel that `fn(*args)` launches, longest first
+    ({} off a GPU, where the trace has no device lanes). `fn` is jitted and warmed up first."""
+    if jax.default_backend() != "gpu":
+        return {}
     jitted = jax.jit(fn)
     jax.block_until_ready(jitted(*args))
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -41,10 +30,7 @@ def kernel_times(fn: Callable, args: tuple, *, calls: int = 20) -> dict[str, flo
             for _ in range(calls):
                 out = jitted(*args)
             jax.block_until_ready(out)
-        files = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True))
-        if not files:
-            return {}
-        events = _gpu_kernel_events(files[-1])
+        events = device_events(latest_trace(trace_dir), None)
     totals: dict[str, float] = defaultdict(float)
     for e in events:
         totals[str(e["name"])[:100]] += e["dur"]

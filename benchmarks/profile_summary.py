@@ -67,7 +67,17 @@ def _category(op_name: str, kernel: str) -> str:
     return f"{scope} {'matmul' if matmul else 'other'}"
 
 
-def _device_events(trace_file: str, module: str) -> list[dict]:
+def latest_trace(trace_dir: str) -> str:
+    """The newest perfetto trace a `jax.profiler.trace(..., create_perfetto_trace=True)` left under trace_dir."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
+    return files[-1]
+
+
+def device_events(trace_file: str, module: str | None) -> list[dict]:
+    """Device kernels of the trace (GPU lanes when there are any), of HLO modules whose name holds
+    `module` (None: every module), control-flow containers left out."""
     with gzip.open(trace_file) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
@@ -78,7 +88,7 @@ def _device_events(trace_file: str, module: str) -> list[dict]:
         if e.get("ph") != "X" or "dur" not in e:
             continue
         args = e.get("args", {})
-        if module not in str(args.get("hlo_module", "")):
+        if module is not None and module not in str(args.get("hlo_module", "")):
             continue
         if gpu and "GPU" not in procs.get(e["pid"], "") and "gpu" not in procs.get(e["pid"], ""):
             continue
@@ -90,12 +100,10 @@ def _device_events(trace_file: str, module: str) -> list[dict]:
 
 def summarize(trace_dir: str, dump_dir: str, module: str, steps: int) -> dict:
     """{"rows": per-category rows, "step_us", "busy_us", ...} for one decode trace."""
-    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True))
-    if not files:
-        raise FileNotFoundError(f"no perfetto trace under {trace_dir}")
-    events = _device_events(files[-1], module)
+    trace_file = latest_trace(trace_dir)
+    events = device_events(trace_file, module)
     if not events:
-        raise ValueError(f"no device events of module {module!r} in {files[-1]}")
+        raise ValueError(f"no device events of module {module!r} in {trace_file}")
     op_names = hlo_op_names(dump_dir, module)
     by_cat = defaultdict(lambda: {"us": 0.0, "kernels": 0})
     by_kernel = defaultdict(lambda: {"us": 0.0, "count": 0, "category": ""})
