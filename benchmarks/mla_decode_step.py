@@ -35,20 +35,16 @@ HEADS, NOPE, ROPE, V_DIM, LATENT = 32, 128, 64, 128, 512
 # (label, attention settings, query settings, value settings), each one change from the defaults.
 SETTINGS = [
     ("default", {}, {}, {}),
-    ("splits=2", {"num_splits": 2}, {}, {}),
-    ("splits=3", {"num_splits": 3}, {}, {}),
-    ("splits=6", {"num_splits": 6}, {}, {}),
+    ("min_split_blocks=2", {"min_split_blocks": 2}, {}, {}),
+    ("splits=1", {"num_splits": 1}, {}, {}),
     ("stages=1", {"stages": 1}, {}, {}),
     ("query block_r=64", {}, {"block_r": 64}, {}),
-    ("query block_r=256", {}, {"block_r": 256}, {}),
-    ("query warps=8", {}, {"num_warps": 8}, {}),
+    ("value block_k=64", {}, {}, {"block_k": 64}),
     ("value block_k=128", {}, {}, {"block_k": 128}),
+    ("value block_k=256", {}, {}, {"block_k": 256}),
     ("value block_k=512", {}, {}, {"block_k": 512}),
-    ("value block_v=64", {}, {}, {"block_v": 64}),
-    ("value block_v=64,k=512", {}, {}, {"block_v": 64, "block_k": 512}),
     ("value block_v=16,k=512", {}, {}, {"block_v": 16, "block_k": 512}),
-    ("value block_v=128,k=512", {}, {}, {"block_v": 128, "block_k": 512}),
-    ("value warps=8", {}, {}, {"num_warps": 8}),
+    ("value block_v=64,k=256", {}, {}, {"block_v": 64, "block_k": 256}),
 ]
 
 
@@ -84,7 +80,7 @@ def kernel_row(times: dict[str, float]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", nargs="+", type=int, default=[1])
-    ap.add_argument("--slots", nargs="+", type=int, default=[192, 4096], help="cache slots per row (all valid)")
+    ap.add_argument("--slots", nargs="+", type=int, default=[192, 1024, 4096], help="cache slots per row (all valid)")
     ap.add_argument("--tokens", type=int, default=1, help="query tokens per row")
     ap.add_argument("--only", nargs="*", default=None, help="labels of SETTINGS to run (default all)")
     ap.add_argument("--name", default="mla_decode_step")

@@ -38,12 +38,14 @@ ROWS = 16  # query tokens per call at most (B * T): one tile of the matrix units
 class AbsorbBlocks:
     """block_r: latent columns per query program; block_v: output columns per value program;
     block_k: latent columns per step of the value product; block_splits: attention splits per
-    value product (its rows). Not yet tuned on a GPU: 128 query programs and, at H = 32, 128 value
-    programs (about one per SM of an H200); 132 splits (one row) in two products."""
+    value product (its rows). 128 query programs and, at H = 32, 128 value programs (about one per
+    SM of an H200); 132 splits (one row) in two products. block_k 128 (was 64): the value kernel at
+    B = 1 took 3.1 against 4.4 us over one split and 4.0 against 5.1 us over 32
+    (`benchmarks/mla_decode_step.py`)."""
 
     block_r: int = 128
     block_v: int = 32
-    block_k: int = 64
+    block_k: int = 128
     block_splits: int = 128
     num_warps: int = 4
     num_stages: int = 2

@@ -70,6 +70,11 @@ class HopperMLABlocks:
     `query_buffers`: 2 = the tile's q_lat and q_pe in two shared-memory buffers, copied from where
     they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score
     MMA, the queries laid out by XLA first (the form before; kept to compare the two in one run).
+
+    `min_split_blocks`: the fewest cache blocks an automatic split covers. At one row and a short cache
+    the kernel is latency, about 2.4 us per block in turn on one program: at B = 1 over 192 slots
+    (3 blocks) 3 splits took 7.2 us against 12.0 us for one (`benchmarks/mla_decode_step.py`), so by
+    default every block may get its own program when there are SMs to spare.
     """
 
     block_kv: int = 64
@@ -77,6 +82,7 @@ class HopperMLABlocks:
     num_splits: int = 0
     scoring: str = "first"
     query_buffers: int = 2
+    min_split_blocks: int = 1
     sms: int = 132
 
     def __post_init__(self):
@@ -84,6 +90,8 @@ class HopperMLABlocks:
             raise ValueError(f"HopperMLABlocks: scoring must be one of {SCORINGS}, got {self.scoring!r}")
         if self.query_buffers not in (1, 2):
             raise ValueError(f"HopperMLABlocks: query_buffers must be 1 or 2, got {self.query_buffers}")
+        if self.min_split_blocks < 1:
+            raise ValueError(f"HopperMLABlocks: min_split_blocks must be >= 1, got {self.min_split_blocks}")
 
     @property
     def shares_probabilities(self) -> bool:
@@ -93,7 +101,7 @@ class HopperMLABlocks:
         """Splits asked for (`split_layout` gives the count that runs)."""
         if self.num_splits:
             return self.num_splits
-        return max(1, min(self.sms // max(1, programs), slots // (2 * self.block_kv)))
+        return max(1, min(self.sms // max(1, programs), slots // (self.min_split_blocks * self.block_kv)))
 
     def split_layout(self, programs: int, slots: int) -> tuple[int, int]:
         """(splits launched, slots per split): splits cover whole blocks, so e.g. 132 asked over

@@ -135,6 +135,8 @@ def test_rejects_what_it_cannot_run():
         HopperMLABlocks(scoring="both")
     with pytest.raises(ValueError, match="query_buffers must be 1 or 2"):
         HopperMLABlocks(query_buffers=3)
+    with pytest.raises(ValueError, match="min_split_blocks must be >= 1"):
+        HopperMLABlocks(min_split_blocks=0)
     with pytest.raises(ValueError, match="shared memory"):
         mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
                           blocks=HopperMLABlocks(block_kv=128, stages=2))
@@ -144,6 +146,9 @@ def test_split_layout_launches_whole_blocks():
     assert HopperMLABlocks().split_layout(1, 131072) == (128, 1024)        # 132 asked, 16 blocks each
     assert HopperMLABlocks(num_splits=66).split_layout(64, 4096) == (64, 64)
     assert HopperMLABlocks().split_layout(64, 4096) == (2, 2048)
+    assert HopperMLABlocks().split_layout(1, 192) == (3, 64)                # a short cache: a program per block
+    assert HopperMLABlocks(min_split_blocks=2).split_layout(1, 192) == (1, 192)
+    assert HopperMLABlocks().split_layout(1, 4096) == (64, 64)
 
 
 def test_hopper_takes_names_what_it_runs():
