@@ -58,8 +58,9 @@ def _add_kernel(h_ref, parts_ref, w_ref, h_out_ref, o_ref, *, eps: float, featur
                                            valid=valid, cols=cols), mask=valid)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "parts_axis", "interpret"))
-def add_rms_norm_pallas(h, parts, weight, *, eps: float, parts_axis: int = 0, interpret: bool | None = None):
+@functools.partial(jax.jit, static_argnames=("eps", "parts_axis", "num_warps", "interpret"))
+def add_rms_norm_pallas(h, parts, weight, *, eps: float, parts_axis: int = 0, num_warps: int = 16,
+                        interpret: bool | None = None):
     """(h + cast(sum of parts), weight * rmsnorm(that)) in one launch.
 
     Args:
@@ -82,7 +83,7 @@ def add_rms_norm_pallas(h, parts, weight, *, eps: float, parts_axis: int = 0, in
                           parts=parts.shape[parts_axis], parts_axis=parts_axis),
         grid=(m,),
         out_shape=(jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(h.shape, h.dtype)),
-        compiler_params=plt.CompilerParams(num_warps=16, num_stages=1),   # many loads in flight: one program per row
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=default_interpret() if interpret is None else interpret,
         name="add_rms_norm",
     )(h, parts, weight)

@@ -61,14 +61,15 @@ def _kernel(logits_ref, bias_ref, w_ref, e_ref, *, spec: RouterSpec, splits: int
     plt.store(e_ref.at[row, pl.ds(0, k_width)], out_e, mask=used)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "interpret"))
-def route_topk_pallas(logits, bias_E, *, spec: RouterSpec, interpret: bool | None = None):
+@functools.partial(jax.jit, static_argnames=("spec", "num_warps", "interpret"))
+def route_topk_pallas(logits, bias_E, *, spec: RouterSpec, num_warps: int = 1, interpret: bool | None = None):
     """Top-k routing of M tokens over E experts.
 
     Args:
       logits: router logits [M, E] or fp32 partial sums of them [S, M, E] (added in order s = 0..S-1).
       bias_E: selection bias (e_score_correction_bias) [E], added to the scores for the choice only.
-      spec: k, score function, renormalisation, scale.
+      spec: k, score function, renormalisation, scale. num_warps: of the one program per token (1: the
+        reductions stay inside a warp, no barriers).
     Returns:
       (weights [M, k + always] fp32, experts [M, k + always] int32), best first, then the always-
       active experts E, E + 1, .. with weight 1.
@@ -89,7 +90,7 @@ def route_topk_pallas(logits, bias_E, *, spec: RouterSpec, interpret: bool | Non
                           k_width=k_width),
         grid=(m,),
         out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=1, num_stages=1),   # in-warp reductions: no barriers
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=default_interpret() if interpret is None else interpret,
         name="route_topk",
     )(logits.astype(jnp.float32), bias_E.astype(jnp.float32))
