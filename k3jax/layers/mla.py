@@ -108,8 +108,8 @@ class MultiHeadLatentAttention(nnx.Module):
 
     def _absorbed_decode(self, q_BTHD, kv_BTL, first_outs, fused: bool, w_kv_b, seq: SeqInfo, cache: MLACache):
         """Decode attention through the few-row kernels: the absorbed queries and the normalised new
-        latents from one launch that reads the projections' output where it lies, the latents written
-        to the cache, then `absorbed_cache_attention`. -> (attn [B, T, H, V], cache)."""
+        latents written into the cache at their slots by one launch that reads the projections' output
+        where it lies, then `absorbed_cache_attention`. -> (attn [B, T, H, V], cache)."""
         cfg = self.cfg
         b, t, h, _ = q_BTHD.shape
         m = b * t
@@ -120,11 +120,11 @@ class MultiHeadLatentAttention(nnx.Module):
             kv_col = first_outs[0].shape[-1]
             if cfg.q_lora_rank is None:
                 q_src = kv_src
-        rows, latent = absorb_queries(cfg.decode_impl, q_src, w_kv_b, cache.latent, heads=h, tokens=t,
-                                      nope=cfg.qk_nope_head_dim, v_dim=cfg.v_head_dim, q_col=q_col, kv_MC=kv_src,
-                                      kv_col=kv_col, norm_weight=self.kv_a_layernorm.weight[...],
-                                      eps=self.kv_a_layernorm.eps)
-        cache = MLACache(latent=write_cache(cache.latent, latent.reshape(b, t, -1), seq))
+        rows, latent_cache = absorb_queries(cfg.decode_impl, q_src, w_kv_b, cache.latent, heads=h, tokens=t,
+                                            nope=cfg.qk_nope_head_dim, v_dim=cfg.v_head_dim, q_col=q_col,
+                                            kv_MC=kv_src, kv_col=kv_col, norm_weight=self.kv_a_layernorm.weight[...],
+                                            eps=self.kv_a_layernorm.eps, slots_M=seq.slot_index().reshape(m))
+        cache = MLACache(latent=latent_cache)   # the new latents written at their slots by the same launch
         attn = absorbed_cache_attention(cfg.decode_impl, rows, cache.latent, w_kv_b, seq.slot_index(), heads=h,
                                         nope=cfg.qk_nope_head_dim, v_dim=cfg.v_head_dim, scale=cfg.scale,
                                         out_dtype=q_BTHD.dtype)

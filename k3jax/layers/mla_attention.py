@@ -364,7 +364,7 @@ def absorb_kernels_take(impl: MLADecodeImpl, absorb: SkinnyImpl, rows: int, late
 
 
 def absorb_queries(impl: MLADecodeImpl, q_MC, w_kv_b, cache_BSL, *, heads: int, tokens: int, nope: int, v_dim: int,
-                   q_col: int = 0, kv_MC=None, kv_col: int = 0, norm_weight=None, eps: float = 1e-6):
+                   q_col: int = 0, kv_MC=None, kv_col: int = 0, norm_weight=None, eps: float = 1e-6, slots_M=None):
     """The queries of `absorbed_cache_attention` (W_UK folded in, the rope part beside it) in the layout
     its kernel reads, in one launch; optionally with the new latents normalised (kv_a_layernorm).
 
@@ -372,15 +372,19 @@ def absorb_queries(impl: MLADecodeImpl, q_MC, w_kv_b, cache_BSL, *, heads: int, 
       q_MC: [B * T, C] rows holding each head's [nope | rope] query from column q_col (read in place).
       kv_MC, kv_col, norm_weight, eps: optional rows holding [c_kv | k_pe] from column kv_col and the
         kv_a_layernorm weight and eps.
+      slots_M: optional, with kv_MC: each query row's cache slot ([M] int32, -1 for padding): the
+        latents are written into the cache by the same launch instead of being returned.
     Returns:
-      rows [B * T_pad, H, R + P] in the cache dtype (and the latents [B * T, R + P] in kv's dtype).
+      rows [B * T_pad, H, R + P] in the cache dtype (and the latents [B * T, R + P] in kv's dtype, or
+      with slots_M the updated cache).
     """
     r = w_kv_b.shape[0]
     rope = cache_BSL.shape[2] - r
     multiple = TILE_ROWS if _runs_hopper(impl, cache_BSL, r) else 1   # whole Hopper query tiles, no padding copy
     return absorb_query_pallas(q_MC, w_kv_b, heads=heads, tokens=tokens, nope=nope, rope=rope, v_dim=v_dim,
                                q_col=q_col, multiple=multiple, out_dtype=cache_BSL.dtype, kv=kv_MC, kv_col=kv_col,
-                               norm_weight=norm_weight, eps=eps)
+                               norm_weight=norm_weight, eps=eps, cache=None if slots_M is None else cache_BSL,
+                               slots=slots_M)
 
 
 def absorbed_cache_attention(impl: MLADecodeImpl, rows, cache_BSL, w_kv_b, last_slot_BT, *, heads: int, nope: int,

@@ -98,8 +98,11 @@ def _copy_cols(src_ref, src_col, dst_ref, dst_rows, lead: tuple, dst_col, width:
     _store_rows(dst_ref, dst_rows, lead, dst_col, x, mask)
 
 
-def _query_kernel(*refs, heads, tokens, t_pad, nope, rope, v_dim, r, br, rows, q_col, kv_col, eps, latent):
-    if latent:
+def _query_kernel(*refs, heads, tokens, t_pad, nope, rope, v_dim, r, br, rows, q_col, kv_col, eps, latent,
+                  into_cache):
+    if into_cache:   # the latents go straight into the cache (aliased in and out) at their slots
+        q_ref, w_ref, kv_ref, nw_ref, slot_ref, _, out_ref, lat_ref = refs
+    elif latent:
         q_ref, w_ref, kv_ref, nw_ref, out_ref, lat_ref = refs
     else:
         q_ref, w_ref, out_ref = refs
@@ -132,17 +135,28 @@ def _query_kernel(*refs, heads, tokens, t_pad, nope, rope, v_dim, r, br, rows, q
             mask = live[:, None] & cols[None, :]
             x = plt.load(kv_ref.at[pl.ds(0, ROWS), pl.ds(kv_col, wide)], mask=mask, other=0).astype(jnp.float32)
             inv = lax.rsqrt(jnp.sum(x * x, axis=1) / r + eps)
-            y = (x * inv[:, None]).astype(lat_ref.dtype).astype(jnp.float32)
+            y = (x * inv[:, None]).astype(kv_ref.dtype).astype(jnp.float32)   # the model rounds in kv's dtype
             g = plt.load(nw_ref.at[pl.ds(0, wide)], mask=cols, other=0).astype(jnp.float32)
-            plt.store(lat_ref.at[pl.ds(0, ROWS), pl.ds(0, wide)], (g[None, :] * y).astype(lat_ref.dtype), mask=mask)
-            _copy_cols(kv_ref, kv_col + r, lat_ref, m, (), r, rope, live)
+            if into_cache:   # row m -> cache[m // tokens, slot[m]]; slots outside [0, S) are dropped
+                slot = plt.load(slot_ref.at[pl.ds(0, ROWS)], mask=live, other=-1)
+                keep = live & (slot >= 0) & (slot < lat_ref.shape[1])
+                lead = (jnp.where(keep, slot, 0)[:, None],)
+                _store_rows(lat_ref, m // tokens, lead, 0, (g[None, :] * y).astype(kv_ref.dtype),
+                            keep[:, None] & cols[None, :])
+                _copy_cols(kv_ref, kv_col + r, lat_ref, m // tokens, lead, r, rope, keep)
+            else:
+                plt.store(lat_ref.at[pl.ds(0, ROWS), pl.ds(0, wide)], (g[None, :] * y).astype(lat_ref.dtype),
+                          mask=mask)
+                _copy_cols(kv_ref, kv_col + r, lat_ref, m, (), r, rope, live)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "tokens", "nope", "rope", "v_dim", "q_col", "multiple",
-                                             "out_dtype", "kv_col", "eps", "blocks", "interpret"))
+                                             "out_dtype", "kv_col", "eps", "blocks", "interpret"),
+                   donate_argnames=("cache",))
 def absorb_query_pallas(q, w_kv_b, *, heads: int, tokens: int, nope: int, rope: int, v_dim: int, q_col: int = 0,
                         multiple: int = 1, out_dtype=None, kv=None, kv_col: int = 0, norm_weight=None,
-                        eps: float = 1e-6, blocks: AbsorbBlocks = AbsorbBlocks(), interpret: bool | None = None):
+                        eps: float = 1e-6, cache=None, slots=None, blocks: AbsorbBlocks = AbsorbBlocks(),
+                        interpret: bool | None = None):
     """Absorbed decode queries, and optionally the normalised new latents, in one launch.
 
     Args:
@@ -155,9 +169,13 @@ def absorb_query_pallas(q, w_kv_b, *, heads: int, tokens: int, nope: int, rope: 
       kv, kv_col, norm_weight, eps: optional [M, C'] rows holding [c_kv (R) | k_pe (rope)] from
         column kv_col, and the kv_a_layernorm weight [R]: the latents are also returned, c_kv
         RMS-normalised (fp32, cast to kv's dtype, times the weight: the model's order).
+      cache, slots: optional, with kv: the latent cache [B, S, R + rope] (donated; updated in place)
+        and each query row's slot [M] int32. Row m's latents are written to cache[m // T, slots[m]]
+        (cast to the cache's dtype) instead of being returned; a slot outside [0, S) writes nothing.
     Returns:
       [B * T_pad, H, R + rope]: row b * T_pad + t, head h = [q_nope @ W_UK_h^T | q_pe]
-      (T_pad = padded_tokens(T, H, multiple)); with kv also the latents [M, R + rope] in kv's dtype.
+      (T_pad = padded_tokens(T, H, multiple)); with kv also the latents [M, R + rope] in kv's dtype,
+      or with cache the updated cache.
     """
     m, width = q.shape
     r, cols = w_kv_b.shape
@@ -179,12 +197,23 @@ def absorb_query_pallas(q, w_kv_b, *, heads: int, tokens: int, nope: int, rope: 
                              f"columns and a norm weight [{r}]")
         operands += [kv, norm_weight]
         out_shape.append(jax.ShapeDtypeStruct((m, r + rope), kv.dtype))
+    into_cache = cache is not None
+    if into_cache:
+        if not latent or slots is None or cache.ndim != 3 or cache.shape[0] != batch or cache.shape[2] != r + rope \
+                or slots.shape != (m,):
+            raise ValueError(f"absorbed queries: writing the latents needs kv, a cache [{batch}, S, {r + rope}] and "
+                             f"slots [{m}]; got cache {None if cache is None else cache.shape} and slots "
+                             f"{None if slots is None else slots.shape}")
+        operands += [slots.astype(jnp.int32), cache]
+        out_shape[-1] = jax.ShapeDtypeStruct(cache.shape, cache.dtype)
     kernel = functools.partial(_query_kernel, heads=heads, tokens=tokens, t_pad=t_pad, nope=nope, rope=rope,
-                               v_dim=v_dim, r=r, br=br, rows=m, q_col=q_col, kv_col=kv_col, eps=eps, latent=latent)
+                               v_dim=v_dim, r=r, br=br, rows=m, q_col=q_col, kv_col=kv_col, eps=eps, latent=latent,
+                               into_cache=into_cache)
     outs = pl.pallas_call(
         kernel,
         grid=(heads * (r // br) + latent,),
         out_shape=out_shape,
+        input_output_aliases={len(operands) - 1: 1} if into_cache else {},
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=default_interpret() if interpret is None else interpret,
         name="mla_absorb_query",

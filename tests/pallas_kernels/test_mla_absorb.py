@@ -59,6 +59,37 @@ def test_absorbed_queries_and_latents(rng, interpret, dtype, b, t, h):
                  dtype=kernel_dtype(dtype, interpret))
 
 
+@pytest.mark.parametrize("kv_dtype,cache_dtype", [("bfloat16", "bfloat16"), ("float32", "bfloat16")])
+@pytest.mark.parametrize("b,t", [(1, 1), (3, 2), (2, 8)])
+def test_latents_written_into_the_cache(rng, interpret, kv_dtype, cache_dtype, b, t):
+    """With a cache and slots, the normalised latents land at cache[b, slot] (cast to the cache's
+    dtype) and nothing else changes: slots -1 (padding) and S (past the end) write nothing. The
+    queries are the same as without the cache."""
+    h, r, n, p, v, s, m = 4, 64, 32, 16, 32, 24, b * t
+    w, _ = _weights(rng, h, r, n, v, kv_dtype)
+    kv_col = h * (n + p)
+    buf = jnp.asarray(rng.standard_normal((m, kv_col + r + p)) * 2, kv_dtype)
+    gamma = jnp.asarray(1 + 0.1 * rng.standard_normal(r), kv_dtype)
+    cache = rng.standard_normal((b, s, r + p)).astype(np.float32)
+    slots = rng.permutation(s)[:m].astype(np.int32)
+    slots[0] = -1
+    if m > 2:
+        slots[2] = s
+    kw = dict(heads=h, tokens=t, nope=n, rope=p, v_dim=v, multiple=64, kv=buf, kv_col=kv_col, norm_weight=gamma,
+              eps=1e-5, interpret=interpret)
+    rows, latent = absorb_query_pallas(buf, w, **kw)
+    rows_c, new_cache = absorb_query_pallas(buf, w, **kw, cache=jnp.asarray(cache, cache_dtype),
+                                            slots=jnp.asarray(slots))
+    np.testing.assert_array_equal(np.asarray(rows_c, np.float32), np.asarray(rows, np.float32))
+    expect = np.asarray(jnp.asarray(cache, cache_dtype), np.float32)
+    lat = np.asarray(jnp.asarray(latent, cache_dtype), np.float32)
+    for i, slot in enumerate(slots):
+        if 0 <= slot < s:
+            expect[i // t, slot] = lat[i]
+    assert new_cache.dtype == jnp.dtype(cache_dtype)
+    np.testing.assert_array_equal(np.asarray(new_cache, np.float32), expect)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("b,t,h", SHAPES)
 def test_absorbed_values_from_latents(rng, interpret, dtype, b, t, h):
@@ -123,6 +154,10 @@ def test_refusals():
     with pytest.raises(ValueError, match="norm weight"):
         absorb_query_pallas(jnp.zeros((1, 4 * 48)), w, heads=4, tokens=1, nope=32, rope=16, v_dim=32,
                             kv=jnp.zeros((1, 80)), norm_weight=jnp.zeros((8,)))
+    with pytest.raises(ValueError, match="writing the latents needs kv"):
+        absorb_query_pallas(jnp.zeros((1, 4 * 48)), w, heads=4, tokens=1, nope=32, rope=16, v_dim=32,
+                            kv=jnp.zeros((1, 80)), norm_weight=jnp.zeros((64,)), cache=jnp.zeros((1, 8, 70)),
+                            slots=jnp.zeros((1,), jnp.int32))
 
 
 @pytest.fixture
@@ -146,19 +181,20 @@ def test_decode_chain_lowers_for_cuda_at_the_48b_shapes(triton_for_hopper, b, t)
     h, r, n, p, v, s = 32, 512, 128, 64, 128, 4096
     bf, sds = jnp.bfloat16, jax.ShapeDtypeStruct
 
-    def step(buf, w, gamma, cache, lengths):
-        rows, latent = absorb_query_pallas(buf, w, heads=h, tokens=t, nope=n, rope=p, v_dim=v, multiple=64,
-                                           out_dtype=bf, kv=buf, kv_col=h * (n + p), norm_weight=gamma,
-                                           interpret=False)
+    def step(buf, w, gamma, cache, lengths, slots):   # the new latents written into the cache by the query launch
+        rows, cache = absorb_query_pallas(buf, w, heads=h, tokens=t, nope=n, rope=p, v_dim=v, multiple=64,
+                                          out_dtype=bf, kv=buf, kv_col=h * (n + p), norm_weight=gamma, cache=cache,
+                                          slots=slots, interpret=False)
         o, lse = mla_decode_hopper_splits(rows.reshape(b, -1, r + p), cache, lengths, heads=h, sq=t, latent_dim=r,
                                           scale=0.07)
         return absorb_value_pallas(o, w, lse=lse, heads=h, tokens=t, nope=n, v_dim=v, out_dtype=bf,
-                                   interpret=False), latent
+                                   interpret=False), cache
 
     module = _export_for_cuda(step, sds((b * t, h * (n + p) + r + p), bf), sds((r, h * (n + v)), bf), sds((r,), bf),
-                              sds((b, s, r + p), bf), sds((b,), jnp.int32))
+                              sds((b, s, r + p), bf), sds((b,), jnp.int32), sds((b * t,), jnp.int32))
     assert module.count("__gpu$xla.gpu.triton") == 2 and "mosaic_gpu" in module
     assert "stablehlo.pad" not in module and "stablehlo.concatenate" not in module
+    assert "stablehlo.scatter" not in module and "dynamic_update_slice" not in module
     # The plain value launch (the Triton decode form's latents) lowers too.
     plain = _export_for_cuda(lambda lat, w: absorb_value_pallas(lat, w, heads=h, tokens=t, nope=n, v_dim=v,
                                                                 out_dtype=bf, interpret=False),
