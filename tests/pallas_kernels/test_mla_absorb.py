@@ -80,7 +80,9 @@ def test_latents_written_into_the_cache(rng, interpret, kv_dtype, cache_dtype, b
     rows, latent = absorb_query_pallas(buf, w, **kw)
     rows_c, new_cache = absorb_query_pallas(buf, w, **kw, cache=jnp.asarray(cache, cache_dtype),
                                             slots=jnp.asarray(slots))
-    np.testing.assert_array_equal(np.asarray(rows_c, np.float32), np.asarray(rows, np.float32))
+    t_pad = padded_tokens(t, h, 64)   # token slots past t are padding, never written: compared only below t
+    real = lambda x: np.asarray(x, np.float32).reshape(b, t_pad, h, r + p)[:, :t]   # noqa: E731
+    np.testing.assert_array_equal(real(rows_c), real(rows))
     expect = np.asarray(jnp.asarray(cache, cache_dtype), np.float32)
     lat = np.asarray(jnp.asarray(latent, cache_dtype), np.float32)
     for i, slot in enumerate(slots):
