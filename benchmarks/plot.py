@@ -6,6 +6,7 @@
     python benchmarks/plot.py prefill  # time to first token against prompt length
     python benchmarks/plot.py server   # server load: throughput, TPOT and TTFT against concurrent clients
     python benchmarks/plot.py mla      # MLA decode: share of the bandwidth floor per shape, both kernels
+    python benchmarks/plot.py mla-step # an MLA decode step at B=1: device time of its three launches, before / after
     python benchmarks/plot.py all
 
 Inputs are the JSON records under benchmarks/results/h200/; the PNGs are written beside RESULTS.md.
@@ -217,6 +218,36 @@ def plot_mla_decode(out: str) -> str:
     return _save(fig, os.path.join(out, "mla_decode.png"))
 
 
+MLA_STEP = [("before (e1fcd4c)", "mla_decode_step_run1_e1fcd4c.json"), ("after (5ffe468)", "mla_decode_step_run2_5ffe468.json")]
+
+
+def plot_mla_step(out: str) -> str:
+    """Device time of the three launches of one MLA decode step at B=1 (default settings), per cache
+    length, before and after this change of splits and value steps."""
+    import numpy as np
+
+    bars = []
+    for i, (label, name) in enumerate(MLA_STEP):
+        for r in _load(name)["rows"]:
+            if r["setting"] == "default" and r["batch"] == 1:
+                bars.append((f"{r['slots']} slots\n{label}", r, i))
+    bars.sort(key=lambda b: (b[1]["slots"], b[2]))
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    x = np.arange(len(bars))
+    bottom = np.zeros(len(bars))
+    for key, label in (("query_us", "W_UK into the queries"), ("attention_us", "attention kernel (Hopper)"),
+                       ("value_us", "W_UV and the split merge")):
+        ys = np.array([b[1].get(key, 0.0) for b in bars])
+        ax.bar(x, ys, 0.6, bottom=bottom, label=label)
+        bottom += ys
+    ax.set_xticks(x, [b[0] for b in bars], fontsize=8)
+    ax.set_ylabel("device us per MLA layer step")
+    ax.set_title("MLA decode step at B = 1, H = 32 (one H200)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
+    return _save(fig, os.path.join(out, "mla_decode_step.png"))
+
+
 SERVER_LOAD = "server_load_kimi-linear-48b.json"
 SERVER_LOAD_MORE = "server_load_run2_64_256.json"  # 64 and 256 clients, a later commit (e10e856)
 
@@ -255,11 +286,11 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "server", "all"])
+    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "server", "all"])
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args(argv)
     for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative),
-                     ("prefill", plot_prefill), ("mla", plot_mla_decode)):
+                     ("prefill", plot_prefill), ("mla", plot_mla_decode), ("mla-step", plot_mla_step)):
         if args.which in (name, "all"):
             print("wrote", fn(args.out))
     if args.which == "server" or (args.which == "all" and os.path.exists(os.path.join(H200, SERVER_LOAD))):

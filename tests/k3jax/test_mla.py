@@ -30,8 +30,9 @@ def test_mla_absorbed_equals_naive(rng):
     lengths = np.array([[5, 6, 7], [9, 10, 11]])
     mask = jnp.arange(s)[None, None, :] < lengths[:, :, None]
     kw = dict(scale=(n + p) ** -0.5, v_dim=v)
-    naive = attention_naive(q_nope, q_pe, latent, w_kv_b, mask, **kw)
-    absorbed = attention_absorbed(q_nope, q_pe, latent, w_kv_b, mask, **kw)
+    with jax.default_matmul_precision("highest"):    # fp32 products on a GPU too (not TF32)
+        naive = attention_naive(q_nope, q_pe, latent, w_kv_b, mask, **kw)
+        absorbed = attention_absorbed(q_nope, q_pe, latent, w_kv_b, mask, **kw)
     assert_close("absorbed vs naive", absorbed, naive)
     # And against a plain numpy softmax attention with the per-head keys expanded by hand.
     c, kpe = np.asarray(latent[..., :r], np.float64), np.asarray(latent[..., r:], np.float64)
