@@ -218,7 +218,8 @@ def plot_mla_decode(out: str) -> str:
     return _save(fig, os.path.join(out, "mla_decode.png"))
 
 
-MLA_STEP = [("before (e1fcd4c)", "mla_decode_step_run1_e1fcd4c.json"), ("after (5ffe468)", "mla_decode_step_run2_5ffe468.json")]
+MLA_STEP = [("before (e1fcd4c)", "mla_decode_step_run1_e1fcd4c.json"),
+            ("after (5ffe468)", "mla_decode_step_run2_5ffe468.json")]
 
 
 def plot_mla_step(out: str) -> str:

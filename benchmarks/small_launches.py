@@ -7,10 +7,10 @@ their launch settings, at Kimi-Linear-48B's decode shapes.
 At B = 1 a decode forward runs 53 add + norm launches and 26 router launches; each moves a few KB, so
 each costs what its one program's latency chain costs. This times each kernel alone (device time
 from a profiler trace, `kernel_us`) and 20 calls one after another in one program (`call_us`: the
-kernel, the gap before the next launch and the chain's own small add that feeds each call its input) for each number of warps. Inputs: the residual rows
-[M, 2304] bf16 with o_proj's 8 fp32 partial sums ([8, M, 2304]) or the 9 expert pairs' outputs of
-each token ([M, 9, 2304]); router partial logits [9, M, 256] fp32, k = 8 by sigmoid score. Outputs
-are checked against the first setting's.
+kernel, the gap before the next launch and the chain's own small add that feeds each call its
+input) for each number of warps. Inputs: the residual rows [M, 2304] bf16 with o_proj's 8 fp32
+partial sums ([8, M, 2304]) or the 9 expert pairs' outputs of each token ([M, 9, 2304]); router
+partial logits [9, M, 256] fp32, k = 8 by sigmoid score. Outputs are checked against the first setting's.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def cases(m: int):
     spec = RouterSpec(k=8, score="sigmoid", renormalize=True, scale=2.446)
     out = []
     for warps in NORM_WARPS:
-        for label, parts, axis in (("add_rms_norm o_proj parts", o_parts, 0), ("add_rms_norm pair parts", pair_parts, 1)):
+        for label, parts, axis in (("add_rms_norm o_proj parts", o_parts, 0),
+                                   ("add_rms_norm pair parts", pair_parts, 1)):
             def fn(h, parts, w, axis=axis, warps=warps):
                 return add_rms_norm_pallas(h, parts, w, eps=1e-5, parts_axis=axis, num_warps=warps)[1]
             out.append((label, f"warps={warps}", fn, (h, parts, w)))

@@ -8,7 +8,8 @@ query tokens of a call, M <= ROWS (one 16-row tile, masked).
 * `absorb_query_pallas`: q_lat[m, h] = q_nope[m, h] @ W_UK_h^T (fp32 accumulation), written with
   q_pe beside it as the [R + P]-wide query rows the latent-attention kernels read, in a token-padded
   layout (`padded_tokens`) so a Hopper query tile needs no padding copy. One program per (head,
-  block of R); one more program can normalise the new latents (kv_a_layernorm) in the same launch.
+  block of R); one more program can normalise the new latents (kv_a_layernorm) in the same launch,
+  and write them straight into the latent cache at their slots (the cache aliased in and out).
 * `absorb_value_pallas`: out[m, h] = lat[m, h] @ W_UV_h, either from the combined latents or from
   the per-split outputs and log-sum-exps of a split attention kernel (each split projected, then
   merged by its weight: the merge of the splits needs no launch of its own). One program per
@@ -140,19 +141,15 @@ def _query_kernel(*refs, heads, tokens, t_pad, nope, rope, v_dim, r, br, rows, q
             if into_cache:   # row m -> cache[m // tokens, slot[m]]; slots outside [0, S) are dropped
                 slot = plt.load(slot_ref.at[pl.ds(0, ROWS)], mask=live, other=-1)
                 keep = live & (slot >= 0) & (slot < lat_ref.shape[1])
-                lead = (jnp.where(keep, slot, 0)[:, None],)
-                _store_rows(lat_ref, m // tokens, lead, 0, (g[None, :] * y).astype(kv_ref.dtype),
-                            keep[:, None] & cols[None, :])
-                _copy_cols(kv_ref, kv_col + r, lat_ref, m // tokens, lead, r, rope, keep)
-            else:
-                plt.store(lat_ref.at[pl.ds(0, ROWS), pl.ds(0, wide)], (g[None, :] * y).astype(lat_ref.dtype),
-                          mask=mask)
-                _copy_cols(kv_ref, kv_col + r, lat_ref, m, (), r, rope, live)
+                dst, lead = m // tokens, (jnp.where(keep, slot, 0)[:, None],)
+            else:            # row m -> latents[m]
+                keep, dst, lead = live, m, ()
+            _store_rows(lat_ref, dst, lead, 0, (g[None, :] * y).astype(kv_ref.dtype), keep[:, None] & cols[None, :])
+            _copy_cols(kv_ref, kv_col + r, lat_ref, dst, lead, r, rope, keep)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "tokens", "nope", "rope", "v_dim", "q_col", "multiple",
-                                             "out_dtype", "kv_col", "eps", "blocks", "interpret"),
-                   donate_argnames=("cache",))
+                                             "out_dtype", "kv_col", "eps", "blocks", "interpret"))
 def absorb_query_pallas(q, w_kv_b, *, heads: int, tokens: int, nope: int, rope: int, v_dim: int, q_col: int = 0,
                         multiple: int = 1, out_dtype=None, kv=None, kv_col: int = 0, norm_weight=None,
                         eps: float = 1e-6, cache=None, slots=None, blocks: AbsorbBlocks = AbsorbBlocks(),
@@ -169,8 +166,9 @@ def absorb_query_pallas(q, w_kv_b, *, heads: int, tokens: int, nope: int, rope: 
       kv, kv_col, norm_weight, eps: optional [M, C'] rows holding [c_kv (R) | k_pe (rope)] from
         column kv_col, and the kv_a_layernorm weight [R]: the latents are also returned, c_kv
         RMS-normalised (fp32, cast to kv's dtype, times the weight: the model's order).
-      cache, slots: optional, with kv: the latent cache [B, S, R + rope] (donated; updated in place)
-        and each query row's slot [M] int32. Row m's latents are written to cache[m // T, slots[m]]
+      cache, slots: optional, with kv: the latent cache [B, S, R + rope] (updated in place inside a
+        caller's jit, which should donate it; a copy when called eagerly) and each query row's slot
+        [M] int32. Row m's latents are written to cache[m // T, slots[m]]
         (cast to the cache's dtype) instead of being returned; a slot outside [0, S) writes nothing.
     Returns:
       [B * T_pad, H, R + rope]: row b * T_pad + t, head h = [q_nope @ W_UK_h^T | q_pe]

@@ -17,7 +17,7 @@ def _heads(w_kv_b, heads: int, nope: int):
 
 def absorb_query_reference(q, w_kv_b, *, heads: int, tokens: int, nope: int, rope: int, v_dim: int, q_col: int = 0,
                            multiple: int = 1, out_dtype=None, kv=None, kv_col: int = 0, norm_weight=None,
-                           eps: float = 1e-6):
+                           eps: float = 1e-6, cache=None, slots=None):
     """`kernel.absorb_query_pallas`'s contract; its padding rows are zeros here."""
     del v_dim
     m = q.shape[0]
@@ -33,7 +33,11 @@ def absorb_query_reference(q, w_kv_b, *, heads: int, tokens: int, nope: int, rop
     if kv is None:
         return rows
     kv = kv[:, kv_col:kv_col + r + rope]
-    return rows, jnp.concatenate([rms_norm_reference(kv[:, :r], norm_weight, eps), kv[:, r:]], -1)
+    latents = jnp.concatenate([rms_norm_reference(kv[:, :r], norm_weight, eps), kv[:, r:]], -1)
+    if cache is None:
+        return rows, latents
+    slots = jnp.where(slots < 0, cache.shape[1], slots)          # padding rows: past the end, dropped
+    return rows, cache.at[jnp.arange(m) // tokens, slots].set(latents.astype(cache.dtype), mode="drop")
 
 
 def absorb_value_reference(o, w_kv_b, *, heads: int, tokens: int, nope: int, v_dim: int, lse=None, out_dtype=None):

@@ -67,7 +67,8 @@ def add_rms_norm_pallas(h, parts, weight, *, eps: float, parts_axis: int = 0, nu
       h: [M, D] residual rows. parts: partial sums of the branch output (fp32; or the output itself
         as one part in any dtype), [S, M, D] (parts_axis 0) or [M, S, D] (parts_axis 1), added in
         fp32 in order s = 0..S-1 and cast to h's dtype before the residual add (the model's
-        rounding). weight: [D].
+        rounding). weight: [D]. num_warps: of the one program per row (16: many loads in flight; the
+        fastest of 2-16 on the H200, `benchmarks/small_launches.py`).
     Returns:
       (new residual [M, D], its norm [M, D]), both in h's dtype.
     """

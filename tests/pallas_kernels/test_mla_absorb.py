@@ -63,8 +63,10 @@ def test_absorbed_queries_and_latents(rng, interpret, dtype, b, t, h):
 @pytest.mark.parametrize("b,t", [(1, 1), (3, 2), (2, 8)])
 def test_latents_written_into_the_cache(rng, interpret, kv_dtype, cache_dtype, b, t):
     """With a cache and slots, the normalised latents land at cache[b, slot] (cast to the cache's
-    dtype) and nothing else changes: slots -1 (padding) and S (past the end) write nothing. The
-    queries are the same as without the cache."""
+    dtype) and nothing else changes: slots -1 (padding) and S (past the end) write nothing (interpret
+    mode drops stores past the buffer by itself; the compiled test on the GPU is what checks that the
+    kernel masks them). The queries are the same as without the cache; the written cache equals the
+    twin's (a scatter of the twin's latents) and the kernel's own latents scattered by hand."""
     h, r, n, p, v, s, m = 4, 64, 32, 16, 32, 24, b * t
     w, _ = _weights(rng, h, r, n, v, kv_dtype)
     kv_col = h * (n + p)
@@ -90,6 +92,13 @@ def test_latents_written_into_the_cache(rng, interpret, kv_dtype, cache_dtype, b
             expect[i // t, slot] = lat[i]
     assert new_cache.dtype == jnp.dtype(cache_dtype)
     np.testing.assert_array_equal(np.asarray(new_cache, np.float32), expect)
+    _, twin = absorb_query_reference(buf, w, **{k: v for k, v in kw.items() if k != "interpret"},
+                                     cache=jnp.asarray(cache, cache_dtype), slots=jnp.asarray(slots))
+    written = np.zeros(expect.shape[:2], bool)
+    written[[i // t for i, sl in enumerate(slots) if 0 <= sl < s], [sl for sl in slots if 0 <= sl < s]] = True
+    np.testing.assert_array_equal(np.asarray(new_cache, np.float32)[~written], np.asarray(twin, np.float32)[~written])
+    assert_close("written latents vs twin", np.asarray(new_cache, np.float32)[written],
+                 np.asarray(twin, np.float32)[written], dtype=cache_dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
