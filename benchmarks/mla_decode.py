@@ -67,10 +67,11 @@ def main(argv=None) -> int:
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="try launch settings at B x ctx = 64 x 4K first")
     ap.add_argument("--impl", nargs="+", default=["triton", "hopper"],
-                    choices=["triton", "hopper", "hopper-alternate", "hopper-each", "hopper-one-buffer"],
+                    choices=["triton", "hopper", "hopper-alternate", "hopper-each", "hopper-one-buffer",
+                             "hopper-merge-pallas"],
                     help="hopper: the Hopper kernel (warpgroup 0 scores every block); -alternate: the warpgroups "
                          "take turns; -each: both score every block; -one-buffer: queries laid out by XLA into one "
-                         "[64, 576] buffer, one score MMA")
+                         "[64, 576] buffer, one score MMA; -merge-pallas: the splits merged in one Pallas launch")
     ap.add_argument("--q", nargs="+", type=int, default=[1], help="query tokens per row")
     ap.add_argument("--shapes", nargs="*", default=None, help="HxBxCTX entries, e.g. 32x64x4096")
     ap.add_argument("--name", default=None, help="name of the JSON record (default mla_decode)")
@@ -94,9 +95,11 @@ def main(argv=None) -> int:
     scale = 192 ** -0.5
     kernels = {("triton", 0): lambda q, qp, c, n: mla_decode_pallas(q, qp, c, n, scale=scale, blocks=blocks)}
     for n_splits in args.splits:
-        for impl, scoring, buffers in (("hopper", "first", 2), ("hopper-alternate", "alternate", 2),
-                                       ("hopper-each", "each", 2), ("hopper-one-buffer", "first", 1)):
-            hb = HopperMLABlocks(num_splits=n_splits, scoring=scoring, query_buffers=buffers)
+        for impl, scoring, buffers, merge in (
+                ("hopper", "first", 2, "xla"), ("hopper-alternate", "alternate", 2, "xla"),
+                ("hopper-each", "each", 2, "xla"), ("hopper-one-buffer", "first", 1, "xla"),
+                ("hopper-merge-pallas", "first", 2, "pallas")):
+            hb = HopperMLABlocks(num_splits=n_splits, scoring=scoring, query_buffers=buffers, merge=merge)
             kernels[impl, n_splits] = lambda q, qp, c, n, hb=hb: mla_decode_hopper(q, qp, c, n, scale=scale, blocks=hb)
     runs = [(impl, n) for impl in impls for n in ([0] if impl == "triton" else args.splits)]
     ref = jax.jit(lambda q, qp, c, n: mla_decode_reference(q, qp, c, n, scale=scale))

@@ -75,6 +75,16 @@ def interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
+@pytest.fixture
+def triton_for_hopper(monkeypatch):
+    """Lower Triton kernels for an sm_90 GPU on a host without one (for `jax.export` to "cuda")."""
+    from types import SimpleNamespace
+
+    import jax._src.pallas.triton.pallas_call_registration as reg
+
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: SimpleNamespace(compute_capability="9.0"))
+
+
 @pytest.fixture(scope="session")
 def tiny_config():
     return tiny_kimi_linear()

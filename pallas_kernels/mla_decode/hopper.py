@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mla_decode.merge import merge_splits_pallas
 from pallas_kernels.mla_decode.reference import validate_inputs
 
 TILE_ROWS = 64            # query rows per program: the M side of one warpgroup MMA
@@ -50,6 +51,7 @@ _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (meas
 
 
 SCORINGS = ("alternate", "first", "each")
+MERGES = ("xla", "pallas")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,10 @@ class HopperMLABlocks:
     they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score
     MMA, the queries laid out by XLA first (the form before; kept to compare the two in one run).
 
+    `merge`: how `mla_decode_hopper` merges the splits: "xla" (`combine_splits`, the reference: five
+    XLA kernels, about 9 us at 1 x 128K) or "pallas" (`merge.merge_splits_pallas`, one launch; not yet
+    timed on a GPU, so not the default).
+
     `min_split_blocks`: the fewest cache blocks an automatic split covers. At one row and a short cache
     the kernel is latency, about 2.4 us per block in turn on one program: at B = 1 over 192 slots
     (3 blocks) 3 splits took 7.2 us against 12.0 us for one (`benchmarks/mla_decode_step.py`), so by
@@ -83,6 +89,7 @@ class HopperMLABlocks:
     scoring: str = "first"
     query_buffers: int = 2
     min_split_blocks: int = 1
+    merge: str = "xla"
     sms: int = 132
 
     def __post_init__(self):
@@ -90,6 +97,8 @@ class HopperMLABlocks:
             raise ValueError(f"HopperMLABlocks: scoring must be one of {SCORINGS}, got {self.scoring!r}")
         if self.query_buffers not in (1, 2):
             raise ValueError(f"HopperMLABlocks: query_buffers must be 1 or 2, got {self.query_buffers}")
+        if self.merge not in MERGES:
+            raise ValueError(f"HopperMLABlocks: merge must be one of {MERGES}, got {self.merge!r}")
         if self.min_split_blocks < 1:
             raise ValueError(f"HopperMLABlocks: min_split_blocks must be >= 1, got {self.min_split_blocks}")
 
@@ -419,8 +428,13 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
         parts, copy_rows = (jnp.pad(q, ((0, 0), (0, query_rows(h, sq) - rows), (0, 0))),), TILE_ROWS
     o, lse = _launch(parts, cache, lengths, heads=h, sq=sq, latent_dim=r, scale=scale, blocks=blocks,
                      out_rows=query_rows(h, sq), q_copy_rows=copy_rows)
-    lat = o[:, 0].astype(jnp.float32) if o.shape[1] == 1 else combine_splits(o, lse)   # one split: normalised already
-    return lat[:, :rows].reshape(b, sq, h, r)
+    if o.shape[1] == 1:                      # one split: normalised already
+        lat = o[:, 0, :rows].astype(jnp.float32)
+    elif blocks.merge == "pallas":
+        lat = merge_splits_pallas(o, lse, rows=rows)
+    else:
+        lat = combine_splits(o, lse)[:, :rows]
+    return lat.reshape(b, sq, h, r)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "sq", "latent_dim", "scale", "blocks"))

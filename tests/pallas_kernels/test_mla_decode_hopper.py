@@ -17,6 +17,7 @@ from tolerances import assert_close
 from pallas_kernels.mla_decode import mla_decode_reference
 from pallas_kernels.mla_decode.hopper import (HopperMLABlocks, combine_splits, hopper_takes, mla_decode_hopper,
                                               mla_decode_hopper_splits, query_rows)
+from pallas_kernels.mla_decode.merge import merge_splits_pallas
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
 
@@ -37,7 +38,8 @@ VARIANTS = {"default": HopperMLABlocks(), "splits3": HopperMLABlocks(num_splits=
             "alternate_splits1": HopperMLABlocks(scoring="alternate", num_splits=1),
             "alternate_splits2": HopperMLABlocks(scoring="alternate", num_splits=2),
             "each": HopperMLABlocks(scoring="each"), "each_stages1": HopperMLABlocks(block_kv=128, stages=1, scoring="each"),
-            "one_query_buffer": HopperMLABlocks(query_buffers=1)}
+            "one_query_buffer": HopperMLABlocks(query_buffers=1),
+            "merge_pallas": HopperMLABlocks(merge="pallas")}
 
 
 @on_gpu
@@ -81,12 +83,26 @@ def test_splits_on_query_rows_as_laid_out(rng, sq, h, rows):
                          + [(v, sq, h) for v in ("default", "one_query_buffer") for sq, h in ((1, 12), (3, 24))])
 def test_lowers_for_cuda_on_any_host(variant, sq, h):
     """The full Pallas -> Mosaic GPU lowering runs (no GPU needed) and emits the Mosaic GPU kernel, for
-    every variant and for query rows of whole tiles (64), fewer (12) and past them (72)."""
+    every variant and for query rows of whole tiles (64), fewer (12) and past them (72); with
+    merge="pallas" the merge launch is there too (off a GPU in its interpret form: see
+    `test_merge_kernel_lowers_for_cuda` for its Triton lowering)."""
     args = (jax.ShapeDtypeStruct((2, sq, h, 512), jnp.bfloat16), jax.ShapeDtypeStruct((2, sq, h, 64), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, 1024, 576), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
     exported = jax.export.export(jax.jit(lambda *a: mla_decode_hopper(*a, scale=0.1, blocks=VARIANTS[variant])),
                                  platforms=["cuda"])(*args)
-    assert "mosaic_gpu" in exported.mlir_module()
+    module = exported.mlir_module()
+    assert "mosaic_gpu" in module
+    assert ("mla_merge_splits" in module) == (VARIANTS[variant].merge == "pallas")
+
+
+@pytest.mark.parametrize("b,splits,rows", [(1, 128, 32), (64, 2, 32)])   # 1 x 128K and 64 x 4K at H = 32
+def test_merge_kernel_lowers_for_cuda(triton_for_hopper, b, splits, rows):
+    args = (jax.ShapeDtypeStruct((b, splits, 64, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, splits, 64), jnp.float32))
+    module = jax.export.export(jax.jit(lambda o, lse: merge_splits_pallas(o, lse, rows=rows, interpret=False)),
+                               platforms=["cuda"], disabled_checks=[
+                                   jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    assert module.mlir_module().count("__gpu$xla.gpu.triton") == 1
 
 
 def test_lowers_laid_out_rows_for_cuda_on_any_host():
@@ -119,6 +135,25 @@ def test_combine_splits_equals_one_softmax(rng):
     assert_close("combine", combine_splits(o, lse)[0], expect, dtype="float32")
 
 
+@pytest.mark.parametrize("b,splits,q_rows,rows,cols", [(1, 128, 64, 32, 512), (2, 5, 64, 40, 64), (3, 2, 24, 24, 32),
+                                                       (1, 3, 5, 5, 16)])
+def test_merge_kernel_equals_combine_splits(rng, interpret, b, splits, q_rows, rows, cols):
+    """The one-launch merge (`merge_splits_pallas`) against `combine_splits` on random per-split
+    outputs (bf16) and log-sum-exps, some splits empty (lse -huge) and one row empty in every split;
+    only the first `rows` query rows are merged, NaN past them is never read."""
+    o = rng.standard_normal((b, splits, q_rows, cols)).astype(np.float32)
+    lse = (rng.standard_normal((b, splits, q_rows)) * 4).astype(np.float32)
+    lse[:, -1, :3] = -0.7 * np.finfo(np.float32).max
+    lse[:, :, 1] = -0.7 * np.finfo(np.float32).max
+    o[:, :, rows:], lse[:, :, rows:] = np.nan, np.nan
+    o, lse = jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse)
+    got = merge_splits_pallas(o, lse, rows=rows, interpret=interpret)
+    assert got.shape == (b, rows, cols) and got.dtype == jnp.float32
+    assert_close("merge", got, combine_splits(o[:, :, :rows], lse[:, :, :rows]), dtype="float32")
+    with pytest.raises(ValueError, match="do not match"):
+        merge_splits_pallas(o, lse[:, :1], rows=rows)
+
+
 def test_rejects_what_it_cannot_run():
     q, qp = jnp.zeros((1, 1, 4, 512), jnp.bfloat16), jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="queries"):   # fewer rows than one tile
@@ -135,6 +170,8 @@ def test_rejects_what_it_cannot_run():
         HopperMLABlocks(scoring="both")
     with pytest.raises(ValueError, match="query_buffers must be 1 or 2"):
         HopperMLABlocks(query_buffers=3)
+    with pytest.raises(ValueError, match="merge must be one of"):
+        HopperMLABlocks(merge="sum")
     with pytest.raises(ValueError, match="min_split_blocks must be >= 1"):
         HopperMLABlocks(min_split_blocks=0)
     with pytest.raises(ValueError, match="shared memory"):
