@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from k3jax.errors import ConfigError, require, require_choice, require_positive
 from k3jax.layers.activation import Activation
 from k3jax.layers.attn_res import ATTN_RES_IMPLS, AttnResImpl
-from k3jax.layers.mla_attention import MLA_DECODE_IMPLS, MLA_PREFILL_IMPLS, MLADecodeImpl, MLAPrefillImpl
+from k3jax.layers.mla_attention import (MLA_DECODE_IMPLS, MLA_MERGE_IMPLS, MLA_PREFILL_IMPLS, MLADecodeImpl,
+                                        MLAPrefillImpl)
 from k3jax.layers.moe_experts import EXPERT_IMPLS, ExpertImpl
 from pallas_kernels.kda import KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl, value_blocks_fit
 from pallas_kernels.moe_gmm import GMM_IMPLS, GmmImpl
@@ -105,6 +106,9 @@ class MLAConfig:
     # "xla" (einsums, the reference), "pallas" (the few-row kernels of pallas_kernels.mla_absorb),
     # "auto" ("pallas" on a GPU: about 5 us less per MLA layer at the 48B decode).
     absorb_impl: SkinnyImpl = "auto"
+    # How the "hopper" form merges its sequence splits where the absorb kernels do not (more than 16
+    # query rows): "xla" (combine_splits, the reference) or "pallas" (one launch; MLA_MERGE_IMPLS).
+    merge_impl: str = "xla"
 
     def __post_init__(self):
         for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
@@ -116,6 +120,7 @@ class MLAConfig:
         require_choice(self.decode_impl, MLA_DECODE_IMPLS, "mla.decode_impl")
         require_choice(self.prefill_impl, MLA_PREFILL_IMPLS, "mla.prefill_impl")
         require_choice(self.absorb_impl, SKINNY_IMPLS, "mla.absorb_impl")
+        require_choice(self.merge_impl, MLA_MERGE_IMPLS, "mla.merge_impl")
 
     @property
     def qk_head_dim(self) -> int:
@@ -395,6 +400,7 @@ IMPL_OPTIONS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "mla": ("mla", "decode_impl", MLA_DECODE_IMPLS),
     "mla_prefill": ("mla", "prefill_impl", MLA_PREFILL_IMPLS),
     "mla_absorb": ("mla", "absorb_impl", SKINNY_IMPLS),
+    "mla_merge": ("mla", "merge_impl", MLA_MERGE_IMPLS),
     "moe": ("moe", "impl", EXPERT_IMPLS),
     "gmm": ("moe", "gmm_impl", GMM_IMPLS),
     "router": ("moe", "router_impl", ROUTER_IMPLS),

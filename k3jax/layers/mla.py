@@ -96,7 +96,7 @@ class MultiHeadLatentAttention(nnx.Module):
                 cache = MLACache(latent=write_cache(cache.latent, latent, seq))
                 if decode:
                     attn = cache_attention(cfg.decode_impl, q_nope, q_pe, cache.latent, w_kv_b, seq.slot_index(),
-                                           absorb="xla", **kwargs)
+                                           absorb="xla", merge=cfg.merge_impl, **kwargs)
                 else:
                     attn = chunk_attention(cfg.prefill_impl, q_nope, q_pe, cache.latent, w_kv_b, seq.slot_index(),
                                            latent_BTL=latent, start_B=seq.start, **kwargs)

@@ -8,6 +8,7 @@ kv_b_proj kernel [R, H * (nope + v)] (head-major, key part first). Scores use sc
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, get_args
 
 import jax
@@ -17,7 +18,8 @@ from jax import lax
 from k3jax.layers.flash_attention import flash_attention, online_softmax_init, online_softmax_step
 from pallas_kernels.mla_absorb import absorb_query_pallas, absorb_refusal, absorb_value_pallas
 from pallas_kernels.mla_decode import mla_decode_pallas
-from pallas_kernels.mla_decode.hopper import TILE_ROWS, hopper_takes, mla_decode_hopper, mla_decode_hopper_splits
+from pallas_kernels.mla_decode.hopper import (MERGES, TILE_ROWS, HopperMLABlocks, hopper_takes, mla_decode_hopper,
+                                              mla_decode_hopper_splits)
 from pallas_kernels.skinny import SkinnyImpl, resolve_skinny_impl
 
 # Attention over the latent cache (steps with history): "absorbed" (pure JAX, W_UK folded into
@@ -35,6 +37,10 @@ MLA_DECODE_IMPLS: tuple[str, ...] = get_args(MLADecodeImpl)
 # takes the call, else flash) or "naive" (the reference: a [B, H, T, T] score matrix). Continuation
 # chunks over a cache (`chunk_attention`) have a form of each: cudnn as history and chunk parts
 # merged by their log-sum-exps, flash blockwise over the cache; auto picks as for fresh prompts.
+# How the Hopper kernel's sequence splits merge where the few-row value kernel does not merge them
+# (more than 16 query rows, e.g. B = 64 decode): "xla" (combine_splits, the reference), "pallas".
+MLA_MERGE_IMPLS: tuple[str, ...] = MERGES
+
 MLAPrefillImpl = Literal["auto", "cudnn", "flash", "naive"]
 MLA_PREFILL_IMPLS: tuple[str, ...] = get_args(MLAPrefillImpl)
 
@@ -311,7 +317,7 @@ def prefill_attention(impl: MLAPrefillImpl, q_nope_BTHN, q_pe_BTHP, latent_BTL, 
 
 
 def cache_attention(impl: MLADecodeImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, *, scale: float,
-                    v_dim: int, absorb: SkinnyImpl = "auto") -> jax.Array:
+                    v_dim: int, absorb: SkinnyImpl = "auto", merge: str = "xla") -> jax.Array:
     """Attention of T query tokens per row over a latent cache (the one dispatch site of MLA decode).
 
     Args:
@@ -321,6 +327,8 @@ def cache_attention(impl: MLADecodeImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv
         row sit at consecutive slots.
       absorb: how the "pallas" and "hopper" forms apply W_UK and W_UV: "xla" (einsums), "pallas"
         (`absorb_queries` and the value kernel, where `absorb_kernels_take`), "auto" ("pallas" on a GPU).
+      merge: how the Hopper kernel's splits merge where the value kernel does not merge them:
+        "xla" (`combine_splits`) or "pallas" (`merge_splits_pallas`); see MLA_MERGE_IMPLS.
     Returns:
       [B, T, H, V] in the query dtype.
     """
@@ -336,7 +344,10 @@ def cache_attention(impl: MLADecodeImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv
         w_uk, w_uv = split_kv_b(w_kv_b, h, n, v_dim)
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope_BTHN, w_uk, preferred_element_type=jnp.float32)
         lengths = last_slot_BT[:, -1] + 1
-        kernel = mla_decode_hopper if _runs_hopper(impl, cache_BSL, r) else mla_decode_pallas
+        if _runs_hopper(impl, cache_BSL, r):
+            kernel = functools.partial(mla_decode_hopper, blocks=HopperMLABlocks(merge=merge))
+        else:
+            kernel = mla_decode_pallas
         lat = kernel(q_lat.astype(cache_BSL.dtype), q_pe_BTHP, cache_BSL, lengths, scale=scale)
         return jnp.einsum("bthr,rhv->bthv", lat, w_uv.astype(jnp.float32)).astype(q_nope_BTHN.dtype)
     slots = jnp.arange(cache_BSL.shape[1])
