@@ -4,8 +4,8 @@ A split kernel leaves, per split s of the sequence, its normalised output o_s an
 lse_s for every query row; the whole-sequence output is sum_s 2^(lse_s - top) o_s / sum_s
 2^(lse_s - top) with top = max_s lse_s. XLA runs this as five kernels (two reductions over the
 splits, the exponentials, the weighted sum, the slice of the real rows), about 9 us at 1 x 128K;
-here one program per (batch row, 16 query rows, column block) reads its rows' log-sum-exps of every
-split once, then streams the outputs in chunks of splits.
+here one program per (batch row, 16 query rows, column block) first takes the top log-sum-exp of its
+rows over every split, then streams the outputs and their log-sum-exps in chunks of splits.
 
 Twin: `hopper.combine_splits` (the XLA form).
 """
