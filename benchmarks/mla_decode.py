@@ -31,6 +31,11 @@ from pallas_kernels.mla_decode import MLADecodeBlocks, mla_decode_pallas, mla_de
 from pallas_kernels.mla_decode.hopper import TILE_ROWS, HopperMLABlocks, mla_decode_hopper, query_rows  # noqa: E402
 
 
+# --impl names of the Hopper kernel's forms -> their HopperMLABlocks settings (besides the splits).
+HOPPER_FORMS = {"hopper": {}, "hopper-alternate": {"scoring": "alternate"}, "hopper-each": {"scoring": "each"},
+                "hopper-one-buffer": {"query_buffers": 1}, "hopper-merge-pallas": {"merge": "pallas"}}
+
+
 def sweep(iters):
     """Times launch settings at 64 x 4K (H=32) and returns the fastest (block_h, block_k, warps, stages)."""
     b, ctx, h = 64, 4096, 32
@@ -67,8 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-stages", type=int, default=2)
     ap.add_argument("--sweep", action="store_true", help="try launch settings at B x ctx = 64 x 4K first")
     ap.add_argument("--impl", nargs="+", default=["triton", "hopper"],
-                    choices=["triton", "hopper", "hopper-alternate", "hopper-each", "hopper-one-buffer",
-                             "hopper-merge-pallas"],
+                    choices=["triton", *HOPPER_FORMS],
                     help="hopper: the Hopper kernel (warpgroup 0 scores every block); -alternate: the warpgroups "
                          "take turns; -each: both score every block; -one-buffer: queries laid out by XLA into one "
                          "[64, 576] buffer, one score MMA; -merge-pallas: the splits merged in one Pallas launch")
@@ -95,11 +99,8 @@ def main(argv=None) -> int:
     scale = 192 ** -0.5
     kernels = {("triton", 0): lambda q, qp, c, n: mla_decode_pallas(q, qp, c, n, scale=scale, blocks=blocks)}
     for n_splits in args.splits:
-        for impl, scoring, buffers, merge in (
-                ("hopper", "first", 2, "xla"), ("hopper-alternate", "alternate", 2, "xla"),
-                ("hopper-each", "each", 2, "xla"), ("hopper-one-buffer", "first", 1, "xla"),
-                ("hopper-merge-pallas", "first", 2, "pallas")):
-            hb = HopperMLABlocks(num_splits=n_splits, scoring=scoring, query_buffers=buffers, merge=merge)
+        for impl, form in HOPPER_FORMS.items():
+            hb = HopperMLABlocks(num_splits=n_splits, **form)
             kernels[impl, n_splits] = lambda q, qp, c, n, hb=hb: mla_decode_hopper(q, qp, c, n, scale=scale, blocks=hb)
     runs = [(impl, n) for impl in impls for n in ([0] if impl == "triton" else args.splits)]
     ref = jax.jit(lambda q, qp, c, n: mla_decode_reference(q, qp, c, n, scale=scale))
