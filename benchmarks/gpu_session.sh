@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-overhead decode-before checkpoint-read kda kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-overhead decode-before checkpoint-read kda kda-prefill kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -74,6 +74,11 @@ for step in "$@"; do
               --name gemv_no_strength_reduction 2>&1 | quiet | tail -22 | tee "$W/gemv_nsr.log"
           fi ;;
     kda) OUT=$W timeout 420 python3 benchmarks/kda.py 2>&1 | quiet | tee "$W/kda.log" ;;
+    kda-prefill) K3JAX_TEST_DEVICE=gpu timeout ${KDA_TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+              tests/pallas_kernels/test_kda_kernels.py tests/pallas_kernels/test_kda_varlen.py -k "chunk or varlen" 2>&1 \
+              | quiet | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_prefill_tests.log"
+          OUT=$W timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
+              | tee "$W/kda_prefill.log" ;;
     mla) OUT=$W timeout ${MLA_LIMIT:-300} python3 benchmarks/mla_decode.py ${MLA_ARGS:-} 2>&1 | quiet | tee "$W/mla.log" ;;
     moe-ep) OUT=$W timeout 300 python3 benchmarks/moe_ep.py 2>&1 | quiet | tee "$W/moe_ep.log" ;;
     decode-ep2) for d in gather ragged; do

@@ -72,11 +72,20 @@ VARIANTS = {
     "column/v64": ChunkBlocks(intra="column", value_block=64),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32),
-    "blocked/v32/w4": ChunkBlocks(intra="blocked", value_block=32, num_warps=4),
+    "parallel/v32": ChunkBlocks(intra="parallel", value_block=32),
+    "parallel/v32/ks64": ChunkBlocks(intra="parallel", value_block=32, key_slice=64),
+    "parallel/v32/w8": ChunkBlocks(intra="parallel", value_block=32, num_warps=8),
+    "parallel/v32/w8/ks64": ChunkBlocks(intra="parallel", value_block=32, num_warps=8, key_slice=64),
+    "parallel/v16": ChunkBlocks(intra="parallel", value_block=16),
+    "parallel/v32/s2": ChunkBlocks(intra="parallel", value_block=32, inter_num_stages=2),
+    "parallel/v32/s3": ChunkBlocks(intra="parallel", value_block=32, inter_num_stages=3),
+    "parallel/v64/w8i": ChunkBlocks(intra="parallel", value_block=64, inter_num_warps=8),
 }
 
 
-def prefill_rows(shapes, fla, iters):
+def prefill_rows(shapes, fla, iters, variants=None):
+    """variants: names from VARIANTS to time (None: all)."""
+    chosen = {n: VARIANTS[n] for n in (variants or VARIANTS)}
     rows = []
     for (b, t, h, kd) in shapes:
         key = jax.random.key(h)
@@ -91,7 +100,7 @@ def prefill_rows(shapes, fla, iters):
         o_ref, s_ref = ref(q, k, v, g, beta, s0)
         t_ref, _ = median_time(lambda: ref(q, k, v, g, beta, s0), warmup=1, iters=max(3, iters // 10))
         variants = {}
-        for name, blocks in VARIANTS.items():
+        for name, blocks in chosen.items():
             ours = jax.jit(lambda q, k, v, g, beta, s0, blocks=blocks: kda_chunk_pallas(
                 l2(q), l2(k), v, g, beta, initial_state=s0, blocks=blocks))
             t_v, _ = median_time(lambda: ours(q, k, v, g, beta, s0), iters=iters)
@@ -210,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-fla", action="store_true", help="skip the fla columns (its autotune takes ~90 s a shape)")
     ap.add_argument("--decode-only", action="store_true")
+    ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), help="prefill kernel variants to time (default all)")
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8, 16], help="num_warps of the decode launches")
     ap.add_argument("--splits", nargs="+", type=int, default=[1, 0],
                     help="column blocks per head of the one-token kernel (DecodeBlocks.value_blocks; 0: auto)")
@@ -218,16 +229,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fla = None if (args.small or args.no_fla) else fla_functions()
     if args.small:
-        pre = prefill_rows([(1, 96, 2, 16)], None, 3)
+        pre = prefill_rows([(1, 96, 2, 16)], None, 3, args.variants)
         dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 32, 3, None, 3, state_dtype=sd,
                                                                      splits=args.splits)]
     else:
-        pre = [] if args.decode_only else prefill_rows([(1, 8192, 32, 128), (1, 8192, 96, 128)], fla, args.iters)
-        dec = [row for sd in args.state_dtype
+        pre = [] if args.decode_only else prefill_rows([(1, 8192, 32, 128), (1, 8192, 96, 128)], fla, args.iters,
+                                                       args.variants)
+        dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows([1, 8, 64, 256], 32, 128, 20, fla, args.iters, warps=tuple(args.warps), state_dtype=sd,
                                   splits=args.splits)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
-    path = write("kda" + ("_small" if args.small else "_decode" if args.decode_only else ""), record)
+    path = write("kda" + ("_small" if args.small else "_decode" if args.decode_only else
+                          "_prefill" if args.prefill_only else ""), record)
     print(table(pre, ["B", "T", "H", "ours_ms", "fla_ms", "speedup_vs_fla", "xla_ref_ms", "err_o_vs_ref"]))
     print(table(dec, ["B", "H", "state", "us_per_layer", "TB_s", "pct_4.3TB_s", "fla_us", "fla_TB_s", "xla_ref_us_per_layer",
                       "err_state_vs_ref"]))

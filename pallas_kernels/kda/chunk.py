@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2
+from pallas_kernels.kda.intra_parallel import SUB, intra_parallel_kernel, local_cumsum
 from pallas_kernels.kda.reference import validate_inputs
 from pallas_kernels.kda.tuning import ChunkBlocks
 
@@ -180,8 +181,14 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
     b, h, n, c, kd = qc.shape
     vd = vc.shape[-1]
     f32 = jnp.float32
-    intra = (functools.partial(_intra_blocked_kernel, scale=scale, sub=blocks.sub_chunk)
-             if blocks.intra == "blocked" else functools.partial(_intra_kernel, scale=scale))
+    if blocks.intra == "parallel":
+        intra = functools.partial(intra_parallel_kernel, scale=scale, key_slice=min(kd, blocks.key_slice),
+                                  value_slice=min(vd, blocks.key_slice), interpret=interpret)
+        gc = local_cumsum(gc)
+    elif blocks.intra == "blocked":
+        intra = functools.partial(_intra_blocked_kernel, scale=scale, sub=blocks.sub_chunk)
+    else:
+        intra = functools.partial(_intra_kernel, scale=scale)
     blk = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda i, j, m: (i, j, m) + (0,) * len(tail))
     return pl.pallas_call(
         intra,
@@ -223,7 +230,8 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
         in_specs=flag_specs + chunk_specs + [state_spec],
         out_specs=[by_value(n, c, vd), state_spec],
         out_shape=[jax.ShapeDtypeStruct((b, h, n, c, vd), out_dtype), jax.ShapeDtypeStruct(state_shape, jnp.float32)],
-        compiler_params=plt.CompilerParams(num_warps=blocks.inter_num_warps, num_stages=blocks.num_stages),
+        compiler_params=plt.CompilerParams(num_warps=blocks.inter_num_warps,
+                                           num_stages=blocks.inter_num_stages or blocks.num_stages),
         interpret=interpret,
         name="kda_chunk_inter",
     )(*flags, w, u, aqk, qg, kt, dec, s0)
@@ -231,9 +239,14 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
 
 def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     c = blocks.chunk
-    if not (is_pow2(kd) and is_pow2(vd) and is_pow2(c)) or (blocks.intra == "blocked" and c % blocks.sub_chunk):
+    sub = SUB if blocks.intra == "parallel" else blocks.sub_chunk
+    if blocks.intra not in ("blocked", "column", "parallel"):
+        raise ValueError(f"{name}: intra must be 'blocked', 'column' or 'parallel', got {blocks.intra!r}")
+    if not (is_pow2(kd) and is_pow2(vd) and is_pow2(c)) or (blocks.intra != "column" and c % sub):
         raise ValueError(f"{name}: K={kd}, V={vd} and the chunk {c} must be powers of two "
-                         f"(and the chunk a multiple of sub_chunk={blocks.sub_chunk})")
+                         f"(and the chunk a multiple of {sub})")
+    if blocks.intra == "parallel" and not (is_pow2(blocks.key_slice) and blocks.key_slice >= 16):
+        raise ValueError(f"{name}: key_slice must be a power of two >= 16, got {blocks.key_slice}")
 
 
 def to_chunks(x, chunk: int):

@@ -48,9 +48,12 @@ class DecodeBlocks:
 @dataclass(frozen=True)
 class ChunkBlocks:
     chunk: int = 64          # tokens per chunk (WY form)
-    intra: str = "blocked"   # intra-chunk kernel: "blocked" (sub-block matmuls) or "column" (pairwise loop)
-    sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel
+    intra: str = "blocked"   # intra-chunk kernel: "blocked" (sub-block matmuls), "column" (pairwise loop) or
+                             # "parallel" (no row-serial loops: `intra_parallel.py`)
+    sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel ("parallel": always 16)
+    key_slice: int = 32      # key columns per pass of the "parallel" intra kernel (bounds its registers)
     value_block: int = 32    # state columns per program of the sequential kernel
     num_warps: int = 4       # intra-chunk kernel (H200: 4 beat 8)
     inter_num_warps: int = 4
     num_stages: int = 1
+    inter_num_stages: int | None = None   # the sequential kernel's (None: num_stages)

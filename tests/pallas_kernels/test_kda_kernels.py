@@ -23,6 +23,12 @@ def _l2(x):
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "blocked"),    # unbounded (Kimi-Linear) gates
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), True, "bfloat16", "blocked"),
     (2, 37, 2, 16, 16, 16, (-30.0, 0.0), True, "float32", "column"),
+    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel"),
+    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel"),
+    (1, 50, 1, 32, 16, 32, (-40.0, -5.0), True, "float32", "parallel"),
+    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel"),
+    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel"),  # two key slices, three chunks
+    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), True, "bfloat16", "parallel"),   # one sub-block per chunk
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -33,7 +39,8 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     s0 = rng.standard_normal((b, h, kd, vd)).astype(np.float32) if init else None
     cast = lambda x: jnp.asarray(x, dtype)
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
-                            blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra), interpret=interpret)
+                            blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, key_slice=16),
+                            interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
     assert o.dtype == jnp.dtype(dtype) and o.shape == (b, t, h, vd)
@@ -131,3 +138,19 @@ def test_decode_names_the_bad_argument(rng):
     inputs, weights, conv, state = _decode_inputs(rng, 2, 2, 16)
     with pytest.raises(ValueError, match=r"state must have shape \(2, 2, 16, 16\)"):
         kda_decode_xla(inputs, weights, conv, state[:, :, :8])
+
+
+@pytest.mark.parametrize("intra", ["blocked", "parallel"])
+def test_chunk_kernels_lower_for_cuda_at_the_48b_shape(triton_for_hopper, intra):
+    """Both kernels lower to Triton for sm_90 at Kimi-Linear's head shape (K = V = 128, chunk 64)
+    on any host (the GPU run compiles and checks them)."""
+    import jax
+
+    b, t, h, kd = 1, 256, 4, 128
+    spec = jax.ShapeDtypeStruct
+    args = (spec((b, t, h, kd), jnp.bfloat16),) * 3 + (spec((b, t, h, kd), jnp.float32), spec((b, t, h), jnp.float32))
+    call = jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=ChunkBlocks(intra=intra),
+                                                              interpret=False))
+    module = jax.export.export(call, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    assert module.mlir_module().count("__gpu$xla.gpu.triton") == 2

@@ -27,18 +27,20 @@ def _packed(rng, lengths, h, kd, vd, gates, init):
     return q, k, v, g, beta, cu, s0
 
 
-@pytest.mark.parametrize("lengths,gates,init,dtype", [
-    ([5, 0, 37, 16, 1], (-1.0, 0.0), True, "float32"),      # an empty sequence, lengths off the chunk
-    ([33, 32, 7], (-40.0, -5.0), False, "float32"),         # K3's bounded gate range and past it
-    ([20, 44], (-1e3, -1e2), True, "float32"),              # Kimi-Linear's unbounded gate
-    ([17, 3, 30], (-1.0, 0.0), True, "bfloat16"),
+@pytest.mark.parametrize("lengths,gates,init,dtype,intra", [
+    ([5, 0, 37, 16, 1], (-1.0, 0.0), True, "float32", "blocked"),      # an empty sequence, lengths off the chunk
+    ([33, 32, 7], (-40.0, -5.0), False, "float32", "blocked"),         # K3's bounded gate range and past it
+    ([20, 44], (-1e3, -1e2), True, "float32", "blocked"),              # Kimi-Linear's unbounded gate
+    ([17, 3, 30], (-1.0, 0.0), True, "bfloat16", "blocked"),
+    ([5, 0, 37, 16, 1], (-1.0, 0.0), True, "float32", "parallel"),
+    ([20, 44], (-1e3, -1e2), True, "bfloat16", "parallel"),
 ])
-def test_varlen_equals_each_sequence_alone(rng, interpret, lengths, gates, init, dtype):
+def test_varlen_equals_each_sequence_alone(rng, interpret, lengths, gates, init, dtype, intra):
     h, kd, vd = 2, 16, 16
     q, k, v, g, beta, cu, s0 = _packed(rng, lengths, h, kd, vd, gates, init)
     cast = lambda x: jnp.asarray(x, dtype)
     o, s = kda_varlen_pallas(cast(q), cast(k), cast(v), g, beta, cu, initial_state=s0,
-                             blocks=ChunkBlocks(chunk=16, value_block=16), interpret=interpret)
+                             blocks=ChunkBlocks(chunk=16, value_block=16, intra=intra), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_twin, s_twin = kda_varlen_reference(f32(q), f32(k), f32(v), g, beta, cu, initial_state=s0)
     assert o.dtype == jnp.dtype(dtype) and o.shape == (1, sum(lengths), h, vd) and s.shape == (len(lengths), h, kd, vd)
