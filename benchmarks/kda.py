@@ -72,14 +72,11 @@ VARIANTS = {
     "column/v64": ChunkBlocks(intra="column", value_block=64),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32),
-    "parallel/v32": ChunkBlocks(intra="parallel", value_block=32),
-    "parallel/v32/ks64": ChunkBlocks(intra="parallel", value_block=32, key_slice=64),
-    "parallel/v32/w8": ChunkBlocks(intra="parallel", value_block=32, num_warps=8),
-    "parallel/v32/w8/ks64": ChunkBlocks(intra="parallel", value_block=32, num_warps=8, key_slice=64),
     "parallel/v16": ChunkBlocks(intra="parallel", value_block=16),
-    "parallel/v32/s2": ChunkBlocks(intra="parallel", value_block=32, inter_num_stages=2),
-    "parallel/v32/s3": ChunkBlocks(intra="parallel", value_block=32, inter_num_stages=3),
-    "parallel/v64/w8i": ChunkBlocks(intra="parallel", value_block=64, inter_num_warps=8),
+    "parallel/v16/ks64": ChunkBlocks(intra="parallel", value_block=16, key_slice=64),
+    "parallel/v16/ks128/w8": ChunkBlocks(intra="parallel", value_block=16, key_slice=128, num_warps=8),
+    "parallel/v16/s2": ChunkBlocks(intra="parallel", value_block=16, inter_num_stages=2),
+    "parallel/v32": ChunkBlocks(intra="parallel", value_block=32),
 }
 
 
@@ -220,6 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fla", action="store_true", help="skip the fla columns (its autotune takes ~90 s a shape)")
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--prefill-only", action="store_true")
+    ap.add_argument("--heads", nargs="+", type=int, default=[32, 96], help="prefill head counts (T = 8192)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), help="prefill kernel variants to time (default all)")
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8, 16], help="num_warps of the decode launches")
     ap.add_argument("--splits", nargs="+", type=int, default=[1, 0],
@@ -233,7 +231,7 @@ def main(argv=None) -> int:
         dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 32, 3, None, 3, state_dtype=sd,
                                                                      splits=args.splits)]
     else:
-        pre = [] if args.decode_only else prefill_rows([(1, 8192, 32, 128), (1, 8192, 96, 128)], fla, args.iters,
+        pre = [] if args.decode_only else prefill_rows([(1, 8192, h, 128) for h in args.heads], fla, args.iters,
                                                        args.variants)
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows([1, 8, 64, 256], 32, 128, 20, fla, args.iters, warps=tuple(args.warps), state_dtype=sd,

@@ -7,18 +7,20 @@ program per (row, head, chunk). What differs is how they are formed:
   XLA before the kernel, `local_cumsum`). G of the chunk is local + the totals of the sub-blocks
   before. Every exponent below is a difference of two of these sums that is <= 0, so any gate
   (Kimi-Linear's unbounded one too) is safe.
-- Off-diagonal sub-blocks of A_kk / A_qk (row block i, columns of earlier blocks) are matrix
-  products against a reference point at the start of block i: (k_r e^(G_r - G_ref)) (k_j e^(G_ref -
-  G_j))^T, one product per row block over the whole chunk (the masks zero what is not block i's).
-- The diagonal 16 x 16 sub-blocks need the exponent per pair: 16 steps, step c pairs every row r
-  with column 16 * block(r) + c of its own block, whose k and local decay rows are gathered from
-  memory, so all sub-blocks advance together over [C, key_slice] tiles (no row extraction).
+- A_kk and A_qk by levels: level s holds the pairs (r, j), j < r, whose indices first differ in
+  the bit of s (r in the upper, j in the lower half of one 2s-row block). For them
+  e^(G_r - G_j) = e^(G_r - G_a) e^(G_a - G_j) with a the last row of j's half, both factors <= 1, so
+  each level is one matrix product of row-scaled k (or q) against column-scaled k, masked to its
+  blocks: log2(C) products and no pairwise exponent table, whatever the gate. The decay anchors
+  inside a sub-block are gathered from `local`; across sub-blocks they are the sub-block offsets.
 - (I + L)^-1 of the strictly lower [C, C] matrix L by doubling: with T_s the block-diagonal inverse
   of the s x s diagonal blocks (T_1 = I), T_2s = T_s - T_s L_s T_s where L_s is L's lower-left s x s
   block inside each 2s x 2s diagonal block; log2(C) - 1 levels of two matrix products, the same
   arithmetic as block forward substitution.
 
 The key axis is processed in slices of `key_slice` columns to bound the registers a program holds.
+Matrix products run on the matrix units (TF32 for the level products, as for the other kernels'
+products of fp32 values).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-SUB = 16  # rows per sub-block: the diagonal blocks that need pairwise exponents
+SUB = 16  # rows per run of the local cumulative decay (`local_cumsum`): keeps its sums small
 
 # Matrix-product precision of the inverse's doubling steps, compiled: three TF32 products per
 # product (about fp32 accuracy on the matrix units); interpret mode runs them in fp32.
@@ -42,16 +44,51 @@ def local_cumsum(g_chunks):
 
 
 def _block_offsets(local, rows, nb):
-    """local [C, ks] -> (refrow [C, ks]: the decay of all sub-blocks before row r's, refs: that per
-    block [ks] (refs[0] = 0), last [ks]: the chunk's total)."""
+    """local [C, ks] -> (refrow [C, ks]: the decay of all sub-blocks before row r's, offsets: that
+    at the start of each block and after the last, nb + 1 vectors [ks] (offsets[0] = 0))."""
     refrow = jnp.zeros_like(local)
     acc = jnp.zeros(local.shape[1:], jnp.float32)
-    refs = []
+    offsets = [acc]
     for b in range(nb):
-        refs.append(acc)
         refrow = jnp.where((rows // SUB == b)[:, None], acc[None, :], refrow)
         acc = acc + jnp.sum(jnp.where((rows == b * SUB + SUB - 1)[:, None], local, 0.0), axis=0)
-    return refrow, refs, acc
+        offsets.append(acc)
+    return refrow, offsets
+
+
+def _pick(rows_index, vectors):
+    """[C, ks] whose row r is vectors[rows_index[r]] (a short static list of [ks] vectors)."""
+    out = jnp.broadcast_to(vectors[0][None, :], (rows_index.shape[0], vectors[0].shape[0]))
+    for i in range(1, len(vectors)):
+        out = jnp.where((rows_index == i)[:, None], vectors[i][None, :], out)
+    return out
+
+
+def _slice(q_ref, k_ref, l_ref, ks, rows, nb, scale):
+    """The key slice ks of one chunk: q * scale, k (fp32), local decay, its block offsets and G."""
+    q = q_ref[:, ks].astype(jnp.float32) * scale
+    k = k_ref[:, ks].astype(jnp.float32)
+    local = l_ref[:, ks]
+    refrow, offsets = _block_offsets(local, rows, nb)
+    return q, k, local, refrow, offsets, local + refrow
+
+
+def _level_factors(s, l_ref, ks, rows, local, refrow, offsets):
+    """Row and column decay factors of level s: every pair (r, j), j < r, whose indices first differ
+    in the bit of s (r in the upper, j in the lower half of one 2s-row block) has
+    e^(G_r - G_j) = x[r] * y[j] with x[r] = e^(G_r - G_a) and y[j] = e^(G_a - G_j), a the last row of
+    j's half; both exponents <= 0. x is zero on lower-half rows, y on upper-half rows."""
+    upper = ((rows // s) % 2 == 1)[:, None]
+    start = rows - rows % s                    # first row of r's s-row half
+    if s < SUB:   # inside a sub-block: the local sums of the rows around the anchor, gathered
+        before = l_ref[jnp.maximum(start - 1, 0), ks]
+        anchor_of_j = l_ref[start + s - 1, ks]
+        x_exp, y_exp = local - before, anchor_of_j - local
+    else:         # across sub-blocks: the anchor is a sub-block boundary, G_a one of the offsets
+        g_r = local + refrow
+        x_exp = g_r - _pick(start // SUB, offsets)
+        y_exp = _pick((start + s) // SUB, offsets) - g_r
+    return (jnp.exp(jnp.where(upper, x_exp, -jnp.inf)), jnp.exp(jnp.where(upper, -jnp.inf, y_exp)))
 
 
 def intra_parallel_kernel(q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, *,
@@ -63,47 +100,30 @@ def intra_parallel_kernel(q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, aqk_r
     nb = c // SUB
     rows = jnp.arange(c, dtype=jnp.int32)
     cols = rows[None, :]
-    local_row = rows % SUB
-    block_start = rows - local_row
     beta = b_ref[...].astype(f32)
     dot = lambda a, b: jnp.dot(a, b, preferred_element_type=f32)
     dot_t = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=f32)
     precise = jax.lax.Precision.HIGHEST if interpret else INVERSE_PRECISION
     dot_inv = lambda a, b: jnp.dot(a, b, precision=precise, preferred_element_type=f32)
+    same = lambda s: (rows[:, None] // (2 * s)) == (cols // (2 * s))
 
     akk = jnp.zeros((c, c), f32)
     aqk = jnp.zeros((c, c), f32)
     for k0 in range(0, kd, key_slice):
         ks = pl.ds(k0, key_slice)
-        q = q_ref[:, ks].astype(f32) * scale
-        k = k_ref[:, ks].astype(f32)
-        local = l_ref[:, ks]
-        refrow, refs, _ = _block_offsets(local, rows, nb)
-        g_chunk = local + refrow
-        # Diagonal sub-blocks: step j pairs row r with row start(r) + j of its block.
-        for j in range(SUB):
-            partner = block_start + j
-            lj = l_ref[partner, ks]
-            kj = k_ref[partner, ks].astype(f32)
-            e = jnp.exp(jnp.where((local_row >= j)[:, None], local - lj, -jnp.inf))
-            kje = kj * e
-            put = cols == partner[:, None]
-            akk = jnp.where(put, akk + jnp.sum(k * kje, axis=1)[:, None], akk)
-            aqk = jnp.where(put, aqk + jnp.sum(q * kje, axis=1)[:, None], aqk)
-        # Earlier sub-blocks, against the start of row block i.
-        down = jnp.exp(local)
-        kd_, qd_ = k * down, q * down
-        for i in range(1, nb):
-            earlier = (rows < i * SUB)[:, None]
-            y = k * jnp.exp(jnp.where(earlier, refs[i][None, :] - g_chunk, -jnp.inf))
-            mine = (rows // SUB == i)[:, None]
-            akk = akk + dot_t(jnp.where(mine, kd_, 0.0), y)
-            aqk = aqk + dot_t(jnp.where(mine, qd_, 0.0), y)
+        q, k, local, refrow, offsets, _ = _slice(q_ref, k_ref, l_ref, ks, rows, nb, scale)
+        aqk = aqk + jnp.where(rows[:, None] == cols, dot_t(q, k), 0.0)
+        s = 1
+        while s < c:
+            x, y = _level_factors(s, l_ref, ks, rows, local, refrow, offsets)
+            ky = k * y
+            akk = akk + jnp.where(same(s), dot_t(k * x, ky), 0.0)
+            aqk = aqk + jnp.where(same(s), dot_t(q * x, ky), 0.0)
+            s *= 2
     akk = jnp.where(rows[:, None] > cols, akk * beta[:, None], 0.0)
-    aqk_ref[...] = jnp.where(rows[:, None] >= cols, aqk, 0.0)
+    aqk_ref[...] = aqk
 
     # (I + akk)^-1 by doubling the inverted diagonal blocks.
-    same = lambda s: (rows[:, None] // (2 * s)) == (cols // (2 * s))
     lower_left = lambda s: same(s) & ((rows[:, None] // s) % 2 == 1) & ((cols // s) % 2 == 0)
     t = jnp.where(rows[:, None] == cols, 1.0, 0.0) - jnp.where(lower_left(1), akk, 0.0)
     s = 2
@@ -113,11 +133,8 @@ def intra_parallel_kernel(q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, aqk_r
 
     for k0 in range(0, kd, key_slice):
         ks = pl.ds(k0, key_slice)
-        q = q_ref[:, ks].astype(f32) * scale
-        k = k_ref[:, ks].astype(f32)
-        local = l_ref[:, ks]
-        refrow, _, last = _block_offsets(local, rows, nb)
-        g_chunk = local + refrow
+        q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, ks, rows, nb, scale)
+        last = offsets[-1]
         e_g = jnp.exp(g_chunk)
         w_ref[:, ks] = dot(t, beta[:, None] * e_g * k)
         qg_ref[:, ks] = q * e_g
