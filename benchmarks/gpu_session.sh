@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-overhead decode-before checkpoint-read kda kda-prefill kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-overhead decode-before checkpoint-read kda kda-prefill kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -101,6 +101,7 @@ for step in "$@"; do
               | tee "$W/skinny_sweep.log" ;;
     kda-state) OUT=$W timeout 240 python3 benchmarks/kda.py --decode-only --no-fla --state-dtype float32 bfloat16 \
               2>&1 | quiet | tail -14 | tee "$W/kda_state.log" ;;
+    mla-merge) OUT=$W timeout ${MLA_MERGE_LIMIT:-150} python3 benchmarks/mla_merge.py 2>&1 | quiet | tee "$W/mla_merge.log" ;;
     mla-step) OUT=$W timeout ${MLA_STEP_LIMIT:-240} python3 benchmarks/mla_decode_step.py ${MLA_STEP_ARGS:-} 2>&1 | quiet \
               | tee "$W/mla_step.log" ;;
     small-launches) OUT=$W timeout 150 python3 benchmarks/small_launches.py 2>&1 | quiet | grep -v "^|---\|^| rows" \
