@@ -49,7 +49,7 @@ class DecodeBlocks:
 class ChunkBlocks:
     chunk: int = 64          # tokens per chunk (WY form)
     intra: str = "blocked"   # intra-chunk kernel: "blocked" (sub-block matmuls), "column" (pairwise loop) or
-                             # "parallel" (no row-serial loops: `intra_parallel.py`)
+                             # "parallel" (no row-serial loops: `intra_parallel.py`; slower on the H200)
     sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel ("parallel": always 16)
     key_slice: int = 32      # key columns per pass of the "parallel" intra kernel (bounds its registers)
     value_block: int = 32    # state columns per program of the sequential kernel

@@ -74,8 +74,9 @@ class HopperMLABlocks:
     MMA, the queries laid out by XLA first (the form before; kept to compare the two in one run).
 
     `merge`: how `mla_decode_hopper` merges the splits: "xla" (`combine_splits`, the reference: five
-    XLA kernels, about 9 us at 1 x 128K) or "pallas" (`merge.merge_splits_pallas`, one launch; not yet
-    timed on a GPU, so not the default).
+    XLA kernels, about 9 us at 1 x 128K) or "pallas" (`merge.merge_splits_pallas`, one launch). On the
+    H200 the one launch was slower at its default settings (RESULTS.md, MLA run 9: 11.4 against 9.5 us
+    at 1 x 128K, 4.9 against 3.8 us at 64 x 4K, device time), so "xla" stays the default.
 
     `min_split_blocks`: the fewest cache blocks an automatic split covers. At one row and a short cache
     the kernel is latency, about 2.4 us per block in turn on one program: at B = 1 over 192 slots

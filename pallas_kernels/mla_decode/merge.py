@@ -7,6 +7,10 @@ splits, the exponentials, the weighted sum, the slice of the real rows), about 9
 here one program per (batch row, 16 query rows, column block) first takes the top log-sum-exp of its
 rows over every split, then streams the outputs and their log-sum-exps in chunks of splits.
 
+Measured on the H200 at the defaults (block_c 32, chunk 8): 11.4 us at 1 x 128K (32 programs, each
+over all 128 splits in turn) against XLA's 9.5, 4.9 against 3.8 us at 64 x 4K; exact in the compiled
+tests. `benchmarks/mla_merge.py` times other settings (not yet run).
+
 Twin: `hopper.combine_splits` (the XLA form).
 """
 
