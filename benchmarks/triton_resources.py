@@ -1,0 +1,193 @@
+"""Registers, spills, shared memory and layout traffic of the Triton-lowered Pallas kernels, for an
+sm_90 GPU, on any host (no GPU, no device time).
+
+Each case is lowered by JAX for CUDA (`jax.export`, the GPU taken to be sm_90), its Triton IR kept,
+then compiled by the `triton` package to PTX (whose layout conversions and barriers are counted) and
+by its ptxas (`-v`: registers per thread, spill bytes, stack). The `triton` package is not one of
+the project's dependencies; give a Python that has it (any machine, no GPU needed):
+
+    python3.12 -m venv /tmp/tritonenv && /tmp/tritonenv/bin/pip install triton==3.6.0
+    python benchmarks/triton_resources.py --triton-python /tmp/tritonenv/bin/python --cases kda-chunk-blocked
+
+A kernel whose threads hold 255 registers and spill is latency-bound whatever its arithmetic: the
+H200 gives one SM 64K registers, so 255 per thread at 4 warps allows two programs per SM at most,
+and every spilled value is a round trip to local memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cases():
+    """name -> (jitted function, argument shapes). Imported lazily: the compile step runs without jax."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.kda import ChunkBlocks, kda_chunk_pallas
+
+    spec = jax.ShapeDtypeStruct
+    b, t, h, kd = 1, 256, 4, 128
+    kda_args = (spec((b, t, h, kd), jnp.bfloat16),) * 3 + (spec((b, t, h, kd), jnp.float32),
+                                                          spec((b, t, h), jnp.float32))
+
+    def kda(**kw):
+        blocks = ChunkBlocks(**kw)
+        return (jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False)),
+                kda_args)
+
+    from pallas_kernels.kda import DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_decode_pallas
+    from pallas_kernels.mla_decode.merge import merge_splits_pallas
+    from pallas_kernels.moe_gmm.kernel import pair_glu_pallas
+    from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
+    from pallas_kernels.rms_norm.kernel import add_rms_norm_pallas
+    from pallas_kernels.router.kernel import route_topk_pallas
+    from pallas_kernels.router.spec import RouterSpec
+    from pallas_kernels.skinny.kernel import fused_projections_pallas
+
+    f32, bf16 = jnp.float32, jnp.bfloat16
+
+    def kda_decode(rows):
+        hd, w = 32, 4
+        inputs = KDADecodeInputs(x_qkv=spec((rows, 3, hd, kd), bf16), f=spec((rows, hd, kd), bf16),
+                                 beta_logit=spec((rows, hd), bf16), z=spec((rows, hd, kd), bf16))
+        weights = KDADecodeWeights(q_conv=spec((w, hd, kd), f32), k_conv=spec((w, hd, kd), f32),
+                                   v_conv=spec((w, hd, kd), f32), dt_bias=spec((hd, kd), f32),
+                                   a_log=spec((hd, 1), f32), o_norm_w=spec((kd,), f32))
+        call = jax.jit(lambda i, wt, c, st: kda_decode_pallas(i, wt, c, st, blocks=DecodeBlocks(), interpret=False))
+        return call, (inputs, weights, spec((rows, w - 1, 3, hd, kd), bf16), spec((rows, hd, kd, kd), f32))
+
+    def pairs(mxfp4: bool):
+        experts, d, ff, k = 256, 2304, 1024, 8     # Kimi-Linear's routed experts, one token's 8 pairs
+        if mxfp4:
+            w = Mxfp4Weight(spec((experts, d // 2, ff), jnp.uint8), spec((experts, d // 32, ff), jnp.uint8))
+        else:
+            w = spec((experts, d, ff), bf16)
+        call = jax.jit(lambda x, wg, wu, g, v: pair_glu_pallas(x, wg, wu, g, v, repeat=k, interpret=False))
+        return call, (spec((1, d), bf16), w, w, spec((k,), jnp.int32), spec((k,), jnp.bool_))
+
+    return {
+        "kda-chunk-blocked": kda(intra="blocked"),
+        "kda-chunk-parallel": kda(intra="parallel"),
+        "kda-chunk-parallel-ks64": kda(intra="parallel", key_slice=64),
+        "kda-chunk-parallel-w8": kda(intra="parallel", num_warps=8),
+        "kda-decode-b1": kda_decode(1),
+        "kda-decode-b64": kda_decode(64),
+        "moe-pairs-bf16": pairs(False),
+        "moe-pairs-mxfp4": pairs(True),
+        "o-proj-b1": (jax.jit(lambda x, w: fused_projections_pallas((x,), (w,), counts=(1,), interpret=False)),
+                      (spec((1, 4096), bf16), spec((4096, 2304), bf16))),
+        "add-rms-norm-b1": (jax.jit(lambda h, p, w: add_rms_norm_pallas(h, p, w, eps=1e-6, interpret=False)),
+                            (spec((1, 2304), bf16), spec((8, 1, 2304), f32), spec((2304,), bf16))),
+        "route-topk-b1": (jax.jit(lambda lg, bias: route_topk_pallas(lg, bias, spec=RouterSpec(k=8), interpret=False)),
+                          (spec((4, 1, 256), f32), spec((256,), f32))),
+        "mla-merge-1x128k": (jax.jit(lambda o, lse: merge_splits_pallas(o, lse, rows=32, interpret=False)),
+                             (spec((1, 128, 64, 512), bf16), spec((1, 128, 64), f32))),
+    }
+
+
+def lower(name: str, out_dir: str) -> list[dict]:
+    """Lower one case for sm_90: one record per Triton kernel, its TTIR written under out_dir."""
+    from types import SimpleNamespace
+
+    import jax
+    import jax._src.pallas.triton.pallas_call_registration as reg
+
+    reg.gpu_info_lib.get_gpu_info = lambda: SimpleNamespace(compute_capability="9.0")
+    captured = []
+    original = reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = original(*args, **kwargs)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    reg.lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        fn, args = _cases()[name]
+        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args).mlir_module()
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module = original
+    configs = re.findall(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)
+    if len(configs) != len(captured):
+        raise RuntimeError(f"{name}: {len(captured)} Triton modules but {len(configs)} launch configs in the export")
+    records = []
+    for i, (ttir, (kernel, stages, warps)) in enumerate(zip(captured, configs)):
+        path = os.path.join(out_dir, f"{name}_{i}_{kernel}.ttir")
+        with open(path, "w") as f:
+            f.write(ttir)
+        records.append({"case": name, "kernel": kernel, "num_warps": int(warps), "num_stages": int(stages),
+                        "ttir": path})
+    return records
+
+
+def compile_ttir(path: str, warps: int, stages: int) -> dict:
+    """(Run under a Python with `triton`.) TTIR -> PTX -> ptxas -v for sm_90a."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                          text=True).stderr
+    os.unlink(f.name)
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, info)) else None
+    return {"registers": number(r"Used (\d+) registers"), "spill_store_bytes": number(r"(\d+) bytes spill stores"),
+            "spill_load_bytes": number(r"(\d+) bytes spill loads"), "stack_bytes": number(r"(\d+) bytes stack frame"),
+            "shared_bytes": kernel.metadata.shared, "layout_conversions": ttgir.count("ttg.convert_layout"),
+            "warpgroup_mmas": ttgir.count("ttng.warp_group_dot"), "barriers": ptx.count("bar.sync")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=None, help="cases to lower and compile (default all)")
+    ap.add_argument("--triton-python", help="a Python interpreter with the triton package")
+    ap.add_argument("--compile", nargs=3, metavar=("TTIR", "WARPS", "STAGES"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args(argv)
+    if args.compile:
+        print(json.dumps(compile_ttir(args.compile[0], int(args.compile[1]), int(args.compile[2]))))
+        return 0
+    if not args.triton_python:
+        ap.error("--triton-python is required (a Python with the triton package; see the module docstring)")
+    from benchmarks.common import environment, table, write
+
+    names = args.cases or list(_cases())
+    unknown = sorted(set(names) - set(_cases()))
+    if unknown:
+        ap.error(f"unknown cases {unknown}; known: {sorted(_cases())}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            for record in lower(name, tmp):
+                done = subprocess.run([args.triton_python, os.path.abspath(__file__), "--compile", record["ttir"],
+                                       str(record["num_warps"]), str(record["num_stages"])],
+                                      capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(f"{name}/{record['kernel']}: compile failed: {done.stderr.strip()[-500:]}")
+                record.update(json.loads(done.stdout.strip().splitlines()[-1]))
+                del record["ttir"]
+                rows.append(record)
+                print(record, flush=True)
+    path = write("triton_resources", {"benchmark": "triton_resources", "env": environment(), "target": "sm_90a",
+                                      "rows": rows}, args.out)
+    print(table(rows, ["case", "kernel", "num_warps", "num_stages", "registers", "spill_store_bytes",
+                       "spill_load_bytes", "shared_bytes", "layout_conversions", "warpgroup_mmas", "barriers"]))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
