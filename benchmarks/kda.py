@@ -72,11 +72,10 @@ VARIANTS = {
     "column/v64": ChunkBlocks(intra="column", value_block=64),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32),
-    "parallel/v16": ChunkBlocks(intra="parallel", value_block=16),
-    "parallel/v16/ks64": ChunkBlocks(intra="parallel", value_block=16, key_slice=64),
-    "parallel/v16/ks128/w8": ChunkBlocks(intra="parallel", value_block=16, key_slice=128, num_warps=8),
-    "parallel/v16/s2": ChunkBlocks(intra="parallel", value_block=16, inter_num_stages=2),
     "parallel/v32": ChunkBlocks(intra="parallel", value_block=32),
+    "parallel/v32/ks16": ChunkBlocks(intra="parallel", value_block=32, key_slice=16),
+    "parallel/v32/w8": ChunkBlocks(intra="parallel", value_block=32, num_warps=8),
+    "parallel/v16": ChunkBlocks(intra="parallel", value_block=16),
 }
 
 

@@ -77,6 +77,7 @@ def _cases():
     return {
         "kda-chunk-blocked": kda(intra="blocked"),
         "kda-chunk-parallel": kda(intra="parallel"),
+        "kda-chunk-parallel-ks16": kda(intra="parallel", key_slice=16),
         "kda-chunk-parallel-ks64": kda(intra="parallel", key_slice=64),
         "kda-chunk-parallel-w8": kda(intra="parallel", num_warps=8),
         "kda-decode-b1": kda_decode(1),

@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2
-from pallas_kernels.kda.intra_parallel import SUB, intra_parallel_kernel, local_cumsum
+from pallas_kernels.kda.intra_parallel import SUB, decay_pairs_kernel, local_cumsum, solve_kernel
 from pallas_kernels.kda.reference import validate_inputs
 from pallas_kernels.kda.tuning import ChunkBlocks
 
@@ -182,10 +182,8 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
     vd = vc.shape[-1]
     f32 = jnp.float32
     if blocks.intra == "parallel":
-        intra = functools.partial(intra_parallel_kernel, scale=scale, key_slice=min(kd, blocks.key_slice),
-                                  value_slice=min(vd, blocks.key_slice), interpret=interpret)
-        gc = local_cumsum(gc)
-    elif blocks.intra == "blocked":
+        return _intra_parallel(qc, kc, vc, gc, bc, scale=scale, blocks=blocks, interpret=interpret)
+    if blocks.intra == "blocked":
         intra = functools.partial(_intra_blocked_kernel, scale=scale, sub=blocks.sub_chunk)
     else:
         intra = functools.partial(_intra_kernel, scale=scale)
@@ -202,6 +200,39 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
         interpret=interpret,
         name="kda_chunk_intra",
     )(qc, kc, vc, gc, bc)
+
+
+def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool):
+    """`chunk_intra` as three launches (`intra_parallel.py`): A_kk, A_qk, then the solve and factors."""
+    b, h, n, c, kd = qc.shape
+    vd = vc.shape[-1]
+    f32 = jnp.float32
+    key_slice, value_slice = min(kd, blocks.key_slice), min(vd, blocks.key_slice)
+    lc = local_cumsum(gc)
+    blk = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda i, j, m: (i, j, m) + (0,) * len(tail))
+    params = plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+    def pairs(left, left_scale, diagonal, name):
+        return pl.pallas_call(
+            functools.partial(decay_pairs_kernel, scale=left_scale, diagonal=diagonal, key_slice=key_slice),
+            grid=(b, h, n), in_specs=[blk(c, kd)] * 3, out_specs=blk(c, c),
+            out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), f32), compiler_params=params, interpret=interpret,
+            name=name)(left, kc, lc)
+
+    akk = pairs(kc, 1.0, False, "kda_chunk_akk")
+    aqk = pairs(qc, scale, True, "kda_chunk_aqk")
+    w, u, qg, kt, dec = pl.pallas_call(
+        functools.partial(solve_kernel, scale=scale, key_slice=key_slice, value_slice=value_slice,
+                          interpret=interpret),
+        grid=(b, h, n),
+        in_specs=[blk(c, c), blk(c, kd), blk(c, kd), blk(c, vd), blk(c, kd), blk(c)],
+        out_specs=[blk(c, kd), blk(c, vd), blk(c, kd), blk(c, kd), blk(kd)],
+        out_shape=[jax.ShapeDtypeStruct((b, h, n, c, kd), f32), jax.ShapeDtypeStruct((b, h, n, c, vd), f32),
+                   jax.ShapeDtypeStruct((b, h, n, c, kd), f32), jax.ShapeDtypeStruct((b, h, n, c, kd), f32),
+                   jax.ShapeDtypeStruct((b, h, n, kd), f32)],
+        compiler_params=params, interpret=interpret, name="kda_chunk_solve",
+    )(akk, qc, kc, vc, lc, bc)
+    return w, u, aqk, qg, kt, dec
 
 
 def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, interpret: bool, bounds=None):

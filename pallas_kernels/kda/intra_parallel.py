@@ -1,10 +1,10 @@
-"""The intra-chunk KDA kernel without row-serial loops (`ChunkBlocks(intra="parallel")`).
-
-Same outputs as `chunk._intra_kernel` (W, U, A_qk, q e^G, k e^(G_C - G), e^(G_C) per chunk); one
-program per (row, head, chunk). What differs is how they are formed:
+"""The intra-chunk KDA work without row-serial loops (`ChunkBlocks(intra="parallel")`), in three
+launches of one program per (row, head, chunk): `decay_pairs_kernel` twice (A_kk, then A_qk), then
+`solve_kernel` (T = (I + A_kk)^-1, W, U, q e^G, k e^(G_C - G), e^(G_C)): the same outputs as
+`chunk._intra_kernel`. How they are formed:
 
 - The decay is taken as `local`: the cumulative log decay inside each 16-row sub-block (summed by
-  XLA before the kernel, `local_cumsum`). G of the chunk is local + the totals of the sub-blocks
+  XLA before the kernels, `local_cumsum`). G of the chunk is local + the totals of the sub-blocks
   before. Every exponent below is a difference of two of these sums that is <= 0, so any gate
   (Kimi-Linear's unbounded one too) is safe.
 - A_kk and A_qk by levels: level s holds the pairs (r, j), j < r, whose indices first differ in
@@ -18,18 +18,21 @@ program per (row, head, chunk). What differs is how they are formed:
   block inside each 2s x 2s diagonal block; log2(C) - 1 levels of two matrix products, the same
   arithmetic as block forward substitution.
 
-The key axis is processed in slices of `key_slice` columns to bound the registers a program holds.
+Key slices and levels run as loops, not unrolled: unrolled, the compiler interleaved them and every
+program held 255 registers and spilled 2-4 KB per thread (`benchmarks/triton_resources.py`).
 Matrix products run on the matrix units (TF32 for the level products, as for the other kernels'
-products of fp32 values).
+products of fp32 values; TF32 x 3 for the inverse).
 
 Measured on the H200 (B = 1, T = 8192, K = V = 128; RESULTS.md "KDA prefill: an intra-chunk kernel
-without row-serial loops"): exact in the compiled tests but slower than "blocked", 4.95 against
-3.50 ms at H = 32 (key_slice 64) and 13.7 against 9.7 ms at H = 96; an earlier form that paired rows
-in 16 gathered steps was slower still (5.0-8.0 ms). So "blocked" stays the default; this form keeps
-all of A_kk's exponent work in matrix products, the shape a tensor-core (Mosaic GPU) kernel wants.
+without row-serial loops") in its earlier one-kernel, unrolled form: exact in the compiled tests but
+slower than "blocked", 4.95 against 3.50 ms at H = 32 (key_slice 64) and 13.7 against 9.7 ms at
+H = 96. This three-launch form compiles without spills for sm_90 (188-251 registers at key_slice
+16-32, 4 warps) and has not been timed yet; "blocked" stays the default.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -70,36 +73,71 @@ def _pick(rows_index, vectors):
     return out
 
 
-def _slice(q_ref, k_ref, l_ref, ks, rows, nb, scale):
-    """The key slice ks of one chunk: q * scale, k (fp32), local decay, its block offsets and G."""
-    q = q_ref[:, ks].astype(jnp.float32) * scale
+def _slice(a_ref, k_ref, l_ref, i, key_slice, rows, nb, scale):
+    """Key slice i (of key_slice columns) of one chunk -> (its columns, a * scale, k (fp32), the
+    local decay, its block offsets (refrow, offsets: see `_block_offsets`), G)."""
+    ks = pl.ds(pl.multiple_of(i * key_slice, key_slice), key_slice)
+    a = a_ref[:, ks].astype(jnp.float32) * scale
     k = k_ref[:, ks].astype(jnp.float32)
     local = l_ref[:, ks]
     refrow, offsets = _block_offsets(local, rows, nb)
-    return q, k, local, refrow, offsets, local + refrow
+    return ks, a, k, local, refrow, offsets, local + refrow
 
 
-def _level_factors(s, l_ref, ks, rows, local, refrow, offsets):
-    """Row and column decay factors of level s: every pair (r, j), j < r, whose indices first differ
-    in the bit of s (r in the upper, j in the lower half of one 2s-row block) has
+def _level_factors(level, inside: bool, l_ref, ks, rows, local, refrow, offsets):
+    """Row and column decay factors of level s = 2^level: every pair (r, j), j < r, whose indices
+    first differ in the bit of s (r in the upper, j in the lower half of one 2s-row block) has
     e^(G_r - G_j) = x[r] * y[j] with x[r] = e^(G_r - G_a) and y[j] = e^(G_a - G_j), a the last row of
-    j's half; both exponents <= 0. x is zero on lower-half rows, y on upper-half rows."""
-    upper = ((rows // s) % 2 == 1)[:, None]
-    start = rows - rows % s                    # first row of r's s-row half
-    if s < SUB:   # inside a sub-block: the local sums of the rows around the anchor, gathered
+    j's half; both exponents <= 0. x is zero on lower-half rows, y on upper-half rows. `level` may be
+    traced; `inside` (static): s < SUB, where the anchors are rows of `local` in the same sub-block
+    (gathered), else sub-block boundaries, whose G is one of the offsets."""
+    s = jnp.left_shift(jnp.int32(1), level)
+    upper = ((jnp.right_shift(rows, level) & 1) == 1)[:, None]
+    start = rows - (rows & (s - 1))            # first row of r's s-row half
+    if inside:
         before = l_ref[jnp.maximum(start - 1, 0), ks]
         anchor_of_j = l_ref[start + s - 1, ks]
         x_exp, y_exp = local - before, anchor_of_j - local
-    else:         # across sub-blocks: the anchor is a sub-block boundary, G_a one of the offsets
+    else:
         g_r = local + refrow
         x_exp = g_r - _pick(start // SUB, offsets)
         y_exp = _pick((start + s) // SUB, offsets) - g_r
     return (jnp.exp(jnp.where(upper, x_exp, -jnp.inf)), jnp.exp(jnp.where(upper, -jnp.inf, y_exp)))
 
 
-def intra_parallel_kernel(q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, *,
-                          scale: float, key_slice: int, value_slice: int, interpret: bool):
-    """One chunk. q/k [C, K], v [C, V], l (local cumulative decay) [C, K] fp32, beta [C]."""
+def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal: bool, key_slice: int):
+    """A[r, j] = sum_d left_r k_j e^(G_r - G_j) over j < r (j <= r when `diagonal`), one chunk.
+
+    left/k [C, K] (left = q or k), l (local cumulative decay) [C, K] fp32 -> a [C, C] fp32, zero
+    above the diagonal. The key slices run in a loop, one [C, C] accumulator live."""
+    f32 = jnp.float32
+    c, kd = k_ref.shape
+    nb = c // SUB
+    rows = jnp.arange(c, dtype=jnp.int32)
+    cols = rows[None, :]
+    dot_t = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+
+    def one_slice(i, acc):
+        ks, left, k, local, refrow, offsets, _ = _slice(left_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
+        if diagonal:
+            acc = acc + jnp.where(rows[:, None] == cols, dot_t(left, k), 0.0)
+
+        def level(lvl, acc, inside):     # one level at a time: a loop keeps the levels' tiles apart
+            x, y = _level_factors(lvl, inside, l_ref, ks, rows, local, refrow, offsets)
+            same = jnp.right_shift(rows[:, None], lvl + 1) == jnp.right_shift(cols, lvl + 1)
+            return acc + jnp.where(same, dot_t(left * x, k * y), 0.0)
+
+        inner = SUB.bit_length() - 1           # levels inside a sub-block: s = 1 .. SUB / 2
+        acc = jax.lax.fori_loop(0, inner, functools.partial(level, inside=True), acc)
+        return jax.lax.fori_loop(inner, c.bit_length() - 1, functools.partial(level, inside=False), acc)
+
+    a_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, jnp.zeros((c, c), f32))
+
+
+def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_ref, kt_ref, dec_ref, *, scale: float,
+                 key_slice: int, value_slice: int, interpret: bool):
+    """One chunk: T = (I + diag(beta) A_kk)^-1 by doubling, then W = T diag(beta) (e^G k),
+    U = T diag(beta) v, q e^G, k e^(G_C - G) and e^(G_C). akk [C, C] from `decay_pairs_kernel`."""
     f32 = jnp.float32
     c, kd = q_ref.shape
     vd = v_ref.shape[1]
@@ -108,44 +146,32 @@ def intra_parallel_kernel(q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, aqk_r
     cols = rows[None, :]
     beta = b_ref[...].astype(f32)
     dot = lambda a, b: jnp.dot(a, b, preferred_element_type=f32)
-    dot_t = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=f32)
     precise = jax.lax.Precision.HIGHEST if interpret else INVERSE_PRECISION
     dot_inv = lambda a, b: jnp.dot(a, b, precision=precise, preferred_element_type=f32)
-    same = lambda s: (rows[:, None] // (2 * s)) == (cols // (2 * s))
 
-    akk = jnp.zeros((c, c), f32)
-    aqk = jnp.zeros((c, c), f32)
-    for k0 in range(0, kd, key_slice):
-        ks = pl.ds(k0, key_slice)
-        q, k, local, refrow, offsets, _ = _slice(q_ref, k_ref, l_ref, ks, rows, nb, scale)
-        aqk = aqk + jnp.where(rows[:, None] == cols, dot_t(q, k), 0.0)
-        s = 1
-        while s < c:
-            x, y = _level_factors(s, l_ref, ks, rows, local, refrow, offsets)
-            ky = k * y
-            akk = akk + jnp.where(same(s), dot_t(k * x, ky), 0.0)
-            aqk = aqk + jnp.where(same(s), dot_t(q * x, ky), 0.0)
-            s *= 2
-    akk = jnp.where(rows[:, None] > cols, akk * beta[:, None], 0.0)
-    aqk_ref[...] = aqk
-
-    # (I + akk)^-1 by doubling the inverted diagonal blocks.
-    lower_left = lambda s: same(s) & ((rows[:, None] // s) % 2 == 1) & ((cols // s) % 2 == 0)
+    akk = jnp.where(rows[:, None] > cols, akk_ref[...] * beta[:, None], 0.0)
+    lower_left = lambda s: (((rows[:, None] // (2 * s)) == (cols // (2 * s)))
+                            & ((rows[:, None] // s) % 2 == 1) & ((cols // s) % 2 == 0))
     t = jnp.where(rows[:, None] == cols, 1.0, 0.0) - jnp.where(lower_left(1), akk, 0.0)
     s = 2
     while s < c:
         t = t - dot_inv(dot_inv(t, jnp.where(lower_left(s), akk, 0.0)), t)
         s *= 2
 
-    for k0 in range(0, kd, key_slice):
-        ks = pl.ds(k0, key_slice)
-        q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, ks, rows, nb, scale)
+    def key_part(i, carry):
+        ks, q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
         last = offsets[-1]
         e_g = jnp.exp(g_chunk)
         w_ref[:, ks] = dot(t, beta[:, None] * e_g * k)
         qg_ref[:, ks] = q * e_g
         kt_ref[:, ks] = k * jnp.exp(last[None, :] - g_chunk)
         dec_ref[ks] = jnp.exp(last)
-    for v0 in range(0, vd, value_slice):
-        vs = pl.ds(v0, value_slice)
+        return carry
+
+    def value_part(i, carry):
+        vs = pl.ds(pl.multiple_of(i * value_slice, value_slice), value_slice)
         u_ref[:, vs] = dot(t, beta[:, None] * v_ref[:, vs].astype(f32))
+        return carry
+
+    jax.lax.fori_loop(0, kd // key_slice, key_part, 0)
+    jax.lax.fori_loop(0, vd // value_slice, value_part, 0)

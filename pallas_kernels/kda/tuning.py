@@ -49,9 +49,10 @@ class DecodeBlocks:
 class ChunkBlocks:
     chunk: int = 64          # tokens per chunk (WY form)
     intra: str = "blocked"   # intra-chunk kernel: "blocked" (sub-block matmuls), "column" (pairwise loop) or
-                             # "parallel" (no row-serial loops: `intra_parallel.py`; slower on the H200)
+                             # "parallel" (no row-serial loops, three launches: `intra_parallel.py`; its first
+                             # form was slower on the H200, this one untimed)
     sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel ("parallel": always 16)
-    key_slice: int = 32      # key columns per pass of the "parallel" intra kernel (bounds its registers)
+    key_slice: int = 32      # key columns per pass of the "parallel" kernels (bounds their registers)
     value_block: int = 32    # state columns per program of the sequential kernel
     num_warps: int = 4       # intra-chunk kernel (H200: 4 beat 8)
     inter_num_warps: int = 4
