@@ -27,8 +27,19 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+_CASES = None
+
+
 def _cases():
-    """name -> (jitted function, argument shapes). Imported lazily: the compile step runs without jax."""
+    """name -> (jitted function, argument shapes), built once. Imported lazily: the compile step runs
+    without jax."""
+    global _CASES
+    if _CASES is None:
+        _CASES = _build_cases()
+    return _CASES
+
+
+def _build_cases():
     import jax
     import jax.numpy as jnp
 
@@ -119,10 +130,14 @@ def lower(name: str, out_dir: str) -> list[dict]:
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = original
     configs = re.findall(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)
-    if len(configs) != len(captured):
+    if not configs or len(configs) != len(captured):
         raise RuntimeError(f"{name}: {len(captured)} Triton modules but {len(configs)} launch configs in the export")
     records = []
     for i, (ttir, (kernel, stages, warps)) in enumerate(zip(captured, configs)):
+        func = re.search(r"tt\.func (?:public )?@(\w+)", ttir)
+        if func is None or func.group(1) != kernel:     # modules and launch configs paired by order: check it
+            raise RuntimeError(f"{name}: launch {i} is {kernel!r} but its Triton module is "
+                               f"{func.group(1) if func else None!r}")
         path = os.path.join(out_dir, f"{name}_{i}_{kernel}.ttir")
         with open(path, "w") as f:
             f.write(ttir)
@@ -141,9 +156,14 @@ def compile_ttir(path: str, warps: int, stages: int) -> dict:
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
-    info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
-                          text=True).stderr
-    os.unlink(f.name)
+    try:
+        done = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                              text=True)
+    finally:
+        os.unlink(f.name)
+    if done.returncode:
+        raise RuntimeError(f"ptxas failed on {path}: {done.stderr.strip()[-500:]}")
+    info = done.stderr
     number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, info)) else None
     return {"registers": number(r"Used (\d+) registers"), "spill_store_bytes": number(r"(\d+) bytes spill stores"),
             "spill_load_bytes": number(r"(\d+) bytes spill loads"), "stack_bytes": number(r"(\d+) bytes stack frame"),
@@ -163,6 +183,12 @@ def main(argv=None) -> int:
         return 0
     if not args.triton_python:
         ap.error("--triton-python is required (a Python with the triton package; see the module docstring)")
+    try:
+        has_triton = subprocess.run([args.triton_python, "-c", "import triton"], capture_output=True).returncode == 0
+    except OSError as e:
+        ap.error(f"--triton-python {args.triton_python}: {e.strerror}")
+    if not has_triton:
+        ap.error(f"--triton-python {args.triton_python} cannot import triton (pip install triton==3.6.0 there)")
     from benchmarks.common import environment, table, write
 
     names = args.cases or list(_cases())

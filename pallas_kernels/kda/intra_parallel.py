@@ -26,7 +26,7 @@ products of fp32 values; TF32 x 3 for the inverse).
 Measured on the H200 (B = 1, T = 8192, K = V = 128; RESULTS.md "KDA prefill: an intra-chunk kernel
 without row-serial loops") in its earlier one-kernel, unrolled form: exact in the compiled tests but
 slower than "blocked", 4.95 against 3.50 ms at H = 32 (key_slice 64) and 13.7 against 9.7 ms at
-H = 96. This three-launch form compiles without spills for sm_90 (188-251 registers at key_slice
+H = 96. This three-launch form compiles without spills for sm_90 (202-251 registers at key_slice
 16-32, 4 warps) and has not been timed yet; "blocked" stays the default.
 """
 
@@ -99,9 +99,9 @@ def _level_factors(level, inside: bool, l_ref, ks, rows, local, refrow, offsets)
         anchor_of_j = l_ref[start + s - 1, ks]
         x_exp, y_exp = local - before, anchor_of_j - local
     else:
-        g_r = local + refrow
-        x_exp = g_r - _pick(start // SUB, offsets)
-        y_exp = _pick((start + s) // SUB, offsets) - g_r
+        # Offsets against offsets first, then the local sums: G's full magnitude never enters.
+        x_exp = local + (refrow - _pick(start // SUB, offsets))
+        y_exp = (_pick((start + s) // SUB, offsets) - refrow) - local
     return (jnp.exp(jnp.where(upper, x_exp, -jnp.inf)), jnp.exp(jnp.where(upper, -jnp.inf, y_exp)))
 
 

@@ -52,7 +52,7 @@ class ChunkBlocks:
                              # "parallel" (no row-serial loops, three launches: `intra_parallel.py`; its first
                              # form was slower on the H200, this one untimed)
     sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel ("parallel": always 16)
-    key_slice: int = 32      # key columns per pass of the "parallel" kernels (bounds their registers)
+    key_slice: int = 32      # key (and value) columns per pass of the "parallel" kernels (bounds their registers)
     value_block: int = 32    # state columns per program of the sequential kernel
     num_warps: int = 4       # intra-chunk kernel (H200: 4 beat 8)
     inter_num_warps: int = 4

@@ -29,6 +29,7 @@ def _l2(x):
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel"),
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel"),  # two key slices, three chunks
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), True, "bfloat16", "parallel"),   # one sub-block per chunk
+    (1, 70, 1, 64, 32, 128, (-3e3, -1e-4), True, "float32", "parallel"),  # chunk 128, default key_slice, big gates
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -39,8 +40,8 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     s0 = rng.standard_normal((b, h, kd, vd)).astype(np.float32) if init else None
     cast = lambda x: jnp.asarray(x, dtype)
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
-                            blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, key_slice=16),
-                            interpret=interpret)
+                            blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra,
+                                               key_slice=32 if chunk == 128 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
     assert o.dtype == jnp.dtype(dtype) and o.shape == (b, t, h, vd)
@@ -155,3 +156,17 @@ def test_chunk_kernels_lower_for_cuda_at_the_48b_shape(triton_for_hopper, intra)
         jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
     launches = {"blocked": 2, "parallel": 4}[intra]    # parallel: A_kk, A_qk, the solve, then the sequential pass
     assert module.mlir_module().count("__gpu$xla.gpu.triton") == launches
+
+
+@pytest.mark.parametrize("blocks,message", [
+    (ChunkBlocks(intra="rows"), "intra must be"),
+    (ChunkBlocks(intra="parallel", key_slice=24), "key_slice must be a power of two >= 16"),
+    (ChunkBlocks(intra="parallel", key_slice=8), "key_slice must be a power of two >= 16"),
+    (ChunkBlocks(intra="parallel", chunk=8), "must be powers of two"),
+])
+def test_chunk_blocks_name_the_bad_setting(rng, blocks, message):
+    q = jnp.asarray(_l2(rng.standard_normal((1, 16, 1, 16))), jnp.float32)
+    g = jnp.asarray(rng.uniform(-1, 0, (1, 16, 1, 16)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (1, 16, 1)), jnp.float32)
+    with pytest.raises(ValueError, match=message):
+        kda_chunk_pallas(q, q, q, g, beta, blocks=blocks, interpret=True)
