@@ -76,6 +76,8 @@ VARIANTS = {
     "parallel/v32/ks16": ChunkBlocks(intra="parallel", value_block=32, key_slice=16),
     "parallel/v32/w8": ChunkBlocks(intra="parallel", value_block=32, num_warps=8),
     "parallel/v16": ChunkBlocks(intra="parallel", value_block=16),
+    "blocked/v32/split": ChunkBlocks(intra="blocked", value_block=32, inter="split"),
+    "parallel/v32/split": ChunkBlocks(intra="parallel", value_block=32, inter="split"),
 }
 
 

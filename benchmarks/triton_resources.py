@@ -91,6 +91,7 @@ def _build_cases():
         "kda-chunk-parallel-ks16": kda(intra="parallel", key_slice=16),
         "kda-chunk-parallel-ks64": kda(intra="parallel", key_slice=64),
         "kda-chunk-parallel-w8": kda(intra="parallel", num_warps=8),
+        "kda-chunk-split": kda(inter="split"),
         "kda-decode-b1": kda_decode(1),
         "kda-decode-b64": kda_decode(64),
         "moe-pairs-bf16": pairs(False),

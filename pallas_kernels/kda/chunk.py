@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2
+from pallas_kernels.kda.inter_split import chunk_inter_split
 from pallas_kernels.kda.intra_parallel import SUB, decay_pairs_kernel, local_cumsum, solve_kernel
 from pallas_kernels.kda.reference import validate_inputs
 from pallas_kernels.kda.tuning import ChunkBlocks
@@ -240,6 +241,12 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
 
     `bounds` = (first [N], last [N]) int32 for B = 1 rows holding several sequences (see
     `_inter_varlen_kernel`); then s0 and the returned states are per sequence, [S, H, K, V]."""
+    if blocks.inter == "split":
+        if bounds is not None:
+            raise ValueError("chunk_inter: rows of several sequences support inter='fused' only")
+        return chunk_inter_split(w, u, aqk, qg, kt, dec, s0, out_dtype=out_dtype, value_block=blocks.value_block,
+                                 num_warps=blocks.inter_num_warps,
+                                 num_stages=blocks.inter_num_stages or blocks.num_stages, interpret=interpret)
     b, h, n, c, kd = w.shape
     vd = u.shape[-1]
     vb = min(vd, blocks.value_block)
@@ -273,6 +280,8 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     sub = SUB if blocks.intra == "parallel" else blocks.sub_chunk
     if blocks.intra not in ("blocked", "column", "parallel"):
         raise ValueError(f"{name}: intra must be 'blocked', 'column' or 'parallel', got {blocks.intra!r}")
+    if blocks.inter not in ("fused", "split"):
+        raise ValueError(f"{name}: inter must be 'fused' or 'split', got {blocks.inter!r}")
     if not (is_pow2(kd) and is_pow2(vd) and is_pow2(c)) or (blocks.intra != "column" and c % sub):
         raise ValueError(f"{name}: K={kd}, V={vd} and the chunk {c} must be powers of two "
                          f"(and the chunk a multiple of {sub})")

@@ -54,6 +54,8 @@ class ChunkBlocks:
     sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel ("parallel": always 16)
     key_slice: int = 32      # key (and value) columns per pass of the "parallel" kernels (bounds their registers)
     value_block: int = 32    # state columns per program of the sequential kernel
+    inter: str = "fused"     # sequential pass: "fused" (outputs inside the chunk loop) or "split" (a state-only
+                             # pass, then every chunk's outputs in parallel: `inter_split.py`; untimed)
     num_warps: int = 4       # intra-chunk kernel (H200: 4 beat 8)
     inter_num_warps: int = 4
     num_stages: int = 1

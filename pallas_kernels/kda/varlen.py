@@ -84,6 +84,8 @@ def _varlen(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, blocks: Chunk
     _, t, h, kd = q.shape
     vd, seqs, c = v.shape[-1], cu_seqlens.shape[0] - 1, blocks.chunk
     check_blocks("kda_varlen_pallas", kd, vd, blocks)
+    if blocks.inter != "fused":
+        raise ValueError(f"kda_varlen_pallas: the sequential pass supports inter='fused' only, got {blocks.inter!r}")
     scale = kd ** -0.5 if scale is None else scale
     interpret = default_interpret() if interpret is None else interpret
     layout = ChunkLayout(cu_seqlens, t, c)

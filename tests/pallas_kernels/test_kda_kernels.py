@@ -141,8 +141,8 @@ def test_decode_names_the_bad_argument(rng):
         kda_decode_xla(inputs, weights, conv, state[:, :, :8])
 
 
-@pytest.mark.parametrize("intra", ["blocked", "parallel"])
-def test_chunk_kernels_lower_for_cuda_at_the_48b_shape(triton_for_hopper, intra):
+@pytest.mark.parametrize("intra,inter", [("blocked", "fused"), ("parallel", "fused"), ("blocked", "split")])
+def test_chunk_kernels_lower_for_cuda_at_the_48b_shape(triton_for_hopper, intra, inter):
     """The kernels lower to Triton for sm_90 at Kimi-Linear's head shape (K = V = 128, chunk 64)
     on any host (the GPU run compiles and checks them)."""
     import jax
@@ -150,16 +150,37 @@ def test_chunk_kernels_lower_for_cuda_at_the_48b_shape(triton_for_hopper, intra)
     b, t, h, kd = 1, 256, 4, 128
     spec = jax.ShapeDtypeStruct
     args = (spec((b, t, h, kd), jnp.bfloat16),) * 3 + (spec((b, t, h, kd), jnp.float32), spec((b, t, h), jnp.float32))
-    call = jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=ChunkBlocks(intra=intra),
-                                                              interpret=False))
+    blocks = ChunkBlocks(intra=intra, inter=inter)
+    call = jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False))
     module = jax.export.export(call, platforms=["cuda"], disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    launches = {"blocked": 2, "parallel": 4}[intra]    # parallel: A_kk, A_qk, the solve, then the sequential pass
+    # parallel: A_kk, A_qk and the solve; split: the state pass and the outputs
+    launches = {"blocked": 1, "parallel": 3}[intra] + {"fused": 1, "split": 2}[inter]
     assert module.mlir_module().count("__gpu$xla.gpu.triton") == launches
+
+
+@pytest.mark.parametrize("b,t,h,kd,vd,chunk,gates,intra", [
+    (2, 37, 2, 16, 32, 32, (-1.0, 0.0), "blocked"),      # T off the chunk, two value blocks
+    (1, 130, 1, 32, 32, 64, (-1e3, -1e2), "parallel"),   # unbounded gates, three chunks
+])
+def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, intra):
+    """inter="split": the state-only pass and the parallel outputs give the fused pass's result."""
+    q = _l2(rng.standard_normal((b, t, h, kd))).astype(np.float32)
+    k = _l2(rng.standard_normal((b, t, h, kd))).astype(np.float32)
+    v = rng.standard_normal((b, t, h, vd)).astype(np.float32)
+    g = rng.uniform(*gates, (b, t, h, kd)).astype(np.float32)
+    beta = rng.uniform(0, 1, (b, t, h)).astype(np.float32)
+    s0 = rng.standard_normal((b, h, kd, vd)).astype(np.float32)
+    o, s = kda_chunk_pallas(q, k, v, g, beta, initial_state=s0, interpret=interpret,
+                            blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, key_slice=16, inter="split"))
+    o_ref, s_ref = kda_recurrent_reference(q, k, v, g, beta, initial_state=s0)
+    assert_close("o", o, o_ref, dtype=kernel_dtype("float32", interpret))
+    assert_close("state", s, s_ref, tol=TOLERANCES[kernel_dtype("float32", interpret)])
 
 
 @pytest.mark.parametrize("blocks,message", [
     (ChunkBlocks(intra="rows"), "intra must be"),
+    (ChunkBlocks(inter="rows"), "inter must be"),
     (ChunkBlocks(intra="parallel", key_slice=24), "key_slice must be a power of two >= 16"),
     (ChunkBlocks(intra="parallel", key_slice=8), "key_slice must be a power of two >= 16"),
     (ChunkBlocks(intra="parallel", chunk=8), "must be powers of two"),

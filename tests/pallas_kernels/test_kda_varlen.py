@@ -84,3 +84,5 @@ def test_bad_shapes_are_refused(rng):
         kda_varlen_pallas(q, k, v, g, beta, cu, initial_state=s0[:1])
     with pytest.raises(ValueError, match="integer"):
         kda_varlen_pallas(q, k, v, g, beta, cu.astype(jnp.float32))
+    with pytest.raises(ValueError, match="inter='fused' only"):
+        kda_varlen_pallas(q, k, v, g, beta, cu, blocks=ChunkBlocks(inter="split"))
