@@ -8,6 +8,10 @@ and `reference.kda_recurrent_reference`.
 2. `_inter_kernel`, grid (row, head, value block), sequential over chunks with the fp32 state
    block in registers: N = U - W S; O = (q e^G) S + A_qk N; S = e^(G_C) * S + (k e^(G_C - G))^T N.
    Value columns of the state evolve independently, so they split across programs.
+
+`ChunkBlocks` selects other forms of each step: `intra="parallel"` (`intra_parallel.py`, three
+launches without row-serial loops) and `inter="split"` (`inter_split.py`, a state-only pass, then
+the outputs of all chunks at once).
 """
 
 from __future__ import annotations
