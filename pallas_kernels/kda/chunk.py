@@ -250,7 +250,7 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
             raise ValueError("chunk_inter: rows of several sequences support inter='fused' only")
         return chunk_inter_split(w, u, aqk, qg, kt, dec, s0, out_dtype=out_dtype, value_block=blocks.value_block,
                                  num_warps=blocks.inter_num_warps,
-                                 num_stages=blocks.inter_num_stages or blocks.num_stages, interpret=interpret)
+                                 num_stages=blocks.sequential_stages, interpret=interpret)
     b, h, n, c, kd = w.shape
     vd = u.shape[-1]
     vb = min(vd, blocks.value_block)
@@ -273,7 +273,7 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
         out_specs=[by_value(n, c, vd), state_spec],
         out_shape=[jax.ShapeDtypeStruct((b, h, n, c, vd), out_dtype), jax.ShapeDtypeStruct(state_shape, jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=blocks.inter_num_warps,
-                                           num_stages=blocks.inter_num_stages or blocks.num_stages),
+                                           num_stages=blocks.sequential_stages),
         interpret=interpret,
         name="kda_chunk_inter",
     )(*flags, w, u, aqk, qg, kt, dec, s0)

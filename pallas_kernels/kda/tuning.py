@@ -60,3 +60,8 @@ class ChunkBlocks:
     inter_num_warps: int = 4
     num_stages: int = 1
     inter_num_stages: int | None = None   # the sequential kernel's (None: num_stages)
+
+    @property
+    def sequential_stages(self) -> int:
+        """num_stages of the sequential pass's launches."""
+        return self.inter_num_stages or self.num_stages
