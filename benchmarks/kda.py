@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, write  # noqa: E402
+from benchmarks.kernel_profile import kernel_times  # noqa: E402
 from pallas_kernels._util import default_interpret  # noqa: E402
 from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_chunk_xla,  # noqa: E402
                                 kda_decode_pallas, kda_decode_xla, value_blocks_fit)
@@ -76,13 +77,32 @@ VARIANTS = {
     "parallel/v32/ks16": ChunkBlocks(intra="parallel", value_block=32, key_slice=16),
     "parallel/v32/w8": ChunkBlocks(intra="parallel", value_block=32, num_warps=8),
     "parallel/v16": ChunkBlocks(intra="parallel", value_block=16),
+    "parallel/v32/separate": ChunkBlocks(intra="parallel", value_block=32, pairs="separate"),
+    "parallel/v32/w8/separate": ChunkBlocks(intra="parallel", value_block=32, num_warps=8, pairs="separate"),
     "blocked/v32/split": ChunkBlocks(intra="blocked", value_block=32, inter="split"),
     "parallel/v32/split": ChunkBlocks(intra="parallel", value_block=32, inter="split"),
 }
 
 
-def prefill_rows(shapes, fla, iters, variants=None):
-    """variants: names from VARIANTS to time (None: all)."""
+def fla_kernel_times(torch, fn, calls: int = 10) -> dict[str, float]:
+    """fla's device microseconds per call by kernel name (torch.profiler over `calls` calls), longest first."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name[:100]] = totals.get(e.name[:100], 0.0) + e.time_range.elapsed_us() / calls
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def prefill_rows(shapes, fla, iters, variants=None, profile=False):
+    """variants: names from VARIANTS to time (None: all). profile: device time per kernel of each
+    variant's call (and of fla's) from a profiler trace."""
     chosen = {n: VARIANTS[n] for n in (variants or VARIANTS)}
     rows = []
     for (b, t, h, kd) in shapes:
@@ -113,6 +133,9 @@ def prefill_rows(shapes, fla, iters, variants=None):
             t_inter, _ = median_time(lambda: inter(*factors, s0), iters=iters)
             variants[name] = {"ms": t_v * 1e3, "intra_ms": t_intra * 1e3, "inter_ms": t_inter * 1e3,
                               "err_o": rel(o, o_ref), "err_state": rel(s, s_ref)}
+            if profile:
+                variants[name]["kernel_us"] = {k_: round(v_, 1) for k_, v_ in
+                                               kernel_times(ours, (q, k, v, g, beta, s0), calls=10).items()}
             print(f"  {name}: {variants[name]}", flush=True)
         best = min(variants, key=lambda n_: variants[n_]["ms"])
         t_ours = variants[best]["ms"] / 1e3
@@ -132,6 +155,10 @@ def prefill_rows(shapes, fla, iters, variants=None):
                                                          use_qk_l2norm_in_kernel=True), iters=iters)
             row.update(fla_ms=t_fla * 1e3, speedup_vs_fla=t_fla / t_ours,
                        err_fla_vs_ref=rel(fo.float().cpu().numpy(), o_ref))
+            if profile:
+                row["fla_kernel_us"] = {k_: round(v_, 1) for k_, v_ in fla_kernel_times(
+                    torch, lambda: chunk_kda(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True)).items()}
         rows.append(row)
         print("prefill", {k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
     return rows
@@ -220,6 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--heads", nargs="+", type=int, default=[32, 96], help="prefill head counts (T = 8192)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), help="prefill kernel variants to time (default all)")
+    ap.add_argument("--profile", action="store_true", help="prefill: device time per kernel (ours and fla's)")
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8, 16], help="num_warps of the decode launches")
     ap.add_argument("--splits", nargs="+", type=int, default=[1, 0],
                     help="column blocks per head of the one-token kernel (DecodeBlocks.value_blocks; 0: auto)")
@@ -228,12 +256,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fla = None if (args.small or args.no_fla) else fla_functions()
     if args.small:
-        pre = prefill_rows([(1, 96, 2, 16)], None, 3, args.variants)
+        pre = prefill_rows([(1, 96, 2, 16)], None, 3, args.variants, args.profile)
         dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 32, 3, None, 3, state_dtype=sd,
                                                                      splits=args.splits)]
     else:
         pre = [] if args.decode_only else prefill_rows([(1, 8192, h, 128) for h in args.heads], fla, args.iters,
-                                                       args.variants)
+                                                       args.variants, args.profile)
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows([1, 8, 64, 256], 32, 128, 20, fla, args.iters, warps=tuple(args.warps), state_dtype=sd,
                                   splits=args.splits)]

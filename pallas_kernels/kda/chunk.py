@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2
 from pallas_kernels.kda.inter_split import chunk_inter_split
-from pallas_kernels.kda.intra_parallel import SUB, decay_pairs_kernel, local_cumsum, solve_kernel
+from pallas_kernels.kda.intra_parallel import SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum, solve_kernel
 from pallas_kernels.kda.reference import validate_inputs
 from pallas_kernels.kda.tuning import ChunkBlocks
 
@@ -208,7 +208,8 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
 
 
 def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool):
-    """`chunk_intra` as three launches (`intra_parallel.py`): A_kk, A_qk, then the solve and factors."""
+    """`chunk_intra` as two launches (`intra_parallel.py`): A_kk and A_qk (one launch, or one each with
+    blocks.pairs = "separate"), then the solve and factors."""
     b, h, n, c, kd = qc.shape
     vd = vc.shape[-1]
     f32 = jnp.float32
@@ -224,8 +225,15 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
             out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), f32), compiler_params=params, interpret=interpret,
             name=name)(left, kc, lc)
 
-    akk = pairs(kc, 1.0, False, "kda_chunk_akk")
-    aqk = pairs(qc, scale, True, "kda_chunk_aqk")
+    if blocks.pairs == "joint":
+        akk, aqk = pl.pallas_call(
+            functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice),
+            grid=(b, h, n), in_specs=[blk(c, kd)] * 3, out_specs=[blk(c, c)] * 2,
+            out_shape=[jax.ShapeDtypeStruct((b, h, n, c, c), f32)] * 2, compiler_params=params,
+            interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc)
+    else:
+        akk = pairs(kc, 1.0, False, "kda_chunk_akk")
+        aqk = pairs(qc, scale, True, "kda_chunk_aqk")
     w, u, qg, kt, dec = pl.pallas_call(
         functools.partial(solve_kernel, scale=scale, key_slice=key_slice, value_slice=value_slice,
                           interpret=interpret),
@@ -279,6 +287,9 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
     )(*flags, w, u, aqk, qg, kt, dec, s0)
 
 
+PARALLEL_MAX_CHUNK = 64
+
+
 def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     c = blocks.chunk
     sub = SUB if blocks.intra == "parallel" else blocks.sub_chunk
@@ -291,6 +302,11 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
                          f"(and the chunk a multiple of {sub})")
     if blocks.intra == "parallel" and not (is_pow2(blocks.key_slice) and blocks.key_slice >= 16):
         raise ValueError(f"{name}: key_slice must be a power of two >= 16, got {blocks.key_slice}")
+    if blocks.intra == "parallel" and c > PARALLEL_MAX_CHUNK:
+        raise ValueError(f"{name}: intra='parallel' takes chunks of at most {PARALLEL_MAX_CHUNK} tokens, got {c} (the "
+                         f"inverse of a 128-row chunk asks the H200 for 384 KB of shared memory, over its 227 KB)")
+    if blocks.pairs not in ("joint", "separate"):
+        raise ValueError(f"{name}: pairs must be 'joint' or 'separate', got {blocks.pairs!r}")
 
 
 def to_chunks(x, chunk: int):

@@ -88,9 +88,10 @@ def _level_factors(level, inside: bool, l_ref, ks, rows, local, refrow, offsets)
     """Row and column decay factors of level s = 2^level: every pair (r, j), j < r, whose indices
     first differ in the bit of s (r in the upper, j in the lower half of one 2s-row block) has
     e^(G_r - G_j) = x[r] * y[j] with x[r] = e^(G_r - G_a) and y[j] = e^(G_a - G_j), a the last row of
-    j's half; both exponents <= 0. x is zero on lower-half rows, y on upper-half rows. `level` may be
-    traced; `inside` (static): s < SUB, where the anchors are rows of `local` in the same sub-block
-    (gathered), else sub-block boundaries, whose G is one of the offsets."""
+    j's half; both exponents <= 0. x is zero on lower-half rows, y on upper-half rows, so one
+    exponential per entry serves both. `level` may be traced; `inside` (static): s < SUB, where the
+    anchors are rows of `local` in the same sub-block (gathered), else sub-block boundaries, whose G
+    is one of the offsets."""
     s = jnp.left_shift(jnp.int32(1), level)
     upper = ((jnp.right_shift(rows, level) & 1) == 1)[:, None]
     start = rows - (rows & (s - 1))            # first row of r's s-row half
@@ -102,7 +103,28 @@ def _level_factors(level, inside: bool, l_ref, ks, rows, local, refrow, offsets)
         # Offsets against offsets first, then the local sums: G's full magnitude never enters.
         x_exp = local + (refrow - _pick(start // SUB, offsets))
         y_exp = (_pick((start + s) // SUB, offsets) - refrow) - local
-    return (jnp.exp(jnp.where(upper, x_exp, -jnp.inf)), jnp.exp(jnp.where(upper, -jnp.inf, y_exp)))
+    e = jnp.exp(jnp.where(upper, x_exp, y_exp))
+    return jnp.where(upper, e, 0.0), jnp.where(upper, 0.0, e)
+
+
+def _pair_levels(c, rows, cols, accumulate, slice_parts, l_ref, ks):
+    """Runs `accumulate(accs, x, y, same)` over every level of one key slice (the levels inside a
+    sub-block, then across sub-blocks), each level a loop step so their tiles stay apart."""
+    local, refrow, offsets = slice_parts
+
+    def level(lvl, accs, inside):
+        x, y = _level_factors(lvl, inside, l_ref, ks, rows, local, refrow, offsets)
+        same = jnp.right_shift(rows[:, None], lvl + 1) == jnp.right_shift(cols, lvl + 1)
+        return accumulate(accs, x, y, same)
+
+    inner = SUB.bit_length() - 1           # levels inside a sub-block: s = 1 .. SUB / 2
+    return lambda accs: jax.lax.fori_loop(
+        inner, c.bit_length() - 1, functools.partial(level, inside=False),
+        jax.lax.fori_loop(0, inner, functools.partial(level, inside=True), accs))
+
+
+def _dot_t(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal: bool, key_slice: int):
@@ -110,28 +132,42 @@ def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal:
 
     left/k [C, K] (left = q or k), l (local cumulative decay) [C, K] fp32 -> a [C, C] fp32, zero
     above the diagonal. The key slices run in a loop, one [C, C] accumulator live."""
-    f32 = jnp.float32
     c, kd = k_ref.shape
     nb = c // SUB
     rows = jnp.arange(c, dtype=jnp.int32)
     cols = rows[None, :]
-    dot_t = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=f32)
 
     def one_slice(i, acc):
         ks, left, k, local, refrow, offsets, _ = _slice(left_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
         if diagonal:
-            acc = acc + jnp.where(rows[:, None] == cols, dot_t(left, k), 0.0)
+            acc = acc + jnp.where(rows[:, None] == cols, _dot_t(left, k), 0.0)
+        add = lambda acc, x, y, same: acc + jnp.where(same, _dot_t(left * x, k * y), 0.0)
+        return _pair_levels(c, rows, cols, add, (local, refrow, offsets), l_ref, ks)(acc)
 
-        def level(lvl, acc, inside):     # one level at a time: a loop keeps the levels' tiles apart
-            x, y = _level_factors(lvl, inside, l_ref, ks, rows, local, refrow, offsets)
-            same = jnp.right_shift(rows[:, None], lvl + 1) == jnp.right_shift(cols, lvl + 1)
-            return acc + jnp.where(same, dot_t(left * x, k * y), 0.0)
+    a_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, jnp.zeros((c, c), jnp.float32))
 
-        inner = SUB.bit_length() - 1           # levels inside a sub-block: s = 1 .. SUB / 2
-        acc = jax.lax.fori_loop(0, inner, functools.partial(level, inside=True), acc)
-        return jax.lax.fori_loop(inner, c.bit_length() - 1, functools.partial(level, inside=False), acc)
 
-    a_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, jnp.zeros((c, c), f32))
+def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, key_slice: int):
+    """A_kk (j < r) and A_qk (j <= r, q scaled) of one chunk in one launch: each level's decay
+    factors and k e^(G_a - G_j) are formed once for both. q/k [C, K], l [C, K] fp32 -> two [C, C]."""
+    c, kd = k_ref.shape
+    nb = c // SUB
+    rows = jnp.arange(c, dtype=jnp.int32)
+    cols = rows[None, :]
+
+    def one_slice(i, accs):
+        akk, aqk = accs
+        ks, q, k, local, refrow, offsets, _ = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
+        aqk = aqk + jnp.where(rows[:, None] == cols, _dot_t(q, k), 0.0)
+
+        def add(accs, x, y, same):
+            ky = k * y
+            return (accs[0] + jnp.where(same, _dot_t(k * x, ky), 0.0),
+                    accs[1] + jnp.where(same, _dot_t(q * x, ky), 0.0))
+        return _pair_levels(c, rows, cols, add, (local, refrow, offsets), l_ref, ks)((akk, aqk))
+
+    zeros = jnp.zeros((c, c), jnp.float32)
+    akk_ref[...], aqk_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, (zeros, zeros))
 
 
 def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_ref, kt_ref, dec_ref, *, scale: float,

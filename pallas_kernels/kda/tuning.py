@@ -49,8 +49,8 @@ class DecodeBlocks:
 class ChunkBlocks:
     chunk: int = 64          # tokens per chunk (WY form)
     intra: str = "blocked"   # intra-chunk kernel: "blocked" (sub-block matmuls), "column" (pairwise loop) or
-                             # "parallel" (no row-serial loops, three launches: `intra_parallel.py`; its first
-                             # form was slower on the H200, this one untimed)
+                             # "parallel" (no row-serial loops: `intra_parallel.py`; chunks <= 64)
+    pairs: str = "joint"     # "parallel": A_kk and A_qk in one launch ("joint") or one launch each ("separate")
     sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel ("parallel": always 16)
     key_slice: int = 32      # key (and value) columns per pass of the "parallel" kernels (bounds their registers)
     value_block: int = 32    # state columns per program of the sequential kernel

@@ -29,7 +29,9 @@ def _l2(x):
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel"),
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel"),  # two key slices, three chunks
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), True, "bfloat16", "parallel"),   # one sub-block per chunk
-    (1, 70, 1, 64, 32, 128, (-3e3, -1e-4), True, "float32", "parallel"),  # chunk 128, default key_slice, big gates
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel"),  # key_slice 32 (default), big gates
+    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/separate"),  # A_kk and A_qk one launch each
+    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/separate"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -39,9 +41,10 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     beta = rng.uniform(0, 1, (b, t, h)).astype(np.float32)
     s0 = rng.standard_normal((b, h, kd, vd)).astype(np.float32) if init else None
     cast = lambda x: jnp.asarray(x, dtype)
+    intra, _, pairs = intra.partition("/")
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
-                            blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra,
-                                               key_slice=32 if chunk == 128 else 16), interpret=interpret)
+                            blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, pairs=pairs or "joint",
+                                               key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
     assert o.dtype == jnp.dtype(dtype) and o.shape == (b, t, h, vd)
@@ -154,8 +157,8 @@ def test_chunk_kernels_lower_for_cuda_at_the_48b_shape(triton_for_hopper, intra,
     call = jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False))
     module = jax.export.export(call, platforms=["cuda"], disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    # parallel: A_kk, A_qk and the solve; split: the state pass and the outputs
-    launches = {"blocked": 1, "parallel": 3}[intra] + {"fused": 1, "split": 2}[inter]
+    # parallel: A_kk with A_qk, then the solve; split: the state pass and the outputs
+    launches = {"blocked": 1, "parallel": 2}[intra] + {"fused": 1, "split": 2}[inter]
     assert module.mlir_module().count("__gpu$xla.gpu.triton") == launches
 
 
@@ -184,6 +187,8 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(intra="parallel", key_slice=24), "key_slice must be a power of two >= 16"),
     (ChunkBlocks(intra="parallel", key_slice=8), "key_slice must be a power of two >= 16"),
     (ChunkBlocks(intra="parallel", chunk=8), "must be powers of two"),
+    (ChunkBlocks(intra="parallel", chunk=128), "at most 64 tokens"),
+    (ChunkBlocks(intra="parallel", pairs="rows"), "pairs must be"),
 ])
 def test_chunk_blocks_name_the_bad_setting(rng, blocks, message):
     q = jnp.asarray(_l2(rng.standard_normal((1, 16, 1, 16))), jnp.float32)
