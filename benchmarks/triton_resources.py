@@ -89,6 +89,7 @@ def _build_cases():
         "kda-chunk-blocked": kda(intra="blocked"),
         "kda-chunk-parallel": kda(intra="parallel"),
         "kda-chunk-parallel-ks16": kda(intra="parallel", key_slice=16),
+        "kda-chunk-parallel-bf16": kda(intra="parallel", factors="bfloat16", cumsum="pallas"),
         "kda-chunk-parallel-ks64": kda(intra="parallel", key_slice=64),
         "kda-chunk-parallel-w8": kda(intra="parallel", num_warps=8),
         "kda-chunk-split": kda(inter="split"),

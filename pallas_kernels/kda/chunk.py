@@ -25,7 +25,8 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2
 from pallas_kernels.kda.inter_split import chunk_inter_split
-from pallas_kernels.kda.intra_parallel import SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum, solve_kernel
+from pallas_kernels.kda.intra_parallel import (SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum,
+                                              local_cumsum_kernel, solve_kernel)
 from pallas_kernels.kda.reference import validate_inputs
 from pallas_kernels.kda.tuning import ChunkBlocks
 
@@ -76,11 +77,11 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, aqk_ref, qg_r
     tri = _inv_unit_lower(akk, rows)
     e_cum = jnp.exp(cum)
     last = jnp.sum(jnp.where((rows == c - 1)[:, None], cum, 0.0), axis=0)
-    w_ref[...] = jnp.dot(tri, beta[:, None] * e_cum * k, preferred_element_type=f32)
-    u_ref[...] = jnp.dot(tri, beta[:, None] * v, preferred_element_type=f32)
-    aqk_ref[...] = aqk
-    qg_ref[...] = q * e_cum
-    kt_ref[...] = k * jnp.exp(last[None, :] - cum)
+    w_ref[...] = jnp.dot(tri, beta[:, None] * e_cum * k, preferred_element_type=f32).astype(w_ref.dtype)
+    u_ref[...] = jnp.dot(tri, beta[:, None] * v, preferred_element_type=f32).astype(u_ref.dtype)
+    aqk_ref[...] = aqk.astype(aqk_ref.dtype)
+    qg_ref[...] = (q * e_cum).astype(qg_ref.dtype)
+    kt_ref[...] = (k * jnp.exp(last[None, :] - cum)).astype(kt_ref.dtype)
     dec_ref[...] = jnp.exp(last)
 
 
@@ -116,14 +117,14 @@ def _intra_blocked_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, aqk_r
         for j in range(i):
             k_j = k_ref[blk(j), :].astype(f32) * jnp.exp(refs[i][None, :] - cums[j])
             akk[i][j] = dot(k_i * down, k_j.T) * b_i[:, None]
-            aqk_ref[blk(i), blk(j)] = dot(q_i * down, k_j.T)
+            aqk_ref[blk(i), blk(j)] = dot(q_i * down, k_j.T).astype(aqk_ref.dtype)
         dkk, dqk = _pairwise_decayed(k_i, q_i, cums[i], rows)
         akk[i][i] = jnp.where(rows[:, None] > rows[None, :], dkk * b_i[:, None], 0.0)
-        aqk_ref[blk(i), blk(i)] = dqk
+        aqk_ref[blk(i), blk(i)] = dqk.astype(aqk_ref.dtype)
         for j in range(i + 1, nb):
-            aqk_ref[blk(i), blk(j)] = jnp.zeros((sub, sub), f32)
-        qg_ref[blk(i), :] = q_i * jnp.exp(cums[i])
-        kt_ref[blk(i), :] = k_i * jnp.exp(last[None, :] - cums[i])
+            aqk_ref[blk(i), blk(j)] = jnp.zeros((sub, sub), aqk_ref.dtype)
+        qg_ref[blk(i), :] = (q_i * jnp.exp(cums[i])).astype(qg_ref.dtype)
+        kt_ref[blk(i), :] = (k_i * jnp.exp(last[None, :] - cums[i])).astype(kt_ref.dtype)
 
     inv = [[None] * nb for _ in range(nb)]
     for i in range(nb):
@@ -141,19 +142,22 @@ def _intra_blocked_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, aqk_r
             y_j = b_j * v_ref[blk(j), :].astype(f32)
             w_i = dot(inv[i][j], x_j) if w_i is None else w_i + dot(inv[i][j], x_j)
             u_i = dot(inv[i][j], y_j) if u_i is None else u_i + dot(inv[i][j], y_j)
-        w_ref[blk(i), :] = w_i
-        u_ref[blk(i), :] = u_i
+        w_ref[blk(i), :] = w_i.astype(w_ref.dtype)
+        u_ref[blk(i), :] = u_i.astype(u_ref.dtype)
     dec_ref[...] = jnp.exp(last)
 
 
 def _chunk_step(n, s, w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, o_ref):
-    """One chunk of the sequential pass: writes its output block, returns the state after it."""
+    """One chunk of the sequential pass: writes its output block, returns the state after it.
+    With bf16 factors (ChunkBlocks.factors) the products take the state and N rounded to bf16 and
+    sum in fp32; the state itself stays fp32."""
     f32 = jnp.float32
     w, qg, kt = w_ref[n], qg_ref[n], kt_ref[n]            # [C, K]
-    nu = u_ref[n] - jnp.dot(w, s, preferred_element_type=f32)                         # [C, Vb]
-    o = jnp.dot(qg, s, preferred_element_type=f32) + jnp.dot(aqk_ref[n], nu, preferred_element_type=f32)
+    dot = lambda a, b: jnp.dot(a, b.astype(a.dtype), preferred_element_type=f32)
+    nu = u_ref[n].astype(f32) - dot(w, s)                                              # [C, Vb]
+    o = dot(qg, s) + dot(aqk_ref[n], nu)
     o_ref[n] = o.astype(o_ref.dtype)
-    return dec_ref[n][:, None] * s + jnp.dot(kt.T, nu, preferred_element_type=f32)
+    return dec_ref[n][:, None] * s + dot(kt.T, nu)
 
 
 def _inter_kernel(w_ref, u_ref, aqk_ref, qg_ref, kt_ref, dec_ref, s0_ref, o_ref, s_ref, *, n_chunks):
@@ -193,14 +197,15 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
     else:
         intra = functools.partial(_intra_kernel, scale=scale)
     blk = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda i, j, m: (i, j, m) + (0,) * len(tail))
+    fd = jnp.dtype(blocks.factors)
     return pl.pallas_call(
         intra,
         grid=(b, h, n),
         in_specs=[blk(c, kd), blk(c, kd), blk(c, vd), blk(c, kd), blk(c)],
         out_specs=[blk(c, kd), blk(c, vd), blk(c, c), blk(c, kd), blk(c, kd), blk(kd)],
-        out_shape=[jax.ShapeDtypeStruct((b, h, n, c, kd), f32), jax.ShapeDtypeStruct((b, h, n, c, vd), f32),
-                   jax.ShapeDtypeStruct((b, h, n, c, c), f32), jax.ShapeDtypeStruct((b, h, n, c, kd), f32),
-                   jax.ShapeDtypeStruct((b, h, n, c, kd), f32), jax.ShapeDtypeStruct((b, h, n, kd), f32)],
+        out_shape=[jax.ShapeDtypeStruct((b, h, n, c, kd), fd), jax.ShapeDtypeStruct((b, h, n, c, vd), fd),
+                   jax.ShapeDtypeStruct((b, h, n, c, c), fd), jax.ShapeDtypeStruct((b, h, n, c, kd), fd),
+                   jax.ShapeDtypeStruct((b, h, n, c, kd), fd), jax.ShapeDtypeStruct((b, h, n, kd), f32)],
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="kda_chunk_intra",
@@ -214,34 +219,41 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
     vd = vc.shape[-1]
     f32 = jnp.float32
     key_slice, value_slice = min(kd, blocks.key_slice), min(vd, blocks.key_slice)
-    lc = local_cumsum(gc)
     blk = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda i, j, m: (i, j, m) + (0,) * len(tail))
     params = plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    if blocks.cumsum == "pallas":
+        lc = pl.pallas_call(local_cumsum_kernel, grid=(b, h, n), in_specs=[blk(c, kd)], out_specs=blk(c, kd),
+                            out_shape=jax.ShapeDtypeStruct((b, h, n, c, kd), f32), compiler_params=params,
+                            interpret=interpret, name="kda_chunk_local_cumsum")(gc)
+    else:
+        lc = local_cumsum(gc)
 
-    def pairs(left, left_scale, diagonal, name):
+    fd = jnp.dtype(blocks.factors)     # A_kk stays fp32: the inverse is taken of it
+
+    def pairs(left, left_scale, diagonal, dtype, name):
         return pl.pallas_call(
             functools.partial(decay_pairs_kernel, scale=left_scale, diagonal=diagonal, key_slice=key_slice),
             grid=(b, h, n), in_specs=[blk(c, kd)] * 3, out_specs=blk(c, c),
-            out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), f32), compiler_params=params, interpret=interpret,
+            out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), dtype), compiler_params=params, interpret=interpret,
             name=name)(left, kc, lc)
 
     if blocks.pairs == "joint":
         akk, aqk = pl.pallas_call(
             functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice),
             grid=(b, h, n), in_specs=[blk(c, kd)] * 3, out_specs=[blk(c, c)] * 2,
-            out_shape=[jax.ShapeDtypeStruct((b, h, n, c, c), f32)] * 2, compiler_params=params,
-            interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc)
+            out_shape=[jax.ShapeDtypeStruct((b, h, n, c, c), f32), jax.ShapeDtypeStruct((b, h, n, c, c), fd)],
+            compiler_params=params, interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc)
     else:
-        akk = pairs(kc, 1.0, False, "kda_chunk_akk")
-        aqk = pairs(qc, scale, True, "kda_chunk_aqk")
+        akk = pairs(kc, 1.0, False, f32, "kda_chunk_akk")
+        aqk = pairs(qc, scale, True, fd, "kda_chunk_aqk")
     w, u, qg, kt, dec = pl.pallas_call(
         functools.partial(solve_kernel, scale=scale, key_slice=key_slice, value_slice=value_slice,
-                          interpret=interpret),
+                          inverse=blocks.inverse, interpret=interpret),
         grid=(b, h, n),
         in_specs=[blk(c, c), blk(c, kd), blk(c, kd), blk(c, vd), blk(c, kd), blk(c)],
         out_specs=[blk(c, kd), blk(c, vd), blk(c, kd), blk(c, kd), blk(kd)],
-        out_shape=[jax.ShapeDtypeStruct((b, h, n, c, kd), f32), jax.ShapeDtypeStruct((b, h, n, c, vd), f32),
-                   jax.ShapeDtypeStruct((b, h, n, c, kd), f32), jax.ShapeDtypeStruct((b, h, n, c, kd), f32),
+        out_shape=[jax.ShapeDtypeStruct((b, h, n, c, kd), fd), jax.ShapeDtypeStruct((b, h, n, c, vd), fd),
+                   jax.ShapeDtypeStruct((b, h, n, c, kd), fd), jax.ShapeDtypeStruct((b, h, n, c, kd), fd),
                    jax.ShapeDtypeStruct((b, h, n, kd), f32)],
         compiler_params=params, interpret=interpret, name="kda_chunk_solve",
     )(akk, qc, kc, vc, lc, bc)
@@ -307,6 +319,14 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
                          f"inverse of a 128-row chunk asks the H200 for 384 KB of shared memory, over its 227 KB)")
     if blocks.pairs not in ("joint", "separate"):
         raise ValueError(f"{name}: pairs must be 'joint' or 'separate', got {blocks.pairs!r}")
+    if blocks.inverse not in ("tf32x3", "tf32"):
+        raise ValueError(f"{name}: inverse must be 'tf32x3' or 'tf32', got {blocks.inverse!r}")
+    if blocks.cumsum not in ("xla", "pallas"):
+        raise ValueError(f"{name}: cumsum must be 'xla' or 'pallas', got {blocks.cumsum!r}")
+    if blocks.factors not in ("float32", "bfloat16"):
+        raise ValueError(f"{name}: factors must be 'float32' or 'bfloat16', got {blocks.factors!r}")
+    if blocks.factors != "float32" and blocks.inter != "fused":
+        raise ValueError(f"{name}: factors={blocks.factors!r} needs inter='fused' (the split pass takes fp32 factors)")
 
 
 def to_chunks(x, chunk: int):

@@ -40,9 +40,11 @@ from jax.experimental import pallas as pl
 
 SUB = 16  # rows per run of the local cumulative decay (`local_cumsum`): keeps its sums small
 
-# Matrix-product precision of the inverse's doubling steps, compiled: three TF32 products per
-# product (about fp32 accuracy on the matrix units); interpret mode runs them in fp32.
-INVERSE_PRECISION = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+# Matrix-product precision of the inverse's doubling steps, compiled (ChunkBlocks.inverse): "tf32x3", three
+# TF32 products per product (about fp32 accuracy on the matrix units), or "tf32", one; interpret mode runs
+# them in fp32.
+INVERSE_PRECISION = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+                     "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32}
 
 
 def local_cumsum(g_chunks):
@@ -50,6 +52,15 @@ def local_cumsum(g_chunks):
     *lead, c, kd = g_chunks.shape
     parts = g_chunks.astype(jnp.float32).reshape(*lead, c // SUB, SUB, kd)
     return jnp.cumsum(parts, axis=-2).reshape(*lead, c, kd)
+
+
+def local_cumsum_kernel(g_ref, l_ref):
+    """`local_cumsum` of one chunk in a Pallas launch: g [C, K] -> l [C, K] fp32 (one read, one write;
+    XLA runs the same sums as a windowed reduction)."""
+    c = g_ref.shape[0]
+    for i in range(c // SUB):
+        rows = pl.ds(i * SUB, SUB)
+        l_ref[rows, :] = jnp.cumsum(g_ref[rows, :].astype(jnp.float32), axis=0)
 
 
 def _block_offsets(local, rows, nb):
@@ -144,7 +155,7 @@ def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal:
         add = lambda acc, x, y, same: acc + jnp.where(same, _dot_t(left * x, k * y), 0.0)
         return _pair_levels(c, rows, cols, add, (local, refrow, offsets), l_ref, ks)(acc)
 
-    a_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, jnp.zeros((c, c), jnp.float32))
+    a_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, jnp.zeros((c, c), jnp.float32)).astype(a_ref.dtype)
 
 
 def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, key_slice: int):
@@ -167,11 +178,13 @@ def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, k
         return _pair_levels(c, rows, cols, add, (local, refrow, offsets), l_ref, ks)((akk, aqk))
 
     zeros = jnp.zeros((c, c), jnp.float32)
-    akk_ref[...], aqk_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, (zeros, zeros))
+    akk, aqk = jax.lax.fori_loop(0, kd // key_slice, one_slice, (zeros, zeros))
+    akk_ref[...] = akk
+    aqk_ref[...] = aqk.astype(aqk_ref.dtype)
 
 
 def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_ref, kt_ref, dec_ref, *, scale: float,
-                 key_slice: int, value_slice: int, interpret: bool):
+                 key_slice: int, value_slice: int, inverse: str, interpret: bool):
     """One chunk: T = (I + diag(beta) A_kk)^-1 by doubling, then W = T diag(beta) (e^G k),
     U = T diag(beta) v, q e^G, k e^(G_C - G) and e^(G_C). akk [C, C] from `decay_pairs_kernel`."""
     f32 = jnp.float32
@@ -182,7 +195,7 @@ def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_re
     cols = rows[None, :]
     beta = b_ref[...].astype(f32)
     dot = lambda a, b: jnp.dot(a, b, preferred_element_type=f32)
-    precise = jax.lax.Precision.HIGHEST if interpret else INVERSE_PRECISION
+    precise = jax.lax.Precision.HIGHEST if interpret else INVERSE_PRECISION[inverse]
     dot_inv = lambda a, b: jnp.dot(a, b, precision=precise, preferred_element_type=f32)
 
     akk = jnp.where(rows[:, None] > cols, akk_ref[...] * beta[:, None], 0.0)
@@ -198,15 +211,15 @@ def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_re
         ks, q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
         last = offsets[-1]
         e_g = jnp.exp(g_chunk)
-        w_ref[:, ks] = dot(t, beta[:, None] * e_g * k)
-        qg_ref[:, ks] = q * e_g
-        kt_ref[:, ks] = k * jnp.exp(last[None, :] - g_chunk)
+        w_ref[:, ks] = dot(t, beta[:, None] * e_g * k).astype(w_ref.dtype)
+        qg_ref[:, ks] = (q * e_g).astype(qg_ref.dtype)
+        kt_ref[:, ks] = (k * jnp.exp(last[None, :] - g_chunk)).astype(kt_ref.dtype)
         dec_ref[ks] = jnp.exp(last)
         return carry
 
     def value_part(i, carry):
         vs = pl.ds(pl.multiple_of(i * value_slice, value_slice), value_slice)
-        u_ref[:, vs] = dot(t, beta[:, None] * v_ref[:, vs].astype(f32))
+        u_ref[:, vs] = dot(t, beta[:, None] * v_ref[:, vs].astype(f32)).astype(u_ref.dtype)
         return carry
 
     jax.lax.fori_loop(0, kd // key_slice, key_part, 0)

@@ -51,6 +51,12 @@ class ChunkBlocks:
     intra: str = "blocked"   # intra-chunk kernel: "blocked" (sub-block matmuls), "column" (pairwise loop) or
                              # "parallel" (no row-serial loops: `intra_parallel.py`; chunks <= 64)
     pairs: str = "joint"     # "parallel": A_kk and A_qk in one launch ("joint") or one launch each ("separate")
+    inverse: str = "tf32x3"  # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" or "tf32" (as fla)
+    cumsum: str = "xla"      # "parallel": the decay summed per 16-row sub-block by XLA ("xla", a windowed
+                             # reduction) or in a Pallas launch ("pallas")
+    factors: str = "float32"  # dtype of W, U, A_qk, q e^G and k e^(G_C - G) between the two passes: "float32" or
+                              # "bfloat16" (half the bytes; the sequential pass's products then run on bf16
+                              # operands, the state kept fp32)
     sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel ("parallel": always 16)
     key_slice: int = 32      # key (and value) columns per pass of the "parallel" kernels (bounds their registers)
     value_block: int = 32    # state columns per program of the sequential kernel

@@ -32,6 +32,11 @@ def _l2(x):
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel"),  # key_slice 32 (default), big gates
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/separate"),  # A_kk and A_qk one launch each
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/separate"),
+    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/bf16"),      # bf16 factors between passes
+    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/bf16"),
+    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "bfloat16", "blocked/bf16"),
+    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/cumsum"),    # the Pallas local cumsum
+    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/bf16/tf32"),  # one TF32 product per step
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -41,15 +46,20 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     beta = rng.uniform(0, 1, (b, t, h)).astype(np.float32)
     s0 = rng.standard_normal((b, h, kd, vd)).astype(np.float32) if init else None
     cast = lambda x: jnp.asarray(x, dtype)
-    intra, _, pairs = intra.partition("/")
+    intra, *options = intra.split("/")   # "separate": A_kk, A_qk one launch each; "bf16": bf16 factors; "cumsum"
+    factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
-                            blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, pairs=pairs or "joint",
+                            blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
+                                               cumsum="pallas" if "cumsum" in options else "xla",
+                                               inverse="tf32" if "tf32" in options else "tf32x3",
+                                               pairs="separate" if "separate" in options else "joint",
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
     assert o.dtype == jnp.dtype(dtype) and o.shape == (b, t, h, vd)
-    assert_close("o", o, o_ref, dtype=kernel_dtype(dtype, interpret))
-    assert_close("state", s, s_ref, tol=TOLERANCES[kernel_dtype("float32", interpret)])
+    inner = "bfloat16" if factors == "bfloat16" else dtype
+    assert_close("o", o, o_ref, dtype=kernel_dtype(inner, interpret))
+    assert_close("state", s, s_ref, tol=TOLERANCES[kernel_dtype(factors, interpret)])
     assert np.all(np.asarray(o, np.float32) != 0) or gates[1] <= -1e2  # every element written
 
 
@@ -189,6 +199,10 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(intra="parallel", chunk=8), "must be powers of two"),
     (ChunkBlocks(intra="parallel", chunk=128), "at most 64 tokens"),
     (ChunkBlocks(intra="parallel", pairs="rows"), "pairs must be"),
+    (ChunkBlocks(factors="float16"), "factors must be"),
+    (ChunkBlocks(intra="parallel", cumsum="scan"), "cumsum must be"),
+    (ChunkBlocks(intra="parallel", inverse="fp32"), "inverse must be"),
+    (ChunkBlocks(factors="bfloat16", inter="split"), "needs inter='fused'"),
 ])
 def test_chunk_blocks_name_the_bad_setting(rng, blocks, message):
     q = jnp.asarray(_l2(rng.standard_normal((1, 16, 1, 16))), jnp.float32)

@@ -34,18 +34,21 @@ def _packed(rng, lengths, h, kd, vd, gates, init):
     ([17, 3, 30], (-1.0, 0.0), True, "bfloat16", "blocked"),
     ([5, 0, 37, 16, 1], (-1.0, 0.0), True, "float32", "parallel"),
     ([20, 44], (-1e3, -1e2), True, "bfloat16", "parallel"),
+    ([17, 3, 30], (-1.0, 0.0), True, "bfloat16", "parallel/bf16"),     # bf16 factors between the passes
 ])
 def test_varlen_equals_each_sequence_alone(rng, interpret, lengths, gates, init, dtype, intra):
     h, kd, vd = 2, 16, 16
     q, k, v, g, beta, cu, s0 = _packed(rng, lengths, h, kd, vd, gates, init)
     cast = lambda x: jnp.asarray(x, dtype)
-    o, s = kda_varlen_pallas(cast(q), cast(k), cast(v), g, beta, cu, initial_state=s0,
-                             blocks=ChunkBlocks(chunk=16, value_block=16, intra=intra), interpret=interpret)
+    intra, _, factors = intra.partition("/")
+    factors = "bfloat16" if factors else "float32"
+    o, s = kda_varlen_pallas(cast(q), cast(k), cast(v), g, beta, cu, initial_state=s0, interpret=interpret,
+                             blocks=ChunkBlocks(chunk=16, value_block=16, intra=intra, factors=factors))
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_twin, s_twin = kda_varlen_reference(f32(q), f32(k), f32(v), g, beta, cu, initial_state=s0)
     assert o.dtype == jnp.dtype(dtype) and o.shape == (1, sum(lengths), h, vd) and s.shape == (len(lengths), h, kd, vd)
     assert_close("o vs twin", o, o_twin, dtype=kernel_dtype(dtype, interpret))
-    assert_close("states vs twin", s, s_twin, tol=TOLERANCES[kernel_dtype("float32", interpret)])
+    assert_close("states vs twin", s, s_twin, tol=TOLERANCES[kernel_dtype(factors, interpret)])
     for i, (a, e) in enumerate(zip(np.asarray(cu[:-1]), np.asarray(cu[1:]))):
         init_i = np.zeros((1, h, kd, vd), np.float32) if s0 is None else s0[i:i + 1]
         if a == e:      # nothing to run: the state is the initial one
@@ -54,7 +57,7 @@ def test_varlen_equals_each_sequence_alone(rng, interpret, lengths, gates, init,
         piece = lambda x: f32(x)[:, a:e]
         o_i, s_i = kda_recurrent_reference(piece(q), piece(k), piece(v), g[:, a:e], beta[:, a:e], initial_state=init_i)
         assert_close(f"o of sequence {i}", o[:, a:e], o_i, dtype=kernel_dtype(dtype, interpret))
-        assert_close(f"state of sequence {i}", s[i], s_i[0], tol=TOLERANCES[kernel_dtype("float32", interpret)])
+        assert_close(f"state of sequence {i}", s[i], s_i[0], tol=TOLERANCES[kernel_dtype(factors, interpret)])
 
 
 def test_dispatch_names_both_implementations(rng, interpret):
