@@ -69,24 +69,28 @@ def torch_time(torch, fn, warmup=5, iters=50) -> float:
     return statistics.median(times)
 
 
+OLD = dict(factors="float32", inverse="tf32x3", cumsum="xla")     # the settings before bf16 factors (runs 1-4)
+BF16 = dict(factors="bfloat16", inverse="tf32x3", cumsum="xla")
 VARIANTS = {
-    "column/v64": ChunkBlocks(intra="column", value_block=64),
-    "blocked/v64": ChunkBlocks(intra="blocked", value_block=64),
-    "blocked/v32": ChunkBlocks(intra="blocked", value_block=32),
-    "parallel/v32": ChunkBlocks(intra="parallel", value_block=32),
-    "parallel/v32/ks16": ChunkBlocks(intra="parallel", value_block=32, key_slice=16),
-    "parallel/v32/w8": ChunkBlocks(intra="parallel", value_block=32, num_warps=8),
-    "parallel/v16": ChunkBlocks(intra="parallel", value_block=16),
-    "parallel/v32/separate": ChunkBlocks(intra="parallel", value_block=32, pairs="separate"),
-    "parallel/v32/bf16": ChunkBlocks(intra="parallel", value_block=32, factors="bfloat16"),
-    "parallel/v32/bf16/cumsum": ChunkBlocks(intra="parallel", value_block=32, factors="bfloat16", cumsum="pallas"),
-    "parallel/v32/bf16/tf32": ChunkBlocks(intra="parallel", value_block=32, factors="bfloat16", inverse="tf32"),
-    "parallel/v64/bf16": ChunkBlocks(intra="parallel", value_block=64, factors="bfloat16"),
-    "parallel/v16/bf16": ChunkBlocks(intra="parallel", value_block=16, factors="bfloat16"),
-    "blocked/v32/bf16": ChunkBlocks(intra="blocked", value_block=32, factors="bfloat16"),
-    "parallel/v32/w8/separate": ChunkBlocks(intra="parallel", value_block=32, num_warps=8, pairs="separate"),
-    "blocked/v32/split": ChunkBlocks(intra="blocked", value_block=32, inter="split"),
-    "parallel/v32/split": ChunkBlocks(intra="parallel", value_block=32, inter="split"),
+    "default": ChunkBlocks(),
+    "column/v64": ChunkBlocks(intra="column", value_block=64, **OLD),
+    "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **OLD),
+    "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **OLD),
+    "parallel/v32": ChunkBlocks(intra="parallel", value_block=32, **OLD),
+    "parallel/v32/ks16": ChunkBlocks(intra="parallel", value_block=32, key_slice=16, **OLD),
+    "parallel/v32/w8": ChunkBlocks(intra="parallel", value_block=32, num_warps=8, **OLD),
+    "parallel/v16": ChunkBlocks(intra="parallel", value_block=16, **OLD),
+    "parallel/v32/separate": ChunkBlocks(intra="parallel", value_block=32, pairs="separate", **OLD),
+    "parallel/v32/w8/separate": ChunkBlocks(intra="parallel", value_block=32, num_warps=8, pairs="separate", **OLD),
+    "parallel/v32/bf16": ChunkBlocks(intra="parallel", value_block=32, **BF16),
+    "parallel/v32/bf16/cumsum": ChunkBlocks(intra="parallel", value_block=32, **(BF16 | dict(cumsum="pallas"))),
+    "parallel/v32/bf16/tf32": ChunkBlocks(intra="parallel", value_block=32, **(BF16 | dict(inverse="tf32"))),
+    "parallel/v64/bf16": ChunkBlocks(intra="parallel", value_block=64, **BF16),
+    "parallel/v16/bf16": ChunkBlocks(intra="parallel", value_block=16, **BF16),
+    "parallel/v16/default": ChunkBlocks(value_block=16),
+    "blocked/v32/bf16": ChunkBlocks(intra="blocked", value_block=32, **BF16),
+    "blocked/v32/split": ChunkBlocks(intra="blocked", value_block=32, inter="split", **OLD),
+    "parallel/v32/split": ChunkBlocks(intra="parallel", value_block=32, inter="split", **OLD),
 }
 
 
@@ -109,7 +113,7 @@ def fla_kernel_times(torch, fn, calls: int = 10) -> dict[str, float]:
 def prefill_rows(shapes, fla, iters, variants=None, profile=False):
     """variants: names from VARIANTS to time (None: all). profile: device time per kernel of each
     variant's call (and of fla's) from a profiler trace."""
-    chosen = {n: VARIANTS[n] for n in (variants or VARIANTS)}
+    chosen = {n: VARIANTS[n].resolve("bfloat16") for n in (variants or VARIANTS)}   # bf16 q, k, v below
     rows = []
     for (b, t, h, kd) in shapes:
         key = jax.random.key(h)

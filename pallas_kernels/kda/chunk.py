@@ -28,7 +28,7 @@ from pallas_kernels.kda.inter_split import chunk_inter_split
 from pallas_kernels.kda.intra_parallel import (SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum,
                                               local_cumsum_kernel, solve_kernel)
 from pallas_kernels.kda.reference import validate_inputs
-from pallas_kernels.kda.tuning import ChunkBlocks
+from pallas_kernels.kda.tuning import PARALLEL_MAX_CHUNK, ChunkBlocks
 
 
 def _pairwise_decayed(k, q, cum, rows):
@@ -299,14 +299,11 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
     )(*flags, w, u, aqk, qg, kt, dec, s0)
 
 
-PARALLEL_MAX_CHUNK = 64
-
-
 def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     c = blocks.chunk
     sub = SUB if blocks.intra == "parallel" else blocks.sub_chunk
     if blocks.intra not in ("blocked", "column", "parallel"):
-        raise ValueError(f"{name}: intra must be 'blocked', 'column' or 'parallel', got {blocks.intra!r}")
+        raise ValueError(f"{name}: intra must be 'auto', 'parallel', 'blocked' or 'column', got {blocks.intra!r}")
     if blocks.inter not in ("fused", "split"):
         raise ValueError(f"{name}: inter must be 'fused' or 'split', got {blocks.inter!r}")
     if not (is_pow2(kd) and is_pow2(vd) and is_pow2(c)) or (blocks.intra != "column" and c % sub):
@@ -320,11 +317,11 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.pairs not in ("joint", "separate"):
         raise ValueError(f"{name}: pairs must be 'joint' or 'separate', got {blocks.pairs!r}")
     if blocks.inverse not in ("tf32x3", "tf32"):
-        raise ValueError(f"{name}: inverse must be 'tf32x3' or 'tf32', got {blocks.inverse!r}")
+        raise ValueError(f"{name}: inverse must be 'auto', 'tf32x3' or 'tf32', got {blocks.inverse!r}")
     if blocks.cumsum not in ("xla", "pallas"):
         raise ValueError(f"{name}: cumsum must be 'xla' or 'pallas', got {blocks.cumsum!r}")
     if blocks.factors not in ("float32", "bfloat16"):
-        raise ValueError(f"{name}: factors must be 'float32' or 'bfloat16', got {blocks.factors!r}")
+        raise ValueError(f"{name}: factors must be 'auto', 'float32' or 'bfloat16', got {blocks.factors!r}")
     if blocks.factors != "float32" and blocks.inter != "fused":
         raise ValueError(f"{name}: factors={blocks.factors!r} needs inter='fused' (the split pass takes fp32 factors)")
 
@@ -355,6 +352,7 @@ def kda_chunk_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, blocks
     b, t, h, kd = q.shape
     vd = v.shape[-1]
     c = blocks.chunk
+    blocks = blocks.resolve(jnp.dtype(v.dtype).name)
     check_blocks("kda_chunk_pallas", kd, vd, blocks)
     scale = kd ** -0.5 if scale is None else scale
     interpret = default_interpret() if interpret is None else interpret

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 VALUE_BLOCK_CHOICES = (1, 2, 4, 8)
@@ -45,23 +45,33 @@ class DecodeBlocks:
         return 2 if self.split_from is not None and rows * heads >= self.split_from and 2 in fits else 1
 
 
+PARALLEL_MAX_CHUNK = 64   # the "parallel" form's doubling inverse of a 128-row chunk needs 384 KB of shared memory
+
+
 @dataclass(frozen=True)
 class ChunkBlocks:
+    """Forms and launch settings of the chunked prefill. "auto" fields are settled per call by
+    `resolve` (from the chunk and the inputs' dtype). H200, B = 1, T = 8192, K = V = 128, H = 32
+    (benchmarks/RESULTS.md, 2026-12-03 KDA runs 3-5): the parallel intra form with bf16 factors, one-TF32
+    inverse and the Pallas cumsum 2.48 ms against the blocked fp32 form's 4.67 (fla 1.36)."""
+
     chunk: int = 64          # tokens per chunk (WY form)
-    intra: str = "blocked"   # intra-chunk kernel: "blocked" (sub-block matmuls), "column" (pairwise loop) or
-                             # "parallel" (no row-serial loops: `intra_parallel.py`; chunks <= 64)
+    intra: str = "auto"      # intra-chunk kernel: "parallel" (no row-serial loops: `intra_parallel.py`; chunks
+                             # <= 64), "blocked" (sub-block matmuls, row-serial diagonal blocks), "column"
+                             # (pairwise loop); auto: parallel up to PARALLEL_MAX_CHUNK, else blocked
     pairs: str = "joint"     # "parallel": A_kk and A_qk in one launch ("joint") or one launch each ("separate")
-    inverse: str = "tf32x3"  # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" or "tf32" (as fla)
-    cumsum: str = "xla"      # "parallel": the decay summed per 16-row sub-block by XLA ("xla", a windowed
-                             # reduction) or in a Pallas launch ("pallas")
-    factors: str = "float32"  # dtype of W, U, A_qk, q e^G and k e^(G_C - G) between the two passes: "float32" or
-                              # "bfloat16" (half the bytes; the sequential pass's products then run on bf16
-                              # operands, the state kept fp32)
+    inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
+                             # or "tf32" (as fla); auto: tf32 with bf16 factors, else tf32x3
+    cumsum: str = "pallas"   # "parallel": the decay summed per 16-row sub-block in a Pallas launch ("pallas") or
+                             # by XLA ("xla", a windowed reduction: 187 against 71 us at H = 32)
+    factors: str = "auto"    # dtype of W, U, A_qk, q e^G and k e^(G_C - G) between the two passes: "float32" or
+                             # "bfloat16" (half the bytes; the sequential pass's products then run on bf16
+                             # operands, the state kept fp32); auto: bf16 for bf16 values, else fp32
     sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel ("parallel": always 16)
     key_slice: int = 32      # key (and value) columns per pass of the "parallel" kernels (bounds their registers)
     value_block: int = 32    # state columns per program of the sequential kernel
     inter: str = "fused"     # sequential pass: "fused" (outputs inside the chunk loop) or "split" (a state-only
-                             # pass, then every chunk's outputs in parallel: `inter_split.py`; untimed)
+                             # pass, then every chunk's outputs in parallel: `inter_split.py`; fp32 factors)
     num_warps: int = 4       # intra-chunk kernel (H200: 4 beat 8)
     inter_num_warps: int = 4
     num_stages: int = 1
@@ -71,3 +81,16 @@ class ChunkBlocks:
     def sequential_stages(self) -> int:
         """num_stages of the sequential pass's launches."""
         return self.inter_num_stages or self.num_stages
+
+    def resolve(self, value_dtype: str) -> "ChunkBlocks":
+        """These settings with every "auto" settled for values of `value_dtype` (a dtype name)."""
+        intra = self.intra
+        if intra == "auto":
+            intra = "parallel" if self.chunk <= PARALLEL_MAX_CHUNK else "blocked"
+        factors = self.factors
+        if factors == "auto":
+            factors = "bfloat16" if value_dtype == "bfloat16" and self.inter == "fused" else "float32"
+        inverse = self.inverse
+        if inverse == "auto":
+            inverse = "tf32" if factors == "bfloat16" else "tf32x3"
+        return replace(self, intra=intra, factors=factors, inverse=inverse)

@@ -83,6 +83,7 @@ def kda_varlen_pallas(q, k, v, g, beta, cu_seqlens, *, scale=None, initial_state
 def _varlen(q, k, v, g, beta, cu_seqlens, *, scale, initial_state, blocks: ChunkBlocks, interpret):
     _, t, h, kd = q.shape
     vd, seqs, c = v.shape[-1], cu_seqlens.shape[0] - 1, blocks.chunk
+    blocks = blocks.resolve(jnp.dtype(v.dtype).name)
     check_blocks("kda_varlen_pallas", kd, vd, blocks)
     if blocks.inter != "fused":
         raise ValueError(f"kda_varlen_pallas: the sequential pass supports inter='fused' only, got {blocks.inter!r}")

@@ -35,7 +35,7 @@ def _l2(x):
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/bf16"),      # bf16 factors between passes
     (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/bf16"),
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "bfloat16", "blocked/bf16"),
-    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/cumsum"),    # the Pallas local cumsum
+    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/xla-cumsum"),  # XLA's local cumsum
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/bf16/tf32"),  # one TF32 product per step
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
@@ -46,11 +46,11 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     beta = rng.uniform(0, 1, (b, t, h)).astype(np.float32)
     s0 = rng.standard_normal((b, h, kd, vd)).astype(np.float32) if init else None
     cast = lambda x: jnp.asarray(x, dtype)
-    intra, *options = intra.split("/")   # "separate": A_kk, A_qk one launch each; "bf16": bf16 factors; "cumsum"
+    intra, *options = intra.split("/")   # "separate": A_kk, A_qk one launch each; "bf16": bf16 factors
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
-                                               cumsum="pallas" if "cumsum" in options else "xla",
+                                               cumsum="xla" if "xla-cumsum" in options else "pallas",
                                                inverse="tf32" if "tf32" in options else "tf32x3",
                                                pairs="separate" if "separate" in options else "joint",
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
@@ -167,8 +167,8 @@ def test_chunk_kernels_lower_for_cuda_at_the_48b_shape(triton_for_hopper, intra,
     call = jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False))
     module = jax.export.export(call, platforms=["cuda"], disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    # parallel: A_kk with A_qk, then the solve; split: the state pass and the outputs
-    launches = {"blocked": 1, "parallel": 2}[intra] + {"fused": 1, "split": 2}[inter]
+    # parallel: the local cumsum, A_kk with A_qk, then the solve; split: the state pass and the outputs
+    launches = {"blocked": 1, "parallel": 3}[intra] + {"fused": 1, "split": 2}[inter]
     assert module.mlir_module().count("__gpu$xla.gpu.triton") == launches
 
 
