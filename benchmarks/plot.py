@@ -8,6 +8,7 @@
     python benchmarks/plot.py mla      # MLA decode: share of the bandwidth floor per shape, both kernels
     python benchmarks/plot.py mla-step # an MLA decode step at B=1: device time of its three launches, before / after
     python benchmarks/plot.py kda-intra # KDA chunked prefill at T = 8192: the two kernels per variant, and fla
+    python benchmarks/plot.py kda-kernels  # the same by kernel (profiled run), beside fla's kernels
     python benchmarks/plot.py all
 
 Inputs are the JSON records under benchmarks/results/h200/; the PNGs are written beside RESULTS.md.
@@ -278,6 +279,44 @@ def plot_kda_intra(out: str) -> str:
     return _save(fig, os.path.join(out, "kda_intra.png"))
 
 
+KDA_KERNELS = "kda_prefill_run5_2e4e042.json"
+KDA_KERNEL_PARTS = (  # (label, name fragments of ours, of fla's)
+    ("A_kk, A_qk", ("kda_chunk_pairs", "kda_chunk_akk", "kda_chunk_aqk"), ("intra_token_parallel",)),
+    ("intra, one kernel", ("kda_chunk_intra",), ()),
+    ("(I + A)^-1, W, U", ("kda_chunk_solve",), ("inter_solve_fused", "recompute_w_u")),
+    ("sequential pass (+ outputs)", ("kda_chunk_inter",), ("fwd_kernel_h", "fwd_kernel_o")),
+    ("local cumsum", ("local_cumsum", "reduce_window"), ("local_cumsum",)),
+)
+
+
+def plot_kda_kernels(out: str) -> str:
+    """KDA chunked prefill at T = 8192, H = 32: device time per kernel of each setting and of fla's
+    chunk_kda, from one run's profiles (`kda.py --profile`)."""
+    import numpy as np
+
+    shape = _load(KDA_KERNELS)["prefill"][0]
+    bars = [(n, v["kernel_us"]) for n, v in shape["variants"].items() if "kernel_us" in v]
+    if "fla_kernel_us" in shape:
+        bars.append(("fla chunk_kda", shape["fla_kernel_us"]))
+    fig, ax = plt.subplots(figsize=(9, 4.6))
+    y = np.arange(len(bars))
+    left = np.zeros(len(bars))
+    for i, (label, ours, theirs) in enumerate(KDA_KERNEL_PARTS):
+        parts = ours + theirs
+        xs = np.array([sum(us for k, us in times.items() if any(p in k for p in parts)) / 1e3 for _, times in bars])
+        ax.barh(y, xs, 0.6, left=left, label=label, color=f"C{i}")
+        left += xs
+    rest = np.array([sum(times.values()) / 1e3 for _, times in bars]) - left
+    ax.barh(y, rest, 0.6, left=left, label="other (L2 norm, layout, fills)", color="0.7")
+    ax.set_yticks(y, [b[0] for b in bars], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("device ms per call (sum of its kernels)")
+    ax.set_title("KDA prefill by kernel, B = 1, T = 8192, H = 32, K = V = 128 (one H200, one run)", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
+    return _save(fig, os.path.join(out, "kda_kernels.png"))
+
+
 SERVER_LOAD = "server_load_kimi-linear-48b.json"
 SERVER_LOAD_MORE = "server_load_run2_64_256.json"  # 64 and 256 clients, a later commit (e10e856)
 
@@ -316,13 +355,13 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra", "server",
+    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra", "kda-kernels", "server",
                                           "all"])
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args(argv)
     for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative),
                      ("prefill", plot_prefill), ("mla", plot_mla_decode), ("mla-step", plot_mla_step),
-                     ("kda-intra", plot_kda_intra)):
+                     ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels)):
         if args.which in (name, "all"):
             print("wrote", fn(args.out))
     if args.which == "server" or (args.which == "all" and os.path.exists(os.path.join(H200, SERVER_LOAD))):

@@ -1,4 +1,4 @@
-"""Chunked KDA prefill in two Pallas kernels (Triton lowering). Twins: `chunk_xla.kda_chunk_xla`
+"""Chunked KDA prefill in Pallas kernels (Triton lowering). Twins: `chunk_xla.kda_chunk_xla`
 and `reference.kda_recurrent_reference`.
 
 1. `_intra_kernel`, grid (row, head, chunk), all chunks in parallel: cumulative decay G, the
@@ -9,9 +9,11 @@ and `reference.kda_recurrent_reference`.
    block in registers: N = U - W S; O = (q e^G) S + A_qk N; S = e^(G_C) * S + (k e^(G_C - G))^T N.
    Value columns of the state evolve independently, so they split across programs.
 
-`ChunkBlocks` selects other forms of each step: `intra="parallel"` (`intra_parallel.py`, three
-launches without row-serial loops) and `inter="split"` (`inter_split.py`, a state-only pass, then
-the outputs of all chunks at once).
+`ChunkBlocks` selects the forms of each step: `intra="parallel"` (`intra_parallel.py`, three launches
+without row-serial loops; the default up to 64-token chunks) or "blocked" / "column" (the kernel
+above in two forms); `factors`, the dtype of W, U, A_qk, q e^G and k e^(G_C - G) between the passes
+(bf16 for bf16 values by default); `inter="split"` (`inter_split.py`, a state-only pass, then the
+outputs of all chunks at once).
 """
 
 from __future__ import annotations
@@ -337,7 +339,7 @@ def to_chunks(x, chunk: int):
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
 def kda_chunk_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, blocks: ChunkBlocks = ChunkBlocks(),
                      interpret: bool | None = None):
-    """Chunked KDA prefill in two Pallas kernels; same contract as `kda_recurrent_reference`.
+    """Chunked KDA prefill in Pallas kernels; same contract as `kda_recurrent_reference`.
 
     Args:
       q, k: [B, T, H, K] L2-normalised. v: [B, T, H, V]. g: [B, T, H, K] log decay (<= 0).

@@ -1,10 +1,11 @@
-"""The intra-chunk KDA work without row-serial loops (`ChunkBlocks(intra="parallel")`), in three
-launches of one program per (row, head, chunk): `decay_pairs_kernel` twice (A_kk, then A_qk), then
-`solve_kernel` (T = (I + A_kk)^-1, W, U, q e^G, k e^(G_C - G), e^(G_C)): the same outputs as
-`chunk._intra_kernel`. How they are formed:
+"""The intra-chunk KDA work without row-serial loops (`ChunkBlocks(intra="parallel")`, the default
+for chunks of up to 64 tokens), in three launches of one program per (row, head, chunk):
+`local_cumsum_kernel`, `joint_pairs_kernel` (A_kk and A_qk; `decay_pairs_kernel` makes one of them
+per launch with `pairs="separate"`), then `solve_kernel` (T = (I + A_kk)^-1, W, U, q e^G,
+k e^(G_C - G), e^(G_C)): the same outputs as `chunk._intra_kernel`. How they are formed:
 
-- The decay is taken as `local`: the cumulative log decay inside each 16-row sub-block (summed by
-  XLA before the kernels, `local_cumsum`). G of the chunk is local + the totals of the sub-blocks
+- The decay is taken as `local`: the cumulative log decay inside each 16-row sub-block (its own
+  launch, or XLA's `local_cumsum` with `cumsum="xla"`). G of the chunk is local + the totals of the sub-blocks
   before. Every exponent below is a difference of two of these sums that is <= 0, so any gate
   (Kimi-Linear's unbounded one too) is safe.
 - A_kk and A_qk by levels: level s holds the pairs (r, j), j < r, whose indices first differ in
@@ -20,14 +21,14 @@ launches of one program per (row, head, chunk): `decay_pairs_kernel` twice (A_kk
 
 Key slices and levels run as loops, not unrolled: unrolled, the compiler interleaved them and every
 program held 255 registers and spilled 2-4 KB per thread (`benchmarks/triton_resources.py`).
-Matrix products run on the matrix units (TF32 for the level products, as for the other kernels'
-products of fp32 values; TF32 x 3 for the inverse).
+Matrix products run on the matrix units: TF32 for the level products, as for the other kernels'
+products of fp32 values; the inverse's TF32 x 3 (about fp32), or one TF32 product (`inverse="tf32"`,
+as fla's solve), the default with bf16 factors.
 
-Measured on the H200 (B = 1, T = 8192, K = V = 128; RESULTS.md "KDA prefill: an intra-chunk kernel
-without row-serial loops") in its earlier one-kernel, unrolled form: exact in the compiled tests but
-slower than "blocked", 4.95 against 3.50 ms at H = 32 (key_slice 64) and 13.7 against 9.7 ms at
-H = 96. This three-launch form compiles without spills for sm_90 (202-251 registers at key_slice
-16-32, 4 warps) and has not been timed yet; "blocked" stays the default.
+Measured on the H200 (B = 1, T = 8192, K = V = 128, H = 32; RESULTS.md "KDA prefill: bf16 factors, one
+launch for both pair matrices"): pairs 680 us, solve 561 us with bf16 factors and the one-TF32
+inverse (1,143 us with fp32 factors and TF32 x 3), cumsum 71 us; the whole prefill 2.48 ms against the
+blocked form's 4.67 ms (fla 1.36 ms).
 """
 
 from __future__ import annotations

@@ -210,3 +210,28 @@ def test_chunk_blocks_name_the_bad_setting(rng, blocks, message):
     beta = jnp.asarray(rng.uniform(0, 1, (1, 16, 1)), jnp.float32)
     with pytest.raises(ValueError, match=message):
         kda_chunk_pallas(q, q, q, g, beta, blocks=blocks, interpret=True)
+
+
+def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
+    """"auto" fields: the parallel form up to 64-token chunks, bf16 factors (and one TF32 product per
+    inverse step) for bf16 values only, fp32 factors for the split pass."""
+    bf16, fp32 = ChunkBlocks().resolve("bfloat16"), ChunkBlocks().resolve("float32")
+    assert (bf16.intra, bf16.factors, bf16.inverse) == ("parallel", "bfloat16", "tf32")
+    assert (fp32.intra, fp32.factors, fp32.inverse) == ("parallel", "float32", "tf32x3")
+    assert ChunkBlocks(chunk=128).resolve("bfloat16").intra == "blocked"
+    assert ChunkBlocks(inter="split").resolve("bfloat16").factors == "float32"
+    explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32")
+    assert explicit.resolve("bfloat16") == explicit      # settings given are kept
+
+
+def test_default_blocks_at_chunk_128_take_the_blocked_form(rng, interpret):
+    """A 128-token chunk with the default settings runs (the blocked form) and matches the reference."""
+    b, t, h, kd = 1, 140, 1, 16
+    q, k = (_l2(rng.standard_normal((b, t, h, kd))).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((b, t, h, kd)).astype(np.float32)
+    g = rng.uniform(-1.0, 0.0, (b, t, h, kd)).astype(np.float32)
+    beta = rng.uniform(0, 1, (b, t, h)).astype(np.float32)
+    o, s = kda_chunk_pallas(q, k, v, g, beta, blocks=ChunkBlocks(chunk=128, value_block=16), interpret=interpret)
+    o_ref, s_ref = kda_recurrent_reference(q, k, v, g, beta)
+    assert_close("o", o, o_ref, dtype=kernel_dtype("float32", interpret))
+    assert_close("state", s, s_ref, tol=TOLERANCES[kernel_dtype("float32", interpret)])
