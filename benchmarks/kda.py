@@ -5,8 +5,8 @@
     python benchmarks/kda.py --decode-only --no-fla --state-dtype float32 bfloat16   # the bf16 state's speed
     python benchmarks/kda.py --decode-only --no-fla --splits 1 2 4 8 0   # the one-token kernel's column blocks
 
-Prefill: B=1, T=8192, H=32 and 96, K=V=128, bf16 q/k/v, fp32 state; ours = q/k L2 norm + the two
-Pallas kernels, fla = chunk_kda(use_qk_l2norm_in_kernel=True). Decode: one fused step per layer
+Prefill: B=1, T=8192, H=32 and 96, K=V=128, bf16 q/k/v, fp32 state; ours = q/k L2 norm + the chunked
+Pallas kernels (the settings in VARIANTS), fla = chunk_kda(use_qk_l2norm_in_kernel=True). Decode: one fused step per layer
 for 20 layers inside one jitted scan (launch gaps included, host dispatch excluded), B = 1, 8,
 64, 256, H=32; GB/s counts the state read + write (fp32, or bf16 with --state-dtype). Outputs are checked against the pure-JAX
 reference in the same run.

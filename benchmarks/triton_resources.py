@@ -30,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CASES = None
 
 
+FP32_FACTORS = dict(factors="float32", inverse="tf32x3", cumsum="xla")
+
 def _cases():
     """name -> (jitted function, argument shapes), built once. Imported lazily: the compile step runs
     without jax."""
@@ -86,13 +88,14 @@ def _build_cases():
         return call, (spec((1, d), bf16), w, w, spec((k,), jnp.int32), spec((k,), jnp.bool_))
 
     return {
-        "kda-chunk-blocked": kda(intra="blocked"),
-        "kda-chunk-parallel": kda(intra="parallel"),
-        "kda-chunk-parallel-ks16": kda(intra="parallel", key_slice=16),
-        "kda-chunk-parallel-bf16": kda(intra="parallel", factors="bfloat16", cumsum="pallas"),
-        "kda-chunk-parallel-ks64": kda(intra="parallel", key_slice=64),
-        "kda-chunk-parallel-w8": kda(intra="parallel", num_warps=8),
-        "kda-chunk-split": kda(inter="split"),
+        # fp32 factors, three-TF32 inverse, XLA cumsum: the settings before the bf16 factors (runs 1-4)
+        "kda-chunk-blocked": kda(intra="blocked", **FP32_FACTORS),
+        "kda-chunk-parallel": kda(intra="parallel", **FP32_FACTORS),
+        "kda-chunk-parallel-ks16": kda(intra="parallel", key_slice=16, **FP32_FACTORS),
+        "kda-chunk-parallel-ks64": kda(intra="parallel", key_slice=64, **FP32_FACTORS),
+        "kda-chunk-parallel-w8": kda(intra="parallel", num_warps=8, **FP32_FACTORS),
+        "kda-chunk-split": kda(inter="split", **FP32_FACTORS),
+        "kda-chunk-default": kda(),     # ChunkBlocks() on bf16 values: parallel, bf16 factors, Pallas cumsum
         "kda-decode-b1": kda_decode(1),
         "kda-decode-b64": kda_decode(64),
         "moe-pairs-bf16": pairs(False),

@@ -187,8 +187,15 @@ def _inter_varlen_kernel(first_ref, last_ref, w_ref, u_ref, aqk_ref, qg_ref, kt_
     jax.lax.fori_loop(0, n_chunks, step, jnp.zeros(s0_ref.shape[1:], jnp.float32))
 
 
+def _require_settled(name: str, blocks: ChunkBlocks) -> None:
+    if "auto" in (blocks.intra, blocks.factors, blocks.inverse):
+        raise ValueError(f"{name}: ChunkBlocks has 'auto' fields; pass blocks.resolve(value dtype)")
+
+
 def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool):
-    """Kernel 1 on chunked inputs [B, H, N, C, ...] -> (W, U, A_qk, q e^G, k e^(G_C - G), e^(G_C))."""
+    """Kernel 1 on chunked inputs [B, H, N, C, ...] -> (W, U, A_qk, q e^G, k e^(G_C - G), e^(G_C)).
+    blocks: settled (`ChunkBlocks.resolve`)."""
+    _require_settled("chunk_intra", blocks)
     b, h, n, c, kd = qc.shape
     vd = vc.shape[-1]
     f32 = jnp.float32
@@ -215,8 +222,8 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
 
 
 def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool):
-    """`chunk_intra` as two launches (`intra_parallel.py`): A_kk and A_qk (one launch, or one each with
-    blocks.pairs = "separate"), then the solve and factors."""
+    """`chunk_intra` as three launches (`intra_parallel.py`): the local cumsum (or XLA's), A_kk and A_qk
+    (one launch, or one each with blocks.pairs = "separate"), then the solve and factors."""
     b, h, n, c, kd = qc.shape
     vd = vc.shape[-1]
     f32 = jnp.float32
@@ -266,10 +273,14 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
     """Kernel 2: the sequential pass over chunks -> (o [B, H, N, C, V], final state [B, H, K, V]).
 
     `bounds` = (first [N], last [N]) int32 for B = 1 rows holding several sequences (see
-    `_inter_varlen_kernel`); then s0 and the returned states are per sequence, [S, H, K, V]."""
+    `_inter_varlen_kernel`); then s0 and the returned states are per sequence, [S, H, K, V].
+    blocks: settled (`ChunkBlocks.resolve`)."""
+    _require_settled("chunk_inter", blocks)
     if blocks.inter == "split":
         if bounds is not None:
             raise ValueError("chunk_inter: rows of several sequences support inter='fused' only")
+        if w.dtype != jnp.float32:
+            raise ValueError(f"chunk_inter: inter='split' takes fp32 factors, got {w.dtype}")
         return chunk_inter_split(w, u, aqk, qg, kt, dec, s0, out_dtype=out_dtype, value_block=blocks.value_block,
                                  num_warps=blocks.inter_num_warps,
                                  num_stages=blocks.sequential_stages, interpret=interpret)

@@ -26,9 +26,8 @@ products of fp32 values; the inverse's TF32 x 3 (about fp32), or one TF32 produc
 as fla's solve), the default with bf16 factors.
 
 Measured on the H200 (B = 1, T = 8192, K = V = 128, H = 32; RESULTS.md "KDA prefill: bf16 factors, one
-launch for both pair matrices"): pairs 680 us, solve 561 us with bf16 factors and the one-TF32
-inverse (1,143 us with fp32 factors and TF32 x 3), cumsum 71 us; the whole prefill 2.48 ms against the
-blocked form's 4.67 ms (fla 1.36 ms).
+launch for both pair matrices", run 5, bf16 factors, one-TF32 inverse, XLA's cumsum): pairs 680 us,
+solve 561 us, the whole prefill 2.48 ms against the blocked form's 4.67 ms (fla 1.36 ms).
 """
 
 from __future__ import annotations
@@ -142,8 +141,8 @@ def _dot_t(a, b):
 def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal: bool, key_slice: int):
     """A[r, j] = sum_d left_r k_j e^(G_r - G_j) over j < r (j <= r when `diagonal`), one chunk.
 
-    left/k [C, K] (left = q or k), l (local cumulative decay) [C, K] fp32 -> a [C, C] fp32, zero
-    above the diagonal. The key slices run in a loop, one [C, C] accumulator live."""
+    left/k [C, K] (left = q or k), l (local cumulative decay) [C, K] fp32 -> a [C, C] in a_ref's
+    dtype, zero above the diagonal. The key slices run in a loop, one [C, C] accumulator live."""
     c, kd = k_ref.shape
     nb = c // SUB
     rows = jnp.arange(c, dtype=jnp.int32)
@@ -187,7 +186,8 @@ def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, k
 def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_ref, kt_ref, dec_ref, *, scale: float,
                  key_slice: int, value_slice: int, inverse: str, interpret: bool):
     """One chunk: T = (I + diag(beta) A_kk)^-1 by doubling, then W = T diag(beta) (e^G k),
-    U = T diag(beta) v, q e^G, k e^(G_C - G) and e^(G_C). akk [C, C] from `decay_pairs_kernel`."""
+    U = T diag(beta) v, q e^G, k e^(G_C - G) and e^(G_C). akk [C, C] fp32 from `joint_pairs_kernel`
+    (or `decay_pairs_kernel`)."""
     f32 = jnp.float32
     c, kd = q_ref.shape
     vd = v_ref.shape[1]

@@ -20,10 +20,10 @@ from pallas_kernels.kda.reference import kda_recurrent_reference, kda_varlen_ref
 from pallas_kernels.kda.tuning import ChunkBlocks, DecodeBlocks
 from pallas_kernels.kda.varlen import kda_varlen_pallas
 
-# "chunked": pure-JAX WY form; "recurrent": token loop (the reference); "pallas": two-kernel prefill.
+# "chunked": pure-JAX WY form; "recurrent": token loop (the reference); "pallas": the Pallas chunked prefill.
 KDAImpl = Literal["chunked", "recurrent", "pallas"]
 KDA_IMPLS: tuple[str, ...] = get_args(KDAImpl)
-# "pallas": the two kernels over chunk-aligned sequences; "recurrent": token loop with resets (the reference).
+# "pallas": the chunked kernels over chunk-aligned sequences; "recurrent": token loop with resets (the reference).
 KDAVarlenImpl = Literal["pallas", "recurrent"]
 KDA_VARLEN_IMPLS: tuple[str, ...] = get_args(KDAVarlenImpl)
 # "xla": the fused step in pure JAX (the kernel's twin); "pallas": one fused kernel.

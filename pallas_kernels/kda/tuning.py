@@ -52,8 +52,8 @@ PARALLEL_MAX_CHUNK = 64   # the "parallel" form's doubling inverse of a 128-row 
 class ChunkBlocks:
     """Forms and launch settings of the chunked prefill. "auto" fields are settled per call by
     `resolve` (from the chunk and the inputs' dtype). H200, B = 1, T = 8192, K = V = 128, H = 32
-    (benchmarks/RESULTS.md, 2026-12-03 KDA runs 3-5): the parallel intra form with bf16 factors, one-TF32
-    inverse and the Pallas cumsum 2.48 ms against the blocked fp32 form's 4.67 (fla 1.36)."""
+    (benchmarks/RESULTS.md, 2026-12-03 KDA runs 3-6): these defaults 2.52 ms (run 6), the blocked form
+    with fp32 factors 4.67 ms and fla 1.36 ms (run 5)."""
 
     chunk: int = 64          # tokens per chunk (WY form)
     intra: str = "auto"      # intra-chunk kernel: "parallel" (no row-serial loops: `intra_parallel.py`; chunks
@@ -63,7 +63,8 @@ class ChunkBlocks:
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
                              # or "tf32" (as fla); auto: tf32 with bf16 factors, else tf32x3
     cumsum: str = "pallas"   # "parallel": the decay summed per 16-row sub-block in a Pallas launch ("pallas") or
-                             # by XLA ("xla", a windowed reduction: 187 against 71 us at H = 32)
+                             # by XLA ("xla", a windowed reduction); Pallas 2.94 -> 2.81 ms at H = 32 and
+                             # 6.87 -> 6.68 at H = 96 (host-timed, run 5; the profiles are mixed: RESULTS.md)
     factors: str = "auto"    # dtype of W, U, A_qk, q e^G and k e^(G_C - G) between the two passes: "float32" or
                              # "bfloat16" (half the bytes; the sequential pass's products then run on bf16
                              # operands, the state kept fp32); auto: bf16 for bf16 values, else fp32

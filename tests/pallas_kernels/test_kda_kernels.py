@@ -36,7 +36,9 @@ def _l2(x):
     (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/bf16"),
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "bfloat16", "blocked/bf16"),
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/xla-cumsum"),  # XLA's local cumsum
-    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/bf16/tf32"),  # one TF32 product per step
+    # one TF32 product per inverse step: differs from the row above only compiled (interpret runs fp32)
+    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/bf16/tf32"),
+    (2, 37, 2, 16, 16, 16, (-30.0, 0.0), True, "bfloat16", "column/bf16"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -235,3 +237,14 @@ def test_default_blocks_at_chunk_128_take_the_blocked_form(rng, interpret):
     o_ref, s_ref = kda_recurrent_reference(q, k, v, g, beta)
     assert_close("o", o, o_ref, dtype=kernel_dtype("float32", interpret))
     assert_close("state", s, s_ref, tol=TOLERANCES[kernel_dtype("float32", interpret)])
+
+
+def test_chunk_passes_refuse_unsettled_blocks(rng):
+    from pallas_kernels.kda.chunk import chunk_inter, chunk_intra
+
+    x = jnp.zeros((1, 1, 1, 16, 16), jnp.float32)
+    with pytest.raises(ValueError, match="'auto' fields"):
+        chunk_intra(x, x, x, x, x[..., 0], scale=1.0, blocks=ChunkBlocks(), interpret=True)
+    with pytest.raises(ValueError, match="'auto' fields"):
+        chunk_inter(x, x, x[..., :16], x, x, x[..., 0, :], x[:, :, 0], out_dtype=jnp.float32, blocks=ChunkBlocks(),
+                    interpret=True)

@@ -35,15 +35,17 @@ def _packed(rng, lengths, h, kd, vd, gates, init):
     ([5, 0, 37, 16, 1], (-1.0, 0.0), True, "float32", "parallel"),
     ([20, 44], (-1e3, -1e2), True, "bfloat16", "parallel"),
     ([17, 3, 30], (-1.0, 0.0), True, "bfloat16", "parallel/bf16"),     # bf16 factors between the passes
+    ([40, 3, 70], (-1e3, -1e2), True, "bfloat16", "parallel/bf16/64"),   # 64-token chunks: levels across sub-blocks
 ])
 def test_varlen_equals_each_sequence_alone(rng, interpret, lengths, gates, init, dtype, intra):
     h, kd, vd = 2, 16, 16
     q, k, v, g, beta, cu, s0 = _packed(rng, lengths, h, kd, vd, gates, init)
     cast = lambda x: jnp.asarray(x, dtype)
-    intra, _, factors = intra.partition("/")
-    factors = "bfloat16" if factors else "float32"
+    intra, *options = intra.split("/")     # "bf16": bf16 factors; "64": 64-token chunks (else 16)
+    factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_varlen_pallas(cast(q), cast(k), cast(v), g, beta, cu, initial_state=s0, interpret=interpret,
-                             blocks=ChunkBlocks(chunk=16, value_block=16, intra=intra, factors=factors))
+                             blocks=ChunkBlocks(chunk=64 if "64" in options else 16, value_block=16, intra=intra,
+                                                factors=factors))
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_twin, s_twin = kda_varlen_reference(f32(q), f32(k), f32(v), g, beta, cu, initial_state=s0)
     assert o.dtype == jnp.dtype(dtype) and o.shape == (1, sum(lengths), h, vd) and s.shape == (len(lengths), h, kd, vd)
