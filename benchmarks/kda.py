@@ -69,19 +69,20 @@ def torch_time(torch, fn, warmup=5, iters=50) -> float:
     return statistics.median(times)
 
 
-OLD = dict(factors="float32", inverse="tf32x3", cumsum="xla")     # the settings before bf16 factors (runs 1-4)
+# the settings before bf16 factors (runs 1-4; also `triton_resources.py`'s older cases)
+FP32_FACTORS = dict(factors="float32", inverse="tf32x3", cumsum="xla")
 BF16 = dict(factors="bfloat16", inverse="tf32x3", cumsum="xla")
 VARIANTS = {
     "default": ChunkBlocks(),
-    "column/v64": ChunkBlocks(intra="column", value_block=64, **OLD),
-    "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **OLD),
-    "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **OLD),
-    "parallel/v32": ChunkBlocks(intra="parallel", value_block=32, **OLD),
-    "parallel/v32/ks16": ChunkBlocks(intra="parallel", value_block=32, key_slice=16, **OLD),
-    "parallel/v32/w8": ChunkBlocks(intra="parallel", value_block=32, num_warps=8, **OLD),
-    "parallel/v16": ChunkBlocks(intra="parallel", value_block=16, **OLD),
-    "parallel/v32/separate": ChunkBlocks(intra="parallel", value_block=32, pairs="separate", **OLD),
-    "parallel/v32/w8/separate": ChunkBlocks(intra="parallel", value_block=32, num_warps=8, pairs="separate", **OLD),
+    "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
+    "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
+    "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),
+    "parallel/v32": ChunkBlocks(intra="parallel", value_block=32, **FP32_FACTORS),
+    "parallel/v32/ks16": ChunkBlocks(intra="parallel", value_block=32, key_slice=16, **FP32_FACTORS),
+    "parallel/v32/w8": ChunkBlocks(intra="parallel", value_block=32, num_warps=8, **FP32_FACTORS),
+    "parallel/v16": ChunkBlocks(intra="parallel", value_block=16, **FP32_FACTORS),
+    "parallel/v32/separate": ChunkBlocks(intra="parallel", value_block=32, pairs="separate", **FP32_FACTORS),
+    "parallel/v32/w8/separate": ChunkBlocks(intra="parallel", value_block=32, num_warps=8, pairs="separate", **FP32_FACTORS),
     "parallel/v32/bf16": ChunkBlocks(intra="parallel", value_block=32, **BF16),
     "parallel/v32/bf16/cumsum": ChunkBlocks(intra="parallel", value_block=32, **(BF16 | dict(cumsum="pallas"))),
     "parallel/v32/bf16/tf32": ChunkBlocks(intra="parallel", value_block=32, **(BF16 | dict(inverse="tf32"))),
@@ -89,8 +90,8 @@ VARIANTS = {
     "parallel/v16/bf16": ChunkBlocks(intra="parallel", value_block=16, **BF16),
     "parallel/v16/default": ChunkBlocks(value_block=16),
     "blocked/v32/bf16": ChunkBlocks(intra="blocked", value_block=32, **BF16),
-    "blocked/v32/split": ChunkBlocks(intra="blocked", value_block=32, inter="split", **OLD),
-    "parallel/v32/split": ChunkBlocks(intra="parallel", value_block=32, inter="split", **OLD),
+    "blocked/v32/split": ChunkBlocks(intra="blocked", value_block=32, inter="split", **FP32_FACTORS),
+    "parallel/v32/split": ChunkBlocks(intra="parallel", value_block=32, inter="split", **FP32_FACTORS),
 }
 
 

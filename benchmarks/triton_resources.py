@@ -30,8 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CASES = None
 
 
-FP32_FACTORS = dict(factors="float32", inverse="tf32x3", cumsum="xla")
-
 def _cases():
     """name -> (jitted function, argument shapes), built once. Imported lazily: the compile step runs
     without jax."""
@@ -45,6 +43,7 @@ def _build_cases():
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.kda import FP32_FACTORS
     from pallas_kernels.kda import ChunkBlocks, kda_chunk_pallas
 
     spec = jax.ShapeDtypeStruct

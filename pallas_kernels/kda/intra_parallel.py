@@ -118,20 +118,17 @@ def _level_factors(level, inside: bool, l_ref, ks, rows, local, refrow, offsets)
     return jnp.where(upper, e, 0.0), jnp.where(upper, 0.0, e)
 
 
-def _pair_levels(c, rows, cols, accumulate, slice_parts, l_ref, ks):
-    """Runs `accumulate(accs, x, y, same)` over every level of one key slice (the levels inside a
-    sub-block, then across sub-blocks), each level a loop step so their tiles stay apart."""
-    local, refrow, offsets = slice_parts
-
+def _pair_levels(accs, accumulate, c, rows, cols, l_ref, ks, local, refrow, offsets):
+    """`accs` after `accumulate(accs, x, y, same)` over every level of one key slice (the levels inside
+    a sub-block, then across sub-blocks), each level a loop step so their tiles stay apart."""
     def level(lvl, accs, inside):
         x, y = _level_factors(lvl, inside, l_ref, ks, rows, local, refrow, offsets)
         same = jnp.right_shift(rows[:, None], lvl + 1) == jnp.right_shift(cols, lvl + 1)
         return accumulate(accs, x, y, same)
 
     inner = SUB.bit_length() - 1           # levels inside a sub-block: s = 1 .. SUB / 2
-    return lambda accs: jax.lax.fori_loop(
-        inner, c.bit_length() - 1, functools.partial(level, inside=False),
-        jax.lax.fori_loop(0, inner, functools.partial(level, inside=True), accs))
+    accs = jax.lax.fori_loop(0, inner, functools.partial(level, inside=True), accs)
+    return jax.lax.fori_loop(inner, c.bit_length() - 1, functools.partial(level, inside=False), accs)
 
 
 def _dot_t(a, b):
@@ -153,7 +150,7 @@ def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal:
         if diagonal:
             acc = acc + jnp.where(rows[:, None] == cols, _dot_t(left, k), 0.0)
         add = lambda acc, x, y, same: acc + jnp.where(same, _dot_t(left * x, k * y), 0.0)
-        return _pair_levels(c, rows, cols, add, (local, refrow, offsets), l_ref, ks)(acc)
+        return _pair_levels(acc, add, c, rows, cols, l_ref, ks, local, refrow, offsets)
 
     a_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, jnp.zeros((c, c), jnp.float32)).astype(a_ref.dtype)
 
@@ -175,7 +172,7 @@ def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, k
             ky = k * y
             return (accs[0] + jnp.where(same, _dot_t(k * x, ky), 0.0),
                     accs[1] + jnp.where(same, _dot_t(q * x, ky), 0.0))
-        return _pair_levels(c, rows, cols, add, (local, refrow, offsets), l_ref, ks)((akk, aqk))
+        return _pair_levels((akk, aqk), add, c, rows, cols, l_ref, ks, local, refrow, offsets)
 
     zeros = jnp.zeros((c, c), jnp.float32)
     akk, aqk = jax.lax.fori_loop(0, kd // key_slice, one_slice, (zeros, zeros))
