@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs decode-overhead decode-before checkpoint-read kda kda-prefill kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -43,6 +43,8 @@ for step in "$@"; do
     decode-host) OUT=$W timeout ${HOST_LIMIT:-240} python3 benchmarks/decode_host_trace.py --model kimi-linear-48b \
               --dtype bfloat16 --kernels pallas --moe auto --batch ${HOST_BATCH:-1} ${HOST_ARGS:-} 2>&1 | quiet \
               | tee "$W/decode_host.log" ;;
+    chunk-calls) OUT=$W timeout 200 python3 benchmarks/chunk_calls.py --model kimi-linear-48b --dtype bfloat16 \
+              --kernels pallas --moe auto --batch ${CHUNK_BATCH:-1} 2>&1 | quiet | tee "$W/chunk_calls.log" ;;
     host-costs) OUT=$W timeout 120 python3 benchmarks/host_costs.py 2>&1 | quiet | tee "$W/host_costs.log" ;;
     decode-overhead) OUT=$W timeout ${OVERHEAD_LIMIT:-300} python3 benchmarks/decode_overhead.py --model kimi-linear-48b \
               --dtype bfloat16 --kernels pallas --moe auto --batch ${OVERHEAD_BATCH:-1} --tokens 2 4 8 16 32 64 \
