@@ -28,6 +28,9 @@ LOOP_UNROLLS: tuple[str, ...] = ("auto", "1", "2", "4", "8")
 # How an iteration runs its steps: "loop", an inner loop of a known trip count (the host launches the
 # next step while the GPU runs one); "unrolled", copies of the step in one body (the reference).
 LOOP_INNERS: tuple[str, ...] = ("loop", "unrolled")
+# How generate starts its first decode chunk (`Generator.generate`): "overlap" dispatches it from a
+# helper thread while the first token is read back, "serial" after the read (the reference).
+LOOP_STARTS: tuple[str, ...] = ("overlap", "serial")
 
 __all__ = ["Activation", "AttnResConfig", "ConfigError", "ExpertParallel", "KDAConfig", "MLAConfig", "MLPConfig",
            "ModelConfig", "MoEConfig", "IMPL_OPTIONS", "kimi_linear_48b_a3b", "tiny_k3", "tiny_kimi_linear"]
@@ -296,6 +299,7 @@ class ModelConfig:
     # ends in a device-to-host read of the loop condition, which leaves the GPU idle for a moment.
     loop_unroll: str = "auto"
     loop_inner: str = "loop"          # LOOP_INNERS
+    loop_start: str = "overlap"       # LOOP_STARTS
     # Prompt tokens per prefill call (rows x chunk length): a longer prompt runs as chunks that continue
     # the state, so prefill memory stays bounded; 0 runs every prompt in one call (the reference).
     prefill_chunk_tokens: int = 16384
@@ -305,6 +309,7 @@ class ModelConfig:
         require_choice(self.linear_impl, SKINNY_IMPLS, "linear_impl")
         require_choice(self.loop_unroll, LOOP_UNROLLS, "loop_unroll")
         require_choice(self.loop_inner, LOOP_INNERS, "loop_inner")
+        require_choice(self.loop_start, LOOP_STARTS, "loop_start")
         require(isinstance(self.prefill_chunk_tokens, int) and self.prefill_chunk_tokens >= 0, "prefill_chunk_tokens",
                 f"must be a non-negative integer, got {self.prefill_chunk_tokens!r}")
         require_positive(self.hidden_size, "hidden_size")
@@ -411,6 +416,7 @@ IMPL_OPTIONS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "norm": (None, "norm_impl", NORM_IMPLS),
     "loop_unroll": (None, "loop_unroll", LOOP_UNROLLS),
     "loop_inner": (None, "loop_inner", LOOP_INNERS),
+    "loop_start": (None, "loop_start", LOOP_STARTS),
 }
 RENAMED_IMPL_OPTIONS = {"kda_impl": "kda", "kda_decode_impl": "kda_decode", "mla_impl": "mla", "moe_impl": "moe",
                         "gmm_impl": "gmm", "attn_res_impl": "attn_res"}

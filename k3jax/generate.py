@@ -90,6 +90,33 @@ def _sigint_as_flag():
 
 _host_view = jax.jit(host_view)
 
+# The loop step after `sample_first`: the first token is step 0's.
+FIRST_STEP = 1
+
+
+class _Background:
+    """fn(*args) run on a new thread under `context()` (the model's mesh); `result()` waits for it
+    and returns its value or raises its exception."""
+
+    def __init__(self, fn: Callable, *args, context: Callable = contextlib.nullcontext):
+        self._value, self._error = None, None
+
+        def target():
+            try:
+                with context():
+                    self._value = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                self._error = e
+
+        self._thread = threading.Thread(target=target, name="k3jax-first-chunk", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
 
 def _spec_chunk_with_view(graphdef, params, **kwargs):
     """`spec_decode_chunk` -> (carry, host_view(carry))."""
@@ -218,10 +245,22 @@ class Generator:
 
         run = dict(ids=ids, mask=mask, max_len=max_len, inputs=inputs, batch=batch, n=n, steps=steps,
                    pad_id=pad_id, seen=seen, logprobs_k=logprobs_k, filters=filters)
+        options = dict(filters=filters, pad_id=pad_id, unroll=loop_steps(self.model.config.loop_unroll, batch),
+                       inner=self.model.config.loop_inner, sampled=True)
+
+        def plain_chunk(carry: LoopState, limit_step: int):
+            return self.compiled_chunk(self._param_leaves, carry, inputs, np.int32(limit_step), **options)
+
+        # Without stop strings or a stream the host has nothing to do with the first token before the
+        # loop runs, so the first chunk (up to step 1's chunk limit) can start while it is read back.
+        overlap = (speculative is None and self.model.config.loop_start == "overlap" and adapter is None
+                   and not any(row_stops) and longest > FIRST_STEP)
+        first_limit = min(longest, (FIRST_STEP // chunk + 1) * chunk)
         t0 = time.perf_counter()
-        source = None
+        source = pending = None
         if speculative is None:
-            carry, host = self._prefill_plain(**run)
+            carry, host, pending = self._prefill_plain(
+                **run, start=functools.partial(plain_chunk, limit_step=first_limit) if overlap else None)
         else:
             carry, source = self._prefill_speculative(speculative, width=width, **run)
             host = read_host_view(_host_view(carry))
@@ -234,11 +273,11 @@ class Generator:
                 carry = self._match_stops(carry, host, rows, matches, adapter)
             while not done and not interrupted.is_set():
                 limit_step = min(longest, (step // chunk + 1) * chunk)   # chunk ends at multiples of `chunk`
-                if speculative is None:
-                    carry, view = self.compiled_chunk(self._param_leaves, carry, inputs, np.int32(limit_step),
-                                                      filters=filters, pad_id=pad_id,
-                                                      unroll=loop_steps(self.model.config.loop_unroll, batch),
-                                                      inner=self.model.config.loop_inner, sampled=True)
+                if pending is not None:     # the first chunk, started before the first token was read
+                    carry, view = pending.result()
+                    pending = None
+                elif speculative is None:
+                    carry, view = plain_chunk(carry, limit_step)
                 else:
                     carry, view = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
                                                            step_limit=np.int32(limit_step), source=source,
@@ -248,6 +287,8 @@ class Generator:
                     carry = self._match_stops(carry, host, rows, matches, adapter)
                 step = host.step
                 done = bool(host.done.all()) or step >= longest
+            if pending is not None:         # every row ended with its first token (or Ctrl-C): it ran no step
+                carry, _ = pending.result()
         tokens = host.tokens_of(carry)
         count, finish, row_done = host.count, host.finish, host.done
         if adapter is not None:
@@ -271,14 +312,26 @@ class Generator:
             raise GenerationInterrupted(output)
         return output
 
-    def _prefill_plain(self, *, ids, mask, max_len, inputs, batch, n, steps, pad_id, seen, logprobs_k, filters):
+    def _prefill_plain(self, *, ids, mask, max_len, inputs, batch, n, steps, pad_id, seen, logprobs_k, filters,
+                       start: Callable | None = None):
+        """Prefill and the first token: (carry, its host view, None), or with `start` (a function of
+        the carry that runs the first decode chunk) (None, host view, the started chunk): the chunk is
+        dispatched from a helper thread before the first token is read, so its dispatch and its first
+        steps overlap the read-back (the carry belongs to the chunk from then on)."""
         logits, state = self.model.prefill(ids, mask, max_len=max_len)
         with self.model.placement.context():
             carry = init_loop_state(state, logits, self.model.placement.put_rows(np.arange(batch) >= n),
                                     max_steps=steps, pad_id=pad_id, seen=seen, logprobs_k=logprobs_k)
             # The first token is part of the prefill; the loop then never steps the model past a row's last token.
             carry, view = sample_first(carry, inputs, filters=filters, pad_id=pad_id)
-        return carry, read_host_view(view)     # the time to first token ends with the first token on the host
+        if start is None:
+            return carry, read_host_view(view), None   # the time to first token ends with the first token on the host
+        view.copy_to_host_async()
+        pending = _Background(start, carry, context=self.model.placement.context)
+        host = read_host_view(view)
+        if host.step != FIRST_STEP:
+            raise RuntimeError(f"the first token's step is {host.step}, expected {FIRST_STEP}")
+        return None, host, pending
 
     def _prefill_speculative(self, spec: SpeculativeConfig, *, ids, mask, max_len, inputs, batch, n, steps, width,
                              pad_id, seen, logprobs_k, filters):

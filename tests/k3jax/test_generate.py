@@ -135,6 +135,58 @@ def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unro
     assert want[0].finish_reason == "stop" and len(want[0].token_ids) == free.index(free[5]) + 1
 
 
+def test_overlapped_first_chunk_equals_serial(model, rng):
+    """loop_start="overlap" (the first chunk dispatched from a helper thread while the first token is
+    read back) against "serial": the same tokens, counts, finish reasons and log-probabilities, with
+    rows of different limits, a stop id, sampling and penalties; a batch whose only row ends with its
+    first token (the started chunk runs no step); max_tokens=2. The helper thread runs the first chunk
+    only when nothing needs the host first (here: no stream), and its errors reach the caller."""
+    import threading
+
+    prompts = [rng.integers(3, 512, n).tolist() for n in (5, 13, 8)]
+    serial = k3jax.Generator(model.with_impls(loop_start="serial"))
+    overlap = k3jax.Generator(model.with_impls(loop_start="overlap"))
+    free = serial.generate(prompts[0], k3jax.SamplingParams(max_new_tokens=12))[0].token_ids
+    chunk, threads = overlap.compiled_chunk, []
+
+    def spy(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return chunk(*args, **kwargs)
+
+    overlap.compiled_chunk = spy
+    cases = [
+        ([k3jax.SamplingParams(max_new_tokens=11, stop_token_ids=(free[5],), logprobs=2),
+          k3jax.SamplingParams(max_new_tokens=40, temperature=1.0, seed=1, logprobs=2),
+          k3jax.SamplingParams(max_new_tokens=13, temperature=0.7, top_p=0.5, seed=2, presence_penalty=0.5)], 2),
+        ([k3jax.SamplingParams(max_new_tokens=9, stop_token_ids=(free[0],))] * 3, 1),   # row 0 ends at once
+        ([k3jax.SamplingParams(max_new_tokens=2, ignore_eos=True)] * 3, 1),
+    ]
+    for params, chunks in cases:
+        threads.clear()
+        want = serial.generate(prompts, params)
+        got = overlap.generate(prompts, params)
+        for w, g in zip(want, got):
+            assert g.token_ids == w.token_ids
+            assert g.finish_reason == w.finish_reason
+            assert g.outputs[0].logprobs == w.outputs[0].logprobs
+        assert threads[0] == "k3jax-first-chunk" and len(threads) == chunks, threads
+    assert len(want[0].token_ids) == 2
+    threads.clear()
+    only = overlap.generate(prompts[0], k3jax.SamplingParams(max_new_tokens=9, stop_token_ids=(free[0],)))[0]
+    assert only.token_ids == [free[0]] and only.finish_reason == "stop" and threads == ["k3jax-first-chunk"]
+    threads.clear()
+    streamed = overlap.generate(prompts[:1], k3jax.SamplingParams(max_new_tokens=5, ignore_eos=True),
+                                stream=lambda chunk: None, stream_every=2)
+    assert len(streamed[0].token_ids) == 5 and threads == ["MainThread"] * 3   # chunks end at steps 2, 4, 5
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("chunk failed")
+
+    overlap.compiled_chunk = failing
+    with pytest.raises(RuntimeError, match="chunk failed"):
+        overlap.generate(prompts[0], k3jax.SamplingParams(max_new_tokens=6))
+
+
 @pytest.mark.parametrize("unroll", ["1", "4"])
 def test_no_model_step_past_the_last_token(model, rng, unroll):
     """generate samples the first token with the prefill and steps the model once per further token:
