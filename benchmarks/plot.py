@@ -52,6 +52,7 @@ def _variant_tpot(name: str, variant: str | None, batch: int) -> float:
 
 
 DECODE_SWEEP = "decode_sweep_run1_2f1af95.json"
+DECODE_SWEEP_2 = "decode_sweep_run2_ea4a268.json"
 
 
 def plot_decode(out: str) -> str:
@@ -70,14 +71,16 @@ def plot_decode(out: str) -> str:
              {1: _variant_tpot("decode_run19_b1_sampled_first_ed80dc8.json", "loop_unroll=1", 1),
               64: _variant_tpot("decode_run19_b64_sampled_first_ed80dc8.json", None, 64)}, "h-"),
             ("+ fused token draw, 4 steps per iteration up to 16 rows (B = 1-256 sweep)",
-             _tpot(DECODE_SWEEP), "o-")]
+             _tpot(DECODE_SWEEP), "o-"),
+            ("+ Hopper MLA at short caches, first chunk started during the first token's read (sweep 2)",
+             _tpot(DECODE_SWEEP_2), "d-")]
     fig, ax = plt.subplots(figsize=(6.4, 6.8))
     fig.subplots_adjust(bottom=0.42)
     for label, points, style in runs:
         xs = sorted(points)
         ax.plot(xs, [points[x] for x in xs], style, label=label)
     # bytes that must move / 4.3 TB/s, at each batch's measured count of distinct experts per layer
-    floors = {r["batch"]: r["floor_ms"] for r in _load(DECODE_SWEEP)["rows"]}
+    floors = {r["batch"]: r["floor_ms"] for r in _load(DECODE_SWEEP_2)["rows"]}
     ax.plot(sorted(floors), [floors[x] for x in sorted(floors)], "k:", label="memory floor (4.3 TB/s)")
     return _finish(fig, ax, "batch (rows decoding together)", "time per output token step (ms)",
                    "Kimi-Linear-48B shape, bf16, one H200", os.path.join(out, "decode_tpot.png"), legend_below=True)
