@@ -74,6 +74,7 @@ FP32_FACTORS = dict(factors="float32", inverse="tf32x3", cumsum="xla")
 BF16 = dict(factors="bfloat16", inverse="tf32x3", cumsum="xla")
 VARIANTS = {
     "default": ChunkBlocks(),
+    "default/chunked": ChunkBlocks(layout="chunked"),   # the defaults with XLA's layout copies (before 2026-12-03 late)
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),

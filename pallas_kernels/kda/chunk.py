@@ -192,10 +192,16 @@ def _require_settled(name: str, blocks: ChunkBlocks) -> None:
         raise ValueError(f"{name}: ChunkBlocks has 'auto' fields; pass blocks.resolve(value dtype)")
 
 
-def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool):
-    """Kernel 1 on chunked inputs [B, H, N, C, ...] -> (W, U, A_qk, q e^G, k e^(G_C - G), e^(G_C)).
-    blocks: settled (`ChunkBlocks.resolve`)."""
+def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False):
+    """Kernel 1 on chunked inputs [B, H, N, C, ...] (with `tokens`: [B, N, C, H, ...], the caller's
+    layout with its time axis split, "parallel" only) -> (W, U, A_qk, q e^G, k e^(G_C - G), e^(G_C)),
+    each [B, H, N, C, ...]. blocks: settled (`ChunkBlocks.resolve`)."""
     _require_settled("chunk_intra", blocks)
+    if tokens:
+        if not blocks.reads_tokens:
+            raise ValueError("chunk_intra: inputs in the tokens layout need the 'parallel' form, the Pallas cumsum "
+                             "and the fused pass")
+        return _intra_parallel(qc, kc, vc, gc, bc, scale=scale, blocks=blocks, interpret=interpret, tokens=True)
     b, h, n, c, kd = qc.shape
     vd = vc.shape[-1]
     f32 = jnp.float32
@@ -221,17 +227,24 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
     )(qc, kc, vc, gc, bc)
 
 
-def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool):
+def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False):
     """`chunk_intra` as three launches (`intra_parallel.py`): the local cumsum (or XLA's), A_kk and A_qk
-    (one launch, or one each with blocks.pairs = "separate"), then the solve and factors."""
-    b, h, n, c, kd = qc.shape
+    (one launch, or one each with blocks.pairs = "separate"), then the solve and factors. tokens: the
+    raw inputs are [B, N, C, H, ...] and each program reads its chunk's [C, ...] rows of one head there."""
+    if tokens:
+        b, n, c, h, kd = qc.shape
+    else:
+        b, h, n, c, kd = qc.shape
     vd = vc.shape[-1]
     f32 = jnp.float32
     key_slice, value_slice = min(kd, blocks.key_slice), min(vd, blocks.key_slice)
     blk = lambda *tail: pl.BlockSpec((None, None, None) + tail, lambda i, j, m: (i, j, m) + (0,) * len(tail))
+    # the raw inputs' blocks: grid (b, h, n) -> rows [n C, (n + 1) C) of head h
+    raw = (lambda *tail: pl.BlockSpec((None, None, c, None) + tail, lambda i, j, m: (i, m, 0, j) + (0,) * len(tail))
+           ) if tokens else (lambda *tail: blk(c, *tail))
     params = plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
     if blocks.cumsum == "pallas":
-        lc = pl.pallas_call(local_cumsum_kernel, grid=(b, h, n), in_specs=[blk(c, kd)], out_specs=blk(c, kd),
+        lc = pl.pallas_call(local_cumsum_kernel, grid=(b, h, n), in_specs=[raw(kd)], out_specs=blk(c, kd),
                             out_shape=jax.ShapeDtypeStruct((b, h, n, c, kd), f32), compiler_params=params,
                             interpret=interpret, name="kda_chunk_local_cumsum")(gc)
     else:
@@ -242,14 +255,14 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
     def pairs(left, left_scale, diagonal, dtype, name):
         return pl.pallas_call(
             functools.partial(decay_pairs_kernel, scale=left_scale, diagonal=diagonal, key_slice=key_slice),
-            grid=(b, h, n), in_specs=[blk(c, kd)] * 3, out_specs=blk(c, c),
+            grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd)], out_specs=blk(c, c),
             out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), dtype), compiler_params=params, interpret=interpret,
             name=name)(left, kc, lc)
 
     if blocks.pairs == "joint":
         akk, aqk = pl.pallas_call(
             functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice),
-            grid=(b, h, n), in_specs=[blk(c, kd)] * 3, out_specs=[blk(c, c)] * 2,
+            grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd)], out_specs=[blk(c, c)] * 2,
             out_shape=[jax.ShapeDtypeStruct((b, h, n, c, c), f32), jax.ShapeDtypeStruct((b, h, n, c, c), fd)],
             compiler_params=params, interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc)
     else:
@@ -259,7 +272,7 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         functools.partial(solve_kernel, scale=scale, key_slice=key_slice, value_slice=value_slice,
                           inverse=blocks.inverse, interpret=interpret),
         grid=(b, h, n),
-        in_specs=[blk(c, c), blk(c, kd), blk(c, kd), blk(c, vd), blk(c, kd), blk(c)],
+        in_specs=[blk(c, c), raw(kd), raw(kd), raw(vd), blk(c, kd), raw()],
         out_specs=[blk(c, kd), blk(c, vd), blk(c, kd), blk(c, kd), blk(kd)],
         out_shape=[jax.ShapeDtypeStruct((b, h, n, c, kd), fd), jax.ShapeDtypeStruct((b, h, n, c, vd), fd),
                    jax.ShapeDtypeStruct((b, h, n, c, kd), fd), jax.ShapeDtypeStruct((b, h, n, c, kd), fd),
@@ -269,8 +282,10 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
     return w, u, aqk, qg, kt, dec
 
 
-def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, interpret: bool, bounds=None):
-    """Kernel 2: the sequential pass over chunks -> (o [B, H, N, C, V], final state [B, H, K, V]).
+def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, interpret: bool, bounds=None,
+                tokens: bool = False):
+    """Kernel 2: the sequential pass over chunks -> (o [B, H, N, C, V] (with `tokens`: [B, N, C, H, V],
+    the caller's layout), final state [B, H, K, V]).
 
     `bounds` = (first [N], last [N]) int32 for B = 1 rows holding several sequences (see
     `_inter_varlen_kernel`); then s0 and the returned states are per sequence, [S, H, K, V].
@@ -299,12 +314,19 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
         seqs = s0.shape[0]
         state_spec = pl.BlockSpec((seqs, None, kd, vb), lambda i, j, m: (0, j, 0, m))
         state_shape, flag_specs = (seqs, h, kd, vd), [pl.BlockSpec((n,), lambda i, j, m: (0,))] * 2
+    if tokens:
+        if bounds is not None:
+            raise ValueError("chunk_inter: rows of several sequences write the chunked layout only")
+        out_spec = pl.BlockSpec((None, n, c, None, vb), lambda i, j, m: (i, 0, 0, j, m))
+        out_shape = jax.ShapeDtypeStruct((b, n, c, h, vd), out_dtype)
+    else:
+        out_spec, out_shape = by_value(n, c, vd), jax.ShapeDtypeStruct((b, h, n, c, vd), out_dtype)
     return pl.pallas_call(
         kernel,
         grid=(b, h, vd // vb),
         in_specs=flag_specs + chunk_specs + [state_spec],
-        out_specs=[by_value(n, c, vd), state_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, h, n, c, vd), out_dtype), jax.ShapeDtypeStruct(state_shape, jnp.float32)],
+        out_specs=[out_spec, state_spec],
+        out_shape=[out_shape, jax.ShapeDtypeStruct(state_shape, jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=blocks.inter_num_warps,
                                            num_stages=blocks.sequential_stages),
         interpret=interpret,
@@ -331,6 +353,8 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
         raise ValueError(f"{name}: pairs must be 'joint' or 'separate', got {blocks.pairs!r}")
     if blocks.inverse not in ("tf32x3", "tf32"):
         raise ValueError(f"{name}: inverse must be 'auto', 'tf32x3' or 'tf32', got {blocks.inverse!r}")
+    if blocks.layout not in ("tokens", "chunked"):
+        raise ValueError(f"{name}: layout must be 'tokens' or 'chunked', got {blocks.layout!r}")
     if blocks.cumsum not in ("xla", "pallas"):
         raise ValueError(f"{name}: cumsum must be 'xla' or 'pallas', got {blocks.cumsum!r}")
     if blocks.factors not in ("float32", "bfloat16"):
@@ -341,10 +365,17 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
 
 def to_chunks(x, chunk: int):
     """[B, T, H, ...] -> [B, H, N, C, ...], the tail padded with zeros (g = beta = 0 there: a no-op)."""
+    return jnp.moveaxis(to_chunk_rows(x, chunk), 3, 1)
+
+
+def to_chunk_rows(x, chunk: int):
+    """[B, T, H, ...] -> [B, N, C, H, ...] (the same layout, no copy when T is a multiple of the chunk;
+    else the tail padded with zeros)."""
     b, t, h = x.shape[:3]
     n = -(-t // chunk)
-    x = jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))
-    return jnp.moveaxis(x.reshape(b, n, chunk, h, *x.shape[3:]), 3, 1)
+    if n * chunk != t:
+        x = jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape(b, n, chunk, h, *x.shape[3:])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
@@ -369,9 +400,13 @@ def kda_chunk_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, blocks
     check_blocks("kda_chunk_pallas", kd, vd, blocks)
     scale = kd ** -0.5 if scale is None else scale
     interpret = default_interpret() if interpret is None else interpret
-    parts = [to_chunks(x, c) for x in (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32))]
+    tokens = blocks.reads_tokens
+    split = to_chunk_rows if tokens else to_chunks
+    parts = [split(x, c) for x in (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32))]
     s0 = jnp.zeros((b, h, kd, vd), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    factors = chunk_intra(*parts, scale=scale, blocks=blocks, interpret=interpret)
-    o, s = chunk_inter(*factors, s0, out_dtype=v.dtype, blocks=blocks, interpret=interpret)
-    n = o.shape[2]
+    factors = chunk_intra(*parts, scale=scale, blocks=blocks, interpret=interpret, tokens=tokens)
+    o, s = chunk_inter(*factors, s0, out_dtype=v.dtype, blocks=blocks, interpret=interpret, tokens=tokens)
+    n = -(-t // c)
+    if tokens:
+        return o.reshape(b, n * c, h, vd)[:, :t], s
     return jnp.moveaxis(o.reshape(b, h, n * c, vd), 1, 2)[:, :t], s

@@ -73,6 +73,9 @@ class ChunkBlocks:
     value_block: int = 32    # state columns per program of the sequential kernel
     inter: str = "fused"     # sequential pass: "fused" (outputs inside the chunk loop) or "split" (a state-only
                              # pass, then every chunk's outputs in parallel: `inter_split.py`; fp32 factors)
+    layout: str = "tokens"   # "parallel" with the Pallas cumsum and the fused pass: the kernels read q, k, v, g,
+                             # beta and write o in the caller's [B, T, H, ...] layout ("tokens"), or XLA moves
+                             # them to [B, H, N, C, ...] and back ("chunked", the reference; the other forms)
     num_warps: int = 4       # intra-chunk kernel (H200: 4 beat 8)
     inter_num_warps: int = 4
     num_stages: int = 1
@@ -95,3 +98,10 @@ class ChunkBlocks:
         if inverse == "auto":
             inverse = "tf32" if factors == "bfloat16" else "tf32x3"
         return replace(self, intra=intra, factors=factors, inverse=inverse)
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether a settled chunked prefill reads its inputs and writes its outputs in the [B, T, H, ...]
+        layout (see `layout`)."""
+        return (self.layout == "tokens" and self.intra == "parallel" and self.cumsum == "pallas"
+                and self.inter == "fused")

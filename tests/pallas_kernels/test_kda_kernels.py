@@ -205,6 +205,7 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(intra="parallel", cumsum="scan"), "cumsum must be"),
     (ChunkBlocks(intra="parallel", inverse="fp32"), "inverse must be"),
     (ChunkBlocks(factors="bfloat16", inter="split"), "needs inter='fused'"),
+    (ChunkBlocks(layout="heads"), "layout must be"),
 ])
 def test_chunk_blocks_name_the_bad_setting(rng, blocks, message):
     q = jnp.asarray(_l2(rng.standard_normal((1, 16, 1, 16))), jnp.float32)
@@ -224,6 +225,33 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
     assert ChunkBlocks(inter="split").resolve("bfloat16").factors == "float32"
     explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32")
     assert explicit.resolve("bfloat16") == explicit      # settings given are kept
+
+
+@pytest.mark.parametrize("t,dtype,cumsum", [(200, "bfloat16", "pallas"), (128, "float32", "pallas"),
+                                             (70, "bfloat16", "xla")])
+def test_tokens_layout_equals_chunked_layout(rng, interpret, t, dtype, cumsum):
+    """layout="tokens" (the kernels read q, k, v, g, beta and write o in [B, T, H, ...]) gives the
+    chunked layout's outputs bit for bit: T off the chunk (a padded tail) and on it (no copy), bf16 and
+    fp32 values, an initial state. With XLA's cumsum the tokens layout is not taken (same result)."""
+    b, h, kd, vd = 2, 3, 32, 32
+    dt = jnp.dtype(dtype)
+    q, k = (jnp.asarray(_l2(rng.standard_normal((b, t, h, kd))), dt) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((b, t, h, vd)), dt)
+    g = jnp.asarray(rng.uniform(-1.0, 0.0, (b, t, h, kd)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (b, t, h)), jnp.float32)
+    s0 = jnp.asarray(rng.standard_normal((b, h, kd, vd)), jnp.float32)
+    tokens = ChunkBlocks(value_block=16, key_slice=16, cumsum=cumsum)
+    chunked = ChunkBlocks(value_block=16, key_slice=16, cumsum=cumsum, layout="chunked")
+    assert tokens.resolve(dtype).reads_tokens == (cumsum == "pallas") and not chunked.resolve(dtype).reads_tokens
+    o1, s1 = kda_chunk_pallas(q, k, v, g, beta, initial_state=s0, blocks=tokens, interpret=interpret)
+    o2, s2 = kda_chunk_pallas(q, k, v, g, beta, initial_state=s0, blocks=chunked, interpret=interpret)
+    assert o1.shape == (b, t, h, vd) and o1.dtype == dt
+    np.testing.assert_array_equal(np.asarray(o1.astype(jnp.float32)), np.asarray(o2.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(s1), np.asarray(s2))
+    o_ref, s_ref = kda_recurrent_reference(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), g,
+                                           beta, initial_state=s0)
+    assert_close("o", o1, o_ref, dtype=kernel_dtype(dtype, interpret))
+    assert_close("state", s1, s_ref, tol=TOLERANCES[kernel_dtype(dtype, interpret)])
 
 
 def test_default_blocks_at_chunk_128_take_the_blocked_form(rng, interpret):
