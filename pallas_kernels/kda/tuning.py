@@ -52,8 +52,9 @@ PARALLEL_MAX_CHUNK = 64   # the "parallel" form's doubling inverse of a 128-row 
 class ChunkBlocks:
     """Forms and launch settings of the chunked prefill. "auto" fields are settled per call by
     `resolve` (from the chunk and the inputs' dtype). H200, B = 1, T = 8192, K = V = 128, H = 32
-    (benchmarks/RESULTS.md, 2026-12-03 KDA runs 3-6): these defaults 2.52 ms (run 6), the blocked form
-    with fp32 factors 4.67 ms and fla 1.36 ms (run 5)."""
+    (benchmarks/RESULTS.md, 2026-12-03 KDA runs 3-8): these defaults 2.17 ms against fla's 1.69 in the
+    same run (run 8; 2.39 ms with the chunked layout), the blocked form with fp32 factors 4.67 ms and fla
+    1.36 ms on another machine (run 5)."""
 
     chunk: int = 64          # tokens per chunk (WY form)
     intra: str = "auto"      # intra-chunk kernel: "parallel" (no row-serial loops: `intra_parallel.py`; chunks
