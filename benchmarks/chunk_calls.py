@@ -13,7 +13,6 @@ over --calls calls (median, microseconds from the call to its host view being re
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import os
 import statistics
@@ -46,16 +45,17 @@ class Capture:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def rewind(carry, start):
-    """The carry with its loop status (step, count, done, finish) put back to `start`'s, written
-    into the donated carry's own buffers (every buffer keeps its device address)."""
-    return dataclasses.replace(carry, step=start.step, count=start.count, done=start.done, finish=start.finish)
+    """`start`'s values (the loop status and the model state: cache lengths, caches, recurrent
+    states) written into the donated carry's own buffers, so every buffer keeps its device address
+    and no call runs past the cache's slots."""
+    return jax.tree.map(lambda old, new: new, carry, start)
 
 
 def timed_calls(chunk, leaves, carry, start, inputs, options, *, steps: int, calls: int, fresh: bool,
                 device_limit: bool):
-    """(median us per call, the carry to continue from). Each call runs `steps` steps from `start`'s
-    step (0: the loop condition is false at once); the status is rewound before each call so the
-    rows never run out of tokens. fresh: copy the carry to new buffers before each call."""
+    """(median us per call, the carry to continue from). Each call runs `steps` steps from `start`
+    (0: the loop condition is false at once); the carry is rewound to `start` before each call.
+    fresh: copy the carry to new buffers before each call."""
     step0 = int(jax.device_get(start.step))
     limits = {}
     times = []

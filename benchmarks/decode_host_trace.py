@@ -1,14 +1,16 @@
 """Where the host's time goes in one generate call's decode: a jax.profiler trace of the call, its host
 events inside the decode window summed by name, the device's busy and idle time in the same window,
-and the lead and tail around the device's work (chunk call -> first kernel, last kernel -> results
-on the host).
+and the lead and tail around the device's work (first chunk call -> the chunk's first kernel, last
+kernel -> results on the host).
 
     python benchmarks/decode_host_trace.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas --moe auto
     python benchmarks/decode_host_trace.py --tokens 8          # CPU smoke run on the tiny model
 
 The decode window runs from the first chunk call to the end of generate's last host read; the
 phases are marked with profiler annotations (`k3jax.chunk_call`, `k3jax.read_host_view`). Host
-event totals are inclusive (nested events are counted in each of their parents).
+event totals are inclusive (nested events are counted in each of their parents). With
+loop_start="overlap" the first chunk is called before the first token is read, so the window also
+holds that read and the prefill's last kernels.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def summarize(trace_file: str) -> dict:
         raise ValueError(f"no {CHUNK} / {READ} annotations inside the last generate call in {trace_file}")
     start = min(e["ts"] for e in chunks)
     end = max(e["ts"] + e["dur"] for e in reads)
-    main = chunks[0]["tid"], chunks[0]["pid"]
+    main = call["tid"], call["pid"]       # the thread that called generate (the chunk may run on it or not)
     host = [e for e in events if not _is_device(e["pid"], procs) and start <= e["ts"] and e["ts"] + e["dur"] <= end]
     device = sorted((e for e in events if _is_device(e["pid"], procs) and start <= e["ts"] <= end),
                     key=lambda e: e["ts"])
@@ -107,7 +109,8 @@ def summarize(trace_file: str) -> dict:
                 for e in sorted(host, key=lambda e: e["ts"]) if (e["tid"], e["pid"]) == main and e["dur"] >= 50]
     return {"window_us": end - start, "chunk_calls": len(chunks), "chunk_call_us": sum(e["dur"] for e in chunks),
             "read_us": sum(e["dur"] for e in reads), "device_busy_us": busy, "device_kernels": len(device),
-            "lead_us": (device[0]["ts"] - start) if device else None,
+            "lead_us": next((e["ts"] - start for e in device
+                             if "decode_chunk" in str(e.get("args", {}).get("hlo_module", ""))), None),
             "tail_us": (end - last) if last is not None else None,
             "host_events": rows[:60], "main_timeline": timeline[:200]}
 
@@ -147,7 +150,7 @@ def main(argv=None) -> int:
     print(f"decode window {summary['window_us'] / 1e3:.2f} ms: chunk calls {summary['chunk_calls']} "
           f"({summary['chunk_call_us'] / 1e3:.2f} ms), host reads {summary['read_us'] / 1e3:.2f} ms, device busy "
           f"{summary['device_busy_us'] / 1e3:.2f} ms in {summary['device_kernels']} kernels, lead {summary['lead_us']} us "
-          f"(chunk call -> first kernel), tail {summary['tail_us']} us (last kernel -> read done)")
+          f"(first chunk call -> its first kernel), tail {summary['tail_us']} us (last kernel -> read done)")
     print(table(summary["host_events"][:40], ["event", "count", "total_us", "max_us", "main_thread"]))
     print(table(summary["main_timeline"][:80], ["start_us", "dur_us", "event"]))
     path = write(args.name or f"decode_host_trace_{args.model}_b{args.batch}",

@@ -95,20 +95,19 @@ FIRST_STEP = 1
 
 
 class _Background:
-    """fn(*args) run on a new thread under `context()` (the model's mesh); `result()` waits for it
-    and returns its value or raises its exception."""
+    """fn() run on a new thread; `result()` waits for it and returns its value or raises its
+    exception. For host work only (a read-back): JAX's per-thread settings do not reach the thread."""
 
-    def __init__(self, fn: Callable, *args, context: Callable = contextlib.nullcontext):
+    def __init__(self, fn: Callable):
         self._value, self._error = None, None
 
         def target():
             try:
-                with context():
-                    self._value = fn(*args)
+                self._value = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 self._error = e
 
-        self._thread = threading.Thread(target=target, name="k3jax-first-chunk", daemon=True)
+        self._thread = threading.Thread(target=target, name="k3jax-first-token", daemon=True)
         self._thread.start()
 
     def result(self):
@@ -255,28 +254,37 @@ class Generator:
         # loop runs, so the first chunk (up to step 1's chunk limit) can start while it is read back.
         overlap = (speculative is None and self.model.config.loop_start == "overlap" and adapter is None
                    and not any(row_stops) and longest > FIRST_STEP)
-        first_limit = min(longest, (FIRST_STEP // chunk + 1) * chunk)
         t0 = time.perf_counter()
-        source = pending = None
+        source = first_read = None
         if speculative is None:
-            carry, host, pending = self._prefill_plain(
-                **run, start=functools.partial(plain_chunk, limit_step=first_limit) if overlap else None)
+            carry, view = self._prefill_plain(**run)
+            if overlap:     # a helper thread reads the first token (and times it) while the chunk starts here
+                view.copy_to_host_async()
+                first_read = _Background(lambda: (read_host_view(view), time.perf_counter()))
+            else:
+                host = read_host_view(view)       # the time to first token ends with the first token on the host
         else:
             carry, source = self._prefill_speculative(speculative, width=width, **run)
             host = read_host_view(_host_view(carry))
-        t1 = time.perf_counter()        # every row's first token is on the host
+        t1 = time.perf_counter()        # every row's first token is on the host (with overlap: see below)
         matches: dict[int, StopMatch] = {}
         with self.model.placement.context(), _sigint_as_flag() as interrupted:
+            if first_read is not None:
+                # The first chunk, called before the first token is on the host: this call returns when
+                # the chunk's loop ends, the helper's read long before (when every row ended with its
+                # first token, the chunk runs no step).
+                carry, view = plain_chunk(carry, min(longest, (FIRST_STEP // chunk + 1) * chunk))
+                first, t1 = first_read.result()
+                if first.step != FIRST_STEP:
+                    raise RuntimeError(f"the first token's step is {first.step}, expected {FIRST_STEP}")
+                host = read_host_view(view)
             step = host.step
             done = bool(host.done.all()) or step >= longest
             if done and (any(row_stops) or adapter is not None):    # e.g. max_tokens=1: no chunk runs
                 carry = self._match_stops(carry, host, rows, matches, adapter)
             while not done and not interrupted.is_set():
                 limit_step = min(longest, (step // chunk + 1) * chunk)   # chunk ends at multiples of `chunk`
-                if pending is not None:     # the first chunk, started before the first token was read
-                    carry, view = pending.result()
-                    pending = None
-                elif speculative is None:
+                if speculative is None:
                     carry, view = plain_chunk(carry, limit_step)
                 else:
                     carry, view = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
@@ -287,8 +295,6 @@ class Generator:
                     carry = self._match_stops(carry, host, rows, matches, adapter)
                 step = host.step
                 done = bool(host.done.all()) or step >= longest
-            if pending is not None:         # every row ended with its first token (or Ctrl-C): it ran no step
-                carry, _ = pending.result()
         tokens = host.tokens_of(carry)
         count, finish, row_done = host.count, host.finish, host.done
         if adapter is not None:
@@ -312,26 +318,14 @@ class Generator:
             raise GenerationInterrupted(output)
         return output
 
-    def _prefill_plain(self, *, ids, mask, max_len, inputs, batch, n, steps, pad_id, seen, logprobs_k, filters,
-                       start: Callable | None = None):
-        """Prefill and the first token: (carry, its host view, None), or with `start` (a function of
-        the carry that runs the first decode chunk) (None, host view, the started chunk): the chunk is
-        dispatched from a helper thread before the first token is read, so its dispatch and its first
-        steps overlap the read-back (the carry belongs to the chunk from then on)."""
+    def _prefill_plain(self, *, ids, mask, max_len, inputs, batch, n, steps, pad_id, seen, logprobs_k, filters):
+        """Prefill and the first token, dispatched: (the carry to decode from, its host view on the device)."""
         logits, state = self.model.prefill(ids, mask, max_len=max_len)
         with self.model.placement.context():
             carry = init_loop_state(state, logits, self.model.placement.put_rows(np.arange(batch) >= n),
                                     max_steps=steps, pad_id=pad_id, seen=seen, logprobs_k=logprobs_k)
             # The first token is part of the prefill; the loop then never steps the model past a row's last token.
-            carry, view = sample_first(carry, inputs, filters=filters, pad_id=pad_id)
-        if start is None:
-            return carry, read_host_view(view), None   # the time to first token ends with the first token on the host
-        view.copy_to_host_async()
-        pending = _Background(start, carry, context=self.model.placement.context)
-        host = read_host_view(view)
-        if host.step != FIRST_STEP:
-            raise RuntimeError(f"the first token's step is {host.step}, expected {FIRST_STEP}")
-        return None, host, pending
+            return sample_first(carry, inputs, filters=filters, pad_id=pad_id)
 
     def _prefill_speculative(self, spec: SpeculativeConfig, *, ids, mask, max_len, inputs, batch, n, steps, width,
                              pad_id, seen, logprobs_k, filters):

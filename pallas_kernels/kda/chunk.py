@@ -199,8 +199,8 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
     _require_settled("chunk_intra", blocks)
     if tokens:
         if not blocks.reads_tokens:
-            raise ValueError("chunk_intra: inputs in the tokens layout need the 'parallel' form, the Pallas cumsum "
-                             "and the fused pass")
+            raise ValueError("chunk_intra: inputs in the tokens layout need layout='tokens', the 'parallel' form, "
+                             "the Pallas cumsum and the fused pass")
         return _intra_parallel(qc, kc, vc, gc, bc, scale=scale, blocks=blocks, interpret=interpret, tokens=True)
     b, h, n, c, kd = qc.shape
     vd = vc.shape[-1]
@@ -291,6 +291,9 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
     `_inter_varlen_kernel`); then s0 and the returned states are per sequence, [S, H, K, V].
     blocks: settled (`ChunkBlocks.resolve`)."""
     _require_settled("chunk_inter", blocks)
+    if tokens and not blocks.reads_tokens:
+        raise ValueError("chunk_inter: outputs in the tokens layout need layout='tokens', the 'parallel' form, the "
+                         "Pallas cumsum and the fused pass")
     if blocks.inter == "split":
         if bounds is not None:
             raise ValueError("chunk_inter: rows of several sequences support inter='fused' only")

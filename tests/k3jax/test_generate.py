@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -135,25 +136,36 @@ def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unro
     assert want[0].finish_reason == "stop" and len(want[0].token_ids) == free.index(free[5]) + 1
 
 
-def test_overlapped_first_chunk_equals_serial(model, rng):
-    """loop_start="overlap" (the first chunk dispatched from a helper thread while the first token is
-    read back) against "serial": the same tokens, counts, finish reasons and log-probabilities, with
-    rows of different limits, a stop id, sampling and penalties; a batch whose only row ends with its
-    first token (the started chunk runs no step); max_tokens=2. The helper thread runs the first chunk
-    only when nothing needs the host first (here: no stream), and its errors reach the caller."""
+def test_overlapped_first_chunk_equals_serial(model, rng, monkeypatch):
+    """loop_start="overlap" (the first chunk dispatched while a helper thread reads the first token
+    back) against "serial": the same tokens, counts, finish reasons and log-probabilities, with rows of
+    different limits, a stop id, sampling and penalties; a batch whose only row ends with its first
+    token; max_tokens=2. The read really overlaps the chunk: the helper's read is held until the chunk
+    has been called (a serial order would time out). A streamed call keeps the serial order; an error
+    in the chunk reaches the caller."""
     import threading
 
+    generate_module = sys.modules["k3jax.generate"]
     prompts = [rng.integers(3, 512, n).tolist() for n in (5, 13, 8)]
     serial = k3jax.Generator(model.with_impls(loop_start="serial"))
     overlap = k3jax.Generator(model.with_impls(loop_start="overlap"))
     free = serial.generate(prompts[0], k3jax.SamplingParams(max_new_tokens=12))[0].token_ids
-    chunk, threads = overlap.compiled_chunk, []
+    chunk, log, dispatched = overlap.compiled_chunk, [], threading.Event()
+    read = generate_module.read_host_view
 
     def spy(*args, **kwargs):
-        threads.append(threading.current_thread().name)
+        log.append(("chunk", threading.current_thread().name))
+        dispatched.set()
         return chunk(*args, **kwargs)
 
+    def held_read(view):
+        if threading.current_thread().name == "k3jax-first-token":
+            assert dispatched.wait(60), "the first token was read before the first chunk was called"
+            log.append(("first read", threading.current_thread().name))
+        return read(view)
+
     overlap.compiled_chunk = spy
+    monkeypatch.setattr(generate_module, "read_host_view", held_read)
     cases = [
         ([k3jax.SamplingParams(max_new_tokens=11, stop_token_ids=(free[5],), logprobs=2),
           k3jax.SamplingParams(max_new_tokens=40, temperature=1.0, seed=1, logprobs=2),
@@ -162,22 +174,25 @@ def test_overlapped_first_chunk_equals_serial(model, rng):
         ([k3jax.SamplingParams(max_new_tokens=2, ignore_eos=True)] * 3, 1),
     ]
     for params, chunks in cases:
-        threads.clear()
+        log.clear()
+        dispatched.clear()
         want = serial.generate(prompts, params)
         got = overlap.generate(prompts, params)
         for w, g in zip(want, got):
             assert g.token_ids == w.token_ids
             assert g.finish_reason == w.finish_reason
             assert g.outputs[0].logprobs == w.outputs[0].logprobs
-        assert threads[0] == "k3jax-first-chunk" and len(threads) == chunks, threads
+        assert log[:2] == [("chunk", "MainThread"), ("first read", "k3jax-first-token")], log
+        assert [entry for entry in log if entry[0] == "chunk"] == [("chunk", "MainThread")] * chunks, log
     assert len(want[0].token_ids) == 2
-    threads.clear()
+    log.clear()
+    dispatched.clear()
     only = overlap.generate(prompts[0], k3jax.SamplingParams(max_new_tokens=9, stop_token_ids=(free[0],)))[0]
-    assert only.token_ids == [free[0]] and only.finish_reason == "stop" and threads == ["k3jax-first-chunk"]
-    threads.clear()
+    assert only.token_ids == [free[0]] and only.finish_reason == "stop" and len(log) == 2
+    log.clear()
     streamed = overlap.generate(prompts[:1], k3jax.SamplingParams(max_new_tokens=5, ignore_eos=True),
                                 stream=lambda chunk: None, stream_every=2)
-    assert len(streamed[0].token_ids) == 5 and threads == ["MainThread"] * 3   # chunks end at steps 2, 4, 5
+    assert len(streamed[0].token_ids) == 5 and log == [("chunk", "MainThread")] * 3   # chunks end at steps 2, 4, 5
 
     def failing(*args, **kwargs):
         raise RuntimeError("chunk failed")

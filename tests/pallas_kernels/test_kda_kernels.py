@@ -227,12 +227,15 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
     assert explicit.resolve("bfloat16") == explicit      # settings given are kept
 
 
-@pytest.mark.parametrize("t,dtype,cumsum", [(200, "bfloat16", "pallas"), (128, "float32", "pallas"),
-                                             (70, "bfloat16", "xla")])
-def test_tokens_layout_equals_chunked_layout(rng, interpret, t, dtype, cumsum):
+@pytest.mark.parametrize("t,dtype,cumsum,pairs", [
+    (200, "bfloat16", "pallas", "joint"), (128, "float32", "pallas", "joint"),
+    (70, "bfloat16", "pallas", "separate"), (70, "bfloat16", "xla", "joint"),
+])
+def test_tokens_layout_equals_chunked_layout(rng, interpret, t, dtype, cumsum, pairs):
     """layout="tokens" (the kernels read q, k, v, g, beta and write o in [B, T, H, ...]) gives the
     chunked layout's outputs bit for bit: T off the chunk (a padded tail) and on it (no copy), bf16 and
-    fp32 values, an initial state. With XLA's cumsum the tokens layout is not taken (same result)."""
+    fp32 values, an initial state, joint and separate pair launches. With XLA's cumsum the tokens
+    layout is not taken (same result)."""
     b, h, kd, vd = 2, 3, 32, 32
     dt = jnp.dtype(dtype)
     q, k = (jnp.asarray(_l2(rng.standard_normal((b, t, h, kd))), dt) for _ in range(2))
@@ -240,8 +243,8 @@ def test_tokens_layout_equals_chunked_layout(rng, interpret, t, dtype, cumsum):
     g = jnp.asarray(rng.uniform(-1.0, 0.0, (b, t, h, kd)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0, 1, (b, t, h)), jnp.float32)
     s0 = jnp.asarray(rng.standard_normal((b, h, kd, vd)), jnp.float32)
-    tokens = ChunkBlocks(value_block=16, key_slice=16, cumsum=cumsum)
-    chunked = ChunkBlocks(value_block=16, key_slice=16, cumsum=cumsum, layout="chunked")
+    tokens = ChunkBlocks(value_block=16, key_slice=16, cumsum=cumsum, pairs=pairs)
+    chunked = ChunkBlocks(value_block=16, key_slice=16, cumsum=cumsum, pairs=pairs, layout="chunked")
     assert tokens.resolve(dtype).reads_tokens == (cumsum == "pallas") and not chunked.resolve(dtype).reads_tokens
     o1, s1 = kda_chunk_pallas(q, k, v, g, beta, initial_state=s0, blocks=tokens, interpret=interpret)
     o2, s2 = kda_chunk_pallas(q, k, v, g, beta, initial_state=s0, blocks=chunked, interpret=interpret)
@@ -276,3 +279,10 @@ def test_chunk_passes_refuse_unsettled_blocks(rng):
     with pytest.raises(ValueError, match="'auto' fields"):
         chunk_inter(x, x, x[..., :16], x, x, x[..., 0, :], x[:, :, 0], out_dtype=jnp.float32, blocks=ChunkBlocks(),
                     interpret=True)
+    # the tokens layout only where the settled blocks read it (the split pass writes the chunked layout)
+    split = ChunkBlocks(inter="split").resolve("float32")
+    with pytest.raises(ValueError, match="tokens layout need layout='tokens'"):
+        chunk_intra(x, x, x, x, x[..., 0], scale=1.0, blocks=split, interpret=True, tokens=True)
+    with pytest.raises(ValueError, match="tokens layout need layout='tokens'"):
+        chunk_inter(x, x, x[..., :16], x, x, x[..., 0, :], x[:, :, 0], out_dtype=jnp.float32, blocks=split,
+                    interpret=True, tokens=True)
