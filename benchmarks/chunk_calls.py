@@ -25,10 +25,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import k3jax  # noqa: E402
-
 from benchmarks.common import environment, table, write  # noqa: E402
-from benchmarks.decode import add_model_arguments, build  # noqa: E402
+from benchmarks.decode import add_model_arguments, build, warmed_generator  # noqa: E402
 
 
 class Capture:
@@ -87,13 +85,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
     model = build(args)
-    prompts = np.random.default_rng(0).integers(3, model.config.vocab_size - 300,
-                                                (args.batch, args.prompt_len)).tolist()
-    gen = k3jax.Generator(model)
-    sp = k3jax.SamplingParams(max_new_tokens=32, ignore_eos=True)
-    t0 = time.perf_counter()
-    gen.generate(prompts, sp)
-    print(f"first call {time.perf_counter() - t0:.1f} s", flush=True)
+    gen, prompts, sp = warmed_generator(model, args.batch, args.prompt_len, 32)
     capture = Capture(gen.compiled_chunk)
     gen.compiled_chunk = capture
     out = gen.generate(prompts, sp)

@@ -138,6 +138,18 @@ def touched_experts(model, prompts: list, outputs: list) -> float:
     return float(np.mean(counts))
 
 
+def warmed_generator(model, batch: int, prompt_len: int, new_tokens: int):
+    """(Generator, prompts, SamplingParams) for `batch` random prompts of `prompt_len` tokens and
+    `new_tokens` new ones (eos ignored), after one compiling generate call (its time printed)."""
+    prompts = np.random.default_rng(0).integers(3, model.config.vocab_size - 300, (batch, prompt_len)).tolist()
+    gen = k3jax.Generator(model)
+    sp = k3jax.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    gen.generate(prompts, sp)
+    print(f"first call {time.perf_counter() - t0:.1f} s", flush=True)
+    return gen, prompts, sp
+
+
 def parse_variant(spec: str) -> tuple[str, dict]:
     """"shared=auto,norm=fused" -> (the spec, {"shared": "auto", "norm": "fused"}), names checked."""
     impls = {}

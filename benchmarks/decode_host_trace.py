@@ -22,19 +22,17 @@ import os
 import re
 import sys
 import tempfile
-import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import k3jax  # noqa: E402
 
 generate_module = sys.modules["k3jax.generate"]   # the attribute k3jax.generate is the function
 from benchmarks.common import environment, table, write  # noqa: E402
-from benchmarks.decode import add_model_arguments, build  # noqa: E402
+from benchmarks.decode import add_model_arguments, build, warmed_generator  # noqa: E402
 from benchmarks.profile_summary import latest_trace  # noqa: E402
 
 CHUNK, READ, CALL = "k3jax.chunk_call", "k3jax.read_host_view", "k3jax.generate_call"
@@ -125,13 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default=None)
     args = ap.parse_args(argv)
     model = build(args)
-    prompts = np.random.default_rng(0).integers(3, model.config.vocab_size - 300,
-                                                (args.batch, args.prompt_len)).tolist()
-    gen = k3jax.Generator(model)
-    sp = k3jax.SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    gen.generate(prompts, sp)
-    print(f"first call {time.perf_counter() - t0:.1f} s", flush=True)
+    gen, prompts, sp = warmed_generator(model, args.batch, args.prompt_len, args.tokens)
     untraced = [gen.generate(prompts, sp).timings for _ in range(3)]
     gen.compiled_chunk = Annotated(gen.compiled_chunk, CHUNK)
     original_read = generate_module.read_host_view

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,17 +25,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import environment, table, write  # noqa: E402
+from benchmarks.common import environment, median_time, table, write  # noqa: E402
 
 
 def _median_us(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+    """Median microseconds of fn() after one warm-up call (fn returns None: nothing is waited on
+    beyond what fn itself waits for)."""
+    return 1e6 * median_time(fn, warmup=1, iters=repeats)[0]
 
 
 def read_costs(repeats: int) -> list[dict]:
