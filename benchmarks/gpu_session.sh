@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-ncu kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -85,6 +85,12 @@ for step in "$@"; do
               | quiet | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_prefill_tests.log"
           OUT=$W timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_prefill.log" ;;
+    kda-ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+          timeout ${NCU_LIMIT:-150} $NCU --clock-control none -k regex:${NCU_KERNELS:-kda_chunk} --launch-count ${NCU_COUNT:-4} \
+              --csv --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) python3 benchmarks/kda.py \
+              --prefill-only --no-fla --heads ${NCU_HEADS:-32} --iters 2 --variants ${NCU_VARIANTS:-default} \
+              > "$W/kda_ncu.csv" 2> "$W/kda_ncu.err"; tail -3 "$W/kda_ncu.err"
+          python3 benchmarks/ncu_summary.py "$W/kda_ncu.csv" --json "$W/kda_ncu.json" | tee "$W/kda_ncu.md" ;;
     mla) OUT=$W timeout ${MLA_LIMIT:-300} python3 benchmarks/mla_decode.py ${MLA_ARGS:-} 2>&1 | quiet | tee "$W/mla.log" ;;
     moe-ep) OUT=$W timeout 300 python3 benchmarks/moe_ep.py 2>&1 | quiet | tee "$W/moe_ep.log" ;;
     decode-ep2) for d in gather ragged; do

@@ -75,6 +75,10 @@ BF16 = dict(factors="bfloat16", inverse="tf32x3", cumsum="xla")
 VARIANTS = {
     "default": ChunkBlocks(),
     "default/chunked": ChunkBlocks(layout="chunked"),   # the defaults with XLA's layout copies (before 2026-12-03 late)
+    "default/ks64": ChunkBlocks(key_slice=64),
+    "default/w8": ChunkBlocks(num_warps=8),
+    "default/v64": ChunkBlocks(value_block=64),
+    "default/stages2": ChunkBlocks(num_stages=2),
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),
