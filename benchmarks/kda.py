@@ -79,6 +79,7 @@ VARIANTS = {
     "default/w8": ChunkBlocks(num_warps=8),
     "default/v64": ChunkBlocks(value_block=64),
     "default/stages2": ChunkBlocks(num_stages=2),
+    "default/inter-s1": ChunkBlocks(inter_num_stages=1),   # the sequential pass unpipelined (before KDA run 10)
     "default/inter-s2": ChunkBlocks(inter_num_stages=2),
     "default/inter-s3": ChunkBlocks(inter_num_stages=3),
     "default/stages3": ChunkBlocks(num_stages=3),

@@ -10,6 +10,13 @@ def default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
+def multiprocessor_count(default: int = 132) -> int:
+    """Streaming multiprocessors of the first device (an H100/H200's 132 where the backend does not say,
+    e.g. on the CPU, where launch settings do not matter)."""
+    count = getattr(jax.devices()[0], "core_count", None)
+    return int(count) if isinstance(count, int) and count > 0 else default
+
+
 def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._util import default_interpret, is_pow2
+from pallas_kernels._util import default_interpret, is_pow2, multiprocessor_count
 from pallas_kernels.kda.inter_split import chunk_inter_split
 from pallas_kernels.kda.intra_parallel import (SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum,
                                               local_cumsum_kernel, solve_kernel)
@@ -301,7 +301,11 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
             raise ValueError(f"chunk_inter: inter='split' takes fp32 factors, got {w.dtype}")
         return chunk_inter_split(w, u, aqk, qg, kt, dec, s0, out_dtype=out_dtype, value_block=blocks.value_block,
                                  num_warps=blocks.inter_num_warps,
-                                 num_stages=blocks.sequential_stages, interpret=interpret)
+                                 num_stages=blocks.sequential_stages(w.shape[0] * w.shape[1]
+                                                                     * (u.shape[-1] // min(u.shape[-1],
+                                                                                          blocks.value_block)),
+                                                                     multiprocessor_count()),
+                                 interpret=interpret)
     b, h, n, c, kd = w.shape
     vd = u.shape[-1]
     vb = min(vd, blocks.value_block)
@@ -331,7 +335,8 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
         out_specs=[out_spec, state_spec],
         out_shape=[out_shape, jax.ShapeDtypeStruct(state_shape, jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=blocks.inter_num_warps,
-                                           num_stages=blocks.sequential_stages),
+                                           num_stages=blocks.sequential_stages(b * h * (vd // vb),
+                                                                               multiprocessor_count())),
         interpret=interpret,
         name="kda_chunk_inter",
     )(*flags, w, u, aqk, qg, kt, dec, s0)
@@ -356,6 +361,8 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
         raise ValueError(f"{name}: pairs must be 'joint' or 'separate', got {blocks.pairs!r}")
     if blocks.inverse not in ("tf32x3", "tf32"):
         raise ValueError(f"{name}: inverse must be 'auto', 'tf32x3' or 'tf32', got {blocks.inverse!r}")
+    if not (isinstance(blocks.inter_num_stages, int) and blocks.inter_num_stages >= 0):
+        raise ValueError(f"{name}: inter_num_stages must be 0 (auto) or a stage count >= 1, got {blocks.inter_num_stages!r}")
     if blocks.layout not in ("tokens", "chunked"):
         raise ValueError(f"{name}: layout must be 'tokens' or 'chunked', got {blocks.layout!r}")
     if blocks.cumsum not in ("xla", "pallas"):

@@ -45,6 +45,7 @@ class DecodeBlocks:
         return 2 if self.split_from is not None and rows * heads >= self.split_from and 2 in fits else 1
 
 
+ONE_WAVE_STAGES = 3      # pipeline stages of the sequential KDA pass when its grid is a single wave
 PARALLEL_MAX_CHUNK = 64   # the "parallel" form's doubling inverse of a 128-row chunk needs 384 KB of shared memory
 
 
@@ -80,12 +81,17 @@ class ChunkBlocks:
     num_warps: int = 4       # intra-chunk kernel (H200: 4 beat 8)
     inter_num_warps: int = 4
     num_stages: int = 1
-    inter_num_stages: int | None = None   # the sequential kernel's (None: num_stages)
+    inter_num_stages: int = 0   # the sequential kernel's; 0 (auto): ONE_WAVE_STAGES where its programs fit in one
+                                # wave (at most one per multiprocessor), else num_stages. H200, T = 8192, same run
+                                # (RESULTS.md, KDA run 10): H = 32 (128 programs) 3 stages 0.678 -> 0.395 ms,
+                                # H = 96 (384 programs) 0.988 -> 1.09 ms
 
-    @property
-    def sequential_stages(self) -> int:
-        """num_stages of the sequential pass's launches."""
-        return self.inter_num_stages or self.num_stages
+    def sequential_stages(self, programs: int, multiprocessors: int) -> int:
+        """num_stages of the sequential pass's launch of `programs` programs on `multiprocessors` SMs: with one
+        program per SM nothing else hides a program's load latency, so the loop's loads are pipelined."""
+        if self.inter_num_stages:
+            return self.inter_num_stages
+        return ONE_WAVE_STAGES if programs <= multiprocessors else self.num_stages
 
     def resolve(self, value_dtype: str) -> "ChunkBlocks":
         """These settings with every "auto" settled for values of `value_dtype` (a dtype name)."""

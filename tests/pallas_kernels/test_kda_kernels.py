@@ -10,6 +10,7 @@ from tolerances import TOLERANCES, assert_close, kernel_dtype
 
 from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_chunk_pallas,
                                 kda_decode_pallas, kda_decode_xla, kda_recurrent_reference)
+from pallas_kernels.kda.tuning import ONE_WAVE_STAGES
 
 
 def _l2(x):
@@ -206,6 +207,7 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(intra="parallel", inverse="fp32"), "inverse must be"),
     (ChunkBlocks(factors="bfloat16", inter="split"), "needs inter='fused'"),
     (ChunkBlocks(layout="heads"), "layout must be"),
+    (ChunkBlocks(inter_num_stages=-1), "inter_num_stages must be"),
 ])
 def test_chunk_blocks_name_the_bad_setting(rng, blocks, message):
     q = jnp.asarray(_l2(rng.standard_normal((1, 16, 1, 16))), jnp.float32)
@@ -223,6 +225,15 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
     assert (fp32.intra, fp32.factors, fp32.inverse) == ("parallel", "float32", "tf32x3")
     assert ChunkBlocks(chunk=128).resolve("bfloat16").intra == "blocked"
     assert ChunkBlocks(inter="split").resolve("bfloat16").factors == "float32"
+
+
+def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
+    """inter_num_stages=0 (auto): ONE_WAVE_STAGES while the sequential pass has at most one program per
+    multiprocessor, num_stages beyond; an explicit count always wins."""
+    auto = ChunkBlocks()
+    assert auto.sequential_stages(128, 132) == ONE_WAVE_STAGES > auto.num_stages
+    assert auto.sequential_stages(384, 132) == auto.num_stages
+    assert ChunkBlocks(inter_num_stages=2).sequential_stages(384, 132) == 2
     explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32")
     assert explicit.resolve("bfloat16") == explicit      # settings given are kept
 
