@@ -87,9 +87,8 @@ for step in "$@"; do
               | tee "$W/kda_prefill.log" ;;
     kda-ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
           timeout ${NCU_LIMIT:-150} $NCU --clock-control none -k regex:${NCU_KERNELS:-kda_chunk} --launch-count ${NCU_COUNT:-4} \
-              --csv --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) python3 benchmarks/kda.py \
-              --prefill-only --no-fla --heads ${NCU_HEADS:-32} --iters 2 --variants ${NCU_VARIANTS:-default} \
-              > "$W/kda_ncu.csv" 2> "$W/kda_ncu.err"; tail -3 "$W/kda_ncu.err"
+              --csv --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) python3 benchmarks/kda_prefill_once.py \
+              --heads ${NCU_HEADS:-32} > "$W/kda_ncu.csv" 2> "$W/kda_ncu.err"; tail -3 "$W/kda_ncu.err"
           python3 benchmarks/ncu_summary.py "$W/kda_ncu.csv" --json "$W/kda_ncu.json" | tee "$W/kda_ncu.md" ;;
     mla) OUT=$W timeout ${MLA_LIMIT:-300} python3 benchmarks/mla_decode.py ${MLA_ARGS:-} 2>&1 | quiet | tee "$W/mla.log" ;;
     moe-ep) OUT=$W timeout 300 python3 benchmarks/moe_ep.py 2>&1 | quiet | tee "$W/moe_ep.log" ;;
