@@ -90,7 +90,8 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def markdown(entries: list[dict]) -> str:
-    lines = ["| kernel | us | regs | threads | occupancy % | issue % | SM % | mem % | pipes % (busiest) | stalls per issue (top 4) |",
+    lines = ["| kernel | us | regs | threads | occupancy % | issue % | SM % | mem % | pipes % (busiest) "
+             "| stalls per issue (top 4) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"
     for e in entries:

@@ -362,7 +362,8 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.inverse not in ("tf32x3", "tf32"):
         raise ValueError(f"{name}: inverse must be 'auto', 'tf32x3' or 'tf32', got {blocks.inverse!r}")
     if not (isinstance(blocks.inter_num_stages, int) and blocks.inter_num_stages >= 0):
-        raise ValueError(f"{name}: inter_num_stages must be 0 (auto) or a stage count >= 1, got {blocks.inter_num_stages!r}")
+        raise ValueError(f"{name}: inter_num_stages must be 0 (auto) or a stage count >= 1, "
+                         f"got {blocks.inter_num_stages!r}")
     if blocks.layout not in ("tokens", "chunked"):
         raise ValueError(f"{name}: layout must be 'tokens' or 'chunked', got {blocks.layout!r}")
     if blocks.cumsum not in ("xla", "pallas"):

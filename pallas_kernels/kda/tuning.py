@@ -53,9 +53,9 @@ PARALLEL_MAX_CHUNK = 64   # the "parallel" form's doubling inverse of a 128-row 
 class ChunkBlocks:
     """Forms and launch settings of the chunked prefill. "auto" fields are settled per call by
     `resolve` (from the chunk and the inputs' dtype). H200, B = 1, T = 8192, K = V = 128, H = 32
-    (benchmarks/RESULTS.md, 2026-12-03 KDA runs 3-8): these defaults 2.17 ms against fla's 1.69 in the
-    same run (run 8; 2.39 ms with the chunked layout), the blocked form with fp32 factors 4.67 ms and fla
-    1.36 ms on another machine (run 5)."""
+    (benchmarks/RESULTS.md, 2026-12-03 KDA runs 3-11): these defaults 1.92 ms against fla's 1.71 in the
+    same run (run 11; 2.21 ms with the sequential pass unpipelined, 2.39 ms with the chunked layout too), the
+    blocked form with fp32 factors 4.67 ms and fla 1.36 ms on another machine (run 5)."""
 
     chunk: int = 64          # tokens per chunk (WY form)
     intra: str = "auto"      # intra-chunk kernel: "parallel" (no row-serial loops: `intra_parallel.py`; chunks
@@ -84,7 +84,7 @@ class ChunkBlocks:
     inter_num_stages: int = 0   # the sequential kernel's; 0 (auto): ONE_WAVE_STAGES where its programs fit in one
                                 # wave (at most one per multiprocessor), else num_stages. H200, T = 8192, same run
                                 # (RESULTS.md, KDA run 10): H = 32 (128 programs) 3 stages 0.678 -> 0.395 ms,
-                                # H = 96 (384 programs) 0.988 -> 1.09 ms
+                                # H = 96 (384 programs) 0.988 -> 1.09 ms (188 KB of shared memory: one program per SM)
 
     def sequential_stages(self, programs: int, multiprocessors: int) -> int:
         """num_stages of the sequential pass's launch of `programs` programs on `multiprocessors` SMs: with one
