@@ -9,6 +9,7 @@
     python benchmarks/plot.py mla-step # an MLA decode step at B=1: device time of its three launches, before / after
     python benchmarks/plot.py kda-intra # KDA chunked prefill at T = 8192: the two kernels per variant, and fla
     python benchmarks/plot.py kda-kernels  # the same by kernel (profiled run), beside fla's kernels
+    python benchmarks/plot.py kda-stages   # the sequential pass's pipeline stages (KDA run 10)
     python benchmarks/plot.py all
 
 Inputs are the JSON records under benchmarks/results/h200/; the PNGs are written beside RESULTS.md.
@@ -257,19 +258,26 @@ def plot_mla_step(out: str) -> str:
 KDA_PREFILL = "kda_prefill_run2_7c7aec2.json"
 
 
-def plot_kda_intra(out: str) -> str:
+KDA_STAGES = "kda_prefill_run10_stages_a078edf.json"   # the sequential pass's pipeline stages (RESULTS.md)
+
+
+def plot_kda_stages(out: str) -> str:
+    return plot_kda_intra(out, KDA_STAGES, "kda_stages.png")
+
+
+def plot_kda_intra(out: str, record: str = KDA_PREFILL, png: str = "kda_intra.png") -> str:
     """KDA chunked prefill at T = 8192: intra-chunk + sequential kernel time per variant and head
     count (one run), with fla's whole chunk_kda where the run timed it."""
     import numpy as np
 
-    shapes = _load(KDA_PREFILL)["prefill"]
+    shapes = _load(record)["prefill"]
     fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4.2))
     for ax, shape in zip(np.atleast_1d(axes), shapes):
         names = list(shape["variants"])
         y = np.arange(len(names))
         intra = np.array([shape["variants"][n]["intra_ms"] for n in names])
         inter = np.array([shape["variants"][n]["inter_ms"] for n in names])
-        ax.barh(y, intra, 0.6, label="intra-chunk kernel")
+        ax.barh(y, intra, 0.6, label="intra-chunk kernels")
         ax.barh(y, inter, 0.6, left=intra, label="sequential kernel")
         if "fla_ms" in shape:
             ax.axvline(shape["fla_ms"], color="k", ls="--", label=f"fla chunk_kda {shape['fla_ms']:.2f} ms")
@@ -279,7 +287,7 @@ def plot_kda_intra(out: str) -> str:
         ax.set_title(f"KDA prefill, B = 1, T = 8192, H = {shape['H']} (one H200)", fontsize=9)
         ax.grid(True, axis="x", alpha=0.3)
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
-    return _save(fig, os.path.join(out, "kda_intra.png"))
+    return _save(fig, os.path.join(out, png))
 
 
 KDA_KERNELS = "kda_prefill_run5_2e4e042.json"
@@ -358,13 +366,15 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra", "kda-kernels", "server",
+    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra", "kda-kernels",
+                                          "kda-stages", "server",
                                           "all"])
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args(argv)
     for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative),
                      ("prefill", plot_prefill), ("mla", plot_mla_decode), ("mla-step", plot_mla_step),
-                     ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels)):
+                     ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels),
+                     ("kda-stages", plot_kda_stages)):
         if args.which in (name, "all"):
             print("wrote", fn(args.out))
     if args.which == "server" or (args.which == "all" and os.path.exists(os.path.join(H200, SERVER_LOAD))):
