@@ -86,6 +86,7 @@ for step in "$@"; do
           OUT=$W timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_prefill.log" ;;
     kda-ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+          [ -n "$NCU" ] || { echo "kda-ncu: no ncu on this machine" | tee "$W/kda_ncu.err"; continue; }
           timeout ${NCU_LIMIT:-150} $NCU --clock-control none -k regex:${NCU_KERNELS:-kda_chunk} --launch-count ${NCU_COUNT:-4} \
               --csv --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) python3 benchmarks/kda_prefill_once.py \
               --heads ${NCU_HEADS:-32} > "$W/kda_ncu.csv" 2> "$W/kda_ncu.err"; tail -3 "$W/kda_ncu.err"

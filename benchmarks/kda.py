@@ -78,13 +78,12 @@ VARIANTS = {
     "default/ks64": ChunkBlocks(key_slice=64),
     "default/w8": ChunkBlocks(num_warps=8),
     "default/v64": ChunkBlocks(value_block=64),
-    "default/stages2": ChunkBlocks(num_stages=2),
-    "default/inter-s1": ChunkBlocks(inter_num_stages=1),   # the sequential pass unpipelined (before KDA run 10)
+    "default/stages2": ChunkBlocks(num_stages=2, inter_num_stages=2),     # every launch at 2 stages
+    "default/inter-s1": ChunkBlocks(inter_num_stages=1),   # the sequential pass unpipelined (default before run 11)
     "default/inter-s2": ChunkBlocks(inter_num_stages=2),
     "default/inter-s3": ChunkBlocks(inter_num_stages=3),
-    "default/stages3": ChunkBlocks(num_stages=3),
+    "default/stages3": ChunkBlocks(num_stages=3, inter_num_stages=3),
     "default/inter-s2/v64": ChunkBlocks(inter_num_stages=2, value_block=64),
-    "default/inter-s2/v16": ChunkBlocks(inter_num_stages=2, value_block=16),
     "default/inter-s2/iw8": ChunkBlocks(inter_num_stages=2, inter_num_warps=8),
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),

@@ -1,8 +1,8 @@
 """Summarises an Nsight Compute CSV (`ncu --csv --page raw --metrics ...`) into one markdown row per kernel:
 duration, registers, occupancy, the busiest pipes and the main stall reasons.
 
-    ncu --clock-control none -k regex:kda_chunk --launch-count 8 --csv --page raw --metrics $(python3 \\
-        benchmarks/ncu_summary.py --metrics) python3 benchmarks/kda.py ... > ncu.csv
+    ncu --clock-control none -k regex:kda_chunk --launch-count 4 --csv --page raw --metrics $(python3 \\
+        benchmarks/ncu_summary.py --metrics) python3 benchmarks/kda_prefill_once.py --heads 32 > ncu.csv
     python3 benchmarks/ncu_summary.py ncu.csv [--json out.json]
 
 Stall columns are warps stalled per issued instruction (`smsp__average_warps_issue_stalled_*_per_issue_active`):
@@ -90,15 +90,18 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def markdown(entries: list[dict]) -> str:
-    lines = ["| kernel | us | regs | threads | occupancy % | issue % | SM % | mem % | pipes % (busiest) "
+    lines = ["| kernel | us | regs | threads | shared KB | occupancy % | issue % | SM % | mem % | pipes % (busiest) "
              "| stalls per issue (top 4) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"
     for e in entries:
         pipes = ", ".join(f"{k} {v:.0f}" for k, v in sorted(e["pipes"].items(), key=lambda kv: -(kv[1] or 0))[:4]
                           if v is not None)
         stalls = ", ".join(f"{k} {v:.2f}" for k, v in list(e["stalls"].items())[:4])
+        smem = [e[k] for k in ("smem static", "smem dyn") if e[k] is not None]
+        shared = sum(smem) / 1024 if smem else None
         lines.append(f"| {e['kernel']} | {fmt(e['us'])} | {fmt(e['regs'], 0)} | {fmt(e['threads'], 0)} | "
+                     f"{fmt(shared)} | "
                      f"{fmt(e['occupancy %'])} | {fmt(e['issue %'])} | {fmt(e['SM %'])} | {fmt(e['mem %'])} | "
                      f"{pipes} | {stalls} |")
     return "\n".join(lines)

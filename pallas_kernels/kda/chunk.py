@@ -301,14 +301,13 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
             raise ValueError(f"chunk_inter: inter='split' takes fp32 factors, got {w.dtype}")
         return chunk_inter_split(w, u, aqk, qg, kt, dec, s0, out_dtype=out_dtype, value_block=blocks.value_block,
                                  num_warps=blocks.inter_num_warps,
-                                 num_stages=blocks.sequential_stages(w.shape[0] * w.shape[1]
-                                                                     * (u.shape[-1] // min(u.shape[-1],
-                                                                                          blocks.value_block)),
-                                                                     multiprocessor_count()),
-                                 interpret=interpret)
+                                 num_stages=blocks.inter_num_stages or blocks.num_stages, interpret=interpret)
     b, h, n, c, kd = w.shape
     vd = u.shape[-1]
     vb = min(vd, blocks.value_block)
+    # one chunk's loads of a program: W, q e^G, k e^(G_C - G) [C, K], U [C, Vb], A_qk [C, C], e^(G_C) [K]
+    stage_bytes = w.dtype.itemsize * (3 * c * kd + c * vb + c * c) + 4 * kd
+    stages = blocks.sequential_stages(b * h * (vd // vb), multiprocessor_count(), stage_bytes)
     whole = lambda *tail: pl.BlockSpec((None, None) + tail, lambda i, j, m: (i, j) + (0,) * len(tail))
     by_value = lambda *tail: pl.BlockSpec((None, None) + tail[:-1] + (vb,),
                                           lambda i, j, m: (i, j) + (0,) * (len(tail) - 1) + (m,))
@@ -334,9 +333,7 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
         in_specs=flag_specs + chunk_specs + [state_spec],
         out_specs=[out_spec, state_spec],
         out_shape=[out_shape, jax.ShapeDtypeStruct(state_shape, jnp.float32)],
-        compiler_params=plt.CompilerParams(num_warps=blocks.inter_num_warps,
-                                           num_stages=blocks.sequential_stages(b * h * (vd // vb),
-                                                                               multiprocessor_count())),
+        compiler_params=plt.CompilerParams(num_warps=blocks.inter_num_warps, num_stages=stages),
         interpret=interpret,
         name="kda_chunk_inter",
     )(*flags, w, u, aqk, qg, kt, dec, s0)
@@ -361,7 +358,8 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
         raise ValueError(f"{name}: pairs must be 'joint' or 'separate', got {blocks.pairs!r}")
     if blocks.inverse not in ("tf32x3", "tf32"):
         raise ValueError(f"{name}: inverse must be 'auto', 'tf32x3' or 'tf32', got {blocks.inverse!r}")
-    if not (isinstance(blocks.inter_num_stages, int) and blocks.inter_num_stages >= 0):
+    if isinstance(blocks.inter_num_stages, bool) or not (isinstance(blocks.inter_num_stages, int)
+                                                         and blocks.inter_num_stages >= 0):
         raise ValueError(f"{name}: inter_num_stages must be 0 (auto) or a stage count >= 1, "
                          f"got {blocks.inter_num_stages!r}")
     if blocks.layout not in ("tokens", "chunked"):

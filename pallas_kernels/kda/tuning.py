@@ -45,7 +45,9 @@ class DecodeBlocks:
         return 2 if self.split_from is not None and rows * heads >= self.split_from and 2 in fits else 1
 
 
-ONE_WAVE_STAGES = 3      # pipeline stages of the sequential KDA pass when its grid is a single wave
+ONE_WAVE_STAGES = 3      # pipeline stages of the sequential KDA pass when its grid is a single wave, at most
+STAGE_SHARED_BYTES = 200 * 1024   # ... and their loads' shared memory (3 x 60 KB compiled to 188 KB; the H200 gives
+                                  # a block 227 KB)
 PARALLEL_MAX_CHUNK = 64   # the "parallel" form's doubling inverse of a 128-row chunk needs 384 KB of shared memory
 
 
@@ -54,7 +56,7 @@ class ChunkBlocks:
     """Forms and launch settings of the chunked prefill. "auto" fields are settled per call by
     `resolve` (from the chunk and the inputs' dtype). H200, B = 1, T = 8192, K = V = 128, H = 32
     (benchmarks/RESULTS.md, 2026-12-03 KDA runs 3-11): these defaults 1.92 ms against fla's 1.71 in the
-    same run (run 11; 2.21 ms with the sequential pass unpipelined, 2.39 ms with the chunked layout too), the
+    same run (run 11; 2.21 ms with the sequential pass unpipelined; 2.39 ms with the chunked layout in run 8), the
     blocked form with fp32 factors 4.67 ms and fla 1.36 ms on another machine (run 5)."""
 
     chunk: int = 64          # tokens per chunk (WY form)
@@ -81,17 +83,24 @@ class ChunkBlocks:
     num_warps: int = 4       # intra-chunk kernel (H200: 4 beat 8)
     inter_num_warps: int = 4
     num_stages: int = 1
-    inter_num_stages: int = 0   # the sequential kernel's; 0 (auto): ONE_WAVE_STAGES where its programs fit in one
-                                # wave (at most one per multiprocessor), else num_stages. H200, T = 8192, same run
-                                # (RESULTS.md, KDA run 10): H = 32 (128 programs) 3 stages 0.678 -> 0.395 ms,
-                                # H = 96 (384 programs) 0.988 -> 1.09 ms (188 KB of shared memory: one program per SM)
+    inter_num_stages: int = 0   # the fused sequential kernel's; 0 (auto): up to ONE_WAVE_STAGES where its programs
+                                # fit in one wave (at most one per multiprocessor) and the stages' loads fit
+                                # STAGE_SHARED_BYTES, else num_stages. H200, T = 8192, bf16 (RESULTS.md, KDA runs
+                                # 10-11): H = 32 (128 programs) 3 stages 0.678 -> 0.395 ms; at H = 96 (384 programs)
+                                # 3 stages took 0.988 -> 1.09 ms (188 KB of shared memory: one program per SM)
 
-    def sequential_stages(self, programs: int, multiprocessors: int) -> int:
-        """num_stages of the sequential pass's launch of `programs` programs on `multiprocessors` SMs: with one
-        program per SM nothing else hides a program's load latency, so the loop's loads are pipelined."""
+    def sequential_stages(self, programs: int, multiprocessors: int, stage_bytes: int) -> int:
+        """num_stages of the fused sequential pass's launch of `programs` programs on `multiprocessors` SMs,
+        each stage holding `stage_bytes` of one chunk's loads: with one program per SM nothing else hides a
+        program's load latency, so the loop's loads are pipelined as deep as shared memory allows (bf16
+        factors at 64-token chunks: 60 KB a stage, 3 stages; fp32 factors: 120 KB, none)."""
         if self.inter_num_stages:
             return self.inter_num_stages
-        return ONE_WAVE_STAGES if programs <= multiprocessors else self.num_stages
+        if programs <= multiprocessors:
+            for stages in range(ONE_WAVE_STAGES, 1, -1):
+                if stages * stage_bytes <= STAGE_SHARED_BYTES:
+                    return stages
+        return self.num_stages
 
     def resolve(self, value_dtype: str) -> "ChunkBlocks":
         """These settings with every "auto" settled for values of `value_dtype` (a dtype name)."""

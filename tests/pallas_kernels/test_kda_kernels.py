@@ -10,7 +10,7 @@ from tolerances import TOLERANCES, assert_close, kernel_dtype
 
 from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_chunk_pallas,
                                 kda_decode_pallas, kda_decode_xla, kda_recurrent_reference)
-from pallas_kernels.kda.tuning import ONE_WAVE_STAGES
+from pallas_kernels.kda.tuning import ONE_WAVE_STAGES, STAGE_SHARED_BYTES
 
 
 def _l2(x):
@@ -225,17 +225,23 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
     assert (fp32.intra, fp32.factors, fp32.inverse) == ("parallel", "float32", "tf32x3")
     assert ChunkBlocks(chunk=128).resolve("bfloat16").intra == "blocked"
     assert ChunkBlocks(inter="split").resolve("bfloat16").factors == "float32"
+    explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32")
+    assert explicit.resolve("bfloat16") == explicit      # settings given are kept
 
 
 def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
-    """inter_num_stages=0 (auto): ONE_WAVE_STAGES while the sequential pass has at most one program per
-    multiprocessor, num_stages beyond; an explicit count always wins."""
+    """inter_num_stages=0 (auto): up to ONE_WAVE_STAGES while the sequential pass has at most one program per
+    multiprocessor and the stages' loads fit STAGE_SHARED_BYTES, num_stages otherwise; an explicit count
+    always wins."""
     auto = ChunkBlocks()
-    assert auto.sequential_stages(128, 132) == ONE_WAVE_STAGES > auto.num_stages
-    assert auto.sequential_stages(384, 132) == auto.num_stages
-    assert ChunkBlocks(inter_num_stages=2).sequential_stages(384, 132) == 2
-    explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32")
-    assert explicit.resolve("bfloat16") == explicit      # settings given are kept
+    elements = 3 * 64 * 128 + 64 * 32 + 64 * 64      # one 64-token chunk's loads, K = V = 128, 32 state columns
+    bf16_stage, fp32_stage = 2 * elements + 512, 4 * elements + 512
+    assert auto.sequential_stages(132, 132, bf16_stage) == ONE_WAVE_STAGES > auto.num_stages
+    assert auto.sequential_stages(133, 132, bf16_stage) == auto.num_stages
+    assert auto.sequential_stages(128, 132, fp32_stage) == auto.num_stages      # 2 x 120 KB would not fit
+    assert 2 * fp32_stage > STAGE_SHARED_BYTES >= ONE_WAVE_STAGES * bf16_stage
+    assert auto.sequential_stages(128, 132, STAGE_SHARED_BYTES // 2) == 2
+    assert ChunkBlocks(inter_num_stages=2).sequential_stages(384, 132, fp32_stage) == 2
 
 
 @pytest.mark.parametrize("t,dtype,cumsum,pairs", [
