@@ -85,6 +85,9 @@ VARIANTS = {
     "default/stages3": ChunkBlocks(num_stages=3, inter_num_stages=3),
     "default/inter-s2/v64": ChunkBlocks(inter_num_stages=2, value_block=64),
     "default/inter-s2/iw8": ChunkBlocks(inter_num_stages=2, inter_num_warps=8),
+    "default/tiles": ChunkBlocks(pairs="tiles"),                        # A_kk, A_qk by 16-row tiles (intra_tiles.py)
+    "default/tiles/w2": ChunkBlocks(pairs="tiles", pairs_num_warps=2),
+    "default/tiles/w1": ChunkBlocks(pairs="tiles", pairs_num_warps=1),
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),

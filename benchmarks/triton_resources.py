@@ -95,6 +95,10 @@ def _build_cases():
         "kda-chunk-parallel-w8": kda(intra="parallel", num_warps=8, **FP32_FACTORS),
         "kda-chunk-split": kda(inter="split", **FP32_FACTORS),
         "kda-chunk-default": kda(),     # ChunkBlocks() on bf16 values: parallel, bf16 factors, Pallas cumsum
+        "kda-chunk-tiles": kda(pairs="tiles"),
+        "kda-chunk-tiles-w2": kda(pairs="tiles", pairs_num_warps=2),
+        "kda-chunk-tiles-w1": kda(pairs="tiles", pairs_num_warps=1),
+        "kda-chunk-tiles-ks64": kda(pairs="tiles", key_slice=64),
         "kda-decode-b1": kda_decode(1),
         "kda-decode-b64": kda_decode(64),
         "moe-pairs-bf16": pairs(False),

@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2, multiprocessor_count
 from pallas_kernels.kda.inter_split import chunk_inter_split
+from pallas_kernels.kda.intra_tiles import tile_pairs_kernel
 from pallas_kernels.kda.intra_parallel import (SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum,
                                               local_cumsum_kernel, solve_kernel)
 from pallas_kernels.kda.reference import validate_inputs
@@ -229,8 +230,9 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
 
 def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False):
     """`chunk_intra` as three launches (`intra_parallel.py`): the local cumsum (or XLA's), A_kk and A_qk
-    (one launch, or one each with blocks.pairs = "separate"), then the solve and factors. tokens: the
-    raw inputs are [B, N, C, H, ...] and each program reads its chunk's [C, ...] rows of one head there."""
+    (one launch, or one each with blocks.pairs = "separate", or by 16-row tiles with "tiles": `intra_tiles.py`),
+    then the solve and factors. tokens: the raw inputs are [B, N, C, H, ...] and each program reads its chunk's
+    [C, ...] rows of one head there."""
     if tokens:
         b, n, c, h, kd = qc.shape
     else:
@@ -259,12 +261,15 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
             out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), dtype), compiler_params=params, interpret=interpret,
             name=name)(left, kc, lc)
 
-    if blocks.pairs == "joint":
+    if blocks.pairs in ("joint", "tiles"):
+        kernel = joint_pairs_kernel if blocks.pairs == "joint" else tile_pairs_kernel
         akk, aqk = pl.pallas_call(
-            functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice),
+            functools.partial(kernel, scale=scale, key_slice=key_slice),
             grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd)], out_specs=[blk(c, c)] * 2,
             out_shape=[jax.ShapeDtypeStruct((b, h, n, c, c), f32), jax.ShapeDtypeStruct((b, h, n, c, c), fd)],
-            compiler_params=params, interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc)
+            compiler_params=plt.CompilerParams(num_warps=blocks.pairs_num_warps or blocks.num_warps,
+                                               num_stages=blocks.num_stages),
+            interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc)
     else:
         akk = pairs(kc, 1.0, False, f32, "kda_chunk_akk")
         aqk = pairs(qc, scale, True, fd, "kda_chunk_aqk")
@@ -354,8 +359,11 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.intra == "parallel" and c > PARALLEL_MAX_CHUNK:
         raise ValueError(f"{name}: intra='parallel' takes chunks of at most {PARALLEL_MAX_CHUNK} tokens, got {c} (the "
                          f"inverse of a 128-row chunk asks the H200 for 384 KB of shared memory, over its 227 KB)")
-    if blocks.pairs not in ("joint", "separate"):
-        raise ValueError(f"{name}: pairs must be 'joint' or 'separate', got {blocks.pairs!r}")
+    if blocks.pairs not in ("joint", "separate", "tiles"):
+        raise ValueError(f"{name}: pairs must be 'joint', 'separate' or 'tiles', got {blocks.pairs!r}")
+    if blocks.pairs_num_warps not in (0, 1, 2, 4, 8):
+        raise ValueError(f"{name}: pairs_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
+                         f"got {blocks.pairs_num_warps!r}")
     if blocks.inverse not in ("tf32x3", "tf32"):
         raise ValueError(f"{name}: inverse must be 'auto', 'tf32x3' or 'tf32', got {blocks.inverse!r}")
     if isinstance(blocks.inter_num_stages, bool) or not (isinstance(blocks.inter_num_stages, int)

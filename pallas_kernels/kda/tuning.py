@@ -63,7 +63,10 @@ class ChunkBlocks:
     intra: str = "auto"      # intra-chunk kernel: "parallel" (no row-serial loops: `intra_parallel.py`; chunks
                              # <= 64), "blocked" (sub-block matmuls, row-serial diagonal blocks), "column"
                              # (pairwise loop); auto: parallel up to PARALLEL_MAX_CHUNK, else blocked
-    pairs: str = "joint"     # "parallel": A_kk and A_qk in one launch ("joint") or one launch each ("separate")
+    pairs: str = "joint"     # "parallel": A_kk and A_qk in one launch ("joint"), one launch each ("separate"), or in
+                             # one launch by 16-row tiles ("tiles": `intra_tiles.py`, a quarter of the product work;
+                             # not yet timed on the GPU)
+    pairs_num_warps: int = 0  # warps of the pairs launch (0: num_warps)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
                              # or "tf32" (as fla); auto: tf32 with bf16 factors, else tf32x3
     cumsum: str = "pallas"   # "parallel": the decay summed per 16-row sub-block in a Pallas launch ("pallas") or

@@ -40,6 +40,11 @@ def _l2(x):
     # one TF32 product per inverse step: differs from the row above only compiled (interpret runs fp32)
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/bf16/tf32"),
     (2, 37, 2, 16, 16, 16, (-30.0, 0.0), True, "bfloat16", "column/bf16"),
+    # A_kk and A_qk by 16-row tiles: strong gates (tiles below the diagonal), several key slices, one tile a chunk
+    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/tiles"),
+    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/tiles/bf16"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/tiles"),
+    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/tiles"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -49,13 +54,15 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     beta = rng.uniform(0, 1, (b, t, h)).astype(np.float32)
     s0 = rng.standard_normal((b, h, kd, vd)).astype(np.float32) if init else None
     cast = lambda x: jnp.asarray(x, dtype)
-    intra, *options = intra.split("/")   # "separate": A_kk, A_qk one launch each; "bf16": bf16 factors
+    intra, *options = intra.split("/")   # "separate": A_kk, A_qk one launch each; "tiles": by 16-row tiles;
+    # "bf16": bf16 factors
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
                                                cumsum="xla" if "xla-cumsum" in options else "pallas",
                                                inverse="tf32" if "tf32" in options else "tf32x3",
-                                               pairs="separate" if "separate" in options else "joint",
+                                               pairs=next((p for p in ("separate", "tiles") if p in options),
+                                                          "joint"),
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -202,6 +209,7 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(intra="parallel", chunk=8), "must be powers of two"),
     (ChunkBlocks(intra="parallel", chunk=128), "at most 64 tokens"),
     (ChunkBlocks(intra="parallel", pairs="rows"), "pairs must be"),
+    (ChunkBlocks(intra="parallel", pairs="tiles", pairs_num_warps=3), "pairs_num_warps must be"),
     (ChunkBlocks(factors="float16"), "factors must be"),
     (ChunkBlocks(intra="parallel", cumsum="scan"), "cumsum must be"),
     (ChunkBlocks(intra="parallel", inverse="fp32"), "inverse must be"),
@@ -246,12 +254,12 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
 
 @pytest.mark.parametrize("t,dtype,cumsum,pairs", [
     (200, "bfloat16", "pallas", "joint"), (128, "float32", "pallas", "joint"),
-    (70, "bfloat16", "pallas", "separate"), (70, "bfloat16", "xla", "joint"),
+    (70, "bfloat16", "pallas", "separate"), (70, "bfloat16", "xla", "joint"), (200, "bfloat16", "pallas", "tiles"),
 ])
 def test_tokens_layout_equals_chunked_layout(rng, interpret, t, dtype, cumsum, pairs):
     """layout="tokens" (the kernels read q, k, v, g, beta and write o in [B, T, H, ...]) gives the
     chunked layout's outputs bit for bit: T off the chunk (a padded tail) and on it (no copy), bf16 and
-    fp32 values, an initial state, joint and separate pair launches. With XLA's cumsum the tokens
+    fp32 values, an initial state, joint, separate and tiled pair launches. With XLA's cumsum the tokens
     layout is not taken (same result)."""
     b, h, kd, vd = 2, 3, 32, 32
     dt = jnp.dtype(dtype)
