@@ -182,6 +182,20 @@ def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, k
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
 
 
+def doubling_inverse(strict_lower, rows, cols, dot_inv):
+    """(I + L)^-1 of a strictly lower [n, n] L by doubling (n a power of two): with T_s the block-diagonal
+    inverse of the s x s diagonal blocks, T_2s = T_s - T_s L_s T_s, L_s being L's lower-left s x s block in
+    each 2s x 2s diagonal block. rows = arange(n), cols = rows[None, :]; dot_inv: the products' precision."""
+    lower_left = lambda s: (((rows[:, None] // (2 * s)) == (cols // (2 * s)))
+                            & ((rows[:, None] // s) % 2 == 1) & ((cols // s) % 2 == 0))
+    t = jnp.where(rows[:, None] == cols, 1.0, 0.0) - jnp.where(lower_left(1), strict_lower, 0.0)
+    s = 2
+    while s < rows.shape[0]:
+        t = t - dot_inv(dot_inv(t, jnp.where(lower_left(s), strict_lower, 0.0)), t)
+        s *= 2
+    return t
+
+
 def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_ref, kt_ref, dec_ref, *, scale: float,
                  key_slice: int, value_slice: int, inverse: str, interpret: bool):
     """One chunk: T = (I + diag(beta) A_kk)^-1 by doubling, then W = T diag(beta) (e^G k),
@@ -199,13 +213,7 @@ def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_re
     dot_inv = lambda a, b: jnp.dot(a, b, precision=precise, preferred_element_type=f32)
 
     akk = jnp.where(rows[:, None] > cols, akk_ref[...] * beta[:, None], 0.0)
-    lower_left = lambda s: (((rows[:, None] // (2 * s)) == (cols // (2 * s)))
-                            & ((rows[:, None] // s) % 2 == 1) & ((cols // s) % 2 == 0))
-    t = jnp.where(rows[:, None] == cols, 1.0, 0.0) - jnp.where(lower_left(1), akk, 0.0)
-    s = 2
-    while s < c:
-        t = t - dot_inv(dot_inv(t, jnp.where(lower_left(s), akk, 0.0)), t)
-        s *= 2
+    t = doubling_inverse(akk, rows, cols, dot_inv)
 
     def key_part(i, carry):
         ks, q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)

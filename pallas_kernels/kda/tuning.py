@@ -67,6 +67,8 @@ class ChunkBlocks:
                              # one launch by 16-row tiles ("tiles": `intra_tiles.py`, a quarter of the product work;
                              # not yet timed on the GPU)
     pairs_num_warps: int = 0  # warps of the pairs launch (0: num_warps)
+    solve: str = "doubling"  # "parallel": (I + A)^-1 by doubling on [C, C] products, or by 16-row tiles with block
+                             # forward substitution ("tiles": `intra_tiles.py`; not yet timed on the GPU)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
                              # or "tf32" (as fla); auto: tf32 with bf16 factors, else tf32x3
     cumsum: str = "pallas"   # "parallel": the decay summed per 16-row sub-block in a Pallas launch ("pallas") or

@@ -45,6 +45,11 @@ def _l2(x):
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/tiles/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/tiles"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/tiles"),
+    # (I + A)^-1, W and U by 16-row tiles, alone and with the tiled pairs
+    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/solve-tiles"),
+    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/tiles/solve-tiles/bf16"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/tiles/solve-tiles"),
+    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "float32", "parallel/solve-tiles"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -55,7 +60,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     s0 = rng.standard_normal((b, h, kd, vd)).astype(np.float32) if init else None
     cast = lambda x: jnp.asarray(x, dtype)
     intra, *options = intra.split("/")   # "separate": A_kk, A_qk one launch each; "tiles": by 16-row tiles;
-    # "bf16": bf16 factors
+    # "solve-tiles": the inverse, W and U by 16-row tiles; "bf16": bf16 factors
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
@@ -63,6 +68,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                inverse="tf32" if "tf32" in options else "tf32x3",
                                                pairs=next((p for p in ("separate", "tiles") if p in options),
                                                           "joint"),
+                                               solve="tiles" if "solve-tiles" in options else "doubling",
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -210,6 +216,7 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(intra="parallel", chunk=128), "at most 64 tokens"),
     (ChunkBlocks(intra="parallel", pairs="rows"), "pairs must be"),
     (ChunkBlocks(intra="parallel", pairs="tiles", pairs_num_warps=3), "pairs_num_warps must be"),
+    (ChunkBlocks(intra="parallel", solve="rows"), "solve must be"),
     (ChunkBlocks(factors="float16"), "factors must be"),
     (ChunkBlocks(intra="parallel", cumsum="scan"), "cumsum must be"),
     (ChunkBlocks(intra="parallel", inverse="fp32"), "inverse must be"),
