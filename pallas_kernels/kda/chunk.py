@@ -231,8 +231,8 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
 def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False):
     """`chunk_intra` as three launches (`intra_parallel.py`): the local cumsum (or XLA's), A_kk and A_qk
     (one launch, or one each with blocks.pairs = "separate", or by 16-row tiles with "tiles": `intra_tiles.py`),
-    then the solve and factors. tokens: the raw inputs are [B, N, C, H, ...] and each program reads its chunk's
-    [C, ...] rows of one head there."""
+    then the solve and factors (by doubling, or by tiles with blocks.solve = "tiles"). tokens: the raw inputs
+    are [B, N, C, H, ...] and each program reads its chunk's [C, ...] rows of one head there."""
     if tokens:
         b, n, c, h, kd = qc.shape
     else:
@@ -245,6 +245,7 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
     raw = (lambda *tail: pl.BlockSpec((None, None, c, None) + tail, lambda i, j, m: (i, m, 0, j) + (0,) * len(tail))
            ) if tokens else (lambda *tail: blk(c, *tail))
     params = plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+    pair_params = plt.CompilerParams(num_warps=blocks.pairs_num_warps or blocks.num_warps, num_stages=blocks.num_stages)
     if blocks.cumsum == "pallas":
         lc = pl.pallas_call(local_cumsum_kernel, grid=(b, h, n), in_specs=[raw(kd)], out_specs=blk(c, kd),
                             out_shape=jax.ShapeDtypeStruct((b, h, n, c, kd), f32), compiler_params=params,
@@ -258,7 +259,7 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         return pl.pallas_call(
             functools.partial(decay_pairs_kernel, scale=left_scale, diagonal=diagonal, key_slice=key_slice),
             grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd)], out_specs=blk(c, c),
-            out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), dtype), compiler_params=params, interpret=interpret,
+            out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), dtype), compiler_params=pair_params, interpret=interpret,
             name=name)(left, kc, lc)
 
     if blocks.pairs in ("joint", "tiles"):
@@ -267,9 +268,7 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
             functools.partial(kernel, scale=scale, key_slice=key_slice),
             grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd)], out_specs=[blk(c, c)] * 2,
             out_shape=[jax.ShapeDtypeStruct((b, h, n, c, c), f32), jax.ShapeDtypeStruct((b, h, n, c, c), fd)],
-            compiler_params=plt.CompilerParams(num_warps=blocks.pairs_num_warps or blocks.num_warps,
-                                               num_stages=blocks.num_stages),
-            interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc)
+            compiler_params=pair_params, interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc)
     else:
         akk = pairs(kc, 1.0, False, f32, "kda_chunk_akk")
         aqk = pairs(qc, scale, True, fd, "kda_chunk_aqk")
@@ -364,7 +363,7 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
         raise ValueError(f"{name}: pairs must be 'joint', 'separate' or 'tiles', got {blocks.pairs!r}")
     if blocks.solve not in ("doubling", "tiles"):
         raise ValueError(f"{name}: solve must be 'doubling' or 'tiles', got {blocks.solve!r}")
-    if blocks.pairs_num_warps not in (0, 1, 2, 4, 8):
+    if isinstance(blocks.pairs_num_warps, bool) or blocks.pairs_num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: pairs_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
                          f"got {blocks.pairs_num_warps!r}")
     if blocks.inverse not in ("tf32x3", "tf32"):

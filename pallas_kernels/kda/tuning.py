@@ -66,7 +66,7 @@ class ChunkBlocks:
     pairs: str = "joint"     # "parallel": A_kk and A_qk in one launch ("joint"), one launch each ("separate"), or in
                              # one launch by 16-row tiles ("tiles": `intra_tiles.py`, a quarter of the product work;
                              # not yet timed on the GPU)
-    pairs_num_warps: int = 0  # warps of the pairs launch (0: num_warps)
+    pairs_num_warps: int = 0  # warps of the pair launches (A_kk / A_qk, any `pairs` form; 0: num_warps)
     solve: str = "doubling"  # "parallel": (I + A)^-1 by doubling on [C, C] products, or by 16-row tiles with block
                              # forward substitution ("tiles": `intra_tiles.py`; not yet timed on the GPU)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)

@@ -40,12 +40,16 @@ def _l2(x):
     # one TF32 product per inverse step: differs from the row above only compiled (interpret runs fp32)
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/bf16/tf32"),
     (2, 37, 2, 16, 16, 16, (-30.0, 0.0), True, "bfloat16", "column/bf16"),
-    # A_kk and A_qk by 16-row tiles: strong gates (tiles below the diagonal), several key slices, one tile a chunk
+    # A_kk and A_qk by 16-row tiles: weak gates (tiles below the diagonal carry weight), strong ones (no
+    # overflow, those tiles ~0), several key slices, one tile a chunk
+    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/tiles"),
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/tiles"),
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/tiles/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/tiles"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/tiles"),
     # (I + A)^-1, W and U by 16-row tiles, alone and with the tiled pairs
+    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/tiles/solve-tiles"),
+    (1, 130, 1, 32, 32, 64, (-0.1, 0.0), True, "bfloat16", "parallel/solve-tiles/bf16/tf32"),
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/solve-tiles"),
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/tiles/solve-tiles/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/tiles/solve-tiles"),
@@ -257,6 +261,27 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
     assert 2 * fp32_stage > STAGE_SHARED_BYTES >= ONE_WAVE_STAGES * bf16_stage
     assert auto.sequential_stages(128, 132, STAGE_SHARED_BYTES // 2) == 2
     assert ChunkBlocks(inter_num_stages=2).sequential_stages(384, 132, fp32_stage) == 2
+
+
+@pytest.mark.parametrize("chunk", [64, 32])
+def test_tiled_intra_forms_equal_joint_and_doubling(rng, interpret, chunk):
+    """pairs="tiles" and solve="tiles" give the joint pairs' and the doubling solve's six outputs (W, U, A_qk
+    with its zero upper half, q e^G, k e^(G_C - G), e^(G_C)) to fp32 rounding, with gates weak enough that
+    every tile below the diagonal and every term of the block forward substitution carries weight."""
+    from pallas_kernels.kda.chunk import chunk_intra, to_chunks
+    b, t, h, kd, vd = 2, 2 * chunk, 2, 32, 16
+    q, k = (_l2(rng.standard_normal((b, t, h, kd))) for _ in range(2))
+    v = rng.standard_normal((b, t, h, vd))
+    g = rng.uniform(-0.1, 0.0, (b, t, h, kd))
+    beta = rng.uniform(0.2, 1.0, (b, t, h))
+    parts = [to_chunks(jnp.asarray(x, jnp.float32), chunk) for x in (q, k, v, g, beta)]
+    run = lambda **kw: chunk_intra(*parts, scale=kd ** -0.5, interpret=interpret, blocks=ChunkBlocks(
+        chunk=chunk, key_slice=16, value_block=16, factors="float32", inverse="tf32x3", **kw).resolve("float32"))
+    tiled, reference = run(pairs="tiles", solve="tiles"), run()
+    for name, a, e in zip(("w", "u", "aqk", "qg", "kt", "dec"), tiled, reference):
+        assert_close(name, a, e, dtype=kernel_dtype("float32", interpret))
+    aqk = np.asarray(tiled[2])
+    assert np.all(np.triu(aqk, 1) == 0) and np.all(np.abs(np.tril(aqk, -17)).sum((-1, -2)) > 0)
 
 
 @pytest.mark.parametrize("t,dtype,cumsum,pairs", [
