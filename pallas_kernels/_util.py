@@ -10,9 +10,12 @@ def default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def multiprocessor_count(default: int = 132) -> int:
-    """Streaming multiprocessors of the first device (an H100/H200's 132 where the backend does not say,
-    e.g. on the CPU, where launch settings do not matter)."""
+SM_COUNT = 132   # streaming multiprocessors of an H100 / H200 SXM: one wave of one-program-per-SM launches
+
+
+def multiprocessor_count(default: int = SM_COUNT) -> int:
+    """Streaming multiprocessors of the first device (SM_COUNT where the backend does not say, e.g. on the
+    CPU, where launch settings do not matter)."""
     count = getattr(jax.devices()[0], "core_count", None)
     return int(count) if isinstance(count, int) and count > 0 else default
 

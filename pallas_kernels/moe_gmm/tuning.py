@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SM_COUNT = 132   # streaming multiprocessors of an H100 / H200 SXM: one wave of one-program-per-SM launches
+from pallas_kernels._util import SM_COUNT
 
 
 @dataclass(frozen=True)
