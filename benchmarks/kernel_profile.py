@@ -21,8 +21,15 @@ from benchmarks.profile_summary import device_events, latest_trace
 def kernel_times(fn: Callable, args: tuple, *, calls: int = 20) -> dict[str, float]:
     """Mean device microseconds per call of each kernel that `fn(*args)` launches, longest first
     ({} off a GPU, where the trace has no device lanes). `fn` is jitted and warmed up first."""
+    return kernel_trace(fn, args, calls=calls)[0]
+
+
+def kernel_trace(fn: Callable, args: tuple, *, calls: int = 20) -> tuple[dict[str, float], float]:
+    """(`kernel_times`, the device span per call in us: from the first kernel's start to the last one's end
+    over the `calls` back-to-back calls, divided by `calls`). The span less the kernels' sum is the time the
+    device sat idle between kernels (launch gaps, or the host not keeping up); 0.0 off a GPU."""
     if jax.default_backend() != "gpu":
-        return {}
+        return {}, 0.0
     jitted = jax.jit(fn)
     jax.block_until_ready(jitted(*args))
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -34,4 +41,5 @@ def kernel_times(fn: Callable, args: tuple, *, calls: int = 20) -> dict[str, flo
     totals: dict[str, float] = defaultdict(float)
     for e in events:
         totals[str(e["name"])[:100]] += e["dur"]
-    return {name: us / calls for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}
+    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / calls if events else 0.0
+    return {name: us / calls for name, us in sorted(totals.items(), key=lambda kv: -kv[1])}, span

@@ -433,8 +433,8 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
         lat = o[:, 0, :rows].astype(jnp.float32)
     elif blocks.merge == "pallas":
         lat = merge_splits_pallas(o, lse, rows=rows)
-    else:
-        lat = combine_splits(o, lse)[:, :rows]
+    else:                                    # the real rows only: XLA then reads half the padded tile's bytes
+        lat = combine_splits(o[:, :, :rows], lse[:, :, :rows])
     return lat.reshape(b, sq, h, r)
 
 

@@ -4,12 +4,14 @@ A split kernel leaves, per split s of the sequence, its normalised output o_s an
 lse_s for every query row; the whole-sequence output is sum_s 2^(lse_s - top) o_s / sum_s
 2^(lse_s - top) with top = max_s lse_s. XLA runs this as five kernels (two reductions over the
 splits, the exponentials, the weighted sum, the slice of the real rows), about 9 us at 1 x 128K;
-here one program per (batch row, 16 query rows, column block) first takes the top log-sum-exp of its
-rows over every split, then streams the outputs and their log-sum-exps in chunks of splits.
+here one program per (batch row, block_r query rows, block_c columns) first takes the top log-sum-exp of
+its rows over every split, then streams the outputs and their log-sum-exps in chunks of splits.
 
-Measured on the H200 at the defaults (block_c 32, chunk 8): 11.4 us at 1 x 128K (32 programs, each
-over all 128 splits in turn) against XLA's 9.5, 4.9 against 3.8 us at 64 x 4K; exact in the compiled
-tests. `benchmarks/mla_merge.py` times other settings (not yet run).
+Measured on the H200 at 16 rows, 32 columns and chunks of 8 splits: 11.4 us at 1 x 128K (32 programs,
+each over all 128 splits in turn) against XLA's 9.5, 4.9 against 3.8 us at 64 x 4K; exact in the
+compiled tests. At one batch row the programs are few and each walks every split, so fewer rows and
+columns per program (more programs) and longer chunks (fewer steps) are what `benchmarks/mla_merge.py`
+sweeps.
 
 Twin: `hopper.combine_splits` (the XLA form).
 """
@@ -26,18 +28,16 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, largest_block, next_pow2
 
-ROWS = 16   # query rows per program
 
-
-def _kernel(o_ref, lse_ref, out_ref, *, splits: int, s_pad: int, chunk: int, rows: int, bc: int):
+def _kernel(o_ref, lse_ref, out_ref, *, splits: int, s_pad: int, chunk: int, rows: int, br: int, bc: int):
     b, rb, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row = rb * ROWS + jnp.arange(ROWS)
+    row = rb * br + jnp.arange(br)
     live = row < rows
     cols = pl.ds(pl.multiple_of(cb * bc, bc), bc)
     every = jnp.arange(s_pad) < splits
-    lse = plt.load(lse_ref.at[b, pl.ds(0, s_pad), pl.ds(rb * ROWS, ROWS)], mask=every[:, None] & live[None, :],
-                   other=-jnp.inf)                                                 # [s_pad, ROWS]
-    top = jnp.max(lse, axis=0)                                                     # [ROWS]
+    lse = plt.load(lse_ref.at[b, pl.ds(0, s_pad), pl.ds(rb * br, br)], mask=every[:, None] & live[None, :],
+                   other=-jnp.inf)                                                 # [s_pad, br]
+    top = jnp.max(lse, axis=0)                                                     # [br]
     top = jnp.where(live, top, 0.0)
 
     def step(c, carry):
@@ -45,28 +45,29 @@ def _kernel(o_ref, lse_ref, out_ref, *, splits: int, s_pad: int, chunk: int, row
         first = c * chunk
         ok = (first + jnp.arange(chunk)) < splits
         mask2 = ok[:, None] & live[None, :]
-        lse_c = plt.load(lse_ref.at[b, pl.ds(first, chunk), pl.ds(rb * ROWS, ROWS)], mask=mask2, other=-jnp.inf)
-        w = jnp.exp2(lse_c - top[None, :])                                         # [chunk, ROWS]; 0 past the end
-        o = plt.load(o_ref.at[b, pl.ds(first, chunk), pl.ds(rb * ROWS, ROWS), cols],
-                     mask=jnp.broadcast_to(mask2[:, :, None], (chunk, ROWS, bc)), other=0.0).astype(jnp.float32)
+        lse_c = plt.load(lse_ref.at[b, pl.ds(first, chunk), pl.ds(rb * br, br)], mask=mask2, other=-jnp.inf)
+        w = jnp.exp2(lse_c - top[None, :])                                         # [chunk, br]; 0 past the end
+        o = plt.load(o_ref.at[b, pl.ds(first, chunk), pl.ds(rb * br, br), cols],
+                     mask=jnp.broadcast_to(mask2[:, :, None], (chunk, br, bc)), other=0.0).astype(jnp.float32)
         return num + jnp.sum(w[:, :, None] * o, axis=0), den + jnp.sum(w, axis=0)
 
-    init = (jnp.zeros((ROWS, bc), jnp.float32), jnp.zeros((ROWS,), jnp.float32))
+    init = (jnp.zeros((br, bc), jnp.float32), jnp.zeros((br,), jnp.float32))
     num, den = lax.fori_loop(0, s_pad // chunk, step, init)
-    plt.store(out_ref.at[b, pl.ds(rb * ROWS, ROWS), cols], num / jnp.where(live, den, 1.0)[:, None],
+    plt.store(out_ref.at[b, pl.ds(rb * br, br), cols], num / jnp.where(live, den, 1.0)[:, None],
               mask=live[:, None])
 
 
-@functools.partial(jax.jit, static_argnames=("rows", "block_c", "chunk", "num_warps", "interpret"))
-def merge_splits_pallas(o, lse, *, rows: int | None = None, block_c: int = 32, chunk: int = 8, num_warps: int = 4,
-                        interpret: bool | None = None):
+@functools.partial(jax.jit, static_argnames=("rows", "block_r", "block_c", "chunk", "num_warps", "interpret"))
+def merge_splits_pallas(o, lse, *, rows: int | None = None, block_r: int = 4, block_c: int = 32, chunk: int = 32,
+                        num_warps: int = 4, interpret: bool | None = None):
     """Merge per-split outputs, `hopper.combine_splits`'s contract for the first `rows` query rows.
 
     Args:
       o: [B, S, R_q, C] each split's normalised output (any float dtype). lse: [B, S, R_q] fp32 their
         base-2 log-sum-exps (a split that saw nothing: -huge, weighing nothing next to any split that
         saw a slot). rows: the query rows to merge (default all R_q); rows past them are not read.
-      block_c: output columns per program (a power of two dividing C); chunk: splits per step.
+      block_r: query rows per program (a power of two); block_c: output columns per program (a power of
+        two dividing C); chunk: splits per step.
     Returns:
       [B, rows, C] fp32.
     """
@@ -75,14 +76,16 @@ def merge_splits_pallas(o, lse, *, rows: int | None = None, block_c: int = 32, c
     if lse.shape != (b, splits, r_q) or not 0 < rows <= r_q:
         raise ValueError(f"merge splits: outputs {o.shape} and log-sum-exps {lse.shape} do not match "
                          f"(rows {rows})")
+    if block_r < 1 or block_r & (block_r - 1):
+        raise ValueError(f"merge splits: block_r must be a power of two, got {block_r}")
     bc = largest_block(c, block_c)
     if bc is None:
         raise ValueError(f"merge splits: {c} output columns is not a multiple of 16")
     chunk = min(next_pow2(chunk), next_pow2(splits))
     s_pad = -(-next_pow2(splits) // chunk) * chunk
     return pl.pallas_call(
-        functools.partial(_kernel, splits=splits, s_pad=s_pad, chunk=chunk, rows=rows, bc=bc),
-        grid=(b, -(-rows // ROWS), c // bc),
+        functools.partial(_kernel, splits=splits, s_pad=s_pad, chunk=chunk, rows=rows, br=block_r, bc=bc),
+        grid=(b, -(-rows // block_r), c // bc),
         out_shape=jax.ShapeDtypeStruct((b, rows, c), jnp.float32),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=default_interpret() if interpret is None else interpret,

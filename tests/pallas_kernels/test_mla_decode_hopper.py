@@ -149,11 +149,15 @@ def test_merge_kernel_equals_combine_splits(rng, interpret, b, splits, q_rows, r
     lse[:, :, 1] = -0.7 * np.finfo(np.float32).max
     o[:, :, rows:], lse[:, :, rows:] = np.nan, np.nan
     o, lse = jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse)
-    got = merge_splits_pallas(o, lse, rows=rows, interpret=interpret)
-    assert got.shape == (b, rows, cols) and got.dtype == jnp.float32
-    assert_close("merge", got, combine_splits(o[:, :, :rows], lse[:, :, :rows]), dtype="float32")
+    want = combine_splits(o[:, :, :rows], lse[:, :, :rows])
+    for settings in ({}, dict(block_r=4, block_c=16, chunk=32), dict(block_r=2, block_c=64, chunk=4, num_warps=8)):
+        got = merge_splits_pallas(o, lse, rows=rows, interpret=interpret, **settings)
+        assert got.shape == (b, rows, cols) and got.dtype == jnp.float32
+        assert_close(f"merge {settings}", got, want, dtype="float32")
     with pytest.raises(ValueError, match="do not match"):
         merge_splits_pallas(o, lse[:, :1], rows=rows)
+    with pytest.raises(ValueError, match="block_r must be a power of two"):
+        merge_splits_pallas(o, lse, rows=rows, block_r=6)
 
 
 def test_rejects_what_it_cannot_run():
