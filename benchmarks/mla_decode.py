@@ -35,7 +35,8 @@ from pallas_kernels.mla_decode.hopper import TILE_ROWS, HopperMLABlocks, mla_dec
 
 # --impl names of the Hopper kernel's forms -> their HopperMLABlocks settings (besides the splits).
 HOPPER_FORMS = {"hopper": {}, "hopper-alternate": {"scoring": "alternate"}, "hopper-each": {"scoring": "each"},
-                "hopper-one-buffer": {"query_buffers": 1}, "hopper-merge-pallas": {"merge": "pallas"}}
+                "hopper-one-buffer": {"query_buffers": 1}, "hopper-merge-pallas": {"merge": "pallas"},
+                "hopper-merge-xla": {"merge": "xla"}}
 
 
 def sweep(iters):
@@ -77,7 +78,8 @@ def main(argv=None) -> int:
                     choices=["triton", *HOPPER_FORMS],
                     help="hopper: the Hopper kernel (warpgroup 0 scores every block); -alternate: the warpgroups "
                          "take turns; -each: both score every block; -one-buffer: queries laid out by XLA into one "
-                         "[64, 576] buffer, one score MMA; -merge-pallas: the splits merged in one Pallas launch")
+                         "[64, 576] buffer, one score MMA; -merge-pallas / -merge-xla: the splits merged in one Pallas "
+                         "launch / by XLA (hopper merges by the one launch from 8 splits on, else by XLA)")
     ap.add_argument("--q", nargs="+", type=int, default=[1], help="query tokens per row")
     ap.add_argument("--shapes", nargs="*", default=None, help="HxBxCTX entries, e.g. 32x64x4096")
     ap.add_argument("--name", default=None, help="name of the JSON record (default mla_decode)")

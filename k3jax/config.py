@@ -110,8 +110,9 @@ class MLAConfig:
     # "auto" ("pallas" on a GPU: about 5 us less per MLA layer at the 48B decode).
     absorb_impl: SkinnyImpl = "auto"
     # How the "hopper" form merges its sequence splits where the absorb kernels do not (more than 16
-    # query rows): "xla" (combine_splits, the reference) or "pallas" (one launch; MLA_MERGE_IMPLS).
-    merge_impl: str = "xla"
+    # query rows): "xla" (combine_splits, the reference), "pallas" (one launch) or "auto" (pallas from 8
+    # splits on, where it measured faster; MLA_MERGE_IMPLS).
+    merge_impl: str = "auto"
 
     def __post_init__(self):
         for f in ("hidden_size", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):

@@ -38,7 +38,8 @@ MLA_DECODE_IMPLS: tuple[str, ...] = get_args(MLADecodeImpl)
 # chunks over a cache (`chunk_attention`) have a form of each: cudnn as history and chunk parts
 # merged by their log-sum-exps, flash blockwise over the cache; auto picks as for fresh prompts.
 # How the Hopper kernel's sequence splits merge where the few-row value kernel does not merge them
-# (more than 16 query rows, e.g. B = 64 decode): "xla" (combine_splits, the reference), "pallas".
+# (more than 16 query rows, e.g. B = 64 decode): "xla" (combine_splits, the reference), "pallas" (one
+# launch), "auto" (pallas from hopper.PALLAS_MERGE_FROM_SPLITS splits on).
 MLA_MERGE_IMPLS: tuple[str, ...] = MERGES
 
 MLAPrefillImpl = Literal["auto", "cudnn", "flash", "naive"]
@@ -317,7 +318,7 @@ def prefill_attention(impl: MLAPrefillImpl, q_nope_BTHN, q_pe_BTHP, latent_BTL, 
 
 
 def cache_attention(impl: MLADecodeImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv_b, last_slot_BT, *, scale: float,
-                    v_dim: int, absorb: SkinnyImpl = "auto", merge: str = "xla") -> jax.Array:
+                    v_dim: int, absorb: SkinnyImpl = "auto", merge: str = "auto") -> jax.Array:
     """Attention of T query tokens per row over a latent cache (the one dispatch site of MLA decode).
 
     Args:
@@ -328,7 +329,7 @@ def cache_attention(impl: MLADecodeImpl, q_nope_BTHN, q_pe_BTHP, cache_BSL, w_kv
       absorb: how the "pallas" and "hopper" forms apply W_UK and W_UV: "xla" (einsums), "pallas"
         (`absorb_queries` and the value kernel, where `absorb_kernels_take`), "auto" ("pallas" on a GPU).
       merge: how the Hopper kernel's splits merge where the value kernel does not merge them:
-        "xla" (`combine_splits`) or "pallas" (`merge_splits_pallas`); see MLA_MERGE_IMPLS.
+        "xla" (`combine_splits`), "pallas" (`merge_splits_pallas`) or "auto"; see MLA_MERGE_IMPLS.
     Returns:
       [B, T, H, V] in the query dtype.
     """

@@ -51,7 +51,9 @@ _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (meas
 
 
 SCORINGS = ("alternate", "first", "each")
-MERGES = ("xla", "pallas")
+MERGES = ("auto", "xla", "pallas")
+PALLAS_MERGE_FROM_SPLITS = 8   # "auto" merges this many splits or more in the one Pallas launch (H200, MLA merge
+                               # sweep 2: 128 splits 2.9 us against XLA's 8.2; 2 splits 4.3 against 3.5)
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,11 @@ class HopperMLABlocks:
     they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score
     MMA, the queries laid out by XLA first (the form before; kept to compare the two in one run).
 
-    `merge`: how `mla_decode_hopper` merges the splits: "xla" (`combine_splits`, the reference: five
-    XLA kernels, about 9 us at 1 x 128K) or "pallas" (`merge.merge_splits_pallas`, one launch). On the
-    H200 the one launch was slower at its default settings (RESULTS.md, MLA run 9: 11.4 against 9.5 us
-    at 1 x 128K, 4.9 against 3.8 us at 64 x 4K, device time), so "xla" stays the default.
+    `merge`: how `mla_decode_hopper` merges the splits: "xla" (`combine_splits` on the real rows, the
+    reference: four XLA kernels, 8.2 us at 1 x 128K), "pallas" (`merge.merge_splits_pallas`, one launch:
+    2.9 us there) or "auto" (the default: "pallas" from PALLAS_MERGE_FROM_SPLITS launched splits on, where
+    it measured faster, else "xla": at 2 splits, 64 x 4K, XLA's 3.5 us beat its 4.3; RESULTS.md, MLA merge
+    sweep 2).
 
     `min_split_blocks`: the fewest cache blocks an automatic split covers. At one row and a short cache
     the kernel is latency, about 2.4 us per block in turn on one program: at B = 1 over 192 slots
@@ -90,7 +93,7 @@ class HopperMLABlocks:
     scoring: str = "first"
     query_buffers: int = 2
     min_split_blocks: int = 1
-    merge: str = "xla"
+    merge: str = "auto"
     sms: int = 132
 
     def __post_init__(self):
@@ -431,7 +434,7 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
                      out_rows=query_rows(h, sq), q_copy_rows=copy_rows)
     if o.shape[1] == 1:                      # one split: normalised already
         lat = o[:, 0, :rows].astype(jnp.float32)
-    elif blocks.merge == "pallas":
+    elif blocks.merge == "pallas" or (blocks.merge == "auto" and o.shape[1] >= PALLAS_MERGE_FROM_SPLITS):
         lat = merge_splits_pallas(o, lse, rows=rows)
     else:                                    # the real rows only: XLA then reads half the padded tile's bytes
         lat = combine_splits(o[:, :, :rows], lse[:, :, :rows])

@@ -7,11 +7,12 @@ splits, the exponentials, the weighted sum, the slice of the real rows), about 9
 here one program per (batch row, block_r query rows, block_c columns) first takes the top log-sum-exp of
 its rows over every split, then streams the outputs and their log-sum-exps in chunks of splits.
 
-Measured on the H200 at 16 rows, 32 columns and chunks of 8 splits: 11.4 us at 1 x 128K (32 programs,
-each over all 128 splits in turn) against XLA's 9.5, 4.9 against 3.8 us at 64 x 4K; exact in the
-compiled tests. At one batch row the programs are few and each walks every split, so fewer rows and
-columns per program (more programs) and longer chunks (fewer steps) are what `benchmarks/mla_merge.py`
-sweeps.
+At one batch row the programs are few and each walks every split, so what counts is how many programs
+there are and how many steps each takes. H200, device time (RESULTS.md, MLA merge sweep 2,
+`benchmarks/mla_merge.py`), 1 x 128K at H = 32 (128 splits, 32 rows): 16 rows x 32 columns per program
+in chunks of 8 splits (32 programs, 16 steps) 10.3 us; the defaults, 4 rows x 32 columns and every split in
+one step at 8 warps (128 programs), 2.9 us; XLA's four kernels 8.2 us. At 64 x 4K (2 splits) XLA's 3.5 us
+beats the best setting's 4.3 (8 rows x 64 columns) and the defaults' 11.1.
 
 Twin: `hopper.combine_splits` (the XLA form).
 """
@@ -58,8 +59,8 @@ def _kernel(o_ref, lse_ref, out_ref, *, splits: int, s_pad: int, chunk: int, row
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "block_r", "block_c", "chunk", "num_warps", "interpret"))
-def merge_splits_pallas(o, lse, *, rows: int | None = None, block_r: int = 4, block_c: int = 32, chunk: int = 32,
-                        num_warps: int = 4, interpret: bool | None = None):
+def merge_splits_pallas(o, lse, *, rows: int | None = None, block_r: int = 4, block_c: int = 32, chunk: int = 128,
+                        num_warps: int = 8, interpret: bool | None = None):
     """Merge per-split outputs, `hopper.combine_splits`'s contract for the first `rows` query rows.
 
     Args:

@@ -142,7 +142,7 @@ def test_one_vocabulary_of_implementation_options():
             changed.moe.gmm_impl) == ("pallas", "pallas", "pallas", "gather", "xla")
     assert cfg.with_impls(attn_res="list") == cfg  # a choice for a part the model lacks is ignored
     assert cfg.mla.prefill_impl == "auto" and cfg.with_impls(mla_prefill="naive").mla.prefill_impl == "naive"
-    assert cfg.mla.merge_impl == "xla" and cfg.with_impls(mla_merge="pallas").mla.merge_impl == "pallas"
+    assert cfg.mla.merge_impl == "auto" and cfg.with_impls(mla_merge="pallas").mla.merge_impl == "pallas"
     with pytest.raises(ConfigError, match="mla.merge_impl"):
         cfg.with_impls(mla_merge="sum")
     with pytest.raises(ConfigError, match=r"mla.prefill_impl.*expected one of \('auto', 'cudnn', 'flash', 'naive'\)"):

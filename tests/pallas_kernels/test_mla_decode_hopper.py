@@ -15,8 +15,8 @@ import pytest
 from tolerances import assert_close
 
 from pallas_kernels.mla_decode import mla_decode_reference
-from pallas_kernels.mla_decode.hopper import (HopperMLABlocks, combine_splits, hopper_takes, mla_decode_hopper,
-                                              mla_decode_hopper_splits, query_rows)
+from pallas_kernels.mla_decode.hopper import (PALLAS_MERGE_FROM_SPLITS, TILE_ROWS, HopperMLABlocks, combine_splits,
+                                              hopper_takes, mla_decode_hopper, mla_decode_hopper_splits, query_rows)
 from pallas_kernels.mla_decode.merge import merge_splits_pallas
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
@@ -39,7 +39,7 @@ VARIANTS = {"default": HopperMLABlocks(), "splits3": HopperMLABlocks(num_splits=
             "alternate_splits2": HopperMLABlocks(scoring="alternate", num_splits=2),
             "each": HopperMLABlocks(scoring="each"), "each_stages1": HopperMLABlocks(block_kv=128, stages=1, scoring="each"),
             "one_query_buffer": HopperMLABlocks(query_buffers=1),
-            "merge_pallas": HopperMLABlocks(merge="pallas")}
+            "merge_pallas": HopperMLABlocks(merge="pallas"), "merge_xla": HopperMLABlocks(merge="xla")}
 
 
 @on_gpu
@@ -84,7 +84,7 @@ def test_splits_on_query_rows_as_laid_out(rng, sq, h, rows):
 def test_lowers_for_cuda_on_any_host(variant, sq, h):
     """The full Pallas -> Mosaic GPU lowering runs (no GPU needed) and emits the Mosaic GPU kernel, for
     every variant and for query rows of whole tiles (64), fewer (12) and past them (72); with
-    merge="pallas" the merge launch is there too (off a GPU in its interpret form, on one as a Triton
+    merge="pallas" (or "auto" at 8 or more splits) the merge launch is there too (off a GPU in its interpret form, on one as a Triton
     call: see `test_merge_kernel_lowers_for_cuda` for its Triton lowering on any host)."""
     args = (jax.ShapeDtypeStruct((2, sq, h, 512), jnp.bfloat16), jax.ShapeDtypeStruct((2, sq, h, 64), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, 1024, 576), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
@@ -94,7 +94,10 @@ def test_lowers_for_cuda_on_any_host(variant, sq, h):
     module = exported.mlir_module()
     assert "mosaic_gpu" in module
     merge_launch = "mla_merge_splits" in module or "__gpu$xla.gpu.triton" in module   # interpret form / Triton call
-    assert merge_launch == (VARIANTS[variant].merge == "pallas")
+    blocks = VARIANTS[variant]
+    splits = blocks.split_layout(2 * query_rows(h, sq) // TILE_ROWS, 1024)[0]
+    assert merge_launch == (splits > 1 and (blocks.merge == "pallas" or (
+        blocks.merge == "auto" and splits >= PALLAS_MERGE_FROM_SPLITS)))
 
 
 @pytest.mark.parametrize("b,splits,rows", [(1, 128, 32), (64, 2, 32)])   # 1 x 128K and 64 x 4K at H = 32
