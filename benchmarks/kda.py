@@ -88,9 +88,6 @@ VARIANTS = {
     "default/tiles": ChunkBlocks(pairs="tiles"),                        # A_kk, A_qk by 16-row tiles (intra_tiles.py)
     "default/tiles/w2": ChunkBlocks(pairs="tiles", pairs_num_warps=2),
     "default/tiles/w1": ChunkBlocks(pairs="tiles", pairs_num_warps=1),
-    "default/solve-tiles": ChunkBlocks(solve="tiles"),                  # (I + A)^-1, W, U by 16-row tiles
-    "default/all-tiles": ChunkBlocks(pairs="tiles", solve="tiles"),
-    "default/all-tiles/w2": ChunkBlocks(pairs="tiles", solve="tiles", pairs_num_warps=2),
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),

@@ -10,6 +10,8 @@
     python benchmarks/plot.py kda-intra # KDA chunked prefill at T = 8192: the two kernels per variant, and fla
     python benchmarks/plot.py kda-kernels  # the same by kernel (profiled run), beside fla's kernels
     python benchmarks/plot.py kda-stages   # the sequential pass's pipeline stages (KDA run 10)
+    python benchmarks/plot.py kda-tiles    # the tiled intra forms against the default (KDA run 12)
+    python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py all
 
 Inputs are the JSON records under benchmarks/results/h200/; the PNGs are written beside RESULTS.md.
@@ -265,6 +267,35 @@ def plot_kda_stages(out: str) -> str:
     return plot_kda_intra(out, KDA_STAGES, "kda_stages.png")
 
 
+KDA_TILES = "kda_prefill_run12_tiles_17f8ec0.json"    # the tiled intra forms timed (RESULTS.md, KDA run 12)
+
+
+def plot_kda_tiles(out: str) -> str:
+    return plot_kda_intra(out, KDA_TILES, "kda_tiles.png")
+
+
+MLA_MERGE = "mla_merge_sweep2_7bd4157.json"
+
+
+def plot_mla_merge(out: str) -> str:
+    """The MLA split merge alone: device time per launch setting, XLA's kernels first, at both shapes."""
+    import numpy as np
+
+    rows = _load(MLA_MERGE)["rows"]
+    shapes = sorted({(r["B"], r["splits"]) for r in rows}, key=lambda bs: -bs[1])
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 5))
+    for ax, (b, splits) in zip(np.atleast_1d(axes), shapes):
+        mine = [r for r in rows if (r["B"], r["splits"]) == (b, splits)]
+        y = np.arange(len(mine))
+        ax.barh(y, [r["us"] for r in mine], 0.6, color=["C1" if r["impl"].startswith("xla") else "C0" for r in mine])
+        ax.set_yticks(y, [f"{r['impl']} ({r['kernels']} kernels)" for r in mine], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("us per merge (device time)")
+        ax.set_title(f"MLA split merge, B = {b}, {splits} splits, 32 rows x 512 (one H200)", fontsize=9)
+        ax.grid(True, axis="x", alpha=0.3)
+    return _save(fig, os.path.join(out, "mla_merge.png"))
+
+
 def plot_kda_intra(out: str, record: str = KDA_PREFILL, png: str = "kda_intra.png") -> str:
     """KDA chunked prefill at T = 8192: intra-chunk + sequential kernel time per variant and head
     count (one run), with fla's whole chunk_kda where the run timed it."""
@@ -367,14 +398,14 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra", "kda-kernels",
-                                          "kda-stages", "server",
+                                          "kda-stages", "kda-tiles", "mla-merge", "server",
                                           "all"])
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args(argv)
     for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative),
                      ("prefill", plot_prefill), ("mla", plot_mla_decode), ("mla-step", plot_mla_step),
                      ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels),
-                     ("kda-stages", plot_kda_stages)):
+                     ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge)):
         if args.which in (name, "all"):
             print("wrote", fn(args.out))
     if args.which == "server" or (args.which == "all" and os.path.exists(os.path.join(H200, SERVER_LOAD))):

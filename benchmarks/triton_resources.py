@@ -99,7 +99,6 @@ def _build_cases():
         "kda-chunk-tiles-w2": kda(pairs="tiles", pairs_num_warps=2),
         "kda-chunk-tiles-w1": kda(pairs="tiles", pairs_num_warps=1),
         "kda-chunk-tiles-ks64": kda(pairs="tiles", key_slice=64),
-        "kda-chunk-all-tiles": kda(pairs="tiles", solve="tiles"),
         "kda-decode-b1": kda_decode(1),
         "kda-decode-b64": kda_decode(64),
         "moe-pairs-bf16": pairs(False),

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2, multiprocessor_count
 from pallas_kernels.kda.inter_split import chunk_inter_split
-from pallas_kernels.kda.intra_tiles import tile_pairs_kernel, tile_solve_kernel
+from pallas_kernels.kda.intra_tiles import tile_pairs_kernel
 from pallas_kernels.kda.intra_parallel import (SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum,
                                               local_cumsum_kernel, solve_kernel)
 from pallas_kernels.kda.reference import validate_inputs
@@ -231,7 +231,7 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
 def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False):
     """`chunk_intra` as three launches (`intra_parallel.py`): the local cumsum (or XLA's), A_kk and A_qk
     (one launch, or one each with blocks.pairs = "separate", or by 16-row tiles with "tiles": `intra_tiles.py`),
-    then the solve and factors (by doubling, or by tiles with blocks.solve = "tiles"). tokens: the raw inputs
+    then the solve and factors (the inverse by doubling). tokens: the raw inputs
     are [B, N, C, H, ...] and each program reads its chunk's [C, ...] rows of one head there."""
     if tokens:
         b, n, c, h, kd = qc.shape
@@ -273,7 +273,7 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         akk = pairs(kc, 1.0, False, f32, "kda_chunk_akk")
         aqk = pairs(qc, scale, True, fd, "kda_chunk_aqk")
     w, u, qg, kt, dec = pl.pallas_call(
-        functools.partial(tile_solve_kernel if blocks.solve == "tiles" else solve_kernel, scale=scale,
+        functools.partial(solve_kernel, scale=scale,
                           key_slice=key_slice, value_slice=value_slice,
                           inverse=blocks.inverse, interpret=interpret),
         grid=(b, h, n),
@@ -361,8 +361,6 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
                          f"inverse of a 128-row chunk asks the H200 for 384 KB of shared memory, over its 227 KB)")
     if blocks.pairs not in ("joint", "separate", "tiles"):
         raise ValueError(f"{name}: pairs must be 'joint', 'separate' or 'tiles', got {blocks.pairs!r}")
-    if blocks.solve not in ("doubling", "tiles"):
-        raise ValueError(f"{name}: solve must be 'doubling' or 'tiles', got {blocks.solve!r}")
     if isinstance(blocks.pairs_num_warps, bool) or blocks.pairs_num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: pairs_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
                          f"got {blocks.pairs_num_warps!r}")

@@ -1,6 +1,5 @@
-"""The intra-chunk KDA kernels by 16-row tiles: A_kk and A_qk (`ChunkBlocks(pairs="tiles")`, the same outputs
-as `intra_parallel.joint_pairs_kernel` with about a quarter of its matrix-product work) and the solve
-(`ChunkBlocks(solve="tiles")`, `tile_solve_kernel`, the same outputs as `intra_parallel.solve_kernel`).
+"""A_kk and A_qk of a KDA chunk by 16-row tiles (`ChunkBlocks(pairs="tiles")`): the same outputs as
+`intra_parallel.joint_pairs_kernel` with about a quarter of its matrix-product work.
 
 The joint kernel forms every bit level as a masked [C, C] product, so most of each product is thrown
 away: at C = 64 it computes 13 [64, 64] products per key slice (4,096 entries each) to fill two lower
@@ -20,7 +19,13 @@ tile's operands (the joint kernel holds both [C, C] accumulators and the slice's
 levels: 255 registers per thread on sm_90 and spills). Tiles write straight into the [C, C] outputs.
 ptxas for sm_90 (`benchmarks/triton_resources.py --cases kda-chunk-tiles`): 148 registers per thread at 4
 warps, no spills, 4 KB of shared memory, against 255 registers, 20 bytes of spills and 16 KB for the joint
-kernel. The [16, 16] products run on mma.sync, not warpgroup MMAs. Not yet timed on the GPU.
+kernel. The [16, 16] products run on mma.sync, not warpgroup MMAs.
+
+Measured on the H200 (RESULTS.md, KDA run 12: B = 1, T = 8192, bf16, the whole prefill with the joint kernel's
+1.93 / 5.16 ms at H = 32 / 96): slower at every warp count, 2.57 / 7.21 ms at 4 warps, 2.10 / 5.72 at 2,
+2.00 / 5.44 at 1 (`pairs_num_warps`). Fewer registers and multiply-adds did not buy time; kept as an option
+beside the default to measure against. (A tiled solve by block forward substitution, 16x fewer
+multiply-adds than the doubling, ran 2.36 / 6.47 ms and was removed.)
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.intra_parallel import INVERSE_PRECISION, SUB, _dot_t, _level_factors, doubling_inverse
+from pallas_kernels.kda.intra_parallel import SUB, _dot_t, _level_factors
 
 TILE = SUB   # rows per tile: the sub-blocks of the local cumulative decay
 
@@ -101,77 +106,3 @@ def tile_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, ke
         return carry
 
     jax.lax.fori_loop(0, nb, row_block, 0)
-
-
-def tile_solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_ref, kt_ref, dec_ref, *,
-                      scale: float, key_slice: int, value_slice: int, inverse: str, interpret: bool):
-    """`intra_parallel.solve_kernel` by 16-row tiles (`ChunkBlocks(solve="tiles")`): the same outputs.
-
-    T = (I + L)^-1 (L = diag(beta) A_kk, strictly lower) is block lower-triangular: each diagonal tile is the
-    doubling inverse of its own 16 rows (three levels of [16, 16] products), and the tiles below follow by
-    block forward substitution, T_bc = -T_bb sum_{c <= m < b} L_bm T_mc. At C = 64 that is 40 [16, 16]
-    products against the doubling's 10 [64, 64] ones (16x fewer multiply-adds). W and U are then the
-    tile products of T's lower triangle with diag(beta) e^G k and diag(beta) v, row block by row block.
-    ptxas for sm_90 (`triton_resources.py --cases kda-chunk-all-tiles`): 255 registers, 24 bytes of spills,
-    85 layout conversions and 103 barriers, against 232 / 0 / 14 / 19 for the doubling kernel: every tile
-    product converts its operands, so fewer multiply-adds may not mean less time. Not yet timed on the GPU."""
-    f32 = jnp.float32
-    c, kd = q_ref.shape
-    vd = v_ref.shape[1]
-    nb = c // TILE
-    r = jnp.arange(TILE, dtype=jnp.int32)
-    cols = r[None, :]
-    dot = lambda a, b: jnp.dot(a, b, preferred_element_type=f32)
-    precise = jax.lax.Precision.HIGHEST if interpret else INVERSE_PRECISION[inverse]
-    dot_inv = lambda a, b: jnp.dot(a, b, precision=precise, preferred_element_type=f32)
-    rb = [pl.ds(i * TILE, TILE) for i in range(nb)]
-    betas = [b_ref[rb[i]].astype(f32) for i in range(nb)]
-    lower = lambda i, j: akk_ref[rb[i], rb[j]] * betas[i][:, None]          # L's tile (i, j), j < i
-
-    t = {(i, i): doubling_inverse(jnp.where(r[:, None] > cols, lower(i, i), 0.0), r, cols, dot_inv)
-         for i in range(nb)}
-    for i in range(1, nb):
-        for j in range(i - 1, -1, -1):
-            acc = dot_inv(lower(i, j), t[j, j])
-            for m in range(j + 1, i):
-                acc = acc + dot_inv(lower(i, m), t[m, j])
-            t[i, j] = -dot_inv(t[i, i], acc)
-
-    def times_t(parts):
-        """Row blocks of T @ X for X given by its row blocks [16, n]."""
-        out = []
-        for i in range(nb):
-            acc = dot(t[i, 0], parts[0])
-            for j in range(1, i + 1):
-                acc = acc + dot(t[i, j], parts[j])
-            out.append(acc)
-        return out
-
-    def key_part(i, carry):
-        ks = pl.ds(pl.multiple_of(i * key_slice, key_slice), key_slice)
-        offsets = [jnp.zeros((key_slice,), f32)]
-        for b in range(nb):
-            offsets.append(offsets[-1] + l_ref[b * TILE + TILE - 1, ks])
-        last = offsets[-1]
-        parts = []
-        for b in range(nb):
-            g = l_ref[rb[b], ks] + offsets[b][None, :]                           # G of block b's rows
-            e_g = jnp.exp(g)
-            k = k_ref[rb[b], ks].astype(f32)
-            parts.append(betas[b][:, None] * e_g * k)
-            qg_ref[rb[b], ks] = ((q_ref[rb[b], ks].astype(f32) * scale) * e_g).astype(qg_ref.dtype)
-            kt_ref[rb[b], ks] = (k * jnp.exp(last[None, :] - g)).astype(kt_ref.dtype)
-        for b, w in enumerate(times_t(parts)):
-            w_ref[rb[b], ks] = w.astype(w_ref.dtype)
-        dec_ref[ks] = jnp.exp(last)
-        return carry
-
-    def value_part(i, carry):
-        vs = pl.ds(pl.multiple_of(i * value_slice, value_slice), value_slice)
-        parts = [betas[b][:, None] * v_ref[rb[b], vs].astype(f32) for b in range(nb)]
-        for b, u in enumerate(times_t(parts)):
-            u_ref[rb[b], vs] = u.astype(u_ref.dtype)
-        return carry
-
-    jax.lax.fori_loop(0, kd // key_slice, key_part, 0)
-    jax.lax.fori_loop(0, vd // value_slice, value_part, 0)

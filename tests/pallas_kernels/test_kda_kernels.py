@@ -39,6 +39,7 @@ def _l2(x):
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/xla-cumsum"),  # XLA's local cumsum
     # one TF32 product per inverse step: differs from the row above only compiled (interpret runs fp32)
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/bf16/tf32"),
+    (1, 130, 1, 32, 32, 64, (-0.1, 0.0), True, "bfloat16", "parallel/bf16/tf32"),   # weak gates: every inverse term
     (2, 37, 2, 16, 16, 16, (-30.0, 0.0), True, "bfloat16", "column/bf16"),
     # A_kk and A_qk by 16-row tiles: weak gates (tiles below the diagonal carry weight), strong ones (no
     # overflow, those tiles ~0), several key slices, one tile a chunk
@@ -47,13 +48,6 @@ def _l2(x):
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/tiles/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/tiles"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/tiles"),
-    # (I + A)^-1, W and U by 16-row tiles, alone and with the tiled pairs
-    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/tiles/solve-tiles"),
-    (1, 130, 1, 32, 32, 64, (-0.1, 0.0), True, "bfloat16", "parallel/solve-tiles/bf16/tf32"),
-    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/solve-tiles"),
-    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/tiles/solve-tiles/bf16"),
-    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/tiles/solve-tiles"),
-    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "float32", "parallel/solve-tiles"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -64,7 +58,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     s0 = rng.standard_normal((b, h, kd, vd)).astype(np.float32) if init else None
     cast = lambda x: jnp.asarray(x, dtype)
     intra, *options = intra.split("/")   # "separate": A_kk, A_qk one launch each; "tiles": by 16-row tiles;
-    # "solve-tiles": the inverse, W and U by 16-row tiles; "bf16": bf16 factors
+    # "bf16": bf16 factors
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
@@ -72,7 +66,6 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                inverse="tf32" if "tf32" in options else "tf32x3",
                                                pairs=next((p for p in ("separate", "tiles") if p in options),
                                                           "joint"),
-                                               solve="tiles" if "solve-tiles" in options else "doubling",
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -220,7 +213,6 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(intra="parallel", chunk=128), "at most 64 tokens"),
     (ChunkBlocks(intra="parallel", pairs="rows"), "pairs must be"),
     (ChunkBlocks(intra="parallel", pairs="tiles", pairs_num_warps=3), "pairs_num_warps must be"),
-    (ChunkBlocks(intra="parallel", solve="rows"), "solve must be"),
     (ChunkBlocks(factors="float16"), "factors must be"),
     (ChunkBlocks(intra="parallel", cumsum="scan"), "cumsum must be"),
     (ChunkBlocks(intra="parallel", inverse="fp32"), "inverse must be"),
@@ -264,10 +256,10 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
 
 
 @pytest.mark.parametrize("chunk", [64, 32])
-def test_tiled_intra_forms_equal_joint_and_doubling(rng, interpret, chunk):
-    """pairs="tiles" and solve="tiles" give the joint pairs' and the doubling solve's six outputs (W, U, A_qk
-    with its zero upper half, q e^G, k e^(G_C - G), e^(G_C)) to fp32 rounding, with gates weak enough that
-    every tile below the diagonal and every term of the block forward substitution carries weight."""
+def test_tiled_pairs_equal_joint_pairs(rng, interpret, chunk):
+    """pairs="tiles" gives the joint pairs' six outputs after the solve (W, U, A_qk with its zero upper half,
+    q e^G, k e^(G_C - G), e^(G_C)) to fp32 rounding, with gates weak enough that every tile below the diagonal
+    carries weight."""
     from pallas_kernels.kda.chunk import chunk_intra, to_chunks
     b, t, h, kd, vd = 2, 2 * chunk, 2, 32, 16
     q, k = (_l2(rng.standard_normal((b, t, h, kd))) for _ in range(2))
@@ -277,7 +269,7 @@ def test_tiled_intra_forms_equal_joint_and_doubling(rng, interpret, chunk):
     parts = [to_chunks(jnp.asarray(x, jnp.float32), chunk) for x in (q, k, v, g, beta)]
     run = lambda **kw: chunk_intra(*parts, scale=kd ** -0.5, interpret=interpret, blocks=ChunkBlocks(
         chunk=chunk, key_slice=16, value_block=16, factors="float32", inverse="tf32x3", **kw).resolve("float32"))
-    tiled, reference = run(pairs="tiles", solve="tiles"), run()
+    tiled, reference = run(pairs="tiles"), run()
     for name, a, e in zip(("w", "u", "aqk", "qg", "kt", "dec"), tiled, reference):
         assert_close(name, a, e, dtype=kernel_dtype("float32", interpret))
     aqk = np.asarray(tiled[2])
