@@ -67,14 +67,15 @@ def _build_cases():
 
     f32, bf16 = jnp.float32, jnp.bfloat16
 
-    def kda_decode(rows):
+    def kda_decode(rows, **blocks):
         hd, w = 32, 4
         inputs = KDADecodeInputs(x_qkv=spec((rows, 3, hd, kd), bf16), f=spec((rows, hd, kd), bf16),
                                  beta_logit=spec((rows, hd), bf16), z=spec((rows, hd, kd), bf16))
         weights = KDADecodeWeights(q_conv=spec((w, hd, kd), f32), k_conv=spec((w, hd, kd), f32),
                                    v_conv=spec((w, hd, kd), f32), dt_bias=spec((hd, kd), f32),
                                    a_log=spec((hd, 1), f32), o_norm_w=spec((kd,), f32))
-        call = jax.jit(lambda i, wt, c, st: kda_decode_pallas(i, wt, c, st, blocks=DecodeBlocks(), interpret=False))
+        call = jax.jit(lambda i, wt, c, st: kda_decode_pallas(i, wt, c, st, blocks=DecodeBlocks(**blocks),
+                                                                       interpret=False))
         return call, (inputs, weights, spec((rows, w - 1, 3, hd, kd), bf16), spec((rows, hd, kd, kd), f32))
 
     def pairs(mxfp4: bool):
@@ -101,6 +102,9 @@ def _build_cases():
         "kda-chunk-tiles-ks64": kda(pairs="tiles", key_slice=64),
         "kda-decode-b1": kda_decode(1),
         "kda-decode-b64": kda_decode(64),
+        "kda-decode-b64-loop32": kda_decode(64, column_block=32),
+        "kda-decode-b64-loop32-s2": kda_decode(64, column_block=32, num_stages=2),
+        "kda-decode-b64-loop64-s2": kda_decode(64, column_block=64, num_stages=2),
         "moe-pairs-bf16": pairs(False),
         "moe-pairs-mxfp4": pairs(True),
         "o-proj-b1": (jax.jit(lambda x, w: fused_projections_pallas((x,), (w,), counts=(1,), interpret=False)),

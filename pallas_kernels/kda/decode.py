@@ -10,6 +10,10 @@ program needs only its [K, V / n] slice (q, k and the decay are recomputed per p
 The output norm is over a head's whole V, so the split kernel writes the un-normalised output and
 the gated norm runs after it as one XLA fusion; every program reads the head's whole q/k conv
 history, so the new conv state goes to a fresh buffer (not in place).
+
+Or one program per (row, head) walks the state in a loop of column blocks (`DecodeBlocks.column_block`):
+the same launch, outputs and in-place writes as the whole-state kernel, with one block of the state held
+at a time (fewer registers, more programs per SM, and loads that `num_stages` can pipeline).
 """
 
 from __future__ import annotations
@@ -38,17 +42,29 @@ def _conv_silu(x, hist, taps, width):
     return jax.nn.silu(pre).astype(x.dtype)
 
 
-def _delta_rule(q_act, k_act, v, f, dt, a, beta_logit, s, *, lower_bound, scale):
-    """The state update and raw output of one (row, head) over a block of state columns: q_act,
-    k_act [K] conv outputs, v [Vb], f / dt [K], s [K, Vb] fp32. -> (o [Vb] fp32, new s)."""
+def _rule_factors(q_act, k_act, f, dt, a, beta_logit, *, lower_bound, scale):
+    """What every state column's update shares: q_act, k_act [K] conv outputs, f / dt [K] ->
+    (q scaled and normalised, k normalised, the decay e^g, beta), fp32."""
     f32 = jnp.float32
     q, k = l2_normalize(q_act) * scale, l2_normalize(k_act)
     g = forget_gate(f.astype(f32) + dt.astype(f32), a, lower_bound)
-    beta = jax.nn.sigmoid(beta_logit.astype(f32))
-    s = s * jnp.exp(g)[:, None]                              # [K, Vb]
+    return q, k, jnp.exp(g), jax.nn.sigmoid(beta_logit.astype(f32))
+
+
+def _column_update(q, k, decay, beta, v, s):
+    """The delta rule on a block of state columns: q, k, decay [K], v [Vb], s [K, Vb] fp32 ->
+    (o [Vb] fp32, new s)."""
+    s = s * decay[:, None]                                   # [K, Vb]
     pred = jnp.sum(s * k[:, None], axis=0)                   # [Vb]
-    s = s + k[:, None] * (beta * (v.astype(f32) - pred))[None, :]
+    s = s + k[:, None] * (beta * (v.astype(jnp.float32) - pred))[None, :]
     return jnp.sum(s * q[:, None], axis=0), s
+
+
+def _delta_rule(q_act, k_act, v, f, dt, a, beta_logit, s, *, lower_bound, scale):
+    """The state update and raw output of one (row, head) over a block of state columns: q_act,
+    k_act [K] conv outputs, v [Vb], f / dt [K], s [K, Vb] fp32. -> (o [Vb] fp32, new s)."""
+    factors = _rule_factors(q_act, k_act, f, dt, a, beta_logit, lower_bound=lower_bound, scale=scale)
+    return _column_update(*factors, v, s)
 
 
 def _token(x, hist, w_refs, f, dt, a, beta_logit, z, nw, s, *, width, lower_bound, norm_eps, scale):
@@ -76,6 +92,42 @@ def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log
             conv_out_ref[j, i, :] = window[j]
     s_out_ref[...] = s.astype(s_out_ref.dtype)
     out_ref[...] = out.astype(out_ref.dtype)
+
+
+def _column_loop_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref,
+                        s_ref, out_ref, conv_out_ref, s_out_ref, *, width, block_v, lower_bound, norm_eps, scale):
+    """`_decode_kernel` with the state walked in a loop of block_v-column blocks (`DecodeBlocks.column_block`):
+    each step reads its columns of the state and of v's conv inputs, updates them and writes them back, so a
+    program holds one block of the state instead of all of it. The raw output collects in a [V] vector
+    (each block placed by a one-hot product) for the norm after the loop. s_out_ref may alias s_ref (a block
+    is read before it is written; blocks are disjoint); conv_out_ref may alias conv_ref (written last)."""
+    vd = s_ref.shape[1]
+    hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(2)]
+    x = [x_ref[i, :] for i in range(2)]
+    q, k = (_conv_silu(x[i], hist[i], [w_ref[j, :] for j in range(width)], width)
+            for i, w_ref in enumerate((wq_ref, wk_ref)))
+    a = jnp.exp(a_log_ref[...].astype(jnp.float32))
+    q, k, decay, beta = _rule_factors(q, k, f_ref[...], dt_ref[...], a, b_ref[...], lower_bound=lower_bound,
+                                      scale=scale)
+    place = jnp.arange(block_v)[:, None]
+
+    def column_block(c, o_all):
+        cols = pl.ds(pl.multiple_of(c * block_v, block_v), block_v)
+        v = _conv_silu(x_ref[2, cols], [conv_ref[j, 2, cols] for j in range(width - 1)],
+                       [wv_ref[j, cols] for j in range(width)], width)
+        o, s = _column_update(q, k, decay, beta, v, s_ref[:, cols].astype(jnp.float32))
+        s_out_ref[:, cols] = s.astype(s_out_ref.dtype)
+        at = jnp.arange(vd)[None, :] == c * block_v + place                     # [Vb, V] one-hot
+        return o_all + jnp.sum(jnp.where(at, o[:, None], 0.0), axis=0)
+
+    o = jax.lax.fori_loop(0, vd // block_v, column_block, jnp.zeros((vd,), jnp.float32))
+    dtype = x_ref.dtype
+    out_ref[...] = gated_rms_norm(o.astype(dtype), z_ref[...], nw_ref[...], norm_eps).astype(out_ref.dtype)
+    windows = [hist[i][1:] + [x[i]] for i in range(2)] + [
+        [conv_ref[j, 2, :] for j in range(1, width - 1)] + [x_ref[2, :]]]
+    for i in range(3):
+        for j in range(width - 1):
+            conv_out_ref[j, i, :] = windows[i][j]
 
 
 def _split_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, s_ref,
@@ -173,8 +225,15 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
     if splits > 1:
         return _decode_split(inputs, weights, conv_state, state, splits=splits, scale=scale, blocks=blocks,
                              interpret=interpret)
+    if blocks.column_block and (kd % blocks.column_block or not is_pow2(blocks.column_block)
+                                or blocks.column_block < 16):
+        raise ValueError(f"kda_decode_pallas: column_block={blocks.column_block} must be a power of two >= 16 "
+                         f"dividing V={kd}")
     kernel = functools.partial(_decode_kernel, width=width, lower_bound=weights.lower_bound,
                                norm_eps=weights.norm_eps, scale=scale)
+    if blocks.column_block and blocks.column_block < kd:
+        kernel = functools.partial(_column_loop_kernel, width=width, block_v=blocks.column_block,
+                                   lower_bound=weights.lower_bound, norm_eps=weights.norm_eps, scale=scale)
     row_head = lambda i, j: (i, j, 0)
     tap, dt_spec, a_spec = _weight_specs(weights, h, kd)
     out, new_conv, new_state = pl.pallas_call(
@@ -200,7 +259,7 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)],
         input_output_aliases={1: 1, 11: 2},
-        compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="kda_decode",
     )(inputs.x_qkv, conv_state, *weights.conv_taps, inputs.f, weights.dt_bias, weights.a_log, inputs.beta_logit,

@@ -27,11 +27,20 @@ class DecodeBlocks:
     num_warps: int = 4
     value_blocks: int = 0
     split_from: int | None = None
+    column_block: int = 0     # one-token kernel, one program per (row, head): 0 reads and writes the head's whole
+                              # [K, V] state at once; n > 0 walks it in a loop of n-column blocks (the delta rule is
+                              # independent per column), so a program holds n columns and more programs share an SM
+    num_stages: int = 1       # Triton pipeline stages of the one-token kernel (the column loop's loads)
 
     def __post_init__(self):
         if self.value_blocks not in (0,) + VALUE_BLOCK_CHOICES:
             raise ValueError(f"DecodeBlocks: value_blocks must be 0 (auto) or one of {VALUE_BLOCK_CHOICES}, "
                              f"got {self.value_blocks!r}")
+        if isinstance(self.column_block, bool) or not isinstance(self.column_block, int) or self.column_block < 0:
+            raise ValueError(f"DecodeBlocks: column_block must be 0 (whole state) or a column count, "
+                             f"got {self.column_block!r}")
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"DecodeBlocks: num_stages must be a positive int, got {self.num_stages!r}")
 
     def value_blocks_for(self, rows: int, heads: int, value_dim: int) -> int:
         """The column blocks per head for a [rows, heads, K, value_dim] state (blocks of >= 16
