@@ -29,8 +29,11 @@ class DecodeBlocks:
     split_from: int | None = None
     column_block: int = 0     # one-token kernel, one program per (row, head): 0 reads and writes the head's whole
                               # [K, V] state at once; n > 0 walks it in a loop of n-column blocks (the delta rule is
-                              # independent per column), so a program holds n columns and more programs share an SM
-    num_stages: int = 1       # Triton pipeline stages of the one-token kernel (the column loop's loads)
+                              # independent per column), so a program holds n columns and more programs share an SM.
+                              # H200, H = 32 (RESULTS.md, KDA decode run 4): 32 columns 41.1 -> 35.2 us at B = 8, but
+                              # 1-10% slower at B = 64 and 256 (64 columns) and at B = 1, so 0 stays the default
+    num_stages: int = 1       # Triton pipeline stages of the one-token kernel (the column loop's loads; Triton
+                              # did not stage them: no matrix product consumes them)
 
     def __post_init__(self):
         if self.value_blocks not in (0,) + VALUE_BLOCK_CHOICES:
