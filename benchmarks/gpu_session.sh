@@ -80,7 +80,7 @@ for step in "$@"; do
               --name gemv_no_strength_reduction 2>&1 | quiet | tail -22 | tee "$W/gemv_nsr.log"
           fi ;;
     kda) OUT=$W timeout 420 python3 benchmarks/kda.py 2>&1 | quiet | tee "$W/kda.log" ;;
-    kda-prefill) K3JAX_TEST_DEVICE=gpu timeout ${KDA_TEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    kda-prefill) K3JAX_TEST_DEVICE=gpu timeout ${KDA_TEST_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_kda_kernels.py tests/pallas_kernels/test_kda_varlen.py -k "chunk or varlen" 2>&1 \
               | quiet | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_prefill_tests.log"
           OUT=$W timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
