@@ -237,8 +237,8 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         launches = [(nwarps, split, col, st) for nwarps in warps for split in splits
                     for col in (columns if split == 1 else (0,)) for st in (stages if col else (1,))]
         for nwarps, split, col, st in launches:
-            if split and not value_blocks_fit(kd, split):
-                continue
+            if (split and not value_blocks_fit(kd, split)) or (col and (col >= kd or kd % col)):
+                continue                 # a column block of the whole head (or more) is the whole-state launch
             blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split, column_block=col, num_stages=st)
             label = (f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")
                      + (f"/loop{col}/s{st}" if col else ""))

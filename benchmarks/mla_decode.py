@@ -79,7 +79,7 @@ def main(argv=None) -> int:
                     help="hopper: the Hopper kernel (warpgroup 0 scores every block); -alternate: the warpgroups "
                          "take turns; -each: both score every block; -one-buffer: queries laid out by XLA into one "
                          "[64, 576] buffer, one score MMA; -merge-pallas / -merge-xla: the splits merged in one Pallas "
-                         "launch / by XLA (hopper merges by the one launch from 8 splits on, else by XLA)")
+                         "launch / by XLA (hopper merges by the one launch from 64 splits on, else by XLA)")
     ap.add_argument("--q", nargs="+", type=int, default=[1], help="query tokens per row")
     ap.add_argument("--shapes", nargs="*", default=None, help="HxBxCTX entries, e.g. 32x64x4096")
     ap.add_argument("--name", default=None, help="name of the JSON record (default mla_decode)")

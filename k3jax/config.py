@@ -110,7 +110,7 @@ class MLAConfig:
     # "auto" ("pallas" on a GPU: about 5 us less per MLA layer at the 48B decode).
     absorb_impl: SkinnyImpl = "auto"
     # How the "hopper" form merges its sequence splits where the absorb kernels do not (more than 16
-    # query rows): "xla" (combine_splits, the reference), "pallas" (one launch) or "auto" (pallas from 8
+    # query rows): "xla" (combine_splits, the reference), "pallas" (one launch) or "auto" (pallas from 64
     # splits on, where it measured faster; MLA_MERGE_IMPLS).
     merge_impl: str = "auto"
 

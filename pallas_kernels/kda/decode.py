@@ -222,13 +222,14 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
     scale = kd ** -0.5 if weights.scale is None else weights.scale
     interpret = default_interpret() if interpret is None else interpret
     splits = blocks.value_blocks_for(b, h, kd)
+    if splits > 1 and blocks.column_block:
+        raise ValueError(f"kda_decode_pallas: column_block={blocks.column_block} does not combine with the "
+                         f"{splits} column blocks per head that value_blocks/split_from chose")
     if splits > 1:
         return _decode_split(inputs, weights, conv_state, state, splits=splits, scale=scale, blocks=blocks,
                              interpret=interpret)
-    if blocks.column_block and (kd % blocks.column_block or not is_pow2(blocks.column_block)
-                                or blocks.column_block < 16):
-        raise ValueError(f"kda_decode_pallas: column_block={blocks.column_block} must be a power of two >= 16 "
-                         f"dividing V={kd}")
+    if blocks.column_block and kd % blocks.column_block:
+        raise ValueError(f"kda_decode_pallas: column_block={blocks.column_block} does not divide V={kd}")
     kernel = functools.partial(_decode_kernel, width=width, lower_bound=weights.lower_bound,
                                norm_eps=weights.norm_eps, scale=scale)
     if blocks.column_block and blocks.column_block < kd:

@@ -31,7 +31,8 @@ class DecodeBlocks:
                               # [K, V] state at once; n > 0 walks it in a loop of n-column blocks (the delta rule is
                               # independent per column), so a program holds n columns and more programs share an SM.
                               # H200, H = 32 (RESULTS.md, KDA decode run 4): 32 columns 41.1 -> 35.2 us at B = 8, but
-                              # 1-10% slower at B = 64 and 256 (64 columns) and at B = 1, so 0 stays the default
+                              # 1-5% slower at B = 64 and 256 (64 columns) and 21% at B = 1, so 0 stays the default.
+                              # One program per head only: not with value_blocks > 1
     num_stages: int = 1       # Triton pipeline stages of the one-token kernel (the column loop's loads; Triton
                               # did not stage them: no matrix product consumes them)
 
@@ -39,9 +40,13 @@ class DecodeBlocks:
         if self.value_blocks not in (0,) + VALUE_BLOCK_CHOICES:
             raise ValueError(f"DecodeBlocks: value_blocks must be 0 (auto) or one of {VALUE_BLOCK_CHOICES}, "
                              f"got {self.value_blocks!r}")
-        if isinstance(self.column_block, bool) or not isinstance(self.column_block, int) or self.column_block < 0:
-            raise ValueError(f"DecodeBlocks: column_block must be 0 (whole state) or a column count, "
-                             f"got {self.column_block!r}")
+        cb = self.column_block
+        if isinstance(cb, bool) or not isinstance(cb, int) or cb < 0 or (cb and (cb < 16 or cb & (cb - 1))):
+            raise ValueError(f"DecodeBlocks: column_block must be 0 (whole state) or a power of two >= 16, "
+                             f"got {cb!r}")
+        if cb and self.value_blocks not in (0, 1):
+            raise ValueError(f"DecodeBlocks: column_block={cb} walks one program's whole head; it does not combine "
+                             f"with value_blocks={self.value_blocks}")
         if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"DecodeBlocks: num_stages must be a positive int, got {self.num_stages!r}")
 

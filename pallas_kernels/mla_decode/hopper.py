@@ -52,8 +52,9 @@ _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (meas
 
 SCORINGS = ("alternate", "first", "each")
 MERGES = ("auto", "xla", "pallas")
-PALLAS_MERGE_FROM_SPLITS = 8   # "auto" merges this many splits or more in the one Pallas launch (H200, MLA merge
-                               # sweep 2: 128 splits 2.9 us against XLA's 8.2; 2 splits 4.3 against 3.5)
+PALLAS_MERGE_FROM_SPLITS = 64  # "auto" merges this many splits or more in the one Pallas launch: the regime measured
+                               # (H200, MLA merge sweep 2: 128 splits 2.9 us against XLA's 8.2; at 2 splits XLA's 3.5
+                               # beat the launch's best 4.3); the counts in between were not measured
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,9 @@ class HopperMLABlocks:
 
     `merge`: how `mla_decode_hopper` merges the splits: "xla" (`combine_splits` on the real rows, the
     reference: four XLA kernels, 8.2 us at 1 x 128K), "pallas" (`merge.merge_splits_pallas`, one launch:
-    2.9 us there) or "auto" (the default: "pallas" from PALLAS_MERGE_FROM_SPLITS launched splits on, where
-    it measured faster, else "xla": at 2 splits, 64 x 4K, XLA's 3.5 us beat its 4.3; RESULTS.md, MLA merge
-    sweep 2).
+    2.9 us there) or "auto" (the default: "pallas" from PALLAS_MERGE_FROM_SPLITS launched splits on, the
+    long-cache, few-row regime where it measured faster, else "xla": at 2 splits, 64 x 4K, XLA's 3.5 us beat
+    the launch's best 4.3; RESULTS.md, MLA merge sweep 2).
 
     `min_split_blocks`: the fewest cache blocks an automatic split covers. At one row and a short cache
     the kernel is latency, about 2.4 us per block in turn on one program: at B = 1 over 192 slots

@@ -3,7 +3,7 @@
 A split kernel leaves, per split s of the sequence, its normalised output o_s and base-2 log-sum-exp
 lse_s for every query row; the whole-sequence output is sum_s 2^(lse_s - top) o_s / sum_s
 2^(lse_s - top) with top = max_s lse_s. XLA runs this as five kernels (two reductions over the
-splits, the exponentials, the weighted sum, the slice of the real rows), about 9 us at 1 x 128K;
+splits, the exponentials, the weighted sum; 8.2 us at 1 x 128K over the real rows, `hopper.combine_splits`);
 here one program per (batch row, block_r query rows, block_c columns) first takes the top log-sum-exp of
 its rows over every split, then streams the outputs and their log-sum-exps in chunks of splits.
 
@@ -11,8 +11,9 @@ At one batch row the programs are few and each walks every split, so what counts
 there are and how many steps each takes. H200, device time (RESULTS.md, MLA merge sweep 2,
 `benchmarks/mla_merge.py`), 1 x 128K at H = 32 (128 splits, 32 rows): 16 rows x 32 columns per program
 in chunks of 8 splits (32 programs, 16 steps) 10.3 us; the defaults, 4 rows x 32 columns and every split in
-one step at 8 warps (128 programs), 2.9 us; XLA's four kernels 8.2 us. At 64 x 4K (2 splits) XLA's 3.5 us
-beats the best setting's 4.3 (8 rows x 64 columns) and the defaults' 11.1.
+one step at 8 warps (128 programs), 2.9 us; XLA's four kernels 8.2 us. At 64 x 4K (2 splits) that setting
+takes 11.1 us (16,384 programs of almost no work) and 8 rows x 64 columns in chunks of 16 at 4 warps the least,
+4.3 us, against XLA's 3.5. `merge_settings` picks between the two measured bests by the split count.
 
 Twin: `hopper.combine_splits` (the XLA form).
 """
@@ -58,9 +59,26 @@ def _kernel(o_ref, lse_ref, out_ref, *, splits: int, s_pad: int, chunk: int, row
               mask=live[:, None])
 
 
+MANY_SPLITS = 64   # from this many splits on, `merge_settings` takes the setting measured best at 128 splits
+
+
+def merge_settings(splits: int) -> dict[str, int]:
+    """Default launch settings for `splits` splits: the measured best at 128 splits (4 rows x 32 columns, every
+    split in one step, 8 warps: 2.9 us at 1 x 128K) from MANY_SPLITS on, else the best at 2 splits (8 rows x 64
+    columns, 16 splits a step, 4 warps: 4.3 us at 64 x 4K). RESULTS.md, MLA merge sweep 2."""
+    if splits >= MANY_SPLITS:
+        return dict(block_r=4, block_c=32, chunk=128, num_warps=8)
+    return dict(block_r=8, block_c=64, chunk=16, num_warps=4)
+
+
+def _power_of_two(name: str, value, least: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
+        raise ValueError(f"merge splits: {name} must be a power of two >= {least}, got {value!r}")
+
+
 @functools.partial(jax.jit, static_argnames=("rows", "block_r", "block_c", "chunk", "num_warps", "interpret"))
-def merge_splits_pallas(o, lse, *, rows: int | None = None, block_r: int = 4, block_c: int = 32, chunk: int = 128,
-                        num_warps: int = 8, interpret: bool | None = None):
+def merge_splits_pallas(o, lse, *, rows: int | None = None, block_r: int | None = None, block_c: int | None = None,
+                        chunk: int | None = None, num_warps: int | None = None, interpret: bool | None = None):
     """Merge per-split outputs, `hopper.combine_splits`'s contract for the first `rows` query rows.
 
     Args:
@@ -68,7 +86,7 @@ def merge_splits_pallas(o, lse, *, rows: int | None = None, block_r: int = 4, bl
         base-2 log-sum-exps (a split that saw nothing: -huge, weighing nothing next to any split that
         saw a slot). rows: the query rows to merge (default all R_q); rows past them are not read.
       block_r: query rows per program (a power of two); block_c: output columns per program (a power of
-        two dividing C); chunk: splits per step.
+        two >= 16 dividing C); chunk: splits per step; num_warps: per program. None: `merge_settings(S)`.
     Returns:
       [B, rows, C] fp32.
     """
@@ -77,8 +95,11 @@ def merge_splits_pallas(o, lse, *, rows: int | None = None, block_r: int = 4, bl
     if lse.shape != (b, splits, r_q) or not 0 < rows <= r_q:
         raise ValueError(f"merge splits: outputs {o.shape} and log-sum-exps {lse.shape} do not match "
                          f"(rows {rows})")
-    if block_r < 1 or block_r & (block_r - 1):
-        raise ValueError(f"merge splits: block_r must be a power of two, got {block_r}")
+    given = dict(block_r=block_r, block_c=block_c, chunk=chunk, num_warps=num_warps)
+    settings = {k: v if v is not None else merge_settings(splits)[k] for k, v in given.items()}
+    for name, least in (("block_r", 1), ("block_c", 16), ("chunk", 1), ("num_warps", 1)):
+        _power_of_two(name, settings[name], least)
+    block_r, block_c, chunk, num_warps = (settings[k] for k in ("block_r", "block_c", "chunk", "num_warps"))
     bc = largest_block(c, block_c)
     if bc is None:
         raise ValueError(f"merge splits: {c} output columns is not a multiple of 16")

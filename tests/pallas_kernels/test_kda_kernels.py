@@ -119,7 +119,8 @@ def test_decode_split_into_column_blocks_matches_xla_twin(rng, interpret, b, h, 
 
 @pytest.mark.parametrize("b,h,kd,column_block,a_shape,state_dtype,lower_bound", [
     (1, 2, 32, 16, None, "float32", None), (2, 3, 64, 16, (3, 1), "float32", -5.0),
-    (1, 2, 64, 32, (1, 64), "bfloat16", None), (2, 2, 32, 32, None, "float32", None)])   # last: one block
+    (1, 2, 64, 32, (1, 64), "bfloat16", None),
+    (2, 2, 32, 32, None, "float32", None)])   # column_block == V: the whole-state kernel
 def test_decode_column_loop_matches_whole_state_kernel_and_twin(rng, interpret, b, h, kd, column_block, a_shape,
                                                                 state_dtype, lower_bound):
     """The one-token kernel walking the state in column blocks (one program per head, the output norm
@@ -136,16 +137,18 @@ def test_decode_column_loop_matches_whole_state_kernel_and_twin(rng, interpret, 
     assert_close("out", looped[0], out_r, dtype="bfloat16")
     np.testing.assert_array_equal(np.asarray(looped[1], np.float32), np.asarray(conv_r, np.float32))
     assert_close("state", looped[2], state_r, dtype=kernel_dtype(state_dtype, interpret))
-    with pytest.raises(ValueError, match=f"column_block=24 must be a power of two >= 16 dividing V={kd}"):
-        kda_decode_pallas(inputs, weights, conv, state, interpret=interpret, blocks=DecodeBlocks(column_block=24))
+    with pytest.raises(ValueError, match=f"column_block=128 does not divide V={kd}"):
+        kda_decode_pallas(inputs, weights, conv, state, interpret=interpret, blocks=DecodeBlocks(column_block=128))
 
 
 def test_decode_blocks_name_a_bad_split():
     with pytest.raises(ValueError, match="value_blocks must be 0"):
         DecodeBlocks(value_blocks=3)
-    for bad in (-1, True, 2.0):
+    for bad in (-1, True, 2.0, 8, 24):
         with pytest.raises(ValueError, match="column_block must be 0"):
             DecodeBlocks(column_block=bad)
+    with pytest.raises(ValueError, match="does not combine with value_blocks=2"):
+        DecodeBlocks(column_block=32, value_blocks=2)
     with pytest.raises(ValueError, match="num_stages must be a positive int"):
         DecodeBlocks(num_stages=0)
     with pytest.raises(ValueError, match="value_blocks=8 does not split V=64"):

@@ -17,7 +17,7 @@ from tolerances import assert_close
 from pallas_kernels.mla_decode import mla_decode_reference
 from pallas_kernels.mla_decode.hopper import (PALLAS_MERGE_FROM_SPLITS, TILE_ROWS, HopperMLABlocks, combine_splits,
                                               hopper_takes, mla_decode_hopper, mla_decode_hopper_splits, query_rows)
-from pallas_kernels.mla_decode.merge import merge_splits_pallas
+from pallas_kernels.mla_decode.merge import merge_settings, merge_splits_pallas
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
 
@@ -84,7 +84,7 @@ def test_splits_on_query_rows_as_laid_out(rng, sq, h, rows):
 def test_lowers_for_cuda_on_any_host(variant, sq, h):
     """The full Pallas -> Mosaic GPU lowering runs (no GPU needed) and emits the Mosaic GPU kernel, for
     every variant and for query rows of whole tiles (64), fewer (12) and past them (72); with
-    merge="pallas" (or "auto" at 8 or more splits) the merge launch is there too (off a GPU in its interpret form, on one as a Triton
+    merge="pallas" (or "auto" at 64 or more splits) the merge launch is there too (off a GPU in its interpret form, on one as a Triton
     call: see `test_merge_kernel_lowers_for_cuda` for its Triton lowering on any host)."""
     args = (jax.ShapeDtypeStruct((2, sq, h, 512), jnp.bfloat16), jax.ShapeDtypeStruct((2, sq, h, 64), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, 1024, 576), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
@@ -98,6 +98,20 @@ def test_lowers_for_cuda_on_any_host(variant, sq, h):
     splits = blocks.split_layout(2 * query_rows(h, sq) // TILE_ROWS, 1024)[0]
     assert merge_launch == (splits > 1 and (blocks.merge == "pallas" or (
         blocks.merge == "auto" and splits >= PALLAS_MERGE_FROM_SPLITS)))
+
+
+@pytest.mark.parametrize("slots,merge_launch", [(8192, True), (1024, False)])
+def test_auto_merge_takes_the_one_launch_at_many_splits(slots, merge_launch):
+    """merge="auto" (the default): one row over a long cache (128 splits) merges in the Pallas launch, over
+    a short one (16 splits) in XLA's kernels."""
+    assert HopperMLABlocks().split_layout(1, slots)[0] == slots // 64
+    args = (jax.ShapeDtypeStruct((1, 1, 32, 512), jnp.bfloat16), jax.ShapeDtypeStruct((1, 1, 32, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, slots, 576), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32))
+    module = jax.export.export(jax.jit(lambda *a: mla_decode_hopper(*a, scale=0.1)), platforms=["cuda"],
+                               disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+                               )(*args).mlir_module()
+    assert ("mla_merge_splits" in module or "__gpu$xla.gpu.triton" in module) == merge_launch
+    assert (slots // 64 >= PALLAS_MERGE_FROM_SPLITS) == merge_launch
 
 
 @pytest.mark.parametrize("b,splits,rows", [(1, 128, 32), (64, 2, 32)])   # 1 x 128K and 64 x 4K at H = 32
@@ -153,14 +167,16 @@ def test_merge_kernel_equals_combine_splits(rng, interpret, b, splits, q_rows, r
     o[:, :, rows:], lse[:, :, rows:] = np.nan, np.nan
     o, lse = jnp.asarray(o, jnp.bfloat16), jnp.asarray(lse)
     want = combine_splits(o[:, :, :rows], lse[:, :, :rows])
-    for settings in ({}, dict(block_r=4, block_c=16, chunk=32), dict(block_r=2, block_c=64, chunk=4, num_warps=8)):
+    for settings in ({}, dict(block_r=4, block_c=16, chunk=32), dict(block_r=2, block_c=64, chunk=4, num_warps=8),
+                     merge_settings(128), merge_settings(2)):
         got = merge_splits_pallas(o, lse, rows=rows, interpret=interpret, **settings)
         assert got.shape == (b, rows, cols) and got.dtype == jnp.float32
         assert_close(f"merge {settings}", got, want, dtype="float32")
     with pytest.raises(ValueError, match="do not match"):
         merge_splits_pallas(o, lse[:, :1], rows=rows)
-    with pytest.raises(ValueError, match="block_r must be a power of two"):
-        merge_splits_pallas(o, lse, rows=rows, block_r=6)
+    for bad in (dict(block_r=6), dict(block_c=48), dict(block_c=8), dict(num_warps=3), dict(chunk=0)):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be a power of two"):
+            merge_splits_pallas(o, lse, rows=rows, **bad)
 
 
 def test_rejects_what_it_cannot_run():
