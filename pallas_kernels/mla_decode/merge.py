@@ -2,15 +2,15 @@
 
 A split kernel leaves, per split s of the sequence, its normalised output o_s and base-2 log-sum-exp
 lse_s for every query row; the whole-sequence output is sum_s 2^(lse_s - top) o_s / sum_s
-2^(lse_s - top) with top = max_s lse_s. XLA runs this as five kernels (two reductions over the
-splits, the exponentials, the weighted sum; 8.2 us at 1 x 128K over the real rows, `hopper.combine_splits`);
+2^(lse_s - top) with top = max_s lse_s. XLA runs this as four kernels (the reductions over the splits,
+the exponentials, the weighted sum and division; 8.2 us at 1 x 128K over the real rows, `hopper.combine_splits`);
 here one program per (batch row, block_r query rows, block_c columns) first takes the top log-sum-exp of
 its rows over every split, then streams the outputs and their log-sum-exps in chunks of splits.
 
 At one batch row the programs are few and each walks every split, so what counts is how many programs
 there are and how many steps each takes. H200, device time (RESULTS.md, MLA merge sweep 2,
 `benchmarks/mla_merge.py`), 1 x 128K at H = 32 (128 splits, 32 rows): 16 rows x 32 columns per program
-in chunks of 8 splits (32 programs, 16 steps) 10.3 us; the defaults, 4 rows x 32 columns and every split in
+in chunks of 8 splits (32 programs, 16 steps) 10.3 us; 4 rows x 32 columns and every split in
 one step at 8 warps (128 programs), 2.9 us; XLA's four kernels 8.2 us. At 64 x 4K (2 splits) that setting
 takes 11.1 us (16,384 programs of almost no work) and 8 rows x 64 columns in chunks of 16 at 4 warps the least,
 4.3 us, against XLA's 3.5. `merge_settings` picks between the two measured bests by the split count.
