@@ -283,8 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", nargs="+", type=int, default=[1, 0],
                     help="column blocks per head of the one-token kernel (DecodeBlocks.value_blocks; 0: auto)")
     ap.add_argument("--column-blocks", nargs="+", type=int, default=[0],
-                    help="state columns per loop step of the unsplit one-token kernel (DecodeBlocks.column_block; "
-                         "0: the whole state at once)")
+                    help="state columns per loop step of the unsplit one-token kernel (DecodeBlocks.column_block: "
+                         "a power of two >= 16; 0: the whole state at once)")
     ap.add_argument("--stages", nargs="+", type=int, default=[1], help="num_stages of the column-loop kernel")
     ap.add_argument("--state-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="recurrent state dtypes of the decode rows (bfloat16: the kda_state option)")
