@@ -13,7 +13,7 @@ history, so the new conv state goes to a fresh buffer (not in place).
 
 Or one program per (row, head) walks the state in a loop of column blocks (`DecodeBlocks.column_block`):
 the same launch, outputs and in-place writes as the whole-state kernel, with one block of the state held
-at a time (fewer registers, more programs per SM, and loads that `num_stages` can pipeline).
+at a time (fewer registers, more programs per SM).
 """
 
 from __future__ import annotations
@@ -230,11 +230,11 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
                              interpret=interpret)
     if blocks.column_block and kd % blocks.column_block:
         raise ValueError(f"kda_decode_pallas: column_block={blocks.column_block} does not divide V={kd}")
-    kernel = functools.partial(_decode_kernel, width=width, lower_bound=weights.lower_bound,
-                               norm_eps=weights.norm_eps, scale=scale)
+    settings = dict(width=width, lower_bound=weights.lower_bound, norm_eps=weights.norm_eps, scale=scale)
     if blocks.column_block and blocks.column_block < kd:
-        kernel = functools.partial(_column_loop_kernel, width=width, block_v=blocks.column_block,
-                                   lower_bound=weights.lower_bound, norm_eps=weights.norm_eps, scale=scale)
+        kernel = functools.partial(_column_loop_kernel, block_v=blocks.column_block, **settings)
+    else:
+        kernel = functools.partial(_decode_kernel, **settings)
     row_head = lambda i, j: (i, j, 0)
     tap, dt_spec, a_spec = _weight_specs(weights, h, kd)
     out, new_conv, new_state = pl.pallas_call(
@@ -260,7 +260,7 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
                    jax.ShapeDtypeStruct(state.shape, state.dtype)],
         input_output_aliases={1: 1, 11: 2},
-        compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode",
     )(inputs.x_qkv, conv_state, *weights.conv_taps, inputs.f, weights.dt_bias, weights.a_log, inputs.beta_logit,

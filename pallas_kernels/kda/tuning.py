@@ -32,9 +32,8 @@ class DecodeBlocks:
                               # independent per column), so a program holds n columns and more programs share an SM.
                               # H200, H = 32 (RESULTS.md, KDA decode run 4): 32 columns 41.1 -> 35.2 us at B = 8, but
                               # 1-5% slower at B = 64 and 256 (64 columns) and 21% at B = 1, so 0 stays the default.
-                              # One program per head only: not with value_blocks > 1
-    num_stages: int = 1       # Triton pipeline stages of the one-token kernel (the column loop's loads; Triton
-                              # did not stage them: no matrix product consumes them)
+                              # One program per head only: not with value_blocks > 1. (Triton's num_stages does not
+                              # pipeline the loop's loads: no matrix product consumes them; ptxas identical at 2)
 
     def __post_init__(self):
         if self.value_blocks not in (0,) + VALUE_BLOCK_CHOICES:
@@ -47,8 +46,6 @@ class DecodeBlocks:
         if cb and self.value_blocks not in (0, 1):
             raise ValueError(f"DecodeBlocks: column_block={cb} walks one program's whole head; it does not combine "
                              f"with value_blocks={self.value_blocks}")
-        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"DecodeBlocks: num_stages must be a positive int, got {self.num_stages!r}")
 
     def value_blocks_for(self, rows: int, heads: int, value_dim: int) -> int:
         """The column blocks per head for a [rows, heads, K, value_dim] state (blocks of >= 16

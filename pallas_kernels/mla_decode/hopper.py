@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla_decode.merge import merge_splits_pallas
+from pallas_kernels.mla_decode.merge import MANY_SPLITS, merge_splits_pallas
 from pallas_kernels.mla_decode.reference import validate_inputs
 
 TILE_ROWS = 64            # query rows per program: the M side of one warpgroup MMA
@@ -52,9 +52,10 @@ _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (meas
 
 SCORINGS = ("alternate", "first", "each")
 MERGES = ("auto", "xla", "pallas")
-PALLAS_MERGE_FROM_SPLITS = 64  # "auto" merges this many splits or more in the one Pallas launch: the regime measured
-                               # (H200, MLA merge sweep 2: 128 splits 2.9 us against XLA's 8.2; at 2 splits XLA's 3.5
-                               # beat the launch's best 4.3); the counts in between were not measured
+# "auto" merges this many splits or more in the one Pallas launch: the regime measured (H200, MLA merge sweep 2:
+# 128 splits 2.9 us against XLA's 8.2; at 2 splits XLA's 3.5 beat the launch's best 4.3); the counts in between
+# were not measured. The same bound picks the launch's own settings (`merge.merge_settings`).
+PALLAS_MERGE_FROM_SPLITS = MANY_SPLITS
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,7 @@ def test_decode_column_loop_matches_whole_state_kernel_and_twin(rng, interpret, 
     out_r, conv_r, state_r = kda_decode_xla(inputs, weights, conv, state)
     whole = kda_decode_pallas(inputs, weights, conv, state, interpret=interpret)
     looped = kda_decode_pallas(inputs, weights, conv, state, interpret=interpret,
-                               blocks=DecodeBlocks(column_block=column_block, num_stages=2))
+                               blocks=DecodeBlocks(column_block=column_block))
     for name, got, want in zip(("out", "conv", "state"), looped, whole):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert_close(f"loop vs whole {name}", got, want, dtype=kernel_dtype(state_dtype, interpret))
@@ -149,8 +149,6 @@ def test_decode_blocks_name_a_bad_split():
             DecodeBlocks(column_block=bad)
     with pytest.raises(ValueError, match="does not combine with value_blocks=2"):
         DecodeBlocks(column_block=32, value_blocks=2)
-    with pytest.raises(ValueError, match="num_stages must be a positive int"):
-        DecodeBlocks(num_stages=0)
     with pytest.raises(ValueError, match="value_blocks=8 does not split V=64"):
         DecodeBlocks(value_blocks=8).value_blocks_for(1, 2, 64)
     assert DecodeBlocks().value_blocks_for(1, 32, 128) == 1 and DecodeBlocks().value_blocks_for(256, 32, 128) == 1
