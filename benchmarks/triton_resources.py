@@ -60,6 +60,7 @@ def _build_cases():
     from pallas_kernels.mla_decode.merge import merge_splits_pallas
     from pallas_kernels.moe_gmm.kernel import pair_glu_pallas
     from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
+    from pallas_kernels.moe_gmm.tuning import TileBlocks
     from pallas_kernels.rms_norm.kernel import add_rms_norm_pallas
     from pallas_kernels.router.kernel import route_topk_pallas
     from pallas_kernels.router.spec import RouterSpec
@@ -78,13 +79,16 @@ def _build_cases():
                                                                        interpret=False))
         return call, (inputs, weights, spec((rows, w - 1, 3, hd, kd), bf16), spec((rows, hd, kd, kd), f32))
 
-    def pairs(mxfp4: bool):
+    def pairs(mxfp4: bool, **blocks):
         experts, d, ff, k = 256, 2304, 1024, 8     # Kimi-Linear's routed experts, one token's 8 pairs
         if mxfp4:
             w = Mxfp4Weight(spec((experts, d // 2, ff), jnp.uint8), spec((experts, d // 32, ff), jnp.uint8))
         else:
             w = spec((experts, d, ff), bf16)
-        call = jax.jit(lambda x, wg, wu, g, v: pair_glu_pallas(x, wg, wu, g, v, repeat=k, interpret=False))
+        tile = TileBlocks(**{**dict(block_m=16, block_n=64, block_k=128, num_stages=3, gemv=mxfp4), **blocks}) \
+            if blocks else None
+        call = jax.jit(lambda x, wg, wu, g, v: pair_glu_pallas(x, wg, wu, g, v, repeat=k, blocks=tile,
+                                                               interpret=False))
         return call, (spec((1, d), bf16), w, w, spec((k,), jnp.int32), spec((k,), jnp.bool_))
 
     return {
@@ -106,6 +110,7 @@ def _build_cases():
         "kda-decode-b64-loop64": kda_decode(64, column_block=64),
         "moe-pairs-bf16": pairs(False),
         "moe-pairs-mxfp4": pairs(True),
+        "moe-pairs-mxfp4-asm": pairs(True, e2m1="asm"),
         "o-proj-b1": (jax.jit(lambda x, w: fused_projections_pallas((x,), (w,), counts=(1,), interpret=False)),
                       (spec((1, 4096), bf16), spec((4096, 2304), bf16))),
         "add-rms-norm-b1": (jax.jit(lambda h, p, w: add_rms_norm_pallas(h, p, w, eps=1e-6, interpret=False)),

@@ -29,8 +29,9 @@ from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.mxfp4 import (GROUP, RAW_SCALE_OFFSET, Mxfp4Weight, decode_e2m1, decode_e2m1_raw,
                                           raw_scale_factor, scale_factor, split_even_odd)
 from pallas_kernels.moe_gmm.mxfp4 import validate as validate_mxfp4
+from pallas_kernels.moe_gmm.mxfp4_asm import decode_e2m1_asm, raw_scale_factor_asm
 from pallas_kernels.moe_gmm.schedule import tile_schedule
-from pallas_kernels.moe_gmm.tuning import TileBlocks
+from pallas_kernels.moe_gmm.tuning import E2M1_DECODES, TileBlocks
 
 
 def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=False, e2m1="bits", extra_from=None):
@@ -145,23 +146,28 @@ def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn
 
     def step(kk, accs):
         g0 = pl.multiple_of(kk * groups, groups)
-        a_lo, a_hi = (ref[src, pl.ds(g0, groups), :].astype(jnp.float32)[:, :, None] for ref in lhs_refs)
+        # The raw decodes (values x 2^-126) take 2^RAW_SCALE_OFFSET on the activations, so that each
+        # product, and the scale group's sum before its factor, is a normal fp32.
+        lift = float(2 ** RAW_SCALE_OFFSET) if e2m1 in ("bits", "asm") else 1.0
+        a_lo, a_hi = (ref[src, pl.ds(g0, groups), :].astype(jnp.float32)[:, :, None] * lift for ref in lhs_refs)
         out = []
         for acc, packed, scale in zip(accs, w_refs[0::2], w_refs[1::2]):
-            codes = packed[group, pl.ds(g0, groups), :, cols].astype(jnp.int32)                # [bk/32, 16, bn]
+            codes = packed[group, pl.ds(g0, groups), :, cols]                                   # [bk/32, 16, bn] u8
             s = scale[group, pl.ds(g0, groups), cols]                                           # [bk/32, bn]
-            if e2m1 == "bits":
+            if e2m1 == "asm":
+                factor, (w_lo, w_hi) = raw_scale_factor_asm(s), decode_e2m1_asm(codes)
+            elif e2m1 == "bits":
+                codes = codes.astype(jnp.int32)
                 factor, w_lo, w_hi = raw_scale_factor(s), decode_e2m1_raw(codes, False), decode_e2m1_raw(codes, True)
             else:
+                codes = codes.astype(jnp.int32)
                 factor, w_lo, w_hi = scale_factor(s), decode_e2m1(codes), decode_e2m1(codes >> 4)
             factor = factor[:, None, :]
-            out.append(acc + a_lo * (w_lo * factor) + a_hi * (w_hi * factor))
+            out.append(acc + (a_lo * w_lo + a_hi * w_hi) * factor)     # exact: factor is a power of two
         return tuple(out)
 
     zeros = tuple(jnp.zeros((groups, per, bn), jnp.float32) for _ in w_refs[::2])
     sums = [jnp.sum(jnp.sum(acc, axis=0), axis=0) for acc in jax.lax.fori_loop(0, k_dim // bk, step, zeros)]  # [bn]
-    if e2m1 == "bits":
-        sums = [v * float(2 ** RAW_SCALE_OFFSET) for v in sums]
     if spec is not None:
         out = glu(sums[0], sums[1], spec)
     elif scale_ref is not None:
@@ -209,8 +215,8 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
         sched = (jnp.where(valid, group, 0).astype(jnp.int32), valid.astype(jnp.int32))
     scaled = row_scale is not None
     gemv = quantized and pairs is not None and blocks.gemv
-    if blocks.e2m1 not in ("bits", "table"):
-        raise ValueError(f"grouped matmul (pallas): e2m1 must be 'bits' or 'table', got {blocks.e2m1!r}")
+    if blocks.e2m1 not in E2M1_DECODES:
+        raise ValueError(f"grouped matmul (pallas): e2m1 must be one of {E2M1_DECODES}, got {blocks.e2m1!r}")
     if gemv:    # scale groups as their own axis (free reshapes of contiguous arrays)
         lhs_parts = tuple(part.reshape(part.shape[0], k_dim // GROUP, GROUP // 2) for part in lhs_parts)
         weights = tuple(w.reshape(w.shape[0], k_dim // GROUP, GROUP // 2, n_dim) if i % 2 == 0 else w

@@ -80,7 +80,7 @@ def decode_e2m1(codes):
 
 _SIGN_BIT = -2147483648          # 0x80000000 as int32
 _MAGNITUDE_BITS = 0x01C00000     # fp32 exponent bits 23-24 and mantissa bit 22
-RAW_SCALE_OFFSET = 64            # `raw_scale_factor` leaves 2^64 to multiply in after the sum
+RAW_SCALE_OFFSET = 64            # `raw_scale_factor` leaves 2^64 to multiply in (the kernels: on the activations)
 
 
 def decode_e2m1_raw(codes, high: bool):

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from pallas_kernels._util import SM_COUNT
 
+E2M1_DECODES = ("asm", "bits", "table")
+
 
 @dataclass(frozen=True)
 class GmmBlocks:
@@ -26,8 +28,10 @@ class TileBlocks:
 
     For unsorted pairs on MXFP4 weights, `gemv` computes each row on the CUDA cores (multiply-adds
     into a [block_k/2, block_n] accumulator, summed once at the end) instead of a 16-row tensor-core
-    tile, and `e2m1` picks the decode: "bits" (three integer ops per value, `mxfp4.decode_e2m1_raw`)
-    or "table" (`mxfp4.decode_e2m1`, the form the tile kernels use)."""
+    tile, and `e2m1` picks the decode: "asm" (inline PTX on the four bytes of a register, three
+    integer instructions per value, `mxfp4_asm.py`; compiled only), "bits" (the same bit placement
+    in JAX ops on each byte, `mxfp4.decode_e2m1_raw`) or "table" (`mxfp4.decode_e2m1`, the form the
+    tile kernels use)."""
 
     block_m: int
     block_n: int
@@ -42,12 +46,12 @@ class TileBlocks:
         """Decode-sized groups (a few rows each) stream weights with 16-row tiles; prefill-sized
         groups use wide tiles so each weight tile is reused across many rows. Packed (MXFP4) weights
         take deeper steps in prefill tiles (a quarter of the bytes per value); in decode (one row
-        per pair) they run on the CUDA cores, with the bit decode when compiled and the table decode
-        when `interpreted` (the bit decode passes codes +-0.5 through subnormals, which XLA's CPU
-        flushes to zero)."""
+        per pair) they run on the CUDA cores, with the inline-PTX decode when compiled and the table
+        decode when `interpreted` (inline PTX runs only compiled, and the bit forms pass codes +-0.5
+        through subnormals, which XLA's CPU flushes to zero)."""
         if rows_per_group <= 32:
             return cls(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4 if not packed else 3,
-                       gemv=packed, e2m1="table" if interpreted else "bits")
+                       gemv=packed, e2m1="table" if interpreted else "asm")
         return cls(block_m=64, block_n=128, block_k=128 if packed else 64, num_warps=4, num_stages=3)
 
     @classmethod

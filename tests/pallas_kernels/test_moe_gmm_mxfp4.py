@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from tolerances import assert_close
 
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4
@@ -17,6 +18,9 @@ from pallas_kernels.moe_gmm import (GluSpec, Mxfp4Weight, TileBlocks, grouped_gl
                                     pair_matmul_reference)
 from pallas_kernels.moe_gmm.mxfp4 import (RAW_SCALE_OFFSET, decode_e2m1, decode_e2m1_raw, dequantize,
                                           from_checkpoint_layout, raw_scale_factor, scale_factor)
+from pallas_kernels.moe_gmm.mxfp4_asm import decode_e2m1_asm, raw_scale_factor_asm
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="inline PTX runs in a compiled kernel on a GPU only")
 
 
 def _checkpoint_tensors(rng, g, n, k):
@@ -94,10 +98,13 @@ def _without_halves(packed):
     (4, None),                                               # the default: CUDA-core rows (bit decode compiled,
                                                              # table decode interpreted)
     (1, TileBlocks(16, 32, 64, gemv=True, e2m1="bits")),     # CUDA-core rows, bit decode
+    (3, TileBlocks(16, 64, 64, gemv=True, e2m1="asm")),      # CUDA-core rows, inline-PTX decode (compiled only)
     (2, TileBlocks(16, 32, 64, gemv=True, e2m1="table")),    # CUDA-core rows, table decode
     (4, TileBlocks(16, 32, 64)),                             # 16-row tensor-core tiles
 ])
 def test_pair_kernels_on_packed_weights(rng, interpret, repeat, blocks):
+    if interpret and blocks is not None and blocks.e2m1 == "asm":
+        pytest.skip("inline PTX runs in a compiled kernel only (its CPU coverage: the lowering test below)")
     tokens, k, n, g = 3, 128, 64, 10
     lhs = jnp.asarray(rng.standard_normal((tokens, k)) / 4, jnp.bfloat16)
     w_gate, w_up = _weights(rng, g, k, n), _weights(rng, g, k, n)
@@ -114,6 +121,46 @@ def test_pair_kernels_on_packed_weights(rng, interpret, repeat, blocks):
     scale = jnp.asarray(rng.uniform(0.1, 1.0, tokens * repeat), jnp.float32)
     out = pair_matmul_pallas(down_in, w_up, group, valid, scale, blocks=blocks, interpret=interpret)
     assert_close("pair matmul", out, pair_matmul_reference(down_in, dense[1], group, valid, scale), dtype="bfloat16")
+
+
+def _asm_forms(packed, scale):
+    """decode_e2m1_asm and raw_scale_factor_asm over [16, 16] uint8 arrays in one compiled kernel."""
+    def kernel(p_ref, s_ref, lo_ref, hi_ref, f_ref):
+        lo_ref[...], hi_ref[...] = decode_e2m1_asm(p_ref[...])
+        f_ref[...] = raw_scale_factor_asm(s_ref[...])
+    out = jax.ShapeDtypeStruct(packed.shape, jnp.float32)
+    return pl.pallas_call(kernel, out_shape=(out, out, out))(packed, scale)
+
+
+@on_gpu
+def test_inline_ptx_decode_equals_the_bit_forms():
+    """Every byte's two nibbles bit for bit as `decode_e2m1_raw`; every scale as `raw_scale_factor`
+    where that is exact (s >= 66), and 2^(s - 65) below it. The bytes are shuffled so that no byte
+    sits at the same position within its register as its own value would put it."""
+    rng = np.random.default_rng(3)
+    packed = jnp.asarray(rng.permutation(256).astype(np.uint8).reshape(16, 16))
+    scale = jnp.asarray(rng.permutation(256).astype(np.uint8).reshape(16, 16))
+    lo, hi, factor = (np.asarray(v) for v in jax.jit(_asm_forms)(packed, scale))
+    codes = packed.astype(jnp.int32)
+    for ours, high in ((lo, False), (hi, True)):
+        np.testing.assert_array_equal(ours.view(np.int32), np.asarray(decode_e2m1_raw(codes, high)).view(np.int32))
+    s = np.asarray(scale).astype(np.int64)
+    expected = np.where(s >= 66, np.asarray(raw_scale_factor(scale)), np.ldexp(1.0, s - 65)).astype(np.float32)
+    np.testing.assert_array_equal(factor, expected)
+
+
+def test_inline_ptx_kernel_lowers_for_cuda(triton_for_hopper):
+    """The inline-PTX pair kernel at Kimi-Linear's expert shape lowers to Triton for sm_90 on any host
+    (the GPU run compiles and checks it: the two tests above)."""
+    e, d, f, k = 256, 2304, 1024, 8
+    sds = jax.ShapeDtypeStruct
+    w = Mxfp4Weight(sds((e, d // 2, f), jnp.uint8), sds((e, d // 32, f), jnp.uint8))
+    blocks = TileBlocks(16, 64, 128, num_stages=3, gemv=True, e2m1="asm")
+    call = jax.jit(lambda x, wg, wu, g, v: pair_glu_pallas(x, wg, wu, g, v, repeat=k, blocks=blocks, interpret=False))
+    module = jax.export.export(call, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        sds((1, d), jnp.bfloat16), w, w, sds((k,), jnp.int32), sds((k,), jnp.bool_))
+    assert module.mlir_module().count("__gpu$xla.gpu.triton") == 1
 
 
 def test_dispatch_dequantises_for_the_reference_paths(rng):
