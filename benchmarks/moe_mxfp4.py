@@ -36,9 +36,10 @@ from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize  #
 from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
 MODELS = {"kimi-linear": (256, 2304, 1024, 8), "k3-latent-1/8": (112, 3584, 3072, 16)}  # E, D, F, top-k
-SWEEP = ([TileBlocks(16, n, k, w, 3, gemv=True, e2m1="asm") for n in (32, 64, 128) for k in (128, 256) for w in (4, 8)]
-         + [TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1=d) for d in ("bits", "table")]
-         + [TileBlocks(16, 64, 128, 4, 3)])   # pairs (<= 8 tokens): CUDA-core rows by decode, and the 16-row tile
+SWEEP = ([TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="asm", prefetch=p, split_k=sk) for p in (0, 1, 2) for sk in (1, 0)]
+         + [TileBlocks(16, n, k, w, 3, gemv=True, e2m1="asm", prefetch=1, split_k=0)
+            for n, k, w in ((64, 256, 8), (32, 128, 4), (128, 128, 8))]
+         + [TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="bits")])   # pairs (<= 8 tokens): CUDA-core rows
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:

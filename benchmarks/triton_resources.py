@@ -111,6 +111,8 @@ def _build_cases():
         "moe-pairs-bf16": pairs(False),
         "moe-pairs-mxfp4": pairs(True),
         "moe-pairs-mxfp4-asm": pairs(True, e2m1="asm"),
+        "moe-pairs-mxfp4-asm-p1": pairs(True, e2m1="asm", prefetch=1),
+        "moe-pairs-mxfp4-asm-p2": pairs(True, e2m1="asm", prefetch=2),
         "o-proj-b1": (jax.jit(lambda x, w: fused_projections_pallas((x,), (w,), counts=(1,), interpret=False)),
                       (spec((1, 4096), bf16), spec((4096, 2304), bf16))),
         "add-rms-norm-b1": (jax.jit(lambda h, p, w: add_rms_norm_pallas(h, p, w, eps=1e-6, interpret=False)),

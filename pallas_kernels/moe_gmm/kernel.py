@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._util import default_interpret, is_pow2, largest_block
+from pallas_kernels._util import SM_COUNT, default_interpret, is_pow2, largest_block
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.mxfp4 import (GROUP, RAW_SCALE_OFFSET, Mxfp4Weight, decode_e2m1, decode_e2m1_raw,
                                           raw_scale_factor, scale_factor, split_even_odd)
@@ -34,7 +34,8 @@ from pallas_kernels.moe_gmm.schedule import tile_schedule
 from pallas_kernels.moe_gmm.tuning import E2M1_DECODES, TileBlocks
 
 
-def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=False, e2m1="bits", extra_from=None):
+def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=False, e2m1="bits", prefetch=0,
+            split_k=1, extra_from=None):
     """refs: the schedule (sorted rows: one [3, tiles] ref; pairs: group [M] and valid [M]), lhs,
     w (plain) or w_gate, w_up (glu); then, when `extra_from` is set, a second set of the same
     weights holding groups extra_from, extra_from + 1, ... (pairs only: e.g. the shared experts
@@ -49,7 +50,9 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=Fals
 
     `gemv` (pairs on MXFP4 only, `_gemv_row`): the program's one row is multiplied on the CUDA cores
     into a [bk/32, 16, bn] fp32 accumulator per weight (no tensor-core tile, no layout change of the
-    decoded weights), summed once after the loop; `e2m1` picks its decode ("bits" or "table")."""
+    decoded weights), summed once after the loop; `e2m1` picks its decode. With `split_k` > 1 program
+    (tile, col, part) covers part `part` of the reduction and out is fp32 [weights, split_k, M, N]
+    partial sums (zeros for pairs that are not valid), the epilogue left to the caller."""
     pairs = repeat > 0
     sched = refs[:2] if pairs else refs[:1]
     n_lhs = 2 if quantized else 1
@@ -68,16 +71,21 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=Fals
         src = first
     cols = pl.ds(col * bn, bn)
 
+    part = pl.program_id(2) if split_k > 1 else None
     if pairs:
         @pl.when(first >= last)
         def _():
-            out_ref[pl.ds(first, 1), cols] = jnp.zeros((1, bn), out_ref.dtype)
+            if part is None:
+                out_ref[pl.ds(first, 1), cols] = jnp.zeros((1, bn), out_ref.dtype)
+            else:
+                for w in range(out_ref.shape[0]):
+                    out_ref[w, part, first, cols] = jnp.zeros((bn,), out_ref.dtype)
 
     if gemv:
         @pl.when(first < last)
         def _():
             _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, group=group, src=src, row=first, cols=cols, bn=bn,
-                      bk=bk, k_dim=k_dim, spec=spec, e2m1=e2m1)
+                      bk=bk, k_dim=k_dim, spec=spec, e2m1=e2m1, prefetch=prefetch, split_k=split_k, part=part)
         return
 
     if extra_from is None:
@@ -138,22 +146,37 @@ def _tile(lhs_refs, w_refs, scale_ref, out_ref, *, group, first, last, src, cols
               mask=jnp.broadcast_to(row_mask[:, None], (bm, bn)))
 
 
-def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn, bk, k_dim, spec, e2m1):
+def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn, bk, k_dim, spec, e2m1, prefetch,
+              split_k=1, part=None):
     """One output row of a pair on MXFP4 weights (see `_kernel`, `gemv`). The refs arrive with each
     scale group's 16 packed rows as their own axis (lhs halves [M, K/32, 16], packed [G, K/32, 16, N]),
-    so a step's [bk/32, 16, bn] codes take their scales [bk/32, 1, bn] by broadcasting alone."""
-    groups, per = bk // GROUP, GROUP // 2
+    so a step's [bk/32, 16, bn] codes take their scales [bk/32, 1, bn] by broadcasting alone.
 
-    def step(kk, accs):
-        g0 = pl.multiple_of(kk * groups, groups)
-        # The raw decodes (values x 2^-126) take 2^RAW_SCALE_OFFSET on the activations, so that each
-        # product, and the scale group's sum before its factor, is a normal fp32.
-        lift = float(2 ** RAW_SCALE_OFFSET) if e2m1 in ("bits", "asm") else 1.0
-        a_lo, a_hi = (ref[src, pl.ds(g0, groups), :].astype(jnp.float32)[:, :, None] * lift for ref in lhs_refs)
+    `prefetch` steps are loaded ahead into the loop's carry: Triton pipelines only loads that feed a
+    matrix product, so without it each step waits for its own loads. With `split_k` > 1 the program
+    runs steps [part, part + 1) x steps / split_k and writes its raw sums to out_ref[:, part, row, cols]."""
+    groups, per = bk // GROUP, GROUP // 2
+    steps = k_dim // bk
+    if split_k > 1:
+        begin, end = part * (steps // split_k), (part + 1) * (steps // split_k)
+    else:
+        begin, end = 0, steps
+    # The raw decodes (values x 2^-126) take 2^RAW_SCALE_OFFSET on the activations, so that each
+    # product, and the scale group's sum before its factor, is a normal fp32.
+    lift = float(2 ** RAW_SCALE_OFFSET) if e2m1 in ("bits", "asm") else 1.0
+
+    def load(kk):
+        """Step kk's activation halves [bk/32, 16], and per weight its codes [bk/32, 16, bn] u8 and scales [bk/32, bn]."""
+        g0 = pl.multiple_of(jnp.minimum(kk, end - 1) * groups, groups)       # past the end: the last step again
+        return (tuple(ref[src, pl.ds(g0, groups), :] for ref in lhs_refs),
+                tuple((packed[group, pl.ds(g0, groups), :, cols], scale[group, pl.ds(g0, groups), cols])
+                      for packed, scale in zip(w_refs[0::2], w_refs[1::2])))
+
+    def compute(accs, loaded):
+        halves, weights = loaded
+        a_lo, a_hi = (a.astype(jnp.float32)[:, :, None] * lift for a in halves)
         out = []
-        for acc, packed, scale in zip(accs, w_refs[0::2], w_refs[1::2]):
-            codes = packed[group, pl.ds(g0, groups), :, cols]                                   # [bk/32, 16, bn] u8
-            s = scale[group, pl.ds(g0, groups), cols]                                           # [bk/32, bn]
+        for acc, (codes, s) in zip(accs, weights):
             if e2m1 == "asm":
                 factor, (w_lo, w_hi) = raw_scale_factor_asm(s), decode_e2m1_asm(codes)
             elif e2m1 == "bits":
@@ -162,12 +185,23 @@ def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn
             else:
                 codes = codes.astype(jnp.int32)
                 factor, w_lo, w_hi = scale_factor(s), decode_e2m1(codes), decode_e2m1(codes >> 4)
-            factor = factor[:, None, :]
-            out.append(acc + (a_lo * w_lo + a_hi * w_hi) * factor)     # exact: factor is a power of two
+            out.append(acc + (a_lo * w_lo + a_hi * w_hi) * factor[:, None, :])   # exact: factor is a power of two
         return tuple(out)
 
+    def step(kk, carry):
+        accs, ahead = carry
+        if not prefetch:
+            return compute(accs, load(kk)), ahead
+        ahead = ahead + (load(kk + prefetch),)
+        return compute(accs, ahead[0]), ahead[1:]
+
     zeros = tuple(jnp.zeros((groups, per, bn), jnp.float32) for _ in w_refs[::2])
-    sums = [jnp.sum(jnp.sum(acc, axis=0), axis=0) for acc in jax.lax.fori_loop(0, k_dim // bk, step, zeros)]  # [bn]
+    accs, _ = jax.lax.fori_loop(begin, end, step, (zeros, tuple(load(begin + i) for i in range(prefetch))))
+    sums = [jnp.sum(jnp.sum(acc, axis=0), axis=0) for acc in accs]  # [bn]
+    if split_k > 1:
+        for w, v in enumerate(sums):
+            out_ref[w, part, row, cols] = v
+        return
     if spec is not None:
         out = glu(sums[0], sums[1], spec)
     elif scale_ref is not None:
@@ -187,6 +221,17 @@ def _blocks_for(k_dim: int, n_dim: int, blocks: TileBlocks) -> tuple[int, int]:
         raise ValueError(f"grouped matmul (pallas): K={k_dim} and N={n_dim} must be multiples of 16 and the "
                          f"blocks powers of two (block_k={blocks.block_k}, block_n={blocks.block_n})")
     return bn, bk
+
+
+def _split_k(setting: int, steps: int, programs: int) -> int:
+    """Parts of the reduction per output block: `setting` when given (a divisor of the steps), else
+    (0) the largest divisor of the steps that brings the launch to about two programs per SM."""
+    if setting:
+        if steps % setting:
+            raise ValueError(f"grouped matmul (pallas): split_k={setting} does not divide the {steps} reduction steps")
+        return setting
+    want = -(-2 * SM_COUNT // programs)
+    return max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)
 
 
 def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: TileBlocks, interpret, pairs=None,
@@ -217,6 +262,9 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
     gemv = quantized and pairs is not None and blocks.gemv
     if blocks.e2m1 not in E2M1_DECODES:
         raise ValueError(f"grouped matmul (pallas): e2m1 must be one of {E2M1_DECODES}, got {blocks.e2m1!r}")
+    if blocks.prefetch not in range(3):
+        raise ValueError(f"grouped matmul (pallas): prefetch must be 0, 1 or 2 steps, got {blocks.prefetch}")
+    split_k = _split_k(blocks.split_k, k_dim // bk, tiles * (n_dim // bn)) if gemv else 1
     if gemv:    # scale groups as their own axis (free reshapes of contiguous arrays)
         lhs_parts = tuple(part.reshape(part.shape[0], k_dim // GROUP, GROUP // 2) for part in lhs_parts)
         weights = tuple(w.reshape(w.shape[0], k_dim // GROUP, GROUP // 2, n_dim) if i % 2 == 0 else w
@@ -231,16 +279,25 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
         extra_from = weights[0].shape[0]
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec, scaled=scaled,
                                repeat=0 if pairs is None else repeat, quantized=quantized, gemv=gemv, e2m1=blocks.e2m1,
-                               extra_from=extra_from)
+                               prefetch=blocks.prefetch, split_k=split_k, extra_from=extra_from)
     operands = (*sched, *lhs_parts, *weights, *(extra or ())) + ((row_scale.astype(jnp.float32),) if scaled else ())
+    out_shape = (jax.ShapeDtypeStruct((m, n_dim), out_dtype) if split_k == 1 else
+                 jax.ShapeDtypeStruct((len(weights) // 2, split_k, m, n_dim), jnp.float32))
     out = pl.pallas_call(
         kernel,
-        grid=(tiles, n_dim // bn),
-        out_shape=jax.ShapeDtypeStruct((m, n_dim), out_dtype),
+        grid=(tiles, n_dim // bn) + ((split_k,) if split_k > 1 else ()),
+        out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=default_interpret() if interpret is None else interpret,
         name="grouped_glu" if spec is not None else "grouped_matmul",
     )(*operands)
+    if split_k > 1:        # the epilogue of `_gemv_row` on the summed parts (pairs not valid: zeros)
+        sums = jnp.sum(out, axis=1)
+        if spec is not None:
+            return glu(sums[0], sums[1], spec).astype(out_dtype)
+        if scaled:
+            return (sums[0] * jnp.where(pairs[1], row_scale.astype(jnp.float32), 0.0)[:, None]).astype(out_dtype)
+        return sums[0].astype(out_dtype)
     if pairs is not None:  # every row is written (zeros where not valid)
         return out
     covered = jnp.arange(m)[:, None] < jnp.sum(group_sizes)

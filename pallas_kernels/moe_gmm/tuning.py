@@ -31,7 +31,9 @@ class TileBlocks:
     tile, and `e2m1` picks the decode: "asm" (inline PTX on the four bytes of a register, three
     integer instructions per value, `mxfp4_asm.py`; compiled only), "bits" (the same bit placement
     in JAX ops on each byte, `mxfp4.decode_e2m1_raw`) or "table" (`mxfp4.decode_e2m1`, the form the
-    tile kernels use)."""
+    tile kernels use). `prefetch` (`gemv` only): steps loaded ahead of the one being computed;
+    `split_k` (`gemv` only): parts of the reduction run by separate programs and summed after the
+    launch (0: enough parts for about two programs per SM; 1: none)."""
 
     block_m: int
     block_n: int
@@ -40,6 +42,8 @@ class TileBlocks:
     num_stages: int = 4
     gemv: bool = False
     e2m1: str = "bits"
+    prefetch: int = 0
+    split_k: int = 1
 
     @classmethod
     def for_rows(cls, rows_per_group: float, packed: bool = False, interpreted: bool = False) -> "TileBlocks":

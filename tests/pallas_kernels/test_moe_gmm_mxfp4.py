@@ -99,6 +99,9 @@ def _without_halves(packed):
                                                              # table decode interpreted)
     (1, TileBlocks(16, 32, 64, gemv=True, e2m1="bits")),     # CUDA-core rows, bit decode
     (3, TileBlocks(16, 64, 64, gemv=True, e2m1="asm")),      # CUDA-core rows, inline-PTX decode (compiled only)
+    (2, TileBlocks(16, 64, 32, gemv=True, e2m1="asm", prefetch=2, split_k=2)),   # loads ahead, the reduction in parts
+    (3, TileBlocks(16, 32, 32, gemv=True, e2m1="table", prefetch=1, split_k=4)),
+    (1, TileBlocks(16, 32, 32, gemv=True, e2m1="table", split_k=0)),             # parts chosen by the launch size
     (2, TileBlocks(16, 32, 64, gemv=True, e2m1="table")),    # CUDA-core rows, table decode
     (4, TileBlocks(16, 32, 64)),                             # 16-row tensor-core tiles
 ])
@@ -173,6 +176,15 @@ def test_dispatch_dequantises_for_the_reference_paths(rng):
     out = pair_glu(lhs, w_gate, w_up, group, valid, impl="xla")
     assert_close("pairs xla", out, pair_glu_reference(lhs, dequantize(w_gate), dequantize(w_up), group, valid),
                  dtype="bfloat16")
+
+
+def test_split_k_settings():
+    from pallas_kernels.moe_gmm.kernel import _split_k
+    assert _split_k(0, 18, 128) == 3          # Kimi-Linear gate|up at one token: 128 programs, 18 steps of 128
+    assert _split_k(0, 8, 288) == 1           # enough programs already
+    assert _split_k(4, 8, 288) == 4
+    with pytest.raises(ValueError, match="split_k=4 does not divide the 18"):
+        _split_k(4, 18, 128)
 
 
 def test_rejects_malformed_packed_weights():
