@@ -39,7 +39,10 @@ MODELS = {"kimi-linear": (256, 2304, 1024, 8), "k3-latent-1/8": (112, 3584, 3072
 SWEEP = ([TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="asm", prefetch=p, split_k=sk) for p in (0, 1, 2) for sk in (1, 0)]
          + [TileBlocks(16, n, k, w, 3, gemv=True, e2m1="asm", prefetch=1, split_k=0)
             for n, k, w in ((64, 256, 8), (32, 128, 4), (128, 128, 8))]
-         + [TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="bits")])   # pairs (<= 8 tokens): CUDA-core rows
+         + [TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="bits")]     # pairs (<= 8 tokens): CUDA-core rows
+         + [TileBlocks(16, n, 128, w, s, e2m1="asm") for n, w, s in ((64, 4, 3), (64, 4, 5), (128, 8, 3))])  # 16-row tiles
+GROUPED_SWEEP = [TileBlocks(64, 128, 128, 4, 3, e2m1=d) for d in ("table", "asm")] + [
+    TileBlocks(m, n, 128, w, s, e2m1="asm") for m, n, w, s in ((128, 128, 8, 3), (64, 64, 4, 4), (64, 256, 8, 3))]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
             row["err_vs_bf16"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
             if args.sweep and tokens in args.sweep_tokens:
                 best = None
-                for blocks in SWEEP:
+                for blocks in (SWEEP if tokens <= 8 else GROUPED_SWEEP):
                     try:
                         t = chained_time(lambda *a, b=blocks: experts_mlp(*a, blocks=b), (x, weights, experts, q1, q3, q2))
                     except Exception as exc:  # noqa: BLE001

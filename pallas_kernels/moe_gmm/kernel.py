@@ -29,7 +29,7 @@ from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.mxfp4 import (GROUP, RAW_SCALE_OFFSET, Mxfp4Weight, decode_e2m1, decode_e2m1_raw,
                                           raw_scale_factor, scale_factor, split_even_odd)
 from pallas_kernels.moe_gmm.mxfp4 import validate as validate_mxfp4
-from pallas_kernels.moe_gmm.mxfp4_asm import decode_e2m1_asm, raw_scale_factor_asm
+from pallas_kernels.moe_gmm.mxfp4_asm import decode_e2m1_asm, decode_e2m1_bf16_asm, raw_scale_factor_asm
 from pallas_kernels.moe_gmm.schedule import tile_schedule
 from pallas_kernels.moe_gmm.tuning import E2M1_DECODES, TileBlocks
 
@@ -91,7 +91,7 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=Fals
     if extra_from is None:
         pl.when(first < last)(lambda: _tile(lhs_refs, w_refs, scale_ref, out_ref, group=group, first=first, last=last,
                                             src=src, cols=cols, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec,
-                                            scaled=scaled, quantized=quantized))
+                                            scaled=scaled, quantized=quantized, e2m1=e2m1))
         return
     for weights, lo, at in ((w_refs, 0, (first < last) & (group < extra_from)),
                             (extra_refs, extra_from, (first < last) & (group >= extra_from))):
@@ -101,9 +101,10 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=Fals
 
 
 def _tile(lhs_refs, w_refs, scale_ref, out_ref, *, group, first, last, src, cols, bm, bn, bk, k_dim, spec, scaled,
-          quantized):
+          quantized, e2m1="table"):
     """One row tile (rows [first, last), lhs rows from `src`) times columns `cols` of group `group`
-    of the weights in w_refs, with the epilogue; see `_kernel`."""
+    of the weights in w_refs, with the epilogue; see `_kernel`. MXFP4 weights decode with the table
+    (`mxfp4.decode_e2m1`, exact bf16 weights) unless `e2m1` is "asm" (`step_mxfp4_asm`)."""
     n_lhs = len(lhs_refs)
     rows = first + jnp.arange(bm)
     row_mask = rows < last
@@ -131,8 +132,29 @@ def _tile(lhs_refs, w_refs, scale_ref, out_ref, *, group, first, last, src, cols
                        + jnp.dot(a_hi, w_hi, preferred_element_type=jnp.float32))
         return tuple(out)
 
+    def step_mxfp4_asm(kk, accs):
+        """One scale group at a time: raw bf16 values (x 2^-126, `decode_e2m1_bf16_asm`) into the tensor
+        cores against activations lifted by 2^RAW_SCALE_OFFSET, the group's factor on the fp32 product."""
+        per, groups = GROUP // 2, bk // GROUP
+        mask = jnp.broadcast_to(row_mask[:, None], (bm, per))
+        out = list(accs)
+        for j in range(groups):
+            r0 = pl.multiple_of(kk * (bk // 2) + j * per, per)
+            a_lo, a_hi = ((plt.load(ref.at[pl.ds(src, bm), pl.ds(r0, per)], mask=mask, other=0.0)
+                           .astype(jnp.float32) * float(2 ** RAW_SCALE_OFFSET)).astype(jnp.bfloat16)
+                          for ref in lhs_refs)
+            for i, (packed, scale) in enumerate(zip(w_refs[0::2], w_refs[1::2])):
+                w_lo, w_hi = decode_e2m1_bf16_asm(packed[group, pl.ds(r0, per), cols])             # [16, bn]
+                factor = raw_scale_factor_asm(scale[group, kk * groups + j, cols])                  # [bn]
+                prod = (jnp.dot(a_lo, w_lo, preferred_element_type=jnp.float32)
+                        + jnp.dot(a_hi, w_hi, preferred_element_type=jnp.float32))
+                out[i] = out[i] + prod * factor[None, :]
+        return tuple(out)
+
     zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs[::n_lhs])
-    if quantized:
+    if quantized and e2m1 == "asm":
+        accs = jax.lax.fori_loop(0, k_dim // bk, step_mxfp4_asm, zeros)
+    elif quantized:
         accs = jax.lax.fori_loop(0, k_dim // bk, step_mxfp4, zeros)
     else:
         accs = jax.lax.fori_loop(0, k_dim // bk, step, zeros)

@@ -45,6 +45,31 @@ def _factor(out: int) -> str:
 _FACTOR_ASM = "{ .reg .b32 t; " + " ".join(_factor(i) for i in range(4)) + " }"
 
 
+def _bf16_pairs(high: bool) -> str:
+    """PTX: bytes 0-3 of $2 -> the bf16 pairs (byte 0, byte 1) in $0 and (byte 2, byte 3) in $1 of one nibble.
+    A byte permute spreads two bytes to the low byte of each 16-bit half; then the nibble's exponent
+    and mantissa bits go to bf16 bits 6-8 and its sign to bit 15 of each half at once."""
+    body, sign = (2, 8) if high else (6, 12)
+    lines = []
+    for out, select in ((0, "0x4140"), (1, "0x4342")):
+        lines.append(f"prmt.b32 x, $2, 0, {select}; shl.b32 m, x, {body}; shl.b32 x, x, {sign}; "
+                     f"and.b32 m, m, 0x01C001C0; and.b32 x, x, 0x80008000; or.b32 ${out}, m, x;")
+    return "{ .reg .b32 x, m; " + " ".join(lines) + " }"
+
+
+_BF16_ASM = {high: _bf16_pairs(high) for high in (False, True)}
+
+
+def decode_e2m1_bf16_asm(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """packed uint8 [...] -> (low nibble, high nibble) values x 2^-126 as bf16 [...] each (codes +-0.5
+    bf16 subnormals): two values per instruction sequence, for a tensor-core product."""
+    if packed.dtype != jnp.uint8:
+        raise ValueError(f"decode_e2m1_bf16_asm: packed bytes must be uint8, got {packed.dtype}")
+    like = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
+    return tuple(plt.elementwise_inline_asm(_BF16_ASM[high], args=[packed], constraints="=r,=r,r", pack=4,
+                                            result_shape_dtypes=[like])[0] for high in (False, True))
+
+
 def raw_scale_factor_asm(scale: jax.Array) -> jax.Array:
     """E8M0 bytes uint8 [...] -> fp32 2^(s - 1 - RAW_SCALE_OFFSET) [...], `mxfp4.raw_scale_factor` in three
     instructions per byte. It differs below s = 66, where the twin gives 0 and this gives the tiny factor

@@ -67,8 +67,11 @@ def _weights(rng, g, k, n):
 @pytest.mark.parametrize("m,k,n,g,blocks", [
     (8, 64, 32, 16, TileBlocks(16, 32, 64)),        # decode-sized groups, most empty; two scale groups a step
     (200, 96, 64, 4, TileBlocks(64, 64, 32)),       # prefill-shaped tiles; K = 3 scale groups, one a step
+    (200, 128, 64, 4, TileBlocks(64, 64, 64, e2m1="asm")),   # raw bf16 values from inline PTX (compiled only)
 ])
 def test_grouped_kernels_on_packed_weights(rng, interpret, m, k, n, g, blocks):
+    if interpret and blocks.e2m1 == "asm":
+        pytest.skip("inline PTX runs in a compiled kernel only (its CPU coverage: the lowering test below)")
     lhs = jnp.asarray(rng.standard_normal((m, k)) / 4, jnp.bfloat16)
     w_gate, w_up = _weights(rng, g, k, n), _weights(rng, g, k, n)
     dense = [dequantize(w) for w in (w_gate, w_up)]
@@ -104,6 +107,7 @@ def _without_halves(packed):
     (1, TileBlocks(16, 32, 32, gemv=True, e2m1="table", split_k=0)),             # parts chosen by the launch size
     (2, TileBlocks(16, 32, 64, gemv=True, e2m1="table")),    # CUDA-core rows, table decode
     (4, TileBlocks(16, 32, 64)),                             # 16-row tensor-core tiles
+    (2, TileBlocks(16, 64, 64, e2m1="asm")),                 # the same on raw bf16 values from inline PTX
 ])
 def test_pair_kernels_on_packed_weights(rng, interpret, repeat, blocks):
     if interpret and blocks is not None and blocks.e2m1 == "asm":
