@@ -52,11 +52,14 @@ class TileBlocks:
         take deeper steps in prefill tiles (a quarter of the bytes per value); in decode (one row
         per pair) they run on the CUDA cores, with the inline-PTX decode when compiled and the table
         decode when `interpreted` (inline PTX runs only compiled, and the bit forms pass codes +-0.5
-        through subnormals, which XLA's CPU flushes to zero)."""
+        through subnormals, which XLA's CPU flushes to zero), and the reduction split over programs
+        when a launch has too few of them; prefill tiles decode to raw bf16 in inline PTX when compiled
+        (`benchmarks/moe_mxfp4.py`, H200 run 7: 1.2x the table decode at 256-4,096 tokens)."""
         if rows_per_group <= 32:
             return cls(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4 if not packed else 3,
-                       gemv=packed, e2m1="table" if interpreted else "asm")
-        return cls(block_m=64, block_n=128, block_k=128 if packed else 64, num_warps=4, num_stages=3)
+                       gemv=packed, e2m1="table" if interpreted else "asm", split_k=0 if packed else 1)
+        return cls(block_m=64, block_n=128, block_k=128 if packed else 64, num_warps=4, num_stages=3,
+                   e2m1="table" if interpreted or not packed else "asm")
 
     @classmethod
     def for_pairs(cls, pairs: int, k_dim: int, n_dim: int, packed: bool = False,
