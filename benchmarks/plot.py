@@ -12,6 +12,7 @@
     python benchmarks/plot.py kda-stages   # the sequential pass's pipeline stages (KDA run 10)
     python benchmarks/plot.py kda-tiles    # the tiled intra forms against the default (KDA run 12)
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
+    python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
     python benchmarks/plot.py all
 
 Inputs are the JSON records under benchmarks/results/h200/; the PNGs are written beside RESULTS.md.
@@ -296,6 +297,32 @@ def plot_mla_merge(out: str) -> str:
     return _save(fig, os.path.join(out, "mla_merge.png"))
 
 
+MXFP4_BEFORE, MXFP4_AFTER = "moe_mxfp4_run4_f2d4966.json", "moe_mxfp4_run8_defaults_b226bf0.json"
+
+
+def plot_mxfp4(out: str) -> str:
+    """Routed-expert MLP on MXFP4 weights kept packed: share of 4.3 TB/s (packed bytes) per model and token
+    count, before (run 4) and after (run 8) the inline-PTX decode, beside the same kernels on bf16 weights."""
+    import numpy as np
+
+    before = {(r["model"], r["tokens"]): r for r in _load(MXFP4_BEFORE)["rows"]}
+    after = [r for r in _load(MXFP4_AFTER)["rows"] if (r["model"], r["tokens"]) in before]
+    x = np.arange(len(after))
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for i, (label, values) in enumerate((
+            ("bf16 weights (run 8)", [r["bf16_pct_4.3TB_s"] for r in after]),
+            ("MXFP4, run 4", [before[(r["model"], r["tokens"])]["mxfp4_pct_4.3TB_s"] for r in after]),
+            ("MXFP4, run 8 (inline PTX)", [r["mxfp4_pct_4.3TB_s"] for r in after]))):
+        ax.bar(x + (i - 1) * 0.27, values, 0.27, label=label)
+    ax.axhline(60, color="k", ls="--", lw=1, label="issue target for MXFP4 (60%)")
+    ax.set_xticks(x, [f"{r['model']}\n{r['tokens']} tok" for r in after], fontsize=8)
+    ax.set_ylabel("% of 4.3 TB/s (bytes of the touched experts)")
+    ax.set_title("Routed-expert MLP (gate, up, down), one H200", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4)
+    return _save(fig, os.path.join(out, "moe_mxfp4.png"))
+
+
 def plot_kda_intra(out: str, record: str = KDA_PREFILL, png: str = "kda_intra.png") -> str:
     """KDA chunked prefill at T = 8192: intra-chunk + sequential kernel time per variant and head
     count (one run), with fla's whole chunk_kda where the run timed it."""
@@ -398,14 +425,15 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra", "kda-kernels",
-                                          "kda-stages", "kda-tiles", "mla-merge", "server",
+                                          "kda-stages", "kda-tiles", "mla-merge", "mxfp4", "server",
                                           "all"])
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args(argv)
     for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative),
                      ("prefill", plot_prefill), ("mla", plot_mla_decode), ("mla-step", plot_mla_step),
                      ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels),
-                     ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge)):
+                     ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
+                     ("mxfp4", plot_mxfp4)):
         if args.which in (name, "all"):
             print("wrote", fn(args.out))
     if args.which == "server" or (args.which == "all" and os.path.exists(os.path.join(H200, SERVER_LOAD))):
