@@ -36,11 +36,13 @@ from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize  #
 from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
 MODELS = {"kimi-linear": (256, 2304, 1024, 8), "k3-latent-1/8": (112, 3584, 3072, 16)}  # E, D, F, top-k
-SWEEP = ([TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="asm", prefetch=p, split_k=sk) for p in (0, 1, 2) for sk in (1, 0)]
+# Pairs (<= 8 tokens): CUDA-core rows by decode, loads ahead and reduction parts, then 16-row tensor-core tiles.
+SWEEP = ([TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="asm", prefetch=p, split_k=sk)
+          for p in (0, 1, 2) for sk in (1, 0)]
          + [TileBlocks(16, n, k, w, 3, gemv=True, e2m1="asm", prefetch=1, split_k=0)
             for n, k, w in ((64, 256, 8), (32, 128, 4), (128, 128, 8))]
-         + [TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="bits")]     # pairs (<= 8 tokens): CUDA-core rows
-         + [TileBlocks(16, n, 128, w, s, e2m1="asm") for n, w, s in ((64, 4, 3), (64, 4, 5), (128, 8, 3))])  # 16-row tiles
+         + [TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="bits")]
+         + [TileBlocks(16, n, 128, w, s, e2m1="asm") for n, w, s in ((64, 4, 3), (64, 4, 5), (128, 8, 3))])
 GROUPED_SWEEP = [TileBlocks(64, 128, 128, 4, 3, e2m1=d) for d in ("table", "asm")] + [
     TileBlocks(m, n, 128, w, s, e2m1="asm") for m, n, w, s in ((128, 128, 8, 3), (64, 64, 4, 4), (64, 256, 8, 3))]
 
@@ -157,7 +159,8 @@ def main(argv=None) -> int:
                 best = None
                 for blocks in (SWEEP if tokens <= 8 else GROUPED_SWEEP):
                     try:
-                        t = chained_time(lambda *a, b=blocks: experts_mlp(*a, blocks=b), (x, weights, experts, q1, q3, q2))
+                        t = chained_time(lambda *a, b=blocks: experts_mlp(*a, blocks=b),
+                                         (x, weights, experts, q1, q3, q2))
                     except Exception as exc:  # noqa: BLE001
                         print(f"  {blocks}: failed {type(exc).__name__}", flush=True)
                         continue

@@ -109,7 +109,8 @@ def _build_cases():
         "kda-decode-b64-loop32": kda_decode(64, column_block=32),
         "kda-decode-b64-loop64": kda_decode(64, column_block=64),
         "moe-pairs-bf16": pairs(False),
-        "moe-pairs-mxfp4": pairs(True),
+        "moe-pairs-mxfp4": pairs(True),                  # the default settings (since b226bf0: PTX, parts)
+        "moe-pairs-mxfp4-bits": pairs(True, e2m1="bits"),  # the JAX bit decode, the default before 2011a7c
         "moe-pairs-mxfp4-asm": pairs(True, e2m1="asm"),
         "moe-pairs-mxfp4-asm-p1": pairs(True, e2m1="asm", prefetch=1),
         "moe-pairs-mxfp4-asm-p2": pairs(True, e2m1="asm", prefetch=2),

@@ -9,8 +9,9 @@ tile. Two epilogues:
 * plain: out = lhs @ w[g], optionally times a per-row fp32 scale (the routing weight);
 * glu:   out = act(lhs @ w_gate[g], lhs @ w_up[g]), both products from one read of the activations.
 
-Weights may also be MXFP4, kept packed (`mxfp4.Mxfp4Weight`: a quarter of the bytes), decoded to
-exact bf16 in registers one 32-input scale group at a time.
+Weights may also be MXFP4, kept packed (`mxfp4.Mxfp4Weight`: a quarter of the bytes), decoded in
+registers one 32-input scale group at a time: to exact bf16 (the table), or compiled to raw values
+(x 2^-126) by inline PTX on whole registers (`mxfp4_asm.py`) with each group's factor applied to its sum.
 
 Twin: `reference.grouped_matmul_reference` / `reference.grouped_glu_reference` (lax.ragged_dot).
 """
@@ -46,7 +47,8 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=Fals
 
     `quantized` (MXFP4, `mxfp4.py`): lhs arrives as its even and odd inputs [M, K/2] and each weight
     as packed [G, K/2, N] and scale [G, K/32, N]; each step decodes bk inputs (bk/2 packed rows, bk/32
-    scale groups) to exact bf16 values in registers and multiplies both nibbles' halves.
+    scale groups) in registers and multiplies both nibbles' halves: exact bf16 weights (the table) or,
+    with e2m1 "asm" and bf16 activations, raw bf16 values per scale group (`_tile`, `step_mxfp4_asm`).
 
     `gemv` (pairs on MXFP4 only, `_gemv_row`): the program's one row is multiplied on the CUDA cores
     into a [bk/32, 16, bn] fp32 accumulator per weight (no tensor-core tile, no layout change of the
@@ -104,7 +106,8 @@ def _tile(lhs_refs, w_refs, scale_ref, out_ref, *, group, first, last, src, cols
           quantized, e2m1="table"):
     """One row tile (rows [first, last), lhs rows from `src`) times columns `cols` of group `group`
     of the weights in w_refs, with the epilogue; see `_kernel`. MXFP4 weights decode with the table
-    (`mxfp4.decode_e2m1`, exact bf16 weights) unless `e2m1` is "asm" (`step_mxfp4_asm`)."""
+    (`mxfp4.decode_e2m1`, exact weights in the activations' dtype) unless `e2m1` is "asm" and the
+    activations are bf16 (`step_mxfp4_asm`, which multiplies in bf16); "bits" means the table here."""
     n_lhs = len(lhs_refs)
     rows = first + jnp.arange(bm)
     row_mask = rows < last
@@ -152,7 +155,7 @@ def _tile(lhs_refs, w_refs, scale_ref, out_ref, *, group, first, last, src, cols
         return tuple(out)
 
     zeros = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in w_refs[::n_lhs])
-    if quantized and e2m1 == "asm":
+    if quantized and e2m1 == "asm" and lhs_refs[0].dtype == jnp.bfloat16:   # other activations: exact weights
         accs = jax.lax.fori_loop(0, k_dim // bk, step_mxfp4_asm, zeros)
     elif quantized:
         accs = jax.lax.fori_loop(0, k_dim // bk, step_mxfp4, zeros)
@@ -188,7 +191,8 @@ def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn
     lift = float(2 ** RAW_SCALE_OFFSET) if e2m1 in ("bits", "asm") else 1.0
 
     def load(kk):
-        """Step kk's activation halves [bk/32, 16], and per weight its codes [bk/32, 16, bn] u8 and scales [bk/32, bn]."""
+        """Step kk's activation halves [bk/32, 16], and per weight its codes [bk/32, 16, bn] u8 and
+        scales [bk/32, bn]."""
         g0 = pl.multiple_of(jnp.minimum(kk, end - 1) * groups, groups)       # past the end: the last step again
         return (tuple(ref[src, pl.ds(g0, groups), :] for ref in lhs_refs),
                 tuple((packed[group, pl.ds(g0, groups), :, cols], scale[group, pl.ds(g0, groups), cols])
@@ -252,7 +256,7 @@ def _split_k(setting: int, steps: int, programs: int) -> int:
         if steps % setting:
             raise ValueError(f"grouped matmul (pallas): split_k={setting} does not divide the {steps} reduction steps")
         return setting
-    want = -(-2 * SM_COUNT // programs)
+    want = -(-2 * SM_COUNT // max(programs, 1))
     return max(d for d in range(1, min(want, steps) + 1) if steps % d == 0)
 
 

@@ -94,8 +94,9 @@ def decode_e2m1_raw(codes, high: bool):
 
 def raw_scale_factor(scale):
     """E8M0 bytes -> 2^(s - 1 - RAW_SCALE_OFFSET), the factor a `decode_e2m1_raw` value takes so that
-    value x factor x 2^RAW_SCALE_OFFSET is the weight. Every product is a normal fp32 for s in
-    [66, 192] (weights between 2^-61 and 2^65); smaller scales read as 0, larger ones as inf (visible)."""
+    value x factor x 2^RAW_SCALE_OFFSET is the weight (the kernels put the 2^RAW_SCALE_OFFSET on the
+    activations and this factor on each scale group's sum). Exact for s in [66, 192] (weights between
+    2^-61 and 2^65); smaller scales read as 0, larger ones as inf (visible)."""
     field = scale.astype(jnp.int32) + 126 - RAW_SCALE_OFFSET
     field = jnp.where(scale.astype(jnp.int32) < RAW_SCALE_OFFSET + 2, 0, jnp.minimum(field, 255))
     return jax.lax.bitcast_convert_type(field << 23, jnp.float32)

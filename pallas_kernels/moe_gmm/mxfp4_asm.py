@@ -73,7 +73,8 @@ def decode_e2m1_bf16_asm(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
 def raw_scale_factor_asm(scale: jax.Array) -> jax.Array:
     """E8M0 bytes uint8 [...] -> fp32 2^(s - 1 - RAW_SCALE_OFFSET) [...], `mxfp4.raw_scale_factor` in three
     instructions per byte. It differs below s = 66, where the twin gives 0 and this gives the tiny factor
-    itself (the group's weights, all below 2^-61, then land on fp32 subnormals and lose precision)."""
+    itself (a group whose weights are all below 2^-59: its scaled sum may land on fp32 subnormals and lose
+    precision instead of reading as 0)."""
     if scale.dtype != jnp.uint8:
         raise ValueError(f"raw_scale_factor_asm: scales must be uint8, got {scale.dtype}")
     like = jax.ShapeDtypeStruct(scale.shape, jnp.float32)

@@ -30,8 +30,9 @@ class TileBlocks:
     into a [block_k/2, block_n] accumulator, summed once at the end) instead of a 16-row tensor-core
     tile, and `e2m1` picks the decode: "asm" (inline PTX on the four bytes of a register, three
     integer instructions per value, `mxfp4_asm.py`; compiled only), "bits" (the same bit placement
-    in JAX ops on each byte, `mxfp4.decode_e2m1_raw`) or "table" (`mxfp4.decode_e2m1`, the form the
-    tile kernels use). `prefetch` (`gemv` only): steps loaded ahead of the one being computed;
+    in JAX ops on each byte, `mxfp4.decode_e2m1_raw`) or "table" (`mxfp4.decode_e2m1`). Tensor-core
+    tiles take "asm" (raw bf16 pairs from PTX, bf16 activations only) or otherwise the table.
+    `prefetch` (`gemv` only): steps loaded ahead of the one being computed;
     `split_k` (`gemv` only): parts of the reduction run by separate programs and summed after the
     launch (0: enough parts for about two programs per SM; 1: none)."""
 
@@ -53,13 +54,14 @@ class TileBlocks:
         per pair) they run on the CUDA cores, with the inline-PTX decode when compiled and the table
         decode when `interpreted` (inline PTX runs only compiled, and the bit forms pass codes +-0.5
         through subnormals, which XLA's CPU flushes to zero), and the reduction split over programs
-        when a launch has too few of them; prefill tiles decode to raw bf16 in inline PTX when compiled
-        (`benchmarks/moe_mxfp4.py`, H200 run 7: 1.2x the table decode at 256-4,096 tokens)."""
-        if rows_per_group <= 32:
+        when a launch has too few of them. Sorted rows (16-row tiles for a few rows per group, wide ones
+        above) decode to raw bf16 in inline PTX when compiled (`benchmarks/moe_mxfp4.py`, H200 run 7:
+        1.2x the table decode at 256 and 4,096 tokens in wide tiles)."""
+        ptx = "asm" if packed and not interpreted else "table"
+        if rows_per_group <= 32:    # packed: pairs on the CUDA cores, sorted rows in 16-row tiles, both in PTX
             return cls(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4 if not packed else 3,
-                       gemv=packed, e2m1="table" if interpreted else "asm", split_k=0 if packed else 1)
-        return cls(block_m=64, block_n=128, block_k=128 if packed else 64, num_warps=4, num_stages=3,
-                   e2m1="table" if interpreted or not packed else "asm")
+                       gemv=packed, e2m1=ptx, split_k=0 if packed else 1)
+        return cls(block_m=64, block_n=128, block_k=128 if packed else 64, num_warps=4, num_stages=3, e2m1=ptx)
 
     @classmethod
     def for_pairs(cls, pairs: int, k_dim: int, n_dim: int, packed: bool = False,

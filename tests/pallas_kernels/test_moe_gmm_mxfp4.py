@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
-from tolerances import assert_close
+from tolerances import assert_close, kernel_dtype
 
 from k3jax.checkpoint.mxfp4 import dequantize_mxfp4
 from pallas_kernels.moe_gmm import (GluSpec, Mxfp4Weight, TileBlocks, grouped_glu, grouped_glu_pallas,
@@ -18,7 +18,7 @@ from pallas_kernels.moe_gmm import (GluSpec, Mxfp4Weight, TileBlocks, grouped_gl
                                     pair_matmul_reference)
 from pallas_kernels.moe_gmm.mxfp4 import (RAW_SCALE_OFFSET, decode_e2m1, decode_e2m1_raw, dequantize,
                                           from_checkpoint_layout, raw_scale_factor, scale_factor)
-from pallas_kernels.moe_gmm.mxfp4_asm import decode_e2m1_asm, raw_scale_factor_asm
+from pallas_kernels.moe_gmm.mxfp4_asm import decode_e2m1_asm, decode_e2m1_bf16_asm, raw_scale_factor_asm
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="inline PTX runs in a compiled kernel on a GPU only")
 
@@ -47,7 +47,8 @@ def test_kernel_decode_forms_equal_the_table():
     np.testing.assert_array_equal(np.asarray(decode_e2m1(codes)), table[0::2])
     s = jnp.arange(1, 255, dtype=jnp.int32).astype(jnp.uint8)
     np.testing.assert_array_equal(np.asarray(scale_factor(s)), np.ldexp(1.0, np.arange(1, 255) - 127).astype(np.float32))
-    # The bit form: value x 2^-126 (subnormal for +-0.5), and a factor that restores it with 2^64 after the sum.
+    # The bit form: value x 2^-126 (subnormal for +-0.5), and a factor that restores it with 2^64 (which the
+    # kernels put on the activations).
     packed_codes = jnp.asarray([c | (c << 4) for c in range(16)], jnp.int32)
     for high in (False, True):
         raw = np.asarray(decode_e2m1_raw(packed_codes, high), np.float64)
@@ -64,26 +65,29 @@ def _weights(rng, g, k, n):
     return from_checkpoint_layout(*(jnp.asarray(t) for t in _checkpoint_tensors(rng, g, n, k)))
 
 
-@pytest.mark.parametrize("m,k,n,g,blocks", [
-    (8, 64, 32, 16, TileBlocks(16, 32, 64)),        # decode-sized groups, most empty; two scale groups a step
-    (200, 96, 64, 4, TileBlocks(64, 64, 32)),       # prefill-shaped tiles; K = 3 scale groups, one a step
-    (200, 128, 64, 4, TileBlocks(64, 64, 64, e2m1="asm")),   # raw bf16 values from inline PTX (compiled only)
+@pytest.mark.parametrize("m,k,n,g,blocks,dtype", [
+    (8, 64, 32, 16, TileBlocks(16, 32, 64), "bfloat16"),    # decode-sized groups, most empty; two scale groups a step
+    (200, 96, 64, 4, TileBlocks(64, 64, 32), "bfloat16"),   # prefill-shaped tiles; K = 3 scale groups, one a step
+    (200, 128, 64, 4, TileBlocks(64, 64, 64, e2m1="asm"), "bfloat16"),   # raw bf16 values from inline PTX
+    (24, 128, 64, 16, TileBlocks(16, 64, 64, e2m1="asm"), "bfloat16"),   # the same in 16-row tiles
+    (40, 128, 64, 4, TileBlocks(16, 64, 64, e2m1="asm"), "float32"),     # fp32 activations: exact weights instead
 ])
-def test_grouped_kernels_on_packed_weights(rng, interpret, m, k, n, g, blocks):
-    if interpret and blocks.e2m1 == "asm":
+def test_grouped_kernels_on_packed_weights(rng, interpret, m, k, n, g, blocks, dtype):
+    if interpret and blocks.e2m1 == "asm" and dtype == "bfloat16":
         pytest.skip("inline PTX runs in a compiled kernel only (its CPU coverage: the lowering test below)")
-    lhs = jnp.asarray(rng.standard_normal((m, k)) / 4, jnp.bfloat16)
+    lhs = jnp.asarray(rng.standard_normal((m, k)) / 4, dtype)
     w_gate, w_up = _weights(rng, g, k, n), _weights(rng, g, k, n)
     dense = [dequantize(w) for w in (w_gate, w_up)]
     sizes = rng.multinomial(m - 5, rng.dirichlet(np.ones(g) * 0.5)).astype(np.int32)
     gs = jnp.asarray(sizes)
     row_scale = jnp.asarray(rng.uniform(0.1, 1.0, m), jnp.float32)
     out = grouped_matmul_pallas(lhs, w_gate, gs, row_scale, blocks=blocks, interpret=interpret)
-    assert_close("matmul", out, grouped_matmul_reference(lhs, dense[0], gs, row_scale), dtype="bfloat16")
+    assert_close("matmul", out, grouped_matmul_reference(lhs, dense[0], gs, row_scale),
+                 dtype=kernel_dtype(dtype, interpret))
     assert not np.asarray(out[int(sizes.sum()):]).any()
     spec = GluSpec("situ", 4.0, 25.0)
     out = grouped_glu_pallas(lhs, w_gate, w_up, gs, spec=spec, blocks=blocks, interpret=interpret)
-    assert_close("glu", out, grouped_glu_reference(lhs, *dense, gs, spec=spec), dtype="bfloat16")
+    assert_close("glu", out, grouped_glu_reference(lhs, *dense, gs, spec=spec), dtype=kernel_dtype(dtype, interpret))
 
 
 def _flushes_subnormals() -> bool:
@@ -98,13 +102,15 @@ def _without_halves(packed):
 
 
 @pytest.mark.parametrize("repeat,blocks", [
-    (4, None),                                               # the default: CUDA-core rows (bit decode compiled,
-                                                             # table decode interpreted)
+    (4, None),                                               # the default: CUDA-core rows, the reduction in
+                                                             # parts (PTX decode compiled, table interpreted)
     (1, TileBlocks(16, 32, 64, gemv=True, e2m1="bits")),     # CUDA-core rows, bit decode
     (3, TileBlocks(16, 64, 64, gemv=True, e2m1="asm")),      # CUDA-core rows, inline-PTX decode (compiled only)
     (2, TileBlocks(16, 64, 32, gemv=True, e2m1="asm", prefetch=2, split_k=2)),   # loads ahead, the reduction in parts
     (3, TileBlocks(16, 32, 32, gemv=True, e2m1="table", prefetch=1, split_k=4)),
     (1, TileBlocks(16, 32, 32, gemv=True, e2m1="table", split_k=0)),             # parts chosen by the launch size
+    (2, TileBlocks(16, 32, 32, gemv=True, e2m1="table", prefetch=2)),            # loads ahead, no parts
+    (3, TileBlocks(16, 64, 32, gemv=True, e2m1="table", prefetch=2, split_k=4)),  # more ahead than a part's steps
     (2, TileBlocks(16, 32, 64, gemv=True, e2m1="table")),    # CUDA-core rows, table decode
     (4, TileBlocks(16, 32, 64)),                             # 16-row tensor-core tiles
     (2, TileBlocks(16, 64, 64, e2m1="asm")),                 # the same on raw bf16 values from inline PTX
@@ -131,38 +137,46 @@ def test_pair_kernels_on_packed_weights(rng, interpret, repeat, blocks):
 
 
 def _asm_forms(packed, scale):
-    """decode_e2m1_asm and raw_scale_factor_asm over [16, 16] uint8 arrays in one compiled kernel."""
-    def kernel(p_ref, s_ref, lo_ref, hi_ref, f_ref):
+    """decode_e2m1_asm, decode_e2m1_bf16_asm and raw_scale_factor_asm over [4, 256] uint8 arrays in one
+    compiled kernel."""
+    def kernel(p_ref, s_ref, lo_ref, hi_ref, lo16_ref, hi16_ref, f_ref):
         lo_ref[...], hi_ref[...] = decode_e2m1_asm(p_ref[...])
+        lo16_ref[...], hi16_ref[...] = decode_e2m1_bf16_asm(p_ref[...])
         f_ref[...] = raw_scale_factor_asm(s_ref[...])
-    out = jax.ShapeDtypeStruct(packed.shape, jnp.float32)
-    return pl.pallas_call(kernel, out_shape=(out, out, out))(packed, scale)
+    f32, bf16 = (jax.ShapeDtypeStruct(packed.shape, t) for t in (jnp.float32, jnp.bfloat16))
+    return pl.pallas_call(kernel, out_shape=(f32, f32, bf16, bf16, f32))(packed, scale)
 
 
 @on_gpu
 def test_inline_ptx_decode_equals_the_bit_forms():
-    """Every byte's two nibbles bit for bit as `decode_e2m1_raw`; every scale as `raw_scale_factor`
-    where that is exact (s >= 66), and 2^(s - 65) below it. The bytes are shuffled so that no byte
-    sits at the same position within its register as its own value would put it."""
-    rng = np.random.default_rng(3)
-    packed = jnp.asarray(rng.permutation(256).astype(np.uint8).reshape(16, 16))
-    scale = jnp.asarray(rng.permutation(256).astype(np.uint8).reshape(16, 16))
-    lo, hi, factor = (np.asarray(v) for v in jax.jit(_asm_forms)(packed, scale))
+    """Every byte's two nibbles bit for bit as `decode_e2m1_raw` (fp32) and as its top 16 bits (bf16,
+    which keep every code); every scale as `raw_scale_factor` where that is exact (s >= 66), and
+    2^(s - 65) below it. Row r holds all 256 values rotated by r, so each value passes through every
+    byte position of a 32-bit register."""
+    values = np.stack([np.roll(np.arange(256), r) for r in range(4)]).astype(np.uint8)     # [4, 256]
+    packed = scale = jnp.asarray(values)
+    lo, hi, lo16, hi16, factor = (np.asarray(v) for v in jax.jit(_asm_forms)(packed, scale))
     codes = packed.astype(jnp.int32)
-    for ours, high in ((lo, False), (hi, True)):
-        np.testing.assert_array_equal(ours.view(np.int32), np.asarray(decode_e2m1_raw(codes, high)).view(np.int32))
+    for ours, ours16, high in ((lo, lo16, False), (hi, hi16, True)):
+        want = np.asarray(decode_e2m1_raw(codes, high)).view(np.int32)
+        np.testing.assert_array_equal(ours.view(np.int32), want)
+        np.testing.assert_array_equal(ours16.view(np.uint16), (want.view(np.uint32) >> 16).astype(np.uint16))
     s = np.asarray(scale).astype(np.int64)
     expected = np.where(s >= 66, np.asarray(raw_scale_factor(scale)), np.ldexp(1.0, s - 65)).astype(np.float32)
     np.testing.assert_array_equal(factor, expected)
 
 
-def test_inline_ptx_kernel_lowers_for_cuda(triton_for_hopper):
-    """The inline-PTX pair kernel at Kimi-Linear's expert shape lowers to Triton for sm_90 on any host
-    (the GPU run compiles and checks it: the two tests above)."""
+@pytest.mark.parametrize("blocks", [
+    TileBlocks(16, 64, 128, num_stages=3, gemv=True, e2m1="asm"),                        # CUDA-core rows
+    TileBlocks(16, 64, 128, num_stages=3, gemv=True, e2m1="asm", prefetch=1, split_k=0),  # ahead, in parts
+    TileBlocks(16, 64, 128, num_stages=3, e2m1="asm"),                                   # 16-row tiles
+])
+def test_inline_ptx_kernels_lower_for_cuda(triton_for_hopper, blocks):
+    """The inline-PTX pair kernels at Kimi-Linear's expert shape lower to Triton for sm_90 on any host
+    (the GPU run compiles and checks them against the references: the tests above)."""
     e, d, f, k = 256, 2304, 1024, 8
     sds = jax.ShapeDtypeStruct
     w = Mxfp4Weight(sds((e, d // 2, f), jnp.uint8), sds((e, d // 32, f), jnp.uint8))
-    blocks = TileBlocks(16, 64, 128, num_stages=3, gemv=True, e2m1="asm")
     call = jax.jit(lambda x, wg, wu, g, v: pair_glu_pallas(x, wg, wu, g, v, repeat=k, blocks=blocks, interpret=False))
     module = jax.export.export(call, platforms=["cuda"], disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
