@@ -36,10 +36,9 @@ from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize  #
 from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
 MODELS = {"kimi-linear": (256, 2304, 1024, 8), "k3-latent-1/8": (112, 3584, 3072, 16)}  # E, D, F, top-k
-# Pairs (<= 8 tokens): CUDA-core rows by decode, loads ahead and reduction parts, then 16-row tensor-core tiles.
-SWEEP = ([TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="asm", prefetch=p, split_k=sk)
-          for p in (0, 1, 2) for sk in (1, 0)]
-         + [TileBlocks(16, n, k, w, 3, gemv=True, e2m1="asm", prefetch=1, split_k=0)
+# Pairs (<= 8 tokens): CUDA-core rows by decode and reduction parts, then 16-row tensor-core tiles.
+SWEEP = ([TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="asm", split_k=sk) for sk in (1, 0)]
+         + [TileBlocks(16, n, k, w, 3, gemv=True, e2m1="asm", split_k=0)
             for n, k, w in ((64, 256, 8), (32, 128, 4), (128, 128, 8))]
          + [TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="bits")]
          + [TileBlocks(16, n, 128, w, s, e2m1="asm") for n, w, s in ((64, 4, 3), (64, 4, 5), (128, 8, 3))])

@@ -112,9 +112,7 @@ def _build_cases():
         "moe-pairs-mxfp4": pairs(True),                  # the default settings (since b226bf0: PTX, parts)
         "moe-pairs-mxfp4-bits": pairs(True, e2m1="bits"),  # the JAX bit decode, the default before 2011a7c
         "moe-pairs-mxfp4-asm": pairs(True, e2m1="asm"),
-        "moe-pairs-mxfp4-asm-p1": pairs(True, e2m1="asm", prefetch=1),
-        "moe-pairs-mxfp4-asm-p2": pairs(True, e2m1="asm", prefetch=2),
-        "moe-pairs-mxfp4-asm-p1-split": pairs(True, e2m1="asm", prefetch=1, split_k=0),
+        "moe-pairs-mxfp4-asm-split": pairs(True, e2m1="asm", split_k=0),
         "moe-pairs-mxfp4-tile": pairs(True, gemv=False),
         "moe-pairs-mxfp4-tile-asm": pairs(True, gemv=False, e2m1="asm"),
         "o-proj-b1": (jax.jit(lambda x, w: fused_projections_pallas((x,), (w,), counts=(1,), interpret=False)),

@@ -35,8 +35,8 @@ from pallas_kernels.moe_gmm.schedule import tile_schedule
 from pallas_kernels.moe_gmm.tuning import E2M1_DECODES, TileBlocks
 
 
-def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=False, e2m1="bits", prefetch=0,
-            split_k=1, extra_from=None):
+def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=False, e2m1="bits", split_k=1,
+            extra_from=None):
     """refs: the schedule (sorted rows: one [3, tiles] ref; pairs: group [M] and valid [M]), lhs,
     w (plain) or w_gate, w_up (glu); then, when `extra_from` is set, a second set of the same
     weights holding groups extra_from, extra_from + 1, ... (pairs only: e.g. the shared experts
@@ -87,7 +87,7 @@ def _kernel(*refs, bm, bn, bk, k_dim, spec, scaled, repeat, quantized, gemv=Fals
         @pl.when(first < last)
         def _():
             _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, group=group, src=src, row=first, cols=cols, bn=bn,
-                      bk=bk, k_dim=k_dim, spec=spec, e2m1=e2m1, prefetch=prefetch, split_k=split_k, part=part)
+                      bk=bk, k_dim=k_dim, spec=spec, e2m1=e2m1, split_k=split_k, part=part)
         return
 
     if extra_from is None:
@@ -171,15 +171,15 @@ def _tile(lhs_refs, w_refs, scale_ref, out_ref, *, group, first, last, src, cols
               mask=jnp.broadcast_to(row_mask[:, None], (bm, bn)))
 
 
-def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn, bk, k_dim, spec, e2m1, prefetch,
-              split_k=1, part=None):
+def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn, bk, k_dim, spec, e2m1, split_k=1,
+              part=None):
     """One output row of a pair on MXFP4 weights (see `_kernel`, `gemv`). The refs arrive with each
     scale group's 16 packed rows as their own axis (lhs halves [M, K/32, 16], packed [G, K/32, 16, N]),
     so a step's [bk/32, 16, bn] codes take their scales [bk/32, 1, bn] by broadcasting alone.
 
-    `prefetch` steps are loaded ahead into the loop's carry: Triton pipelines only loads that feed a
-    matrix product, so without it each step waits for its own loads. With `split_k` > 1 the program
-    runs steps [part, part + 1) x steps / split_k and writes its raw sums to out_ref[:, part, row, cols]."""
+    With `split_k` > 1 the program runs steps [part, part + 1) x steps / split_k and writes its raw
+    sums to out_ref[:, part, row, cols]. (Loading a step ahead in the loop carry was measured: no gain,
+    `benchmarks/RESULTS.md`, MXFP4 runs 6-7.)"""
     groups, per = bk // GROUP, GROUP // 2
     steps = k_dim // bk
     if split_k > 1:
@@ -190,19 +190,13 @@ def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn
     # product, and the scale group's sum before its factor, is a normal fp32.
     lift = float(2 ** RAW_SCALE_OFFSET) if e2m1 in ("bits", "asm") else 1.0
 
-    def load(kk):
-        """Step kk's activation halves [bk/32, 16], and per weight its codes [bk/32, 16, bn] u8 and
-        scales [bk/32, bn]."""
-        g0 = pl.multiple_of(jnp.minimum(kk, end - 1) * groups, groups)       # past the end: the last step again
-        return (tuple(ref[src, pl.ds(g0, groups), :] for ref in lhs_refs),
-                tuple((packed[group, pl.ds(g0, groups), :, cols], scale[group, pl.ds(g0, groups), cols])
-                      for packed, scale in zip(w_refs[0::2], w_refs[1::2])))
-
-    def compute(accs, loaded):
-        halves, weights = loaded
-        a_lo, a_hi = (a.astype(jnp.float32)[:, :, None] * lift for a in halves)
+    def step(kk, accs):
+        g0 = pl.multiple_of(kk * groups, groups)
+        a_lo, a_hi = (ref[src, pl.ds(g0, groups), :].astype(jnp.float32)[:, :, None] * lift for ref in lhs_refs)
         out = []
-        for acc, (codes, s) in zip(accs, weights):
+        for acc, packed, scale in zip(accs, w_refs[0::2], w_refs[1::2]):
+            codes = packed[group, pl.ds(g0, groups), :, cols]                               # [bk/32, 16, bn] u8
+            s = scale[group, pl.ds(g0, groups), cols]                                       # [bk/32, bn]
             if e2m1 == "asm":
                 factor, (w_lo, w_hi) = raw_scale_factor_asm(s), decode_e2m1_asm(codes)
             elif e2m1 == "bits":
@@ -214,27 +208,21 @@ def _gemv_row(lhs_refs, w_refs, scale_ref, out_ref, *, group, src, row, cols, bn
             out.append(acc + (a_lo * w_lo + a_hi * w_hi) * factor[:, None, :])   # exact: factor is a power of two
         return tuple(out)
 
-    def step(kk, carry):
-        accs, ahead = carry
-        if not prefetch:
-            return compute(accs, load(kk)), ahead
-        ahead = ahead + (load(kk + prefetch),)
-        return compute(accs, ahead[0]), ahead[1:]
-
     zeros = tuple(jnp.zeros((groups, per, bn), jnp.float32) for _ in w_refs[::2])
-    accs, _ = jax.lax.fori_loop(begin, end, step, (zeros, tuple(load(begin + i) for i in range(prefetch))))
-    sums = [jnp.sum(jnp.sum(acc, axis=0), axis=0) for acc in accs]  # [bn]
+    sums = [jnp.sum(jnp.sum(acc, axis=0), axis=0) for acc in jax.lax.fori_loop(begin, end, step, zeros)]  # [bn]
     if split_k > 1:
         for w, v in enumerate(sums):
             out_ref[w, part, row, cols] = v
         return
+    out_ref[row, cols] = _row_epilogue(sums, spec, None if scale_ref is None else scale_ref[row]).astype(out_ref.dtype)
+
+
+def _row_epilogue(sums, spec, scale):
+    """The pair rows' epilogue on fp32 sums (one per weight): act(gate, up), or the product times
+    `scale` (the routing weight, broadcastable), or the product alone."""
     if spec is not None:
-        out = glu(sums[0], sums[1], spec)
-    elif scale_ref is not None:
-        out = sums[0] * scale_ref[row]
-    else:
-        out = sums[0]
-    out_ref[row, cols] = out.astype(out_ref.dtype)
+        return glu(sums[0], sums[1], spec)
+    return sums[0] if scale is None else sums[0] * scale
 
 
 def _interpreted(interpret: bool | None) -> bool:
@@ -288,8 +276,6 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
     gemv = quantized and pairs is not None and blocks.gemv
     if blocks.e2m1 not in E2M1_DECODES:
         raise ValueError(f"grouped matmul (pallas): e2m1 must be one of {E2M1_DECODES}, got {blocks.e2m1!r}")
-    if blocks.prefetch not in range(3):
-        raise ValueError(f"grouped matmul (pallas): prefetch must be 0, 1 or 2 steps, got {blocks.prefetch}")
     split_k = _split_k(blocks.split_k, k_dim // bk, tiles * (n_dim // bn)) if gemv else 1
     if gemv:    # scale groups as their own axis (free reshapes of contiguous arrays)
         lhs_parts = tuple(part.reshape(part.shape[0], k_dim // GROUP, GROUP // 2) for part in lhs_parts)
@@ -305,7 +291,7 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
         extra_from = weights[0].shape[0]
     kernel = functools.partial(_kernel, bm=bm, bn=bn, bk=bk, k_dim=k_dim, spec=spec, scaled=scaled,
                                repeat=0 if pairs is None else repeat, quantized=quantized, gemv=gemv, e2m1=blocks.e2m1,
-                               prefetch=blocks.prefetch, split_k=split_k, extra_from=extra_from)
+                               split_k=split_k, extra_from=extra_from)
     operands = (*sched, *lhs_parts, *weights, *(extra or ())) + ((row_scale.astype(jnp.float32),) if scaled else ())
     out_shape = (jax.ShapeDtypeStruct((m, n_dim), out_dtype) if split_k == 1 else
                  jax.ShapeDtypeStruct((len(weights) // 2, split_k, m, n_dim), jnp.float32))
@@ -318,12 +304,8 @@ def _call(lhs, weights, group_sizes, row_scale, *, spec, out_dtype, blocks: Tile
         name="grouped_glu" if spec is not None else "grouped_matmul",
     )(*operands)
     if split_k > 1:        # the epilogue of `_gemv_row` on the summed parts (pairs not valid: zeros)
-        sums = jnp.sum(out, axis=1)
-        if spec is not None:
-            return glu(sums[0], sums[1], spec).astype(out_dtype)
-        if scaled:
-            return (sums[0] * jnp.where(pairs[1], row_scale.astype(jnp.float32), 0.0)[:, None]).astype(out_dtype)
-        return sums[0].astype(out_dtype)
+        scale = jnp.where(pairs[1], row_scale.astype(jnp.float32), 0.0)[:, None] if scaled else None
+        return _row_epilogue(jnp.sum(out, axis=1), spec, scale).astype(out_dtype)
     if pairs is not None:  # every row is written (zeros where not valid)
         return out
     covered = jnp.arange(m)[:, None] < jnp.sum(group_sizes)

@@ -22,7 +22,7 @@ def _nibble(out: int, shift: int) -> str:
     src = "$4"
     lines = []
     if shift:
-        lines.append(f"mul.lo.u32 t, $4, {1 << shift};")      # a shift on the multiply-add pipe
+        lines.append(f"shl.b32 t, $4, {shift};")
         src = "t"
     lines.append(f"shr.s32 t, {src}, 6;")
     lines.append(f"and.b32 ${out}, t, {_KEEP};")
@@ -63,11 +63,7 @@ _BF16_ASM = {high: _bf16_pairs(high) for high in (False, True)}
 def decode_e2m1_bf16_asm(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     """packed uint8 [...] -> (low nibble, high nibble) values x 2^-126 as bf16 [...] each (codes +-0.5
     bf16 subnormals): two values per instruction sequence, for a tensor-core product."""
-    if packed.dtype != jnp.uint8:
-        raise ValueError(f"decode_e2m1_bf16_asm: packed bytes must be uint8, got {packed.dtype}")
-    like = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
-    return tuple(plt.elementwise_inline_asm(_BF16_ASM[high], args=[packed], constraints="=r,=r,r", pack=4,
-                                            result_shape_dtypes=[like])[0] for high in (False, True))
+    return tuple(_per_word(_BF16_ASM[high], packed, jnp.bfloat16, "decode_e2m1_bf16_asm") for high in (False, True))
 
 
 def raw_scale_factor_asm(scale: jax.Array) -> jax.Array:
@@ -75,17 +71,19 @@ def raw_scale_factor_asm(scale: jax.Array) -> jax.Array:
     instructions per byte. It differs below s = 66, where the twin gives 0 and this gives the tiny factor
     itself (a group whose weights are all below 2^-59: its scaled sum may land on fp32 subnormals and lose
     precision instead of reading as 0)."""
-    if scale.dtype != jnp.uint8:
-        raise ValueError(f"raw_scale_factor_asm: scales must be uint8, got {scale.dtype}")
-    like = jax.ShapeDtypeStruct(scale.shape, jnp.float32)
-    return plt.elementwise_inline_asm(_FACTOR_ASM, args=[scale], constraints="=r,=r,=r,=r,r", pack=4,
-                                      result_shape_dtypes=[like])[0]
+    return _per_word(_FACTOR_ASM, scale, jnp.float32, "raw_scale_factor_asm")
 
 
 def decode_e2m1_asm(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     """packed uint8 [...] -> (low nibble, high nibble) values x 2^-126 as fp32 [...] each."""
-    if packed.dtype != jnp.uint8:
-        raise ValueError(f"decode_e2m1_asm: packed bytes must be uint8, got {packed.dtype}")
-    like = jax.ShapeDtypeStruct(packed.shape, jnp.float32)
-    return tuple(plt.elementwise_inline_asm(_ASM[high], args=[packed], constraints="=r,=r,=r,=r,r", pack=4,
-                                            result_shape_dtypes=[like])[0] for high in (False, True))
+    return tuple(_per_word(_ASM[high], packed, jnp.float32, "decode_e2m1_asm") for high in (False, True))
+
+
+def _per_word(asm: str, data: jax.Array, dtype, name: str) -> jax.Array:
+    """`asm` on each 32-bit register of four uint8 values of `data`, giving `dtype` [...] (four values, in
+    as many registers as they fill)."""
+    if data.dtype != jnp.uint8:
+        raise ValueError(f"{name}: the bytes must be uint8, got {data.dtype}")
+    registers = jnp.dtype(dtype).itemsize           # four values of `dtype` in 32-bit registers
+    return plt.elementwise_inline_asm(asm, args=[data], constraints=",".join(["=r"] * registers + ["r"]), pack=4,
+                                      result_shape_dtypes=[jax.ShapeDtypeStruct(data.shape, dtype)])[0]

@@ -32,7 +32,6 @@ class TileBlocks:
     integer instructions per value, `mxfp4_asm.py`; compiled only), "bits" (the same bit placement
     in JAX ops on each byte, `mxfp4.decode_e2m1_raw`) or "table" (`mxfp4.decode_e2m1`). Tensor-core
     tiles take "asm" (raw bf16 pairs from PTX, bf16 activations only) or otherwise the table.
-    `prefetch` (`gemv` only): steps loaded ahead of the one being computed;
     `split_k` (`gemv` only): parts of the reduction run by separate programs and summed after the
     launch (0: enough parts for about two programs per SM; 1: none)."""
 
@@ -43,7 +42,6 @@ class TileBlocks:
     num_stages: int = 4
     gemv: bool = False
     e2m1: str = "bits"
-    prefetch: int = 0
     split_k: int = 1
 
     @classmethod

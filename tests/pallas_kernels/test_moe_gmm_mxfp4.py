@@ -106,11 +106,9 @@ def _without_halves(packed):
                                                              # parts (PTX decode compiled, table interpreted)
     (1, TileBlocks(16, 32, 64, gemv=True, e2m1="bits")),     # CUDA-core rows, bit decode
     (3, TileBlocks(16, 64, 64, gemv=True, e2m1="asm")),      # CUDA-core rows, inline-PTX decode (compiled only)
-    (2, TileBlocks(16, 64, 32, gemv=True, e2m1="asm", prefetch=2, split_k=2)),   # loads ahead, the reduction in parts
-    (3, TileBlocks(16, 32, 32, gemv=True, e2m1="table", prefetch=1, split_k=4)),
+    (2, TileBlocks(16, 64, 32, gemv=True, e2m1="asm", split_k=2)),               # the reduction in parts
+    (3, TileBlocks(16, 32, 32, gemv=True, e2m1="table", split_k=4)),
     (1, TileBlocks(16, 32, 32, gemv=True, e2m1="table", split_k=0)),             # parts chosen by the launch size
-    (2, TileBlocks(16, 32, 32, gemv=True, e2m1="table", prefetch=2)),            # loads ahead, no parts
-    (3, TileBlocks(16, 64, 32, gemv=True, e2m1="table", prefetch=2, split_k=4)),  # more ahead than a part's steps
     (2, TileBlocks(16, 32, 64, gemv=True, e2m1="table")),    # CUDA-core rows, table decode
     (4, TileBlocks(16, 32, 64)),                             # 16-row tensor-core tiles
     (2, TileBlocks(16, 64, 64, e2m1="asm")),                 # the same on raw bf16 values from inline PTX
@@ -168,7 +166,7 @@ def test_inline_ptx_decode_equals_the_bit_forms():
 
 @pytest.mark.parametrize("blocks", [
     TileBlocks(16, 64, 128, num_stages=3, gemv=True, e2m1="asm"),                        # CUDA-core rows
-    TileBlocks(16, 64, 128, num_stages=3, gemv=True, e2m1="asm", prefetch=1, split_k=0),  # ahead, in parts
+    TileBlocks(16, 64, 128, num_stages=3, gemv=True, e2m1="asm", split_k=0),             # in parts
     TileBlocks(16, 64, 128, num_stages=3, e2m1="asm"),                                   # 16-row tiles
 ])
 def test_inline_ptx_kernels_lower_for_cuda(triton_for_hopper, blocks):
