@@ -4,6 +4,8 @@
     python benchmarks/kda.py --small         # CPU smoke run (interpret mode, tiny shapes)
     python benchmarks/kda.py --decode-only --no-fla --state-dtype float32 bfloat16   # the bf16 state's speed
     python benchmarks/kda.py --decode-only --no-fla --splits 1 2 4 8 0   # the one-token kernel's column blocks
+    python benchmarks/kda.py --decode-only --no-fla --warps 4 8 --rows-per-program 1 2 4 8 --ceiling   # rows per
+        # program, and the state read and write alone
 
 Prefill: B=1, T=8192, H=32 and 96, K=V=128, bf16 q/k/v, fp32 state; ours = q/k L2 norm + the chunked
 Pallas kernels (the settings in VARIANTS), fla = chunk_kda(use_qk_l2norm_in_kernel=True). Decode: one fused step per layer
@@ -15,6 +17,7 @@ reference in the same run.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -191,10 +194,34 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False):
     return rows
 
 
-def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32, splits=(1,), columns=(0,)):
+def _stream_kernel(d_ref, s_ref, o_ref):
+    """The state traffic of the one-token kernel alone: s [K, V] -> s * d[:, None], one (row, head)."""
+    o_ref[...] = (s_ref[...].astype(jnp.float32) * d_ref[...].astype(jnp.float32)[:, None]).astype(o_ref.dtype)
+
+
+def state_stream(decay, state, *, num_warps: int):
+    """`_stream_kernel` over grid (row, head), the state aliased in place: what the decode launch's read and write
+    of the state cost with nothing else in the program (the ceiling of its access pattern)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+    b, h, kd, vd = state.shape
+    return pl.pallas_call(
+        _stream_kernel, grid=(b, h),
+        in_specs=[pl.BlockSpec((None, None, kd), lambda i, j: (i, j, 0)),
+                  pl.BlockSpec((None, None, kd, vd), lambda i, j: (i, j, 0, 0))],
+        out_specs=pl.BlockSpec((None, None, kd, vd), lambda i, j: (i, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct(state.shape, state.dtype), input_output_aliases={1: 0},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=default_interpret(),
+        name="kda_state_stream")(decay, state)
+
+
+def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32, splits=(1,), columns=(0,),
+                rows_per_program=(1,), ceiling=False):
     """splits: DecodeBlocks.value_blocks tried with each warp count (0: the auto rule); a split
     launch's time includes the output norm that runs after it. columns: DecodeBlocks.column_block of the
-    unsplit launch (0: the whole state at once)."""
+    unsplit launch (0: the whole state at once). rows_per_program: DecodeBlocks.rows_per_program of the unsplit,
+    whole-state launch. ceiling: also time the state's read and write alone (`state_stream` at each warp count,
+    and XLA's elementwise scale of the whole state)."""
     rows = []
     for b in batches:
         ks = jax.random.split(jax.random.key(b), 10)
@@ -233,17 +260,27 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         t_ref = timed(ref)
         s_r = ref(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1]
         by_launch, errs = {}, {}
-        launches = [(nwarps, split, col) for nwarps in warps for split in splits
-                    for col in (columns if split == 1 else (0,))]
-        for nwarps, split, col in launches:
-            if (split and not value_blocks_fit(kd, split)) or (col and (col >= kd or kd % col)):
+        launches = [(nwarps, split, col, n) for nwarps in warps for split in splits
+                    for col in (columns if split == 1 else (0,))
+                    for n in (rows_per_program if split == 1 and col == 0 else (1,))]
+        for nwarps, split, col, n in launches:
+            if (split and not value_blocks_fit(kd, split)) or (col and (col >= kd or kd % col)) or b % n:
                 continue                 # a column block of the whole head (or more) is the whole-state launch
-            blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split, column_block=col)
+            blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split, column_block=col, rows_per_program=n)
             label = (f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")
-                     + (f"/loop{col}" if col else ""))
+                     + (f"/loop{col}" if col else "") + (f"/rows{n}" if n > 1 else ""))
             ours = run(lambda *args, blocks=blocks: kda_decode_pallas(*args, blocks=blocks))
             by_launch[label] = timed(ours)
             errs[label] = rel(ours(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1], s_r)
+        ceilings = {}
+        if ceiling:
+            def stream(fn):
+                return jax.jit(lambda states, f: tuple(fn(f[i], states[i]) for i in range(layers)), donate_argnums=0)
+            for nwarps in warps:
+                fn = stream(functools.partial(state_stream, num_warps=nwarps))
+                ceilings[f"pallas stream {nwarps}w"] = timed(lambda st, x_, c_, f_, b_, z_: fn(st, f_))
+            fn = stream(lambda d, s_: (s_.astype(jnp.float32) * d.astype(jnp.float32)[..., None]).astype(s_.dtype))
+            ceilings["xla scale"] = timed(lambda st, x_, c_, f_, b_, z_: fn(st, f_))
         best = min(by_launch, key=by_launch.get)
         t_ours = by_launch[best]
         bytes_layer = 2 * b * h * kd * kd * jnp.dtype(state_dtype).itemsize
@@ -252,6 +289,10 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
                "TB_s": bytes_layer / per / 1e12, "pct_4.3TB_s": bytes_layer / per / HBM_ACHIEVABLE * 100,
                "xla_ref_us_per_layer": t_ref / layers * 1e6, "err_state_vs_ref": max(errs.values()),
                "us_per_layer_by_launch": {str(k_): v_ / layers * 1e6 for k_, v_ in by_launch.items()}}
+        if ceilings:
+            row["ceiling_us_per_layer"] = {k_: v_ / layers * 1e6 for k_, v_ in ceilings.items()}
+            row["ceiling_pct_4.3TB_s"] = {k_: bytes_layer / (v_ / layers) / HBM_ACHIEVABLE * 100
+                                          for k_, v_ in ceilings.items()}
         if fla is not None and jnp.dtype(state_dtype) == jnp.float32:
             torch, _, fused_recurrent_kda = fla
             tq = torch.randn(b, 1, h, kd, device="cuda", dtype=torch.bfloat16)
@@ -284,6 +325,11 @@ def main(argv=None) -> int:
     ap.add_argument("--column-blocks", nargs="+", type=int, default=[0],
                     help="state columns per loop step of the unsplit one-token kernel (DecodeBlocks.column_block: "
                          "a power of two >= 16; 0: the whole state at once)")
+    ap.add_argument("--rows-per-program", nargs="+", type=int, default=[1],
+                    help="batch rows per program of the unsplit one-token kernel (DecodeBlocks.rows_per_program)")
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256], help="decode batch sizes")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="decode: also time the state's read and write alone (the access pattern's ceiling)")
     ap.add_argument("--state-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="recurrent state dtypes of the decode rows (bfloat16: the kda_state option)")
     args = ap.parse_args(argv)
@@ -291,13 +337,16 @@ def main(argv=None) -> int:
     if args.small:
         pre = prefill_rows([(1, 96, 2, 16)], None, 3, args.variants, args.profile)
         dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 32, 3, None, 3, state_dtype=sd,
-                                                                     splits=args.splits, columns=args.column_blocks)]
+                                                                     splits=args.splits, columns=args.column_blocks,
+                                                                     rows_per_program=args.rows_per_program,
+                                                                     ceiling=args.ceiling, warps=tuple(args.warps))]
     else:
         pre = [] if args.decode_only else prefill_rows([(1, 8192, h, 128) for h in args.heads], fla, args.iters,
                                                        args.variants, args.profile)
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
-               for row in decode_rows([1, 8, 64, 256], 32, 128, 20, fla, args.iters, warps=tuple(args.warps), state_dtype=sd,
-                                  splits=args.splits, columns=args.column_blocks)]
+               for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps), state_dtype=sd,
+                                  splits=args.splits, columns=args.column_blocks,
+                                  rows_per_program=args.rows_per_program, ceiling=args.ceiling)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write("kda" + ("_small" if args.small else "_decode" if args.decode_only else
                           "_prefill" if args.prefill_only else ""), record)
