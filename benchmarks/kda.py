@@ -4,8 +4,8 @@
     python benchmarks/kda.py --small         # CPU smoke run (interpret mode, tiny shapes)
     python benchmarks/kda.py --decode-only --no-fla --state-dtype float32 bfloat16   # the bf16 state's speed
     python benchmarks/kda.py --decode-only --no-fla --splits 1 2 4 8 0   # the one-token kernel's column blocks
-    python benchmarks/kda.py --decode-only --no-fla --warps 4 8 --rows-per-program 1 2 4 8 --ceiling   # rows per
-        # program, and the state read and write alone
+    python benchmarks/kda.py --decode-only --no-fla --warps 4 --batches 64 256 --ceiling   # beside the state's read
+        # and write alone (the access pattern's ceiling)
 
 Prefill: B=1, T=8192, H=32 and 96, K=V=128, bf16 q/k/v, fp32 state; ours = q/k L2 norm + the chunked
 Pallas kernels (the settings in VARIANTS), fla = chunk_kda(use_qk_l2norm_in_kernel=True). Decode: one fused step per layer
@@ -216,11 +216,10 @@ def state_stream(decay, state, *, num_warps: int):
 
 
 def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32, splits=(1,), columns=(0,),
-                rows_per_program=(1,), ceiling=False):
+                ceiling=False):
     """splits: DecodeBlocks.value_blocks tried with each warp count (0: the auto rule); a split
     launch's time includes the output norm that runs after it. columns: DecodeBlocks.column_block of the
-    unsplit launch (0: the whole state at once). rows_per_program: DecodeBlocks.rows_per_program of the unsplit,
-    whole-state launch. ceiling: also time the state's read and write alone (`state_stream` at each warp count,
+    unsplit launch (0: the whole state at once). ceiling: also time the state's read and write alone (`state_stream` at each warp count,
     and XLA's elementwise scale of the whole state)."""
     rows = []
     for b in batches:
@@ -260,15 +259,14 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         t_ref = timed(ref)
         s_r = ref(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1]
         by_launch, errs = {}, {}
-        launches = [(nwarps, split, col, n) for nwarps in warps for split in splits
-                    for col in (columns if split == 1 else (0,))
-                    for n in (rows_per_program if split == 1 and col == 0 else (1,))]
-        for nwarps, split, col, n in launches:
-            if (split and not value_blocks_fit(kd, split)) or (col and (col >= kd or kd % col)) or b % n:
+        launches = [(nwarps, split, col) for nwarps in warps for split in splits
+                    for col in (columns if split == 1 else (0,))]
+        for nwarps, split, col in launches:
+            if (split and not value_blocks_fit(kd, split)) or (col and (col >= kd or kd % col)):
                 continue                 # a column block of the whole head (or more) is the whole-state launch
-            blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split, column_block=col, rows_per_program=n)
+            blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split, column_block=col)
             label = (f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")
-                     + (f"/loop{col}" if col else "") + (f"/rows{n}" if n > 1 else ""))
+                     + (f"/loop{col}" if col else ""))
             ours = run(lambda *args, blocks=blocks: kda_decode_pallas(*args, blocks=blocks))
             by_launch[label] = timed(ours)
             errs[label] = rel(ours(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1], s_r)
@@ -325,8 +323,6 @@ def main(argv=None) -> int:
     ap.add_argument("--column-blocks", nargs="+", type=int, default=[0],
                     help="state columns per loop step of the unsplit one-token kernel (DecodeBlocks.column_block: "
                          "a power of two >= 16; 0: the whole state at once)")
-    ap.add_argument("--rows-per-program", nargs="+", type=int, default=[1],
-                    help="batch rows per program of the unsplit one-token kernel (DecodeBlocks.rows_per_program)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256], help="decode batch sizes")
     ap.add_argument("--ceiling", action="store_true",
                     help="decode: also time the state's read and write alone (the access pattern's ceiling)")
@@ -338,15 +334,13 @@ def main(argv=None) -> int:
         pre = prefill_rows([(1, 96, 2, 16)], None, 3, args.variants, args.profile)
         dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 32, 3, None, 3, state_dtype=sd,
                                                                      splits=args.splits, columns=args.column_blocks,
-                                                                     rows_per_program=args.rows_per_program,
                                                                      ceiling=args.ceiling, warps=tuple(args.warps))]
     else:
         pre = [] if args.decode_only else prefill_rows([(1, 8192, h, 128) for h in args.heads], fla, args.iters,
                                                        args.variants, args.profile)
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps), state_dtype=sd,
-                                  splits=args.splits, columns=args.column_blocks,
-                                  rows_per_program=args.rows_per_program, ceiling=args.ceiling)]
+                                  splits=args.splits, columns=args.column_blocks, ceiling=args.ceiling)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write("kda" + ("_small" if args.small else "_decode" if args.decode_only else
                           "_prefill" if args.prefill_only else ""), record)

@@ -11,9 +11,6 @@ The output norm is over a head's whole V, so the split kernel writes the un-norm
 the gated norm runs after it as one XLA fusion; every program reads the head's whole q/k conv
 history, so the new conv state goes to a fresh buffer (not in place).
 
-Or one program walks several batch rows of one head (`DecodeBlocks.rows_per_program`), loading the next
-row's state before it updates the current one.
-
 Or one program per (row, head) walks the state in a loop of column blocks (`DecodeBlocks.column_block`):
 the same launch, outputs and in-place writes as the whole-state kernel, with one block of the state held
 at a time (fewer registers, more programs per SM).
@@ -95,36 +92,6 @@ def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log
             conv_out_ref[j, i, :] = window[j]
     s_out_ref[...] = s.astype(s_out_ref.dtype)
     out_ref[...] = out.astype(out_ref.dtype)
-
-
-def _rows_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref, s_ref,
-                 out_ref, conv_out_ref, s_out_ref, *, width, **settings):
-    """`_decode_kernel` over n batch rows of one head (`DecodeBlocks.rows_per_program`; every block has a
-    leading axis of n rows): a loop over the rows that loads row r + 1's state before it updates row r, so the
-    next load is in flight while this row computes and stores. The outputs may alias conv_ref and s_ref:
-    row r + 1 is read before row r is written, and rows are disjoint."""
-    n = s_ref.shape[0]
-    a = jnp.exp(a_log_ref[...].astype(jnp.float32))
-    nw = nw_ref[...]
-
-    def row(r, s):
-        x = [x_ref[r, i, :] for i in range(3)]
-        hist = [[conv_ref[r, j, i, :] for j in range(width - 1)] for i in range(3)]
-        out, s = _token(x, hist, (wq_ref, wk_ref, wv_ref), f_ref[r, :], dt_ref[...], a, b_ref[r], z_ref[r, :], nw, s,
-                        width=width, **settings)
-        for i in range(3):
-            window = hist[i][1:] + [x[i]]
-            for j in range(width - 1):
-                conv_out_ref[r, j, i, :] = window[j]
-        s_out_ref[r] = s.astype(s_out_ref.dtype)
-        out_ref[r, :] = out.astype(out_ref.dtype)
-
-    def ahead(r, s):
-        s_next = s_ref[r + 1].astype(jnp.float32)
-        row(r, s)
-        return s_next
-
-    row(n - 1, jax.lax.fori_loop(0, n - 1, ahead, s_ref[0].astype(jnp.float32)))
 
 
 def _column_loop_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref,
@@ -258,19 +225,12 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
     if splits > 1 and blocks.column_block:
         raise ValueError(f"kda_decode_pallas: column_block={blocks.column_block} does not combine with the "
                          f"{splits} column blocks per head that value_blocks/split_from chose")
-    if splits > 1 and blocks.rows_per_program > 1:
-        raise ValueError(f"kda_decode_pallas: rows_per_program={blocks.rows_per_program} does not combine with the "
-                         f"{splits} column blocks per head that value_blocks/split_from chose")
     if splits > 1:
         return _decode_split(inputs, weights, conv_state, state, splits=splits, scale=scale, blocks=blocks,
                              interpret=interpret)
     if blocks.column_block and kd % blocks.column_block:
         raise ValueError(f"kda_decode_pallas: column_block={blocks.column_block} does not divide V={kd}")
     settings = dict(width=width, lower_bound=weights.lower_bound, norm_eps=weights.norm_eps, scale=scale)
-    rows = blocks.rows_for(b)
-    if rows > 1:
-        return _decode_rows(inputs, weights, conv_state, state, rows=rows, settings=settings, blocks=blocks,
-                            interpret=interpret)
     if blocks.column_block and blocks.column_block < kd:
         kernel = functools.partial(_column_loop_kernel, block_v=blocks.column_block, **settings)
     else:
@@ -303,42 +263,6 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
         interpret=interpret,
         name="kda_decode",
-    )(inputs.x_qkv, conv_state, *weights.conv_taps, inputs.f, weights.dt_bias, weights.a_log, inputs.beta_logit,
-      inputs.z, weights.o_norm_w, state)
-    return out, new_conv, new_state
-
-
-def _decode_rows(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array, state: jax.Array, *,
-                 rows: int, settings: dict, blocks: DecodeBlocks, interpret: bool):
-    """kda_decode_pallas over grid (row block, head), `rows` batch rows per program (`_rows_kernel`)."""
-    b, _, h, kd = inputs.x_qkv.shape
-    width = weights.q_conv.shape[0]
-    rows_head = lambda i, j: (i, j, 0)
-    conv_spec = pl.BlockSpec((rows, width - 1, 3, None, kd), lambda i, j: (i, 0, 0, j, 0))
-    state_spec = pl.BlockSpec((rows, None, kd, kd), lambda i, j: (i, j, 0, 0))
-    tap, dt_spec, a_spec = _weight_specs(weights, h, kd)
-    out, new_conv, new_state = pl.pallas_call(
-        functools.partial(_rows_kernel, **settings),
-        grid=(b // rows, h),
-        in_specs=[
-            pl.BlockSpec((rows, 3, None, kd), lambda i, j: (i, 0, j, 0)),             # x_qkv
-            conv_spec,                                                                # conv_state
-            tap, tap, tap,                                                            # q, k, v conv
-            pl.BlockSpec((rows, None, kd), rows_head),                                # f
-            dt_spec, a_spec,                                                          # dt_bias, a_log
-            pl.BlockSpec((rows, None), lambda i, j: (i, j)),                          # beta_logit
-            pl.BlockSpec((rows, None, kd), rows_head),                                # z
-            pl.BlockSpec((kd,), lambda i, j: (0,)),                                   # o_norm_w
-            state_spec,                                                               # state
-        ],
-        out_specs=[pl.BlockSpec((rows, None, kd), rows_head), conv_spec, state_spec],
-        out_shape=[jax.ShapeDtypeStruct((b, h, kd), inputs.x_qkv.dtype),
-                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-                   jax.ShapeDtypeStruct(state.shape, state.dtype)],
-        input_output_aliases={1: 1, 11: 2},
-        compiler_params=plt.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
-        interpret=interpret,
-        name="kda_decode_rows",
     )(inputs.x_qkv, conv_state, *weights.conv_taps, inputs.f, weights.dt_bias, weights.a_log, inputs.beta_logit,
       inputs.z, weights.o_norm_w, state)
     return out, new_conv, new_state

@@ -34,11 +34,6 @@ class DecodeBlocks:
                               # 1-5% slower at B = 64 and 256 (64 columns) and 21% at B = 1, so 0 stays the default.
                               # One program per head only: not with value_blocks > 1. (Triton's num_stages does not
                               # pipeline the loop's loads: no matrix product consumes them; ptxas identical at 2)
-    rows_per_program: int = 1  # one-token kernel: a program walks this many batch rows of one head in a loop and
-                               # loads the next row's state before it updates the current one, so the state stream
-                               # does not stop while a program computes (the largest power of two <= this that
-                               # divides B is used). One program per head's column set only: not with
-                               # value_blocks > 1 or column_block.
 
     def __post_init__(self):
         if self.value_blocks not in (0,) + VALUE_BLOCK_CHOICES:
@@ -48,12 +43,6 @@ class DecodeBlocks:
         if isinstance(cb, bool) or not isinstance(cb, int) or cb < 0 or (cb and (cb < 16 or cb & (cb - 1))):
             raise ValueError(f"DecodeBlocks: column_block must be 0 (whole state) or a power of two >= 16, "
                              f"got {cb!r}")
-        n = self.rows_per_program
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
-            raise ValueError(f"DecodeBlocks: rows_per_program must be a power of two >= 1, got {n!r}")
-        if n > 1 and (cb or self.value_blocks not in (0, 1)):
-            raise ValueError(f"DecodeBlocks: rows_per_program={n} does not combine with column_block={cb} or "
-                             f"value_blocks={self.value_blocks}")
         if cb and self.value_blocks not in (0, 1):
             raise ValueError(f"DecodeBlocks: column_block={cb} walks one program's whole head; it does not combine "
                              f"with value_blocks={self.value_blocks}")
@@ -68,14 +57,6 @@ class DecodeBlocks:
                                  f"blocks of >= 16 columns")
             return self.value_blocks
         return 2 if self.split_from is not None and rows * heads >= self.split_from and 2 in fits else 1
-
-    def rows_for(self, rows: int) -> int:
-        """Batch rows per program of the one-token kernel for a batch of `rows`: the largest power of two
-        <= rows_per_program that divides it."""
-        n = self.rows_per_program
-        while rows % n:
-            n //= 2
-        return n
 
 
 ONE_WAVE_STAGES = 3      # pipeline stages of the sequential KDA pass when its grid is a single wave, at most

@@ -117,29 +117,6 @@ def test_decode_split_into_column_blocks_matches_xla_twin(rng, interpret, b, h, 
     assert_close("state", new_state, state_r, dtype=kernel_dtype(state_dtype, interpret))
 
 
-@pytest.mark.parametrize("b,h,kd,rows,a_shape,state_dtype,lower_bound", [
-    (4, 2, 32, 4, None, "float32", None), (6, 3, 64, 4, (3, 1), "float32", -5.0),   # 6 rows: 2 per program
-    (8, 2, 32, 8, (1, 32), "bfloat16", None), (3, 2, 32, 2, None, "float32", None)])  # 3 rows: 1 per program
-def test_decode_rows_per_program_matches_one_row_kernel_and_twin(rng, interpret, b, h, kd, rows, a_shape,
-                                                                 state_dtype, lower_bound):
-    """A program walking several batch rows of one head, the next row's state loaded ahead, gives the
-    one-row kernel's outputs, conv window and state, and the XLA twin's."""
-    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape)
-    state = state.astype(state_dtype)
-    blocks = DecodeBlocks(rows_per_program=rows)
-    assert blocks.rows_for(b) == {4: 4, 6: 2, 8: 8, 3: 1}[b]
-    out_r, conv_r, state_r = kda_decode_xla(inputs, weights, conv, state)
-    one = kda_decode_pallas(inputs, weights, conv, state, interpret=interpret)
-    walked = kda_decode_pallas(inputs, weights, conv, state, interpret=interpret, blocks=blocks)
-    for name, got, want in zip(("out", "conv", "state"), walked, one):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert_close(f"rows vs one row {name}", got, want, dtype=kernel_dtype(state_dtype, interpret))
-    assert_close("out", walked[0], out_r, dtype="bfloat16")
-    np.testing.assert_array_equal(np.asarray(walked[1], np.float32), np.asarray(conv_r, np.float32))
-    assert_close("state", walked[2], state_r, dtype=kernel_dtype(state_dtype, interpret))
-    assert np.all(np.asarray(walked[0], np.float32) != 0)
-
-
 @pytest.mark.parametrize("b,h,kd,column_block,a_shape,state_dtype,lower_bound", [
     (1, 2, 32, 16, None, "float32", None), (2, 3, 64, 16, (3, 1), "float32", -5.0),
     (1, 2, 64, 32, (1, 64), "bfloat16", None),
@@ -172,11 +149,6 @@ def test_decode_blocks_name_a_bad_split():
             DecodeBlocks(column_block=bad)
     with pytest.raises(ValueError, match="does not combine with value_blocks=2"):
         DecodeBlocks(column_block=32, value_blocks=2)
-    for bad in (0, 3, True):
-        with pytest.raises(ValueError, match="rows_per_program must be a power of two"):
-            DecodeBlocks(rows_per_program=bad)
-    with pytest.raises(ValueError, match="does not combine"):
-        DecodeBlocks(rows_per_program=2, column_block=32)
     with pytest.raises(ValueError, match="value_blocks=8 does not split V=64"):
         DecodeBlocks(value_blocks=8).value_blocks_for(1, 2, 64)
     assert DecodeBlocks().value_blocks_for(1, 32, 128) == 1 and DecodeBlocks().value_blocks_for(256, 32, 128) == 1
