@@ -259,14 +259,14 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         t_ref = timed(ref)
         s_r = ref(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1]
         by_launch, errs = {}, {}
-        launches = [(nwarps, split, col, first) for nwarps in warps for split in splits
-                    for col in (columns if split == 1 else (0,)) for first in ((False, True) if split == 1 else (False,))]
-        for nwarps, split, col, first in launches:
+        launches = [(nwarps, split, col) for nwarps in warps for split in splits
+                    for col in (columns if split == 1 else (0,))]
+        for nwarps, split, col in launches:
             if (split and not value_blocks_fit(kd, split)) or (col and (col >= kd or kd % col)):
                 continue                 # a column block of the whole head (or more) is the whole-state launch
-            blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split, column_block=col, store_first=first)
+            blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split, column_block=col)
             label = (f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")
-                     + (f"/loop{col}" if col else "") + ("/store-first" if first else ""))
+                     + (f"/loop{col}" if col else ""))
             ours = run(lambda *args, blocks=blocks: kda_decode_pallas(*args, blocks=blocks))
             by_launch[label] = timed(ours)
             errs[label] = rel(ours(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1], s_r)

@@ -51,12 +51,17 @@ def _rule_factors(q_act, k_act, f, dt, a, beta_logit, *, lower_bound, scale):
     return q, k, jnp.exp(g), jax.nn.sigmoid(beta_logit.astype(f32))
 
 
+def _state_update(k, decay, beta, v, s):
+    """The delta rule's new state for a block of columns: k, decay [K], v [Vb], s [K, Vb] fp32 -> s [K, Vb]."""
+    s = s * decay[:, None]                                   # [K, Vb]
+    pred = jnp.sum(s * k[:, None], axis=0)                   # [Vb]
+    return s + k[:, None] * (beta * (v.astype(jnp.float32) - pred))[None, :]
+
+
 def _column_update(q, k, decay, beta, v, s):
     """The delta rule on a block of state columns: q, k, decay [K], v [Vb], s [K, Vb] fp32 ->
     (o [Vb] fp32, new s)."""
-    s = s * decay[:, None]                                   # [K, Vb]
-    pred = jnp.sum(s * k[:, None], axis=0)                   # [Vb]
-    s = s + k[:, None] * (beta * (v.astype(jnp.float32) - pred))[None, :]
+    s = _state_update(k, decay, beta, v, s)
     return jnp.sum(s * q[:, None], axis=0), s
 
 
@@ -78,30 +83,14 @@ def _token(x, hist, w_refs, f, dt, a, beta_logit, z, nw, s, *, width, lower_boun
 
 
 def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref, s_ref,
-                   out_ref, conv_out_ref, s_out_ref, *, width, store_first=False, **settings):
+                   out_ref, conv_out_ref, s_out_ref, *, width, lower_bound, norm_eps, scale):
     """One token of one (row, head). conv_out_ref and s_out_ref may alias conv_ref and s_ref: both
-    blocks are read whole before anything is written back."""
-    if store_first:
-        return _store_first_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref,
-                                   nw_ref, s_ref, out_ref, conv_out_ref, s_out_ref, width=width, **settings)
-    x = [x_ref[i, :] for i in range(3)]
-    hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(3)]
-    a = jnp.exp(a_log_ref[...].astype(jnp.float32))
-    out, s = _token(x, hist, (wq_ref, wk_ref, wv_ref), f_ref[...], dt_ref[...], a, b_ref[...], z_ref[...],
-                    nw_ref[...], s_ref[...].astype(jnp.float32), width=width, **settings)
-    for i in range(3):
-        window = hist[i][1:] + [x[i]]
-        for j in range(width - 1):
-            conv_out_ref[j, i, :] = window[j]
-    s_out_ref[...] = s.astype(s_out_ref.dtype)
-    out_ref[...] = out.astype(out_ref.dtype)
+    blocks are read whole before anything is written back.
 
-
-def _store_first_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref,
-                        s_ref, out_ref, conv_out_ref, s_out_ref, *, width, lower_bound, norm_eps, scale):
-    """`_decode_kernel` in another order: the state is loaded first and stored as soon as it is updated, before
-    the output's reductions (a store cannot pass the barriers of a reduction, so it would otherwise wait for
-    them); the conv window is stored before the state is touched."""
+    The order is chosen for the state's traffic: its load is issued first, and it is stored as soon as it is
+    updated, before the output's reductions (a store does not pass a reduction's barriers, so it would
+    otherwise wait for them); the conv window is stored before the state is touched. H200, H = 32 (RESULTS.md,
+    KDA decode run 6): B = 8 39.2 -> 31.2 us per layer, B = 256 385 -> 374, B = 1 and 64 unchanged."""
     s = s_ref[...].astype(jnp.float32)
     x = [x_ref[i, :] for i in range(3)]
     hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(3)]
@@ -114,9 +103,7 @@ def _store_first_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, 
     a = jnp.exp(a_log_ref[...].astype(jnp.float32))
     q, k, decay, beta = _rule_factors(q, k, f_ref[...], dt_ref[...], a, b_ref[...], lower_bound=lower_bound,
                                       scale=scale)
-    s = s * decay[:, None]
-    pred = jnp.sum(s * k[:, None], axis=0)
-    s = s + k[:, None] * (beta * (v.astype(jnp.float32) - pred))[None, :]
+    s = _state_update(k, decay, beta, v, s)
     s_out_ref[...] = s.astype(s_out_ref.dtype)
     o = jnp.sum(s * q[:, None], axis=0)
     dtype = x[0].dtype
@@ -263,7 +250,7 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
     if blocks.column_block and blocks.column_block < kd:
         kernel = functools.partial(_column_loop_kernel, block_v=blocks.column_block, **settings)
     else:
-        kernel = functools.partial(_decode_kernel, store_first=blocks.store_first, **settings)
+        kernel = functools.partial(_decode_kernel, **settings)
     row_head = lambda i, j: (i, j, 0)
     tap, dt_spec, a_spec = _weight_specs(weights, h, kd)
     out, new_conv, new_state = pl.pallas_call(

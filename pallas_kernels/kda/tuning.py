@@ -35,8 +35,6 @@ class DecodeBlocks:
                               # One program per head only: not with value_blocks > 1. (Triton's num_stages does not
                               # pipeline the loop's loads: no matrix product consumes them; ptxas identical at 2)
 
-    store_first: bool = False  # whole-state kernel: load the state first, store it before the output's reductions
-
     def __post_init__(self):
         if self.value_blocks not in (0,) + VALUE_BLOCK_CHOICES:
             raise ValueError(f"DecodeBlocks: value_blocks must be 0 (auto) or one of {VALUE_BLOCK_CHOICES}, "
