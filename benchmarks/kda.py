@@ -199,7 +199,7 @@ def _stream_kernel(d_ref, s_ref, o_ref):
     o_ref[...] = (s_ref[...].astype(jnp.float32) * d_ref[...].astype(jnp.float32)[:, None]).astype(o_ref.dtype)
 
 
-def state_stream(decay, state, *, num_warps: int):
+def state_stream(decay, state, *, num_warps: int, interpret: bool | None = None):
     """`_stream_kernel` over grid (row, head), the state aliased in place: what the decode launch's read and write
     of the state cost with nothing else in the program (the ceiling of its access pattern)."""
     from jax.experimental import pallas as pl
@@ -211,7 +211,8 @@ def state_stream(decay, state, *, num_warps: int):
                   pl.BlockSpec((None, None, kd, vd), lambda i, j: (i, j, 0, 0))],
         out_specs=pl.BlockSpec((None, None, kd, vd), lambda i, j: (i, j, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(state.shape, state.dtype), input_output_aliases={1: 0},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=default_interpret(),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=default_interpret() if interpret is None else interpret,
         name="kda_state_stream")(decay, state)
 
 

@@ -43,7 +43,7 @@ def _build_cases():
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.kda import FP32_FACTORS
+    from benchmarks.kda import FP32_FACTORS, state_stream
     from pallas_kernels.kda import ChunkBlocks, kda_chunk_pallas
 
     spec = jax.ShapeDtypeStruct
@@ -108,6 +108,8 @@ def _build_cases():
         "kda-decode-b64": kda_decode(64),
         "kda-decode-b64-w8": kda_decode(64, num_warps=8),
         "kda-decode-b64-loop32": kda_decode(64, column_block=32),
+        "kda-state-stream-b64": (jax.jit(lambda d, st: state_stream(d, st, num_warps=4, interpret=False)),
+                                 (spec((64, 32, kd), bf16), spec((64, 32, kd, kd), f32))),
         "kda-decode-b64-loop64": kda_decode(64, column_block=64),
         "moe-pairs-bf16": pairs(False),
         "moe-pairs-mxfp4": pairs(True),                  # the default settings (since b226bf0: PTX, parts)
