@@ -217,7 +217,7 @@ def state_stream(decay, state, *, num_warps: int, interpret: bool | None = None)
 
 
 def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32, splits=(1,), columns=(0,),
-                ceiling=False, aheads=(False,)):
+                ceiling=False):
     """splits: DecodeBlocks.value_blocks tried with each warp count (0: the auto rule); a split
     launch's time includes the output norm that runs after it. columns: DecodeBlocks.column_block of the
     unsplit launch (0: the whole state at once). ceiling: also time the state's read and write alone (`state_stream` at each warp count,
@@ -260,14 +260,14 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         t_ref = timed(ref)
         s_r = ref(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1]
         by_launch, errs = {}, {}
-        launches = [(nwarps, split, col, ahead) for nwarps in warps for split in splits
-                    for col in (columns if split == 1 else (0,)) for ahead in (aheads if col else (False,))]
-        for nwarps, split, col, ahead in launches:
+        launches = [(nwarps, split, col) for nwarps in warps for split in splits
+                    for col in (columns if split == 1 else (0,))]
+        for nwarps, split, col in launches:
             if (split and not value_blocks_fit(kd, split)) or (col and (col >= kd or kd % col)):
                 continue                 # a column block of the whole head (or more) is the whole-state launch
-            blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split, column_block=col, column_ahead=ahead)
+            blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split, column_block=col)
             label = (f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")
-                     + (f"/loop{col}" if col else "") + ("-ahead" if ahead else ""))
+                     + (f"/loop{col}" if col else ""))
             ours = run(lambda *args, blocks=blocks: kda_decode_pallas(*args, blocks=blocks))
             by_launch[label] = timed(ours)
             errs[label] = rel(ours(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1], s_r)
@@ -324,8 +324,6 @@ def main(argv=None) -> int:
     ap.add_argument("--column-blocks", nargs="+", type=int, default=[0],
                     help="state columns per loop step of the unsplit one-token kernel (DecodeBlocks.column_block: "
                          "a power of two >= 16; 0: the whole state at once)")
-    ap.add_argument("--column-ahead", nargs="+", type=int, default=[0], choices=[0, 1],
-                    help="DecodeBlocks.column_ahead of the column-block launches (1: the next block loaded ahead)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256], help="decode batch sizes")
     ap.add_argument("--ceiling", action="store_true",
                     help="decode: also time the state's read and write alone (the access pattern's ceiling)")
@@ -337,15 +335,13 @@ def main(argv=None) -> int:
         pre = prefill_rows([(1, 96, 2, 16)], None, 3, args.variants, args.profile)
         dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 32, 3, None, 3, state_dtype=sd,
                                                                      splits=args.splits, columns=args.column_blocks,
-                                                                     ceiling=args.ceiling, warps=tuple(args.warps),
-                                                                     aheads=tuple(bool(a) for a in args.column_ahead))]
+                                                                     ceiling=args.ceiling, warps=tuple(args.warps))]
     else:
         pre = [] if args.decode_only else prefill_rows([(1, 8192, h, 128) for h in args.heads], fla, args.iters,
                                                        args.variants, args.profile)
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps), state_dtype=sd,
-                                  splits=args.splits, columns=args.column_blocks, ceiling=args.ceiling,
-                                  aheads=tuple(bool(a) for a in args.column_ahead))]
+                                  splits=args.splits, columns=args.column_blocks, ceiling=args.ceiling)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write("kda" + ("_small" if args.small else "_decode" if args.decode_only else
                           "_prefill" if args.prefill_only else ""), record)

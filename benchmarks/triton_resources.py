@@ -108,9 +108,6 @@ def _build_cases():
         "kda-decode-b64": kda_decode(64),
         "kda-decode-b64-w8": kda_decode(64, num_warps=8),
         "kda-decode-b64-loop32": kda_decode(64, column_block=32),
-        "kda-decode-b64-loop32-ahead": kda_decode(64, column_block=32, column_ahead=True),
-        "kda-decode-b64-loop16-ahead": kda_decode(64, column_block=16, column_ahead=True),
-        "kda-decode-b64-loop64-ahead": kda_decode(64, column_block=64, column_ahead=True),
         "kda-state-stream-b64": (jax.jit(lambda d, st: state_stream(d, st, num_warps=4, interpret=False)),
                                  (spec((64, 32, kd), bf16), spec((64, 32, kd, kd), f32))),
         "kda-decode-b64-loop64": kda_decode(64, column_block=64),
@@ -244,3 +241,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

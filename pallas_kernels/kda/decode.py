@@ -111,20 +111,13 @@ def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log
 
 
 def _column_loop_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref,
-                        s_ref, out_ref, conv_out_ref, s_out_ref, *, width, block_v, ahead, lower_bound, norm_eps,
-                        scale):
+                        s_ref, out_ref, conv_out_ref, s_out_ref, *, width, block_v, lower_bound, norm_eps, scale):
     """`_decode_kernel` with the state walked in a loop of block_v-column blocks (`DecodeBlocks.column_block`):
     each step reads its columns of the state and of v's conv inputs, updates them and writes them back, so a
     program holds one block of the state instead of all of it. The raw output collects in a [V] vector
-    (each block placed by a one-hot product) for the norm after the loop. With `ahead`
-    (`DecodeBlocks.column_ahead`) the first block is loaded before anything else and each step loads the next
-    block before it updates its own, so the state's stream does not stop while a block computes. s_out_ref may
-    alias s_ref (a block is read before it is written; blocks are disjoint); conv_out_ref may alias conv_ref
-    (written last)."""
+    (each block placed by a one-hot product) for the norm after the loop. s_out_ref may alias s_ref (a block
+    is read before it is written; blocks are disjoint); conv_out_ref may alias conv_ref (written last)."""
     vd = s_ref.shape[1]
-    steps = vd // block_v
-    columns = lambda c: pl.ds(c * block_v if isinstance(c, int) else pl.multiple_of(c * block_v, block_v), block_v)
-    first = s_ref[:, columns(0)] if ahead else None
     hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(2)]
     x = [x_ref[i, :] for i in range(2)]
     q, k = (_conv_silu(x[i], hist[i], [w_ref[j, :] for j in range(width)], width)
@@ -134,25 +127,16 @@ def _column_loop_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, 
                                       scale=scale)
     place = jnp.arange(block_v)[:, None]
 
-    def update(c, s_block, o_all):
-        cols = columns(c)
+    def column_block(c, o_all):
+        cols = pl.ds(pl.multiple_of(c * block_v, block_v), block_v)
         v = _conv_silu(x_ref[2, cols], [conv_ref[j, 2, cols] for j in range(width - 1)],
                        [wv_ref[j, cols] for j in range(width)], width)
-        o, s = _column_update(q, k, decay, beta, v, s_block.astype(jnp.float32))
+        o, s = _column_update(q, k, decay, beta, v, s_ref[:, cols].astype(jnp.float32))
         s_out_ref[:, cols] = s.astype(s_out_ref.dtype)
         at = jnp.arange(vd)[None, :] == c * block_v + place                     # [Vb, V] one-hot
         return o_all + jnp.sum(jnp.where(at, o[:, None], 0.0), axis=0)
 
-    zeros = jnp.zeros((vd,), jnp.float32)
-    if ahead:
-        def step(c, carry):
-            o_all, s_block = carry
-            s_next = s_ref[:, columns(c + 1)]
-            return update(c, s_block, o_all), s_next
-        o_all, last = jax.lax.fori_loop(0, steps - 1, step, (zeros, first))
-        o = update(steps - 1, last, o_all)
-    else:
-        o = jax.lax.fori_loop(0, steps, lambda c, o_all: update(c, s_ref[:, columns(c)], o_all), zeros)
+    o = jax.lax.fori_loop(0, vd // block_v, column_block, jnp.zeros((vd,), jnp.float32))
     dtype = x_ref.dtype
     out_ref[...] = gated_rms_norm(o.astype(dtype), z_ref[...], nw_ref[...], norm_eps).astype(out_ref.dtype)
     windows = [hist[i][1:] + [x[i]] for i in range(2)] + [
@@ -264,8 +248,7 @@ def kda_decode_pallas(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
         raise ValueError(f"kda_decode_pallas: column_block={blocks.column_block} does not divide V={kd}")
     settings = dict(width=width, lower_bound=weights.lower_bound, norm_eps=weights.norm_eps, scale=scale)
     if blocks.column_block and blocks.column_block < kd:
-        kernel = functools.partial(_column_loop_kernel, block_v=blocks.column_block, ahead=blocks.column_ahead,
-                                   **settings)
+        kernel = functools.partial(_column_loop_kernel, block_v=blocks.column_block, **settings)
     else:
         kernel = functools.partial(_decode_kernel, **settings)
     row_head = lambda i, j: (i, j, 0)

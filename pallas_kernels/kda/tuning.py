@@ -35,9 +35,6 @@ class DecodeBlocks:
                               # One program per head only: not with value_blocks > 1. (Triton's num_stages does not
                               # pipeline the loop's loads: no matrix product consumes them; ptxas identical at 2)
 
-    column_ahead: bool = False  # column_block > 0: load the first block before anything else and each next block
-                                # before the current one is updated (one more block of registers)
-
     def __post_init__(self):
         if self.value_blocks not in (0,) + VALUE_BLOCK_CHOICES:
             raise ValueError(f"DecodeBlocks: value_blocks must be 0 (auto) or one of {VALUE_BLOCK_CHOICES}, "

@@ -121,18 +121,16 @@ def test_decode_split_into_column_blocks_matches_xla_twin(rng, interpret, b, h, 
     (1, 2, 32, 16, None, "float32", None), (2, 3, 64, 16, (3, 1), "float32", -5.0),
     (1, 2, 64, 32, (1, 64), "bfloat16", None),
     (2, 2, 32, 32, None, "float32", None)])   # column_block == V: the whole-state kernel
-@pytest.mark.parametrize("ahead", [False, True])
 def test_decode_column_loop_matches_whole_state_kernel_and_twin(rng, interpret, b, h, kd, column_block, a_shape,
-                                                                state_dtype, lower_bound, ahead):
+                                                                state_dtype, lower_bound):
     """The one-token kernel walking the state in column blocks (one program per head, the output norm
-    inside; `ahead`: each next block loaded before the current one is updated) gives the whole-state
-    kernel's outputs, conv window and state, and the XLA twin's."""
+    inside) gives the whole-state kernel's outputs, conv window and state, and the XLA twin's."""
     inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape)
     state = state.astype(state_dtype)
     out_r, conv_r, state_r = kda_decode_xla(inputs, weights, conv, state)
     whole = kda_decode_pallas(inputs, weights, conv, state, interpret=interpret)
     looped = kda_decode_pallas(inputs, weights, conv, state, interpret=interpret,
-                               blocks=DecodeBlocks(column_block=column_block, column_ahead=ahead))
+                               blocks=DecodeBlocks(column_block=column_block))
     for name, got, want in zip(("out", "conv", "state"), looped, whole):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert_close(f"loop vs whole {name}", got, want, dtype=kernel_dtype(state_dtype, interpret))
