@@ -122,32 +122,41 @@ def plot_moe(out: str) -> str:
 SPECULATIVE_BEFORE = "speculative_run2_planted.json"          # scan of one-token kernels (cb323b6)
 SPECULATIVE_VERIFY = "speculative_run5_verify.json"           # window kernels, outputs-only verify (14a47ea)
 SPECULATIVE_E2E = "speculative_run5_e2e_b1.json"              # same commit, B = 1, k = 4
+SPECULATIVE_NOW = "speculative_run6_dfe8354.json"             # B = 1, verify q = 1, 4, 5 and k = 4 end to end
 
 
 def plot_speculative(out: str) -> str:
-    """Left: verify + commit time over one decode step against q (run 5; dotted: the memory-floor
+    """Left: verify + commit time over one decode step against q (runs 5 and 6; dotted: the memory-floor
     ratio). Right: end-to-end speed-up over plain decoding against tokens per verify step (replay
-    drafts), run 5 at B = 1 beside run 2."""
+    drafts), runs 5 and 6 at B = 1 beside run 2."""
     before, verify, e2e = _load(SPECULATIVE_BEFORE), _load(SPECULATIVE_VERIFY), _load(SPECULATIVE_E2E)
+    now = _load(SPECULATIVE_NOW)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
     for b, style in ((1, "o"), (8, "s"), (64, "D")):
         rows = [r for r in verify["verify"] if r["batch"] == b]
         if rows:
-            line, = left.plot([r["q"] for r in rows], [r["ratio_to_decode"] for r in rows], style + "-", label=f"B={b}")
+            line, = left.plot([r["q"] for r in rows], [r["ratio_to_decode"] for r in rows], style + "-",
+                              label=f"B={b} (run 5)")
             left.plot([r["q"] for r in rows], [r["floor_ratio"] for r in rows], style + ":", color=line.get_color(),
                       label=f"B={b} floor ratio (uniform routing)")
+    rows = [r for r in now["verify"] if r["batch"] == 1]
+    left.plot([r["q"] for r in rows], [r["ratio_to_decode"] for r in rows], "o-", color="tab:red", label="B=1 (run 6)")
     left.axhline(1.3, color="k", lw=0.8, ls="--", label="target q=4, B=1")
     left.set_xscale("log", base=2)
     left.set_xlabel("q (tokens verified per row)")
     left.set_ylabel("verify + commit / one decode step")
-    left.set_title("Verify cost, Kimi-Linear-48B shape, bf16 (run 5)")
-    series = [(before, 1, "o--", "run 2"), (before, 8, "s--", "run 2"), (e2e, 1, "o-", "run 5")]
+    left.set_title("Verify cost, Kimi-Linear-48B shape, bf16 (runs 5, 6)")
+    series = [(before, 1, "o--", "run 2"), (before, 8, "s--", "run 2"), (e2e, 1, "o-", "run 5"), (now, 1, "o-", "run 6")]
     for record, b, style, tag in series:
         rows = sorted((r for r in record["end_to_end"] if r["batch"] == b), key=lambda r: r["mean_accepted_length"])
         if rows:
             right.plot([r["mean_accepted_length"] for r in rows], [r["speedup"] for r in rows], style,
                        label=f"B={b}, k={rows[0]['k']} ({tag})")
     right.plot([1, 5], [1 / 2.73, 5 / 2.73], "k:", lw=0.8, label="both steps at their floors (B=1, k=4)")
+    # run 6: the q = 5 step with no work beyond a plain step's non-expert part (1.48 ms) and its experts at 84% of
+    # 4.3 TB/s (3.83 ms), against plain decoding at 2.418 ms (RESULTS.md, speculative run 6)
+    right.plot([1, 5], [2.418 / 5.31, 5 * 2.418 / 5.31], "-.", color="tab:red", lw=0.8,
+               label="run 6 bound: no verify work, experts at 84%")
     right.axhline(2.0, color="k", lw=0.8, ls="--", label="target at 4 tokens/step, B=1")
     right.axvline(4.0, color="k", lw=0.5, ls=":")
     right.set_xlabel("tokens per verify step (accepted drafts + 1)")
