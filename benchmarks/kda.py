@@ -89,8 +89,6 @@ VARIANTS = {
     "default/inter-s2/v64": ChunkBlocks(inter_num_stages=2, value_block=64),
     "default/inter-s2/iw8": ChunkBlocks(inter_num_stages=2, inter_num_warps=8),
     "default/tiles": ChunkBlocks(pairs="tiles"),                        # A_kk, A_qk by 16-row tiles (intra_tiles.py)
-    "default/strips": ChunkBlocks(pairs="strips"),                      # by 16-row strips (intra_strips.py)
-    "default/strips/w8": ChunkBlocks(pairs="strips", pairs_num_warps=8),
     "default/tiles/w2": ChunkBlocks(pairs="tiles", pairs_num_warps=2),
     "default/tiles/w1": ChunkBlocks(pairs="tiles", pairs_num_warps=1),
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),

@@ -101,8 +101,6 @@ def _build_cases():
         "kda-chunk-split": kda(inter="split", **FP32_FACTORS),
         "kda-chunk-default": kda(),     # ChunkBlocks() on bf16 values: parallel, bf16 factors, Pallas cumsum
         "kda-chunk-tiles": kda(pairs="tiles"),
-        "kda-chunk-strips": kda(pairs="strips"),
-        "kda-chunk-strips-w8": kda(pairs="strips", pairs_num_warps=8),
         "kda-chunk-tiles-w2": kda(pairs="tiles", pairs_num_warps=2),
         "kda-chunk-tiles-w1": kda(pairs="tiles", pairs_num_warps=1),
         "kda-chunk-tiles-ks64": kda(pairs="tiles", key_slice=64),

@@ -28,7 +28,6 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._util import default_interpret, is_pow2, multiprocessor_count
 from pallas_kernels.kda.inter_split import chunk_inter_split
 from pallas_kernels.kda.intra_tiles import tile_pairs_kernel
-from pallas_kernels.kda.intra_strips import strip_pairs_kernel
 from pallas_kernels.kda.intra_parallel import (SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum,
                                               local_cumsum_kernel, solve_kernel)
 from pallas_kernels.kda.reference import validate_inputs
@@ -263,12 +262,10 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
             out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), dtype), compiler_params=pair_params, interpret=interpret,
             name=name)(left, kc, lc)
 
-    if blocks.pairs in ("joint", "tiles", "strips"):
-        kernel = {"joint": functools.partial(joint_pairs_kernel, key_slice=key_slice),
-                  "tiles": functools.partial(tile_pairs_kernel, key_slice=key_slice),
-                  "strips": strip_pairs_kernel}[blocks.pairs]
+    if blocks.pairs in ("joint", "tiles"):
+        kernel = joint_pairs_kernel if blocks.pairs == "joint" else tile_pairs_kernel
         akk, aqk = pl.pallas_call(
-            functools.partial(kernel, scale=scale),
+            functools.partial(kernel, scale=scale, key_slice=key_slice),
             grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd)], out_specs=[blk(c, c)] * 2,
             out_shape=[jax.ShapeDtypeStruct((b, h, n, c, c), f32), jax.ShapeDtypeStruct((b, h, n, c, c), fd)],
             compiler_params=pair_params, interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc)
@@ -362,8 +359,8 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.intra == "parallel" and c > PARALLEL_MAX_CHUNK:
         raise ValueError(f"{name}: intra='parallel' takes chunks of at most {PARALLEL_MAX_CHUNK} tokens, got {c} (the "
                          f"inverse of a 128-row chunk asks the H200 for 384 KB of shared memory, over its 227 KB)")
-    if blocks.pairs not in ("joint", "separate", "tiles", "strips"):
-        raise ValueError(f"{name}: pairs must be 'joint', 'separate', 'tiles' or 'strips', got {blocks.pairs!r}")
+    if blocks.pairs not in ("joint", "separate", "tiles"):
+        raise ValueError(f"{name}: pairs must be 'joint', 'separate' or 'tiles', got {blocks.pairs!r}")
     if isinstance(blocks.pairs_num_warps, bool) or blocks.pairs_num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: pairs_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
                          f"got {blocks.pairs_num_warps!r}")
