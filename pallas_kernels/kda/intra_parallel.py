@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kda.gate import L2_EPS
+
 SUB = 16  # rows per run of the local cumulative decay (`local_cumsum`): keeps its sums small
 
 # Matrix-product precision of the inverse's doubling steps, compiled (ChunkBlocks.inverse): "tf32x3", three
@@ -86,12 +88,21 @@ def _pick(rows_index, vectors):
     return out
 
 
-def _slice(a_ref, k_ref, l_ref, i, key_slice, rows, nb, scale):
+def inverse_norms(ref):
+    """[C, K] rows of q or k -> 1 / sqrt(sum x^2 + L2_EPS) per row [C], fp32 (what `l2_normalize` multiplies by)."""
+    x = ref[...].astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS)
+
+
+def _slice(a_ref, k_ref, l_ref, i, key_slice, rows, nb, scale, norms=None):
     """Key slice i (of key_slice columns) of one chunk -> (its columns, a * scale, k (fp32), the
-    local decay, its block offsets (refrow, offsets: see `_block_offsets`), G)."""
+    local decay, its block offsets (refrow, offsets: see `_block_offsets`), G). norms: None, or the per-row
+    inverse norms of a and k ([C] each, `inverse_norms`) when the rows are L2-normalised here."""
     ks = pl.ds(pl.multiple_of(i * key_slice, key_slice), key_slice)
     a = a_ref[:, ks].astype(jnp.float32) * scale
     k = k_ref[:, ks].astype(jnp.float32)
+    if norms is not None:
+        a, k = a * norms[0][:, None], k * norms[1][:, None]
     local = l_ref[:, ks]
     refrow, offsets = _block_offsets(l_ref, ks, local, rows, nb)
     return ks, a, k, local, refrow, offsets, local + refrow
@@ -137,18 +148,21 @@ def _dot_t(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal: bool, key_slice: int):
+def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal: bool, key_slice: int,
+                       normalize: bool = False):
     """A[r, j] = sum_d left_r k_j e^(G_r - G_j) over j < r (j <= r when `diagonal`), one chunk.
 
-    left/k [C, K] (left = q or k), l (local cumulative decay) [C, K] fp32 -> a [C, C] in a_ref's
-    dtype, zero above the diagonal. The key slices run in a loop, one [C, C] accumulator live."""
+    left/k [C, K] (left = q or k; L2-normalised here with `normalize`), l (local cumulative decay) [C, K] fp32
+    -> a [C, C] in a_ref's dtype, zero above the diagonal. The key slices run in a loop, one [C, C] accumulator
+    live."""
     c, kd = k_ref.shape
     nb = c // SUB
     rows = jnp.arange(c, dtype=jnp.int32)
     cols = rows[None, :]
+    norms = (inverse_norms(left_ref), inverse_norms(k_ref)) if normalize else None
 
     def one_slice(i, acc):
-        ks, left, k, local, refrow, offsets, _ = _slice(left_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
+        ks, left, k, local, refrow, offsets, _ = _slice(left_ref, k_ref, l_ref, i, key_slice, rows, nb, scale, norms)
         if diagonal:
             acc = acc + jnp.where(rows[:, None] == cols, _dot_t(left, k), 0.0)
         add = lambda acc, x, y, same: acc + jnp.where(same, _dot_t(left * x, k * y), 0.0)
@@ -157,17 +171,20 @@ def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal:
     a_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, jnp.zeros((c, c), jnp.float32)).astype(a_ref.dtype)
 
 
-def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, key_slice: int):
+def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, key_slice: int,
+                       normalize: bool = False):
     """A_kk (j < r) and A_qk (j <= r, q scaled) of one chunk in one launch: each level's decay
-    factors and k e^(G_a - G_j) are formed once for both. q/k [C, K], l [C, K] fp32 -> two [C, C]."""
+    factors and k e^(G_a - G_j) are formed once for both. q/k [C, K] (L2-normalised here with `normalize`),
+    l [C, K] fp32 -> two [C, C]."""
     c, kd = k_ref.shape
     nb = c // SUB
     rows = jnp.arange(c, dtype=jnp.int32)
     cols = rows[None, :]
+    norms = (inverse_norms(q_ref), inverse_norms(k_ref)) if normalize else None
 
     def one_slice(i, accs):
         akk, aqk = accs
-        ks, q, k, local, refrow, offsets, _ = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
+        ks, q, k, local, refrow, offsets, _ = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale, norms)
         aqk = aqk + jnp.where(rows[:, None] == cols, _dot_t(q, k), 0.0)
 
         def add(accs, x, y, same):
@@ -197,10 +214,10 @@ def doubling_inverse(strict_lower, rows, cols, dot_inv):
 
 
 def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_ref, kt_ref, dec_ref, *, scale: float,
-                 key_slice: int, value_slice: int, inverse: str, interpret: bool):
+                 key_slice: int, value_slice: int, inverse: str, interpret: bool, normalize: bool = False):
     """One chunk: T = (I + diag(beta) A_kk)^-1 by doubling, then W = T diag(beta) (e^G k),
     U = T diag(beta) v, q e^G, k e^(G_C - G) and e^(G_C). akk [C, C] fp32 from `joint_pairs_kernel`
-    (or `decay_pairs_kernel`)."""
+    (or `decay_pairs_kernel`); q and k L2-normalised here with `normalize`."""
     f32 = jnp.float32
     c, kd = q_ref.shape
     vd = v_ref.shape[1]
@@ -214,9 +231,10 @@ def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_re
 
     akk = jnp.where(rows[:, None] > cols, akk_ref[...] * beta[:, None], 0.0)
     t = doubling_inverse(akk, rows, cols, dot_inv)
+    norms = (inverse_norms(q_ref), inverse_norms(k_ref)) if normalize else None
 
     def key_part(i, carry):
-        ks, q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
+        ks, q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale, norms)
         last = offsets[-1]
         e_g = jnp.exp(g_chunk)
         w_ref[:, ks] = dot(t, beta[:, None] * e_g * k).astype(w_ref.dtype)
