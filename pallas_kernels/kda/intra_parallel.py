@@ -144,6 +144,18 @@ def _pair_levels(accs, accumulate, c, rows, cols, l_ref, ks, local, refrow, offs
     return jax.lax.fori_loop(inner, c.bit_length() - 1, functools.partial(level, inside=False), accs)
 
 
+def _add_squares(squares, left, k):
+    """The running per-row sums of squares of (left, k) [C] each, plus one key slice's [C, ks] values."""
+    return squares[0] + jnp.sum(left * left, axis=1), squares[1] + jnp.sum(k * k, axis=1)
+
+
+def _scale_pairs(a, left_squares, k_squares):
+    """A [C, C] of raw rows -> that of L2-normalised rows: a[r, j] / (|left_r| |k_j|), from the sums of squares
+    (each with L2_EPS, as `l2_normalize`). The pairs are sums of left_r,i k_j,i times decays, so normalising the
+    rows first or scaling the sums after is the same arithmetic up to rounding."""
+    return a * (jax.lax.rsqrt(left_squares + L2_EPS)[:, None] * jax.lax.rsqrt(k_squares + L2_EPS)[None, :])
+
+
 def _dot_t(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -159,16 +171,22 @@ def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal:
     nb = c // SUB
     rows = jnp.arange(c, dtype=jnp.int32)
     cols = rows[None, :]
-    norms = (inverse_norms(left_ref), inverse_norms(k_ref)) if normalize else None
+    zero = jnp.zeros((c,), jnp.float32)
 
-    def one_slice(i, acc):
-        ks, left, k, local, refrow, offsets, _ = _slice(left_ref, k_ref, l_ref, i, key_slice, rows, nb, scale, norms)
+    def one_slice(i, carry):
+        acc, squares = carry
+        ks, left, k, local, refrow, offsets, _ = _slice(left_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
+        if normalize:
+            squares = _add_squares(squares, left / scale, k)
         if diagonal:
             acc = acc + jnp.where(rows[:, None] == cols, _dot_t(left, k), 0.0)
         add = lambda acc, x, y, same: acc + jnp.where(same, _dot_t(left * x, k * y), 0.0)
-        return _pair_levels(acc, add, c, rows, cols, l_ref, ks, local, refrow, offsets)
+        return _pair_levels(acc, add, c, rows, cols, l_ref, ks, local, refrow, offsets), squares
 
-    a_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, jnp.zeros((c, c), jnp.float32)).astype(a_ref.dtype)
+    acc, squares = jax.lax.fori_loop(0, kd // key_slice, one_slice, (jnp.zeros((c, c), jnp.float32), (zero, zero)))
+    if normalize:
+        acc = _scale_pairs(acc, *squares)
+    a_ref[...] = acc.astype(a_ref.dtype)
 
 
 def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, key_slice: int,
@@ -180,21 +198,25 @@ def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, k
     nb = c // SUB
     rows = jnp.arange(c, dtype=jnp.int32)
     cols = rows[None, :]
-    norms = (inverse_norms(q_ref), inverse_norms(k_ref)) if normalize else None
+    zero = jnp.zeros((c,), jnp.float32)
 
-    def one_slice(i, accs):
-        akk, aqk = accs
-        ks, q, k, local, refrow, offsets, _ = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale, norms)
+    def one_slice(i, carry):
+        akk, aqk, squares = carry
+        ks, q, k, local, refrow, offsets, _ = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
+        if normalize:
+            squares = _add_squares(squares, q / scale, k)
         aqk = aqk + jnp.where(rows[:, None] == cols, _dot_t(q, k), 0.0)
 
         def add(accs, x, y, same):
             ky = k * y
             return (accs[0] + jnp.where(same, _dot_t(k * x, ky), 0.0),
                     accs[1] + jnp.where(same, _dot_t(q * x, ky), 0.0))
-        return _pair_levels((akk, aqk), add, c, rows, cols, l_ref, ks, local, refrow, offsets)
+        return *_pair_levels((akk, aqk), add, c, rows, cols, l_ref, ks, local, refrow, offsets), squares
 
     zeros = jnp.zeros((c, c), jnp.float32)
-    akk, aqk = jax.lax.fori_loop(0, kd // key_slice, one_slice, (zeros, zeros))
+    akk, aqk, squares = jax.lax.fori_loop(0, kd // key_slice, one_slice, (zeros, zeros, (zero, zero)))
+    if normalize:
+        akk, aqk = _scale_pairs(akk, squares[1], squares[1]), _scale_pairs(aqk, *squares)
     akk_ref[...] = akk
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
 
