@@ -77,7 +77,6 @@ FP32_FACTORS = dict(factors="float32", inverse="tf32x3", cumsum="xla")
 BF16 = dict(factors="bfloat16", inverse="tf32x3", cumsum="xla")
 VARIANTS = {
     "default": ChunkBlocks(),
-    "default/fused-norm": ChunkBlocks(),   # q, k normalised inside the kernels (kda_chunk_pallas(normalize_qk=True))
     "default/chunked": ChunkBlocks(layout="chunked"),   # the defaults with XLA's layout copies (before 2026-12-03 late)
     "default/ks64": ChunkBlocks(key_slice=64),
     "default/w8": ChunkBlocks(num_warps=8),
@@ -129,9 +128,6 @@ def fla_kernel_times(torch, fn, calls: int = 10) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-NORM_IN_KERNEL = {"default/fused-norm"}
-
-
 def prefill_rows(shapes, fla, iters, variants=None, profile=False):
     """variants: names from VARIANTS to time (None: all). profile: device time per kernel of each
     variant's call (and of fla's) from a profiler trace."""
@@ -151,18 +147,15 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False):
         t_ref, _ = median_time(lambda: ref(q, k, v, g, beta, s0), warmup=1, iters=max(3, iters // 10))
         variants = {}
         for name, blocks in chosen.items():
-            fused = name in NORM_IN_KERNEL      # raw q, k in; the kernels normalise them (else XLA first, as fla's
-            prep = (lambda x: x) if fused else l2   # separate l2norm kernel with use_qk_l2norm_in_kernel)
-            ours = jax.jit(lambda q, k, v, g, beta, s0, blocks=blocks, prep=prep, fused=fused: kda_chunk_pallas(
-                prep(q), prep(k), v, g, beta, initial_state=s0, blocks=blocks, normalize_qk=fused))
+            ours = jax.jit(lambda q, k, v, g, beta, s0, blocks=blocks: kda_chunk_pallas(
+                l2(q), l2(k), v, g, beta, initial_state=s0, blocks=blocks))
             t_v, _ = median_time(lambda: ours(q, k, v, g, beta, s0), iters=iters)
             o, s = ours(q, k, v, g, beta, s0)
             tokens = blocks.reads_tokens    # the two passes timed alone, in the layout the variant's call uses
             split = to_chunk_rows if tokens else to_chunks
-            parts = jax.jit(lambda *xs: [split(x, blocks.chunk) for x in xs])(prep(q), prep(k), v, g, beta)
-            intra = jax.jit(lambda *p_, blocks=blocks, tokens=tokens, fused=fused: chunk_intra(
-                *p_, scale=kd ** -0.5, blocks=blocks, interpret=default_interpret(), tokens=tokens,
-                normalize_qk=fused))
+            parts = jax.jit(lambda *xs: [split(x, blocks.chunk) for x in xs])(l2(q), l2(k), v, g, beta)
+            intra = jax.jit(lambda *p_, blocks=blocks, tokens=tokens: chunk_intra(
+                *p_, scale=kd ** -0.5, blocks=blocks, interpret=default_interpret(), tokens=tokens))
             t_intra, _ = median_time(lambda: intra(*parts), iters=iters)
             factors = intra(*parts)
             inter = jax.jit(lambda *f_, blocks=blocks, tokens=tokens: chunk_inter(

@@ -51,10 +51,10 @@ def _build_cases():
     kda_args = (spec((b, t, h, kd), jnp.bfloat16),) * 3 + (spec((b, t, h, kd), jnp.float32),
                                                           spec((b, t, h), jnp.float32))
 
-    def kda(normalize_qk=False, **kw):
+    def kda(**kw):
         blocks = ChunkBlocks(**kw)
-        return (jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False,
-                                                                  normalize_qk=normalize_qk)), kda_args)
+        return (jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False)),
+                kda_args)
 
     from pallas_kernels.kda import DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_decode_pallas
     from pallas_kernels.mla_decode.merge import merge_splits_pallas
@@ -100,7 +100,6 @@ def _build_cases():
         "kda-chunk-parallel-w8": kda(intra="parallel", num_warps=8, **FP32_FACTORS),
         "kda-chunk-split": kda(inter="split", **FP32_FACTORS),
         "kda-chunk-default": kda(),     # ChunkBlocks() on bf16 values: parallel, bf16 factors, Pallas cumsum
-        "kda-chunk-fused-norm": kda(normalize_qk=True),   # the same, q and k normalised inside the kernels
         "kda-chunk-tiles": kda(pairs="tiles"),
         "kda-chunk-tiles-w2": kda(pairs="tiles", pairs_num_warps=2),
         "kda-chunk-tiles-w1": kda(pairs="tiles", pairs_num_warps=1),

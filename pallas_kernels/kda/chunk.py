@@ -26,7 +26,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2, multiprocessor_count
-from pallas_kernels.kda.gate import l2_normalize
 from pallas_kernels.kda.inter_split import chunk_inter_split
 from pallas_kernels.kda.intra_tiles import tile_pairs_kernel
 from pallas_kernels.kda.intra_parallel import (SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum,
@@ -194,28 +193,21 @@ def _require_settled(name: str, blocks: ChunkBlocks) -> None:
         raise ValueError(f"{name}: ChunkBlocks has 'auto' fields; pass blocks.resolve(value dtype)")
 
 
-def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False,
-                normalize_qk: bool = False):
+def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False):
     """Kernel 1 on chunked inputs [B, H, N, C, ...] (with `tokens`: [B, N, C, H, ...], the caller's
     layout with its time axis split, "parallel" only) -> (W, U, A_qk, q e^G, k e^(G_C - G), e^(G_C)),
-    each [B, H, N, C, ...]. blocks: settled (`ChunkBlocks.resolve`). normalize_qk: q and k are L2-normalised
-    here (inside the kernels of the "parallel" form with the joint or separate pairs; by XLA first otherwise)."""
+    each [B, H, N, C, ...]. blocks: settled (`ChunkBlocks.resolve`)."""
     _require_settled("chunk_intra", blocks)
-    in_kernel = normalize_qk and blocks.intra == "parallel" and blocks.pairs != "tiles"
-    if normalize_qk and not in_kernel:
-        qc, kc = l2_normalize(qc), l2_normalize(kc)
     if tokens:
         if not blocks.reads_tokens:
             raise ValueError("chunk_intra: inputs in the tokens layout need layout='tokens', the 'parallel' form, "
                              "the Pallas cumsum and the fused pass")
-        return _intra_parallel(qc, kc, vc, gc, bc, scale=scale, blocks=blocks, interpret=interpret, tokens=True,
-                               normalize=in_kernel)
+        return _intra_parallel(qc, kc, vc, gc, bc, scale=scale, blocks=blocks, interpret=interpret, tokens=True)
     b, h, n, c, kd = qc.shape
     vd = vc.shape[-1]
     f32 = jnp.float32
     if blocks.intra == "parallel":
-        return _intra_parallel(qc, kc, vc, gc, bc, scale=scale, blocks=blocks, interpret=interpret,
-                               normalize=in_kernel)
+        return _intra_parallel(qc, kc, vc, gc, bc, scale=scale, blocks=blocks, interpret=interpret)
     if blocks.intra == "blocked":
         intra = functools.partial(_intra_blocked_kernel, scale=scale, sub=blocks.sub_chunk)
     else:
@@ -236,8 +228,7 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
     )(qc, kc, vc, gc, bc)
 
 
-def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False,
-                    normalize: bool = False):
+def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False):
     """`chunk_intra` as three launches (`intra_parallel.py`): the local cumsum (or XLA's), A_kk and A_qk
     (one launch, or one each with blocks.pairs = "separate", or by 16-row tiles with "tiles": `intra_tiles.py`),
     then the solve and factors (the inverse by doubling). tokens: the raw inputs
@@ -266,15 +257,13 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
 
     def pairs(left, left_scale, diagonal, dtype, name):
         return pl.pallas_call(
-            functools.partial(decay_pairs_kernel, scale=left_scale, diagonal=diagonal, key_slice=key_slice,
-                              normalize=normalize),
+            functools.partial(decay_pairs_kernel, scale=left_scale, diagonal=diagonal, key_slice=key_slice),
             grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd)], out_specs=blk(c, c),
             out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), dtype), compiler_params=pair_params, interpret=interpret,
             name=name)(left, kc, lc)
 
     if blocks.pairs in ("joint", "tiles"):
-        kernel = (functools.partial(joint_pairs_kernel, normalize=normalize) if blocks.pairs == "joint"
-                  else tile_pairs_kernel)
+        kernel = joint_pairs_kernel if blocks.pairs == "joint" else tile_pairs_kernel
         akk, aqk = pl.pallas_call(
             functools.partial(kernel, scale=scale, key_slice=key_slice),
             grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd)], out_specs=[blk(c, c)] * 2,
@@ -286,7 +275,7 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
     w, u, qg, kt, dec = pl.pallas_call(
         functools.partial(solve_kernel, scale=scale,
                           key_slice=key_slice, value_slice=value_slice,
-                          inverse=blocks.inverse, interpret=interpret, normalize=normalize),
+                          inverse=blocks.inverse, interpret=interpret),
         grid=(b, h, n),
         in_specs=[blk(c, c), raw(kd), raw(kd), raw(vd), blk(c, kd), raw()],
         out_specs=[blk(c, kd), blk(c, vd), blk(c, kd), blk(c, kd), blk(kd)],
@@ -406,15 +395,13 @@ def to_chunk_rows(x, chunk: int):
     return x.reshape(b, n, chunk, h, *x.shape[3:])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "blocks", "normalize_qk", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
 def kda_chunk_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, blocks: ChunkBlocks = ChunkBlocks(),
-                     normalize_qk: bool = False, interpret: bool | None = None):
+                     interpret: bool | None = None):
     """Chunked KDA prefill in Pallas kernels; same contract as `kda_recurrent_reference`.
 
     Args:
-      q, k: [B, T, H, K] L2-normalised, or as they come with `normalize_qk` (then normalised inside the
-        kernels that read them: no pass of their own, and bf16 inputs stay bf16 in memory).
-        v: [B, T, H, V]. g: [B, T, H, K] log decay (<= 0).
+      q, k: [B, T, H, K] L2-normalised. v: [B, T, H, V]. g: [B, T, H, K] log decay (<= 0).
       beta: [B, T, H] in (0, 1). scale: q multiplier (default K^-1/2).
       initial_state: [B, H, K, V] or None (zeros).
       blocks: chunk and launch settings (K, V and the chunk powers of two). interpret: default
@@ -434,8 +421,7 @@ def kda_chunk_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, blocks
     split = to_chunk_rows if tokens else to_chunks
     parts = [split(x, c) for x in (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32))]
     s0 = jnp.zeros((b, h, kd, vd), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    factors = chunk_intra(*parts, scale=scale, blocks=blocks, interpret=interpret, tokens=tokens,
-                          normalize_qk=normalize_qk)
+    factors = chunk_intra(*parts, scale=scale, blocks=blocks, interpret=interpret, tokens=tokens)
     o, s = chunk_inter(*factors, s0, out_dtype=v.dtype, blocks=blocks, interpret=interpret, tokens=tokens)
     n = -(-t // c)
     if tokens:

@@ -38,8 +38,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.gate import L2_EPS
-
 SUB = 16  # rows per run of the local cumulative decay (`local_cumsum`): keeps its sums small
 
 # Matrix-product precision of the inverse's doubling steps, compiled (ChunkBlocks.inverse): "tf32x3", three
@@ -88,21 +86,12 @@ def _pick(rows_index, vectors):
     return out
 
 
-def inverse_norms(ref):
-    """[C, K] rows of q or k -> 1 / sqrt(sum x^2 + L2_EPS) per row [C], fp32 (what `l2_normalize` multiplies by)."""
-    x = ref[...].astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.sum(x * x, axis=1) + L2_EPS)
-
-
-def _slice(a_ref, k_ref, l_ref, i, key_slice, rows, nb, scale, norms=None):
+def _slice(a_ref, k_ref, l_ref, i, key_slice, rows, nb, scale):
     """Key slice i (of key_slice columns) of one chunk -> (its columns, a * scale, k (fp32), the
-    local decay, its block offsets (refrow, offsets: see `_block_offsets`), G). norms: None, or the per-row
-    inverse norms of a and k ([C] each, `inverse_norms`) when the rows are L2-normalised here."""
+    local decay, its block offsets (refrow, offsets: see `_block_offsets`), G)."""
     ks = pl.ds(pl.multiple_of(i * key_slice, key_slice), key_slice)
     a = a_ref[:, ks].astype(jnp.float32) * scale
     k = k_ref[:, ks].astype(jnp.float32)
-    if norms is not None:
-        a, k = a * norms[0][:, None], k * norms[1][:, None]
     local = l_ref[:, ks]
     refrow, offsets = _block_offsets(l_ref, ks, local, rows, nb)
     return ks, a, k, local, refrow, offsets, local + refrow
@@ -144,79 +133,51 @@ def _pair_levels(accs, accumulate, c, rows, cols, l_ref, ks, local, refrow, offs
     return jax.lax.fori_loop(inner, c.bit_length() - 1, functools.partial(level, inside=False), accs)
 
 
-def _add_squares(squares, left, k):
-    """The running per-row sums of squares of (left, k) [C] each, plus one key slice's [C, ks] values."""
-    return squares[0] + jnp.sum(left * left, axis=1), squares[1] + jnp.sum(k * k, axis=1)
-
-
-def _scale_pairs(a, left_squares, k_squares):
-    """A [C, C] of raw rows -> that of L2-normalised rows: a[r, j] / (|left_r| |k_j|), from the sums of squares
-    (each with L2_EPS, as `l2_normalize`). The pairs are sums of left_r,i k_j,i times decays, so normalising the
-    rows first or scaling the sums after is the same arithmetic up to rounding."""
-    return a * (jax.lax.rsqrt(left_squares + L2_EPS)[:, None] * jax.lax.rsqrt(k_squares + L2_EPS)[None, :])
-
-
 def _dot_t(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal: bool, key_slice: int,
-                       normalize: bool = False):
+def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal: bool, key_slice: int):
     """A[r, j] = sum_d left_r k_j e^(G_r - G_j) over j < r (j <= r when `diagonal`), one chunk.
 
-    left/k [C, K] (left = q or k; L2-normalised here with `normalize`), l (local cumulative decay) [C, K] fp32
-    -> a [C, C] in a_ref's dtype, zero above the diagonal. The key slices run in a loop, one [C, C] accumulator
-    live."""
+    left/k [C, K] (left = q or k), l (local cumulative decay) [C, K] fp32 -> a [C, C] in a_ref's
+    dtype, zero above the diagonal. The key slices run in a loop, one [C, C] accumulator live."""
     c, kd = k_ref.shape
     nb = c // SUB
     rows = jnp.arange(c, dtype=jnp.int32)
     cols = rows[None, :]
-    zero = jnp.zeros((c,), jnp.float32)
 
-    def one_slice(i, carry):
-        acc, squares = carry
+    def one_slice(i, acc):
         ks, left, k, local, refrow, offsets, _ = _slice(left_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
-        if normalize:
-            squares = _add_squares(squares, left / scale, k)
         if diagonal:
             acc = acc + jnp.where(rows[:, None] == cols, _dot_t(left, k), 0.0)
         add = lambda acc, x, y, same: acc + jnp.where(same, _dot_t(left * x, k * y), 0.0)
-        return _pair_levels(acc, add, c, rows, cols, l_ref, ks, local, refrow, offsets), squares
+        return _pair_levels(acc, add, c, rows, cols, l_ref, ks, local, refrow, offsets)
 
-    acc, squares = jax.lax.fori_loop(0, kd // key_slice, one_slice, (jnp.zeros((c, c), jnp.float32), (zero, zero)))
-    if normalize:
-        acc = _scale_pairs(acc, *squares)
-    a_ref[...] = acc.astype(a_ref.dtype)
+    a_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, jnp.zeros((c, c), jnp.float32)).astype(a_ref.dtype)
 
 
-def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, key_slice: int,
-                       normalize: bool = False):
+def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, key_slice: int):
     """A_kk (j < r) and A_qk (j <= r, q scaled) of one chunk in one launch: each level's decay
-    factors and k e^(G_a - G_j) are formed once for both. q/k [C, K] (L2-normalised here with `normalize`),
-    l [C, K] fp32 -> two [C, C]."""
+    factors and k e^(G_a - G_j) are formed once for both. q/k [C, K], l [C, K] fp32 -> two [C, C]."""
     c, kd = k_ref.shape
     nb = c // SUB
     rows = jnp.arange(c, dtype=jnp.int32)
     cols = rows[None, :]
-    zero = jnp.zeros((c,), jnp.float32)
 
-    def one_slice(i, carry):
-        akk, aqk, squares = carry
+    def one_slice(i, accs):
+        akk, aqk = accs
         ks, q, k, local, refrow, offsets, _ = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
-        if normalize:
-            squares = _add_squares(squares, q / scale, k)
         aqk = aqk + jnp.where(rows[:, None] == cols, _dot_t(q, k), 0.0)
 
         def add(accs, x, y, same):
             ky = k * y
             return (accs[0] + jnp.where(same, _dot_t(k * x, ky), 0.0),
                     accs[1] + jnp.where(same, _dot_t(q * x, ky), 0.0))
-        return *_pair_levels((akk, aqk), add, c, rows, cols, l_ref, ks, local, refrow, offsets), squares
+        return _pair_levels((akk, aqk), add, c, rows, cols, l_ref, ks, local, refrow, offsets)
 
     zeros = jnp.zeros((c, c), jnp.float32)
-    akk, aqk, squares = jax.lax.fori_loop(0, kd // key_slice, one_slice, (zeros, zeros, (zero, zero)))
-    if normalize:
-        akk, aqk = _scale_pairs(akk, squares[1], squares[1]), _scale_pairs(aqk, *squares)
+    akk, aqk = jax.lax.fori_loop(0, kd // key_slice, one_slice, (zeros, zeros))
     akk_ref[...] = akk
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
 
@@ -236,10 +197,10 @@ def doubling_inverse(strict_lower, rows, cols, dot_inv):
 
 
 def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_ref, kt_ref, dec_ref, *, scale: float,
-                 key_slice: int, value_slice: int, inverse: str, interpret: bool, normalize: bool = False):
+                 key_slice: int, value_slice: int, inverse: str, interpret: bool):
     """One chunk: T = (I + diag(beta) A_kk)^-1 by doubling, then W = T diag(beta) (e^G k),
     U = T diag(beta) v, q e^G, k e^(G_C - G) and e^(G_C). akk [C, C] fp32 from `joint_pairs_kernel`
-    (or `decay_pairs_kernel`); q and k L2-normalised here with `normalize`."""
+    (or `decay_pairs_kernel`)."""
     f32 = jnp.float32
     c, kd = q_ref.shape
     vd = v_ref.shape[1]
@@ -253,10 +214,9 @@ def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_re
 
     akk = jnp.where(rows[:, None] > cols, akk_ref[...] * beta[:, None], 0.0)
     t = doubling_inverse(akk, rows, cols, dot_inv)
-    norms = (inverse_norms(q_ref), inverse_norms(k_ref)) if normalize else None
 
     def key_part(i, carry):
-        ks, q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale, norms)
+        ks, q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
         last = offsets[-1]
         e_g = jnp.exp(g_chunk)
         w_ref[:, ks] = dot(t, beta[:, None] * e_g * k).astype(w_ref.dtype)

@@ -15,7 +15,6 @@ from pallas_kernels.kda.chunk import kda_chunk_pallas
 from pallas_kernels.kda.chunk_xla import kda_chunk_xla
 from pallas_kernels.kda.decode import kda_decode_pallas
 from pallas_kernels.kda.decode_xla import kda_decode_xla
-from pallas_kernels.kda.gate import l2_normalize
 from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
 from pallas_kernels.kda.reference import kda_recurrent_reference, kda_varlen_reference
 from pallas_kernels.kda.tuning import ChunkBlocks, DecodeBlocks
@@ -32,26 +31,21 @@ KDADecodeImpl = Literal["xla", "pallas"]
 KDA_DECODE_IMPLS: tuple[str, ...] = get_args(KDADecodeImpl)
 
 
-def kda(q, k, v, g, beta, *, scale=None, initial_state=None, impl: KDAImpl = "chunked", chunk_size: int = 64,
-        normalize_qk: bool = False):
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, impl: KDAImpl = "chunked", chunk_size: int = 64):
     """KDA over a sequence.
 
     Args:
-      q, k: [B, T, H, K] L2-normalised (or not yet, with normalize_qk). v: [B, T, H, V]. g: [B, T, H, K] log
-        decay (<= 0). beta: [B, T, H] in (0, 1). scale: q multiplier (default K^-1/2).
+      q, k: [B, T, H, K] L2-normalised. v: [B, T, H, V]. g: [B, T, H, K] log decay (<= 0).
+      beta: [B, T, H] in (0, 1). scale: q multiplier (default K^-1/2).
       initial_state: [B, H, K, V] or None (zeros).
       impl: one of KDA_IMPLS. chunk_size: tokens per chunk of the chunked forms (a power of two
         for "pallas").
-      normalize_qk: L2-normalise q and k first: inside the kernels with "pallas" (`kda_chunk_pallas`), by
-        `l2_normalize` otherwise.
     Returns:
       (o [B, T, H, V] in v's dtype, final state [B, H, K, V] fp32)
     """
     if impl == "pallas":
         return kda_chunk_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                blocks=ChunkBlocks(chunk=chunk_size), normalize_qk=normalize_qk)
-    if normalize_qk:
-        q, k = l2_normalize(q), l2_normalize(k)
+                                blocks=ChunkBlocks(chunk=chunk_size))
     if impl == "chunked":
         return kda_chunk_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
     if impl == "recurrent":

@@ -9,7 +9,7 @@ import pytest
 from tolerances import TOLERANCES, assert_close, kernel_dtype
 
 from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_chunk_pallas,
-                                kda_decode_pallas, kda_decode_xla, kda_recurrent_reference, l2_normalize)
+                                kda_decode_pallas, kda_decode_xla, kda_recurrent_reference)
 from pallas_kernels.kda.tuning import ONE_WAVE_STAGES, STAGE_SHARED_BYTES
 
 
@@ -282,32 +282,6 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
     assert 2 * fp32_stage > STAGE_SHARED_BYTES >= ONE_WAVE_STAGES * bf16_stage
     assert auto.sequential_stages(128, 132, STAGE_SHARED_BYTES // 2) == 2
     assert ChunkBlocks(inter_num_stages=2).sequential_stages(384, 132, fp32_stage) == 2
-
-
-@pytest.mark.parametrize("dtype,pairs,layout", [
-    ("bfloat16", "joint", "tokens"), ("float32", "separate", "tokens"), ("bfloat16", "joint", "chunked"),
-    ("bfloat16", "tiles", "tokens")])     # tiles: normalised by XLA before the kernels
-def test_chunk_kernel_normalises_q_and_k_itself(rng, interpret, dtype, pairs, layout):
-    """normalize_qk: raw q and k (not unit rows, any scale) give what the kernels give on l2_normalize(q, k), and
-    the recurrent reference's output on the normalised rows."""
-    b, t, h, kd, vd = 1, 100, 2, 32, 16
-    q, k = (jnp.asarray(3.0 * rng.standard_normal((b, t, h, kd)), dtype) for _ in range(2))
-    v = jnp.asarray(rng.standard_normal((b, t, h, vd)), dtype)
-    g = jnp.asarray(rng.uniform(-2.0, 0.0, (b, t, h, kd)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0, 1, (b, t, h)), jnp.float32)
-    s0 = jnp.asarray(rng.standard_normal((b, h, kd, vd)), jnp.float32)
-    blocks = ChunkBlocks(value_block=16, key_slice=16, pairs=pairs, layout=layout)
-    run = lambda q_, k_, **kw: kda_chunk_pallas(q_, k_, v, g, beta, initial_state=s0, blocks=blocks,
-                                                interpret=interpret, **kw)
-    o, s = run(q, k, normalize_qk=True)
-    o_n, s_n = run(l2_normalize(q), l2_normalize(k))
-    inner = kernel_dtype("bfloat16" if dtype == "bfloat16" else "float32", interpret)
-    assert_close("o vs normalised outside", o, o_n, dtype=inner)
-    assert_close("state vs normalised outside", s, s_n, dtype=inner)
-    o_r, s_r = kda_recurrent_reference(*(np.asarray(l2_normalize(x), np.float32) for x in (q, k)),
-                                       np.asarray(v, np.float32), g, beta, initial_state=s0)
-    assert_close("o", o, o_r, dtype=inner)
-    assert_close("state", s, s_r, dtype=inner)
 
 
 @pytest.mark.parametrize("chunk", [64, 32])
