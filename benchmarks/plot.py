@@ -123,10 +123,11 @@ SPECULATIVE_BEFORE = "speculative_run2_planted.json"          # scan of one-toke
 SPECULATIVE_VERIFY = "speculative_run5_verify.json"           # window kernels, outputs-only verify (14a47ea)
 SPECULATIVE_E2E = "speculative_run5_e2e_b1.json"              # same commit, B = 1, k = 4
 SPECULATIVE_NOW = "speculative_run6_dfe8354.json"             # B = 1, verify q = 1, 4, 5 and k = 4 end to end
+SPECULATIVE_NOW_ROWS = "speculative_run7_verify_1814494.json"  # B = 8, 64, verify q = 1, 2, 4, 8
 
 
 def plot_speculative(out: str) -> str:
-    """Left: verify + commit time over one decode step against q (runs 5 and 6; dotted: the memory-floor
+    """Left: verify + commit time over one decode step against q (runs 5-7; dotted: the memory-floor
     ratio). Right: end-to-end speed-up over plain decoding against tokens per verify step (replay
     drafts), runs 5 and 6 at B = 1 beside run 2."""
     before, verify, e2e = _load(SPECULATIVE_BEFORE), _load(SPECULATIVE_VERIFY), _load(SPECULATIVE_E2E)
@@ -141,11 +142,15 @@ def plot_speculative(out: str) -> str:
                       label=f"B={b} floor ratio (uniform routing)")
     rows = [r for r in now["verify"] if r["batch"] == 1]
     left.plot([r["q"] for r in rows], [r["ratio_to_decode"] for r in rows], "o-", color="tab:red", label="B=1 (run 6)")
+    for b, style in ((8, "s"), (64, "D")):
+        rows = [r for r in _load(SPECULATIVE_NOW_ROWS)["verify"] if r["batch"] == b]
+        left.plot([r["q"] for r in rows], [r["ratio_to_decode"] for r in rows], style + "-", color="tab:red",
+                  alpha=0.55, label=f"B={b} (run 7)")
     left.axhline(1.3, color="k", lw=0.8, ls="--", label="target q=4, B=1")
     left.set_xscale("log", base=2)
     left.set_xlabel("q (tokens verified per row)")
     left.set_ylabel("verify + commit / one decode step")
-    left.set_title("Verify cost, Kimi-Linear-48B shape, bf16 (runs 5, 6)")
+    left.set_title("Verify cost, Kimi-Linear-48B shape, bf16 (runs 5-7)")
     series = [(before, 1, "o--", "run 2"), (before, 8, "s--", "run 2"), (e2e, 1, "o-", "run 5"), (now, 1, "o-", "run 6")]
     for record, b, style, tag in series:
         rows = sorted((r for r in record["end_to_end"] if r["batch"] == b), key=lambda r: r["mean_accepted_length"])
