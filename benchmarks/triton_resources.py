@@ -108,9 +108,9 @@ def _build_cases():
         "kda-decode-b64": kda_decode(64),
         "kda-decode-b64-w8": kda_decode(64, num_warps=8),
         "kda-decode-b64-loop32": kda_decode(64, column_block=32),
+        "kda-decode-b64-loop64": kda_decode(64, column_block=64),
         "kda-state-stream-b64": (jax.jit(lambda d, st: state_stream(d, st, num_warps=4, interpret=False)),
                                  (spec((64, 32, kd), bf16), spec((64, 32, kd, kd), f32))),
-        "kda-decode-b64-loop64": kda_decode(64, column_block=64),
         "moe-pairs-bf16": pairs(False),
         "moe-pairs-mxfp4": pairs(True),                  # the default settings (since b226bf0: PTX, parts)
         "moe-pairs-mxfp4-bits": pairs(True, e2m1="bits"),  # the JAX bit decode, the default before 2011a7c
@@ -241,4 +241,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

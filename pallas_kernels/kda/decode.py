@@ -52,7 +52,8 @@ def _rule_factors(q_act, k_act, f, dt, a, beta_logit, *, lower_bound, scale):
 
 
 def _state_update(k, decay, beta, v, s):
-    """The delta rule's new state for a block of columns: k, decay [K], v [Vb], s [K, Vb] fp32 -> s [K, Vb]."""
+    """The delta rule's new state for a block of columns: k, decay [K], beta (scalar), v [Vb], s [K, Vb] fp32 ->
+    s [K, Vb]."""
     s = s * decay[:, None]                                   # [K, Vb]
     pred = jnp.sum(s * k[:, None], axis=0)                   # [Vb]
     return s + k[:, None] * (beta * (v.astype(jnp.float32) - pred))[None, :]
@@ -88,9 +89,9 @@ def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log
     blocks are read whole before anything is written back.
 
     The order is chosen for the state's traffic: its load is issued first, and it is stored as soon as it is
-    updated, before the output's reductions (a store does not pass a reduction's barriers, so it would
-    otherwise wait for them); the conv window is stored before the state is touched. H200, H = 32 (RESULTS.md,
-    KDA decode run 6): B = 8 39.2 -> 31.2 us per layer, B = 256 385 -> 374, B = 1 and 64 unchanged."""
+    updated, before the output's reductions (in the PTX the output's barriers now follow the store); the conv
+    window is stored before the state is touched. H200, H = 32 (RESULTS.md, KDA decode runs 5-7): B = 8 32-39 ->
+    29-31 us per layer; B = 1, 64 and 256 within the run-to-run spread."""
     s = s_ref[...].astype(jnp.float32)
     x = [x_ref[i, :] for i in range(3)]
     hist = [[conv_ref[j, i, :] for j in range(width - 1)] for i in range(3)]

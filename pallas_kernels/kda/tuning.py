@@ -30,8 +30,9 @@ class DecodeBlocks:
     column_block: int = 0     # one-token kernel, one program per (row, head): 0 reads and writes the head's whole
                               # [K, V] state at once; n > 0 walks it in a loop of n-column blocks (the delta rule is
                               # independent per column), so a program holds n columns and more programs share an SM.
-                              # H200, H = 32 (RESULTS.md, KDA decode run 4): 32 columns 41.1 -> 35.2 us at B = 8, but
-                              # 1-5% slower at B = 64 and 256 (64 columns) and 21% at B = 1, so 0 stays the default.
+                              # H200, H = 32 (RESULTS.md, KDA decode runs 4 and 7): no faster than the whole-state
+                              # kernel at any batch since its store moved ahead (run 7, B = 8: 37-45 us against 29-30),
+                              # so 0 stays the default.
                               # One program per head only: not with value_blocks > 1. (Triton's num_stages does not
                               # pipeline the loop's loads: no matrix product consumes them; ptxas identical at 2)
 
