@@ -4,8 +4,8 @@
     python benchmarks/kda.py --small         # CPU smoke run (interpret mode, tiny shapes)
     python benchmarks/kda.py --decode-only --no-fla --state-dtype float32 bfloat16   # the bf16 state's speed
     python benchmarks/kda.py --decode-only --no-fla --splits 1 2 4 8 0   # the one-token kernel's column blocks
-    python benchmarks/kda.py --decode-only --no-fla --warps 4 --batches 64 256 --ceiling   # beside the state's read
-        # and write alone (the access pattern's ceiling)
+    python benchmarks/kda.py --decode-only --no-fla --warps 4 --batches 64 256 --ceiling --profile   # beside the
+        # state's read and write alone (the access pattern's ceiling), with the kernel's device time per layer
 
 Prefill: B=1, T=8192, H=32 and 96, K=V=128, bf16 q/k/v, fp32 state; ours = q/k L2 norm + the chunked
 Pallas kernels (the settings in VARIANTS), fla = chunk_kda(use_qk_l2norm_in_kernel=True). Decode: one fused step per layer
@@ -219,11 +219,12 @@ def state_stream(decay, state, *, num_warps: int, interpret: bool | None = None)
 
 
 def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32, splits=(1,), columns=(0,),
-                ceiling=False):
+                ceiling=False, profile=False):
     """splits: DecodeBlocks.value_blocks tried with each warp count (0: the auto rule); a split
     launch's time includes the output norm that runs after it. columns: DecodeBlocks.column_block of the
     unsplit launch (0: the whole state at once). ceiling: also time the state's read and write alone
-    (`state_stream` at each warp count, and XLA's elementwise scale of the whole state)."""
+    (`state_stream` at each warp count, and XLA's elementwise scale of the whole state). profile: also the kernel's
+    device time per layer from a profiler trace (`device_us_per_layer_by_launch`: free of the host timer's spread)."""
     rows = []
     for b in batches:
         ks = jax.random.split(jax.random.key(b), 10)
@@ -241,11 +242,18 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
 
         weights = KDADecodeWeights(q_conv=w[:, 0], k_conv=w[:, 1], v_conv=w[:, 2], dt_bias=dt_b, a_log=a_log, o_norm_w=nw)
 
-        def run(step):
+        def run(step, donate=True):
             def layers_fn(states, x, conv, f, bl, z):
                 return tuple(step(KDADecodeInputs(x[i], f[i], bl[i], z[i]), weights, conv[i], states[i])[2]
                              for i in range(layers))  # one launch per layer, states updated in place
-            return jax.jit(layers_fn, donate_argnums=0)
+            return jax.jit(layers_fn, donate_argnums=0 if donate else ())
+
+        def device_us(step):
+            """Device time of the decode launches per layer, from a trace (the states not donated, so XLA copies
+            them before the kernels; only the kernels named kda_decode* are summed)."""
+            times = kernel_times(run(step, donate=False), (states, x, conv, f, bl, z), calls=5)
+            ours_us = [us for name, us in times.items() if name.startswith("kda_decode")]
+            return sum(ours_us) / layers if ours_us else None          # None off a GPU (no device lanes)
 
         def timed(fn):
             st = tuple(s_ + 0 for s_ in states)
@@ -261,7 +269,7 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         ref = run(kda_decode_xla)
         t_ref = timed(ref)
         s_r = ref(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1]
-        by_launch, errs = {}, {}
+        by_launch, errs, device = {}, {}, {}
         launches = [(nwarps, split, col) for nwarps in warps for split in splits
                     for col in (columns if split == 1 else (0,))]
         for nwarps, split, col in launches:
@@ -270,8 +278,11 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split, column_block=col)
             label = (f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")
                      + (f"/loop{col}" if col else ""))
-            ours = run(lambda *args, blocks=blocks: kda_decode_pallas(*args, blocks=blocks))
+            step = lambda *args, blocks=blocks: kda_decode_pallas(*args, blocks=blocks)
+            ours = run(step)
             by_launch[label] = timed(ours)
+            if profile and (us := device_us(step)) is not None:
+                device[label] = us
             errs[label] = rel(ours(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1], s_r)
         ceilings = {}
         if ceiling:
@@ -291,6 +302,10 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
                "TB_s": bytes_layer / per / 1e12, "pct_4.3TB_s": bytes_layer / per / HBM_ACHIEVABLE * 100,
                "xla_ref_us_per_layer": t_ref / layers * 1e6, "err_state_vs_ref": max(errs.values()),
                "us_per_layer_by_launch": {str(k_): v_ / layers * 1e6 for k_, v_ in by_launch.items()}}
+        if device:
+            row["device_us_per_layer_by_launch"] = device
+            row["device_pct_4.3TB_s_by_launch"] = {k_: bytes_layer / (v_ * 1e-6) / HBM_ACHIEVABLE * 100
+                                                   for k_, v_ in device.items()}
         if ceilings:
             row["ceiling_us_per_layer"] = {k_: v_ / layers * 1e6 for k_, v_ in ceilings.items()}
             row["ceiling_pct_4.3TB_s"] = {k_: bytes_layer / (v_ / layers) / HBM_ACHIEVABLE * 100
@@ -320,7 +335,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--heads", nargs="+", type=int, default=[32, 96], help="prefill head counts (T = 8192)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), help="prefill kernel variants to time (default all)")
-    ap.add_argument("--profile", action="store_true", help="prefill: device time per kernel (ours and fla's)")
+    ap.add_argument("--profile", action="store_true",
+                    help="prefill: device time per kernel (ours and fla's); decode: the kernel's device time per layer")
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8, 16], help="num_warps of the decode launches")
     ap.add_argument("--splits", nargs="+", type=int, default=[1, 0],
                     help="column blocks per head of the one-token kernel (DecodeBlocks.value_blocks; 0: auto)")
@@ -338,14 +354,14 @@ def main(argv=None) -> int:
         pre = prefill_rows([(1, 96, 2, 16)], None, 3, args.variants, args.profile)
         dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 32, 3, None, 3, state_dtype=sd,
                                                                      splits=args.splits, columns=args.column_blocks,
-                                                                     ceiling=args.ceiling)]
+                                                                     ceiling=args.ceiling, profile=args.profile)]
     else:
         pre = [] if args.decode_only else prefill_rows([(1, 8192, h, 128) for h in args.heads], fla, args.iters,
                                                        args.variants, args.profile)
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps),
                                       state_dtype=sd, splits=args.splits, columns=args.column_blocks,
-                                      ceiling=args.ceiling)]
+                                      ceiling=args.ceiling, profile=args.profile)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write("kda" + ("_small" if args.small else "_decode" if args.decode_only else
                           "_prefill" if args.prefill_only else ""), record)
