@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import triton as plt  # noqa: E402
 
 from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, write  # noqa: E402
 from benchmarks.kernel_profile import kernel_times  # noqa: E402
@@ -204,8 +206,6 @@ def _stream_kernel(d_ref, s_ref, o_ref):
 def state_stream(decay, state, *, num_warps: int, interpret: bool | None = None):
     """`_stream_kernel` over grid (row, head), the state aliased in place: what the decode launch's read and write
     of the state cost with nothing else in the program (the ceiling of its access pattern)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plt
     b, h, kd, vd = state.shape
     return pl.pallas_call(
         _stream_kernel, grid=(b, h),

@@ -142,8 +142,9 @@ def plot_speculative(out: str) -> str:
                       label=f"B={b} floor ratio (uniform routing)")
     rows = [r for r in now["verify"] if r["batch"] == 1]
     left.plot([r["q"] for r in rows], [r["ratio_to_decode"] for r in rows], "o-", color="tab:red", label="B=1 (run 6)")
+    now_rows = _load(SPECULATIVE_NOW_ROWS)["verify"]
     for b, style in ((8, "s"), (64, "D")):
-        rows = [r for r in _load(SPECULATIVE_NOW_ROWS)["verify"] if r["batch"] == b]
+        rows = [r for r in now_rows if r["batch"] == b]
         left.plot([r["q"] for r in rows], [r["ratio_to_decode"] for r in rows], style + "-", color="tab:red",
                   alpha=0.55, label=f"B={b} (run 7)")
     left.axhline(1.3, color="k", lw=0.8, ls="--", label="target q=4, B=1")

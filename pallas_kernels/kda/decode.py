@@ -73,18 +73,24 @@ def _delta_rule(q_act, k_act, v, f, dt, a, beta_logit, s, *, lower_bound, scale)
     return _column_update(*factors, v, s)
 
 
-def _token(x, hist, w_refs, f, dt, a, beta_logit, z, nw, s, *, width, lower_bound, norm_eps, scale):
+def _token(x, hist, w_refs, f, dt, a, beta_logit, z, nw, s, *, width, lower_bound, norm_eps, scale,
+           store_state=None):
     """One token of one (row, head): x [3][K] pre-conv q | k | v, hist [3][W-1][K] the previous
     pre-conv inputs (oldest first), w_refs the q, k, v taps [W, K], a = exp(A_log) fp32 ([1] or
-    [K]), s [K, V] fp32. Returns (out [K] in x's dtype, new s)."""
+    [K]), s [K, V] fp32. Returns (out [K] in x's dtype, new s). store_state(new s), if given, runs right after
+    the update, before the output's reductions."""
     dtype = x[0].dtype
     q, k, v = (_conv_silu(x[i], hist[i], [w_ref[j, :] for j in range(width)], width) for i, w_ref in enumerate(w_refs))
-    o, s = _delta_rule(q, k, v, f, dt, a, beta_logit, s, lower_bound=lower_bound, scale=scale)
+    q, k, decay, beta = _rule_factors(q, k, f, dt, a, beta_logit, lower_bound=lower_bound, scale=scale)
+    s = _state_update(k, decay, beta, v, s)
+    if store_state is not None:
+        store_state(s)
+    o = jnp.sum(s * q[:, None], axis=0)
     return gated_rms_norm(o.astype(dtype), z, nw, norm_eps).astype(dtype), s
 
 
 def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref, s_ref,
-                   out_ref, conv_out_ref, s_out_ref, *, width, lower_bound, norm_eps, scale):
+                   out_ref, conv_out_ref, s_out_ref, *, width, **settings):
     """One token of one (row, head). conv_out_ref and s_out_ref may alias conv_ref and s_ref: both
     blocks are read whole before anything is written back.
 
@@ -99,16 +105,14 @@ def _decode_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log
         window = hist[i][1:] + [x[i]]
         for j in range(width - 1):
             conv_out_ref[j, i, :] = window[j]
-    q, k, v = (_conv_silu(x[i], hist[i], [w_ref[j, :] for j in range(width)], width)
-               for i, w_ref in enumerate((wq_ref, wk_ref, wv_ref)))
     a = jnp.exp(a_log_ref[...].astype(jnp.float32))
-    q, k, decay, beta = _rule_factors(q, k, f_ref[...], dt_ref[...], a, b_ref[...], lower_bound=lower_bound,
-                                      scale=scale)
-    s = _state_update(k, decay, beta, v, s)
-    s_out_ref[...] = s.astype(s_out_ref.dtype)
-    o = jnp.sum(s * q[:, None], axis=0)
-    dtype = x[0].dtype
-    out_ref[...] = gated_rms_norm(o.astype(dtype), z_ref[...], nw_ref[...], norm_eps).astype(out_ref.dtype)
+
+    def store_state(new):
+        s_out_ref[...] = new.astype(s_out_ref.dtype)
+
+    out, _ = _token(x, hist, (wq_ref, wk_ref, wv_ref), f_ref[...], dt_ref[...], a, b_ref[...], z_ref[...],
+                    nw_ref[...], s, width=width, store_state=store_state, **settings)
+    out_ref[...] = out.astype(out_ref.dtype)
 
 
 def _column_loop_kernel(x_ref, conv_ref, wq_ref, wk_ref, wv_ref, f_ref, dt_ref, a_log_ref, b_ref, z_ref, nw_ref,
