@@ -93,6 +93,9 @@ VARIANTS = {
     "default/tiles": ChunkBlocks(pairs="tiles"),                        # A_kk, A_qk by 16-row tiles (intra_tiles.py)
     "default/tiles/w2": ChunkBlocks(pairs="tiles", pairs_num_warps=2),
     "default/tiles/w1": ChunkBlocks(pairs="tiles", pairs_num_warps=1),
+    "default/diagonal": ChunkBlocks(pairs="diagonal"),          # diagonal blocks per token (intra_diagonal.py)
+    "default/diagonal/dw2": ChunkBlocks(pairs="diagonal", diagonal_num_warps=2),
+    "default/diagonal/dw4": ChunkBlocks(pairs="diagonal", diagonal_num_warps=4),
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),

@@ -103,6 +103,8 @@ def _build_cases():
         "kda-chunk-tiles": kda(pairs="tiles"),
         "kda-chunk-tiles-w2": kda(pairs="tiles", pairs_num_warps=2),
         "kda-chunk-tiles-w1": kda(pairs="tiles", pairs_num_warps=1),
+        "kda-chunk-diagonal": kda(pairs="diagonal"),
+        "kda-chunk-diagonal-w2": kda(pairs="diagonal", diagonal_num_warps=2),
         "kda-chunk-tiles-ks64": kda(pairs="tiles", key_slice=64),
         "kda-decode-b1": kda_decode(1),
         "kda-decode-b64": kda_decode(64),

@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2, multiprocessor_count
 from pallas_kernels.kda.inter_split import chunk_inter_split
+from pallas_kernels.kda.intra_diagonal import diagonal_pairs
 from pallas_kernels.kda.intra_tiles import tile_pairs_kernel
 from pallas_kernels.kda.intra_parallel import (SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum,
                                               local_cumsum_kernel, solve_kernel)
@@ -230,7 +231,8 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
 
 def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False):
     """`chunk_intra` as three launches (`intra_parallel.py`): the local cumsum (or XLA's), A_kk and A_qk
-    (one launch, or one each with blocks.pairs = "separate", or by 16-row tiles with "tiles": `intra_tiles.py`),
+    (one launch, or one each with blocks.pairs = "separate", or by 16-row tiles with "tiles": `intra_tiles.py`,
+    or the diagonal blocks one program per token first with "diagonal": `intra_diagonal.py`),
     then the solve and factors (the inverse by doubling). tokens: the raw inputs
     are [B, N, C, H, ...] and each program reads its chunk's [C, ...] rows of one head there."""
     if tokens:
@@ -262,7 +264,16 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
             out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), dtype), compiler_params=pair_params, interpret=interpret,
             name=name)(left, kc, lc)
 
-    if blocks.pairs in ("joint", "tiles"):
+    if blocks.pairs == "diagonal":
+        diag = diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, num_warps=blocks.diagonal_num_warps,
+                              interpret=interpret)
+        akk, aqk = pl.pallas_call(
+            functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice, diagonal_given=True),
+            grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd), blk(c, c), blk(c, c)],
+            out_specs=[blk(c, c)] * 2,
+            out_shape=[jax.ShapeDtypeStruct((b, h, n, c, c), f32), jax.ShapeDtypeStruct((b, h, n, c, c), fd)],
+            compiler_params=pair_params, interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc, *diag)
+    elif blocks.pairs in ("joint", "tiles"):
         kernel = joint_pairs_kernel if blocks.pairs == "joint" else tile_pairs_kernel
         akk, aqk = pl.pallas_call(
             functools.partial(kernel, scale=scale, key_slice=key_slice),
@@ -359,8 +370,10 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.intra == "parallel" and c > PARALLEL_MAX_CHUNK:
         raise ValueError(f"{name}: intra='parallel' takes chunks of at most {PARALLEL_MAX_CHUNK} tokens, got {c} (the "
                          f"inverse of a 128-row chunk asks the H200 for 384 KB of shared memory, over its 227 KB)")
-    if blocks.pairs not in ("joint", "separate", "tiles"):
-        raise ValueError(f"{name}: pairs must be 'joint', 'separate' or 'tiles', got {blocks.pairs!r}")
+    if blocks.pairs not in ("joint", "separate", "tiles", "diagonal"):
+        raise ValueError(f"{name}: pairs must be 'joint', 'separate', 'tiles' or 'diagonal', got {blocks.pairs!r}")
+    if isinstance(blocks.diagonal_num_warps, bool) or blocks.diagonal_num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"{name}: diagonal_num_warps must be 1, 2, 4 or 8, got {blocks.diagonal_num_warps!r}")
     if isinstance(blocks.pairs_num_warps, bool) or blocks.pairs_num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: pairs_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
                          f"got {blocks.pairs_num_warps!r}")

@@ -120,16 +120,18 @@ def _level_factors(level, inside: bool, l_ref, ks, rows, local, refrow, offsets)
     return jnp.where(upper, e, 0.0), jnp.where(upper, 0.0, e)
 
 
-def _pair_levels(accs, accumulate, c, rows, cols, l_ref, ks, local, refrow, offsets):
+def _pair_levels(accs, accumulate, c, rows, cols, l_ref, ks, local, refrow, offsets, inside: bool = True):
     """`accs` after `accumulate(accs, x, y, same)` over every level of one key slice (the levels inside
-    a sub-block, then across sub-blocks), each level a loop step so their tiles stay apart."""
+    a sub-block unless `inside` is False, then across sub-blocks), each level a loop step so their tiles
+    stay apart."""
     def level(lvl, accs, inside):
         x, y = _level_factors(lvl, inside, l_ref, ks, rows, local, refrow, offsets)
         same = jnp.right_shift(rows[:, None], lvl + 1) == jnp.right_shift(cols, lvl + 1)
         return accumulate(accs, x, y, same)
 
     inner = SUB.bit_length() - 1           # levels inside a sub-block: s = 1 .. SUB / 2
-    accs = jax.lax.fori_loop(0, inner, functools.partial(level, inside=True), accs)
+    if inside:
+        accs = jax.lax.fori_loop(0, inner, functools.partial(level, inside=True), accs)
     return jax.lax.fori_loop(inner, c.bit_length() - 1, functools.partial(level, inside=False), accs)
 
 
@@ -157,27 +159,37 @@ def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal:
     a_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, jnp.zeros((c, c), jnp.float32)).astype(a_ref.dtype)
 
 
-def joint_pairs_kernel(q_ref, k_ref, l_ref, akk_ref, aqk_ref, *, scale: float, key_slice: int):
+def joint_pairs_kernel(q_ref, k_ref, l_ref, *refs, scale: float, key_slice: int, diagonal_given: bool = False):
     """A_kk (j < r) and A_qk (j <= r, q scaled) of one chunk in one launch: each level's decay
-    factors and k e^(G_a - G_j) are formed once for both. q/k [C, K], l [C, K] fp32 -> two [C, C]."""
+    factors and k e^(G_a - G_j) are formed once for both. q/k [C, K], l [C, K] fp32 -> two [C, C].
+
+    refs: (akk_ref, aqk_ref), or with `diagonal_given` (dkk_ref, dqk_ref, akk_ref, aqk_ref): the diagonal
+    16 x 16 blocks [C, C] fp32 from `intra_diagonal.diagonal_pairs`, to which only the levels across
+    sub-blocks are added."""
     c, kd = k_ref.shape
     nb = c // SUB
     rows = jnp.arange(c, dtype=jnp.int32)
     cols = rows[None, :]
+    akk_ref, aqk_ref = refs[-2:]
 
     def one_slice(i, accs):
         akk, aqk = accs
         ks, q, k, local, refrow, offsets, _ = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
-        aqk = aqk + jnp.where(rows[:, None] == cols, _dot_t(q, k), 0.0)
+        if not diagonal_given:
+            aqk = aqk + jnp.where(rows[:, None] == cols, _dot_t(q, k), 0.0)
 
         def add(accs, x, y, same):
             ky = k * y
             return (accs[0] + jnp.where(same, _dot_t(k * x, ky), 0.0),
                     accs[1] + jnp.where(same, _dot_t(q * x, ky), 0.0))
-        return _pair_levels((akk, aqk), add, c, rows, cols, l_ref, ks, local, refrow, offsets)
+        return _pair_levels((akk, aqk), add, c, rows, cols, l_ref, ks, local, refrow, offsets,
+                            inside=not diagonal_given)
 
-    zeros = jnp.zeros((c, c), jnp.float32)
-    akk, aqk = jax.lax.fori_loop(0, kd // key_slice, one_slice, (zeros, zeros))
+    if diagonal_given:
+        init = (refs[0][...], refs[1][...])
+    else:
+        init = (jnp.zeros((c, c), jnp.float32),) * 2
+    akk, aqk = jax.lax.fori_loop(0, kd // key_slice, one_slice, init)
     akk_ref[...] = akk
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
 

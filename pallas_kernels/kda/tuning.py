@@ -81,7 +81,10 @@ class ChunkBlocks:
     pairs: str = "joint"     # "parallel": A_kk and A_qk in one launch ("joint"), one launch each ("separate"), or in
                              # one launch by 16-row tiles ("tiles": `intra_tiles.py`, a quarter of the product work;
                              # slower on the H200: 2.00 against 1.93 ms at H = 32 at its best, 1 warp)
+                             # or "diagonal": the diagonal 16 x 16 blocks one program per token
+                             # (`intra_diagonal.py`), then the joint launch's levels across sub-blocks only
     pairs_num_warps: int = 0  # warps of the pair launches (A_kk / A_qk, any `pairs` form; 0: num_warps)
+    diagonal_num_warps: int = 1  # warps of the per-token launch of pairs="diagonal" (a program holds [K] rows)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
                              # or "tf32" (as fla); auto: tf32 with bf16 factors, else tf32x3
     cumsum: str = "pallas"   # "parallel": the decay summed per 16-row sub-block in a Pallas launch ("pallas") or

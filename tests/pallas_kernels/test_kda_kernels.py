@@ -48,6 +48,13 @@ def _l2(x):
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/tiles/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/tiles"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/tiles"),
+    # the diagonal blocks one program per token, the levels across sub-blocks after: both layouts, weak and
+    # unbounded gates, several chunks with a ragged tail, one sub-block a chunk
+    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal/bf16"),
+    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/diagonal/chunked"),
+    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/diagonal"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/diagonal/chunked"),
+    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/diagonal"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -58,14 +65,15 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     s0 = rng.standard_normal((b, h, kd, vd)).astype(np.float32) if init else None
     cast = lambda x: jnp.asarray(x, dtype)
     intra, *options = intra.split("/")   # "separate": A_kk, A_qk one launch each; "tiles": by 16-row tiles;
-    # "bf16": bf16 factors
+    # "diagonal": the diagonal blocks per token; "bf16": bf16 factors; "chunked": XLA's layout copies
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
                                                cumsum="xla" if "xla-cumsum" in options else "pallas",
                                                inverse="tf32" if "tf32" in options else "tf32x3",
-                                               pairs=next((p for p in ("separate", "tiles") if p in options),
-                                                          "joint"),
+                                               pairs=next((p for p in ("separate", "tiles", "diagonal")
+                                                           if p in options), "joint"),
+                                               layout="chunked" if "chunked" in options else "tokens",
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)

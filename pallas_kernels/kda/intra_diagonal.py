@@ -1,0 +1,71 @@
+"""The diagonal 16 x 16 blocks of a KDA chunk's A_kk and A_qk, one program per token
+(`ChunkBlocks(pairs="diagonal")`); the blocks below the diagonal stay with `joint_pairs_kernel`'s levels
+across sub-blocks (`inside=False`).
+
+Row r of a diagonal block pairs token r with the tokens j = f .. r of its 16-row sub-block (f its first row):
+
+    A_kk[r, j] = sum_d k_r k_j e^(G_r - G_j),    A_qk[r, j] = sum_d scale q_r k_j e^(G_r - G_j).
+
+The program walks j down from r, carrying G_r - G_j as a running sum of the log decays g_{j+1} .. g_r: every
+exponent is <= 0 for any gate, and no cumulative sum is read. The work is elementwise on [K] rows (about
+8.5 steps a token on average), so many small programs run side by side where the joint kernel's bit levels
+inside a sub-block were four masked [C, C] products per key slice in one program of 255 registers.
+
+A_kk's diagonal entry (j = r) is written too (as |k_r|^2); the solve reads only j < r of A_kk.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.kda.intra_parallel import SUB
+
+
+def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *, scale: float, chunk: int):
+    """Program (row, head, token t): q [K] (token t), k and g [SUB, K] (t's sub-block, g the log decay)
+    -> row t of the chunk's A_kk and A_qk, [C] fp32 each: the SUB entries of t's diagonal block
+    (j <= t), zeros elsewhere."""
+    f32 = jnp.float32
+    t = pl.program_id(2)
+    r = t % SUB                          # t's row inside its sub-block
+    first = t % chunk - r                # the sub-block's first column in the chunk
+    q = q_ref[...].astype(f32) * scale
+    k_r = k_ref[r].astype(f32)
+    cols = jnp.arange(chunk, dtype=jnp.int32)
+
+    def step(i, carry):
+        akk, aqk, decay = carry          # decay: G_t - G_j for j = r - i, [K], <= 0
+        j = r - i
+        kd = k_ref[j].astype(f32) * jnp.exp(decay)
+        at = cols == first + j
+        return (jnp.where(at, jnp.sum(k_r * kd), akk), jnp.where(at, jnp.sum(q * kd), aqk),
+                decay + g_ref[j].astype(f32))
+
+    zeros = jnp.zeros((chunk,), f32)
+    akk, aqk, _ = jax.lax.fori_loop(0, r + 1, step, (zeros, zeros, jnp.zeros_like(q)))
+    akk_ref[...] = akk
+    aqk_ref[...] = aqk
+
+
+def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, num_warps: int, interpret: bool):
+    """The diagonal blocks of every chunk: q, k [B, H, N, C, K] (with `tokens`: [B, N, C, H, K]), g the
+    log decay in the same layout, fp32 -> (A_kk, A_qk) [B, H, N, C, C] fp32, zero outside the diagonal
+    16 x 16 blocks."""
+    if tokens:
+        b, n, c, h, kd = qc.shape
+        row = pl.BlockSpec((None, None, None, None, kd), lambda i, j, t: (i, t // c, t % c, j, 0))
+        block = pl.BlockSpec((None, None, SUB, None, kd), lambda i, j, t: (i, t // c, t % c // SUB, j, 0))
+    else:
+        b, h, n, c, kd = qc.shape
+        row = pl.BlockSpec((None, None, None, None, kd), lambda i, j, t: (i, j, t // c, t % c, 0))
+        block = pl.BlockSpec((None, None, None, SUB, kd), lambda i, j, t: (i, j, t // c, t % c // SUB, 0))
+    out = pl.BlockSpec((None, None, None, None, c), lambda i, j, t: (i, j, t // c, t % c, 0))
+    shape = jax.ShapeDtypeStruct((b, h, n, c, c), jnp.float32)
+    return pl.pallas_call(
+        lambda *refs: diagonal_pairs_kernel(*refs, scale=scale, chunk=c),
+        grid=(b, h, n * c), in_specs=[row, block, block], out_specs=[out, out], out_shape=[shape, shape],
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
+        name="kda_chunk_diagonal")(qc, kc, gc)
