@@ -96,6 +96,14 @@ VARIANTS = {
     "default/diagonal": ChunkBlocks(pairs="diagonal"),          # diagonal blocks per token (intra_diagonal.py)
     "default/diagonal/dw2": ChunkBlocks(pairs="diagonal", diagonal_num_warps=2),
     "default/diagonal/dw4": ChunkBlocks(pairs="diagonal", diagonal_num_warps=4),
+    "default/diagonal/dh2": ChunkBlocks(pairs="diagonal", diagonal_heads=2, diagonal_num_warps=2),
+    "default/diagonal/dh4": ChunkBlocks(pairs="diagonal", diagonal_heads=4, diagonal_num_warps=4),
+    "default/sliced": ChunkBlocks(solve="sliced"),       # the inverse in the pairs launch, W, U by key slices
+    "default/diagonal/sliced": ChunkBlocks(pairs="diagonal", solve="sliced"),
+    "default/diagonal/dh2/sliced": ChunkBlocks(pairs="diagonal", diagonal_heads=2, diagonal_num_warps=2,
+                                               solve="sliced"),
+    "default/diagonal/dh4/sliced": ChunkBlocks(pairs="diagonal", diagonal_heads=4, diagonal_num_warps=4,
+                                               solve="sliced"),
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),

@@ -30,7 +30,7 @@ from pallas_kernels.kda.inter_split import chunk_inter_split
 from pallas_kernels.kda.intra_diagonal import diagonal_pairs
 from pallas_kernels.kda.intra_tiles import tile_pairs_kernel
 from pallas_kernels.kda.intra_parallel import (SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum,
-                                              local_cumsum_kernel, solve_kernel)
+                                              local_cumsum_kernel, sliced_factors_kernel, solve_kernel)
 from pallas_kernels.kda.reference import validate_inputs
 from pallas_kernels.kda.tuning import PARALLEL_MAX_CHUNK, ChunkBlocks
 
@@ -264,25 +264,44 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
             out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), dtype), compiler_params=pair_params, interpret=interpret,
             name=name)(left, kc, lc)
 
-    if blocks.pairs == "diagonal":
-        diag = diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, num_warps=blocks.diagonal_num_warps,
-                              interpret=interpret)
+    sliced = blocks.solve == "sliced"     # the inverse inside the pairs launch, then W, U, ... by slices
+    joint_out = [jax.ShapeDtypeStruct((b, h, n, c, c), fd if sliced else f32),
+                 jax.ShapeDtypeStruct((b, h, n, c, c), fd)]
+    if blocks.pairs in ("joint", "diagonal"):
+        given = blocks.pairs == "diagonal"
+        extra = (bc,) if sliced else ()
+        if given:
+            extra += diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, heads=blocks.diagonal_heads,
+                                    num_warps=blocks.diagonal_num_warps, interpret=interpret)
         akk, aqk = pl.pallas_call(
-            functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice, diagonal_given=True),
-            grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd), blk(c, c), blk(c, c)],
-            out_specs=[blk(c, c)] * 2,
-            out_shape=[jax.ShapeDtypeStruct((b, h, n, c, c), f32), jax.ShapeDtypeStruct((b, h, n, c, c), fd)],
-            compiler_params=pair_params, interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc, *diag)
-    elif blocks.pairs in ("joint", "tiles"):
-        kernel = joint_pairs_kernel if blocks.pairs == "joint" else tile_pairs_kernel
+            functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice, diagonal_given=given,
+                              invert=blocks.inverse if sliced else None, interpret=interpret),
+            grid=(b, h, n),
+            in_specs=[raw(kd), raw(kd), blk(c, kd)] + [raw()] * sliced + [blk(c, c), blk(c, c)] * given,
+            out_specs=[blk(c, c)] * 2, out_shape=joint_out, compiler_params=pair_params, interpret=interpret,
+            name="kda_chunk_pairs")(qc, kc, lc, *extra)
+    elif blocks.pairs == "tiles":
         akk, aqk = pl.pallas_call(
-            functools.partial(kernel, scale=scale, key_slice=key_slice),
+            functools.partial(tile_pairs_kernel, scale=scale, key_slice=key_slice),
             grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd)], out_specs=[blk(c, c)] * 2,
-            out_shape=[jax.ShapeDtypeStruct((b, h, n, c, c), f32), jax.ShapeDtypeStruct((b, h, n, c, c), fd)],
-            compiler_params=pair_params, interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc)
+            out_shape=joint_out, compiler_params=pair_params, interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc)
     else:
         akk = pairs(kc, 1.0, False, f32, "kda_chunk_akk")
         aqk = pairs(qc, scale, True, fd, "kda_chunk_aqk")
+    factor_shapes = [jax.ShapeDtypeStruct((b, h, n, c, kd), fd), jax.ShapeDtypeStruct((b, h, n, c, vd), fd),
+                     jax.ShapeDtypeStruct((b, h, n, c, kd), fd), jax.ShapeDtypeStruct((b, h, n, c, kd), fd),
+                     jax.ShapeDtypeStruct((b, h, n, kd), f32)]
+    if sliced:
+        grid4 = lambda spec: pl.BlockSpec(spec.block_shape, lambda i, j, m, s: spec.index_map(i, j, m))
+        ins = [blk(c, c), raw(kd), raw(kd), raw(vd), blk(c, kd), raw()]
+        outs = [blk(c, kd), blk(c, vd), blk(c, kd), blk(c, kd), blk(kd)]
+        w, u, qg, kt, dec = pl.pallas_call(
+            functools.partial(sliced_factors_kernel, scale=scale, key_slice=key_slice, value_slice=value_slice),
+            grid=(b, h, n, max(kd // key_slice, vd // value_slice)),
+            in_specs=[grid4(x) for x in ins], out_specs=[grid4(x) for x in outs], out_shape=factor_shapes,
+            compiler_params=params, interpret=interpret, name="kda_chunk_factors",
+        )(akk, qc, kc, vc, lc, bc)
+        return w, u, aqk, qg, kt, dec
     w, u, qg, kt, dec = pl.pallas_call(
         functools.partial(solve_kernel, scale=scale,
                           key_slice=key_slice, value_slice=value_slice,
@@ -290,9 +309,7 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         grid=(b, h, n),
         in_specs=[blk(c, c), raw(kd), raw(kd), raw(vd), blk(c, kd), raw()],
         out_specs=[blk(c, kd), blk(c, vd), blk(c, kd), blk(c, kd), blk(kd)],
-        out_shape=[jax.ShapeDtypeStruct((b, h, n, c, kd), fd), jax.ShapeDtypeStruct((b, h, n, c, vd), fd),
-                   jax.ShapeDtypeStruct((b, h, n, c, kd), fd), jax.ShapeDtypeStruct((b, h, n, c, kd), fd),
-                   jax.ShapeDtypeStruct((b, h, n, kd), f32)],
+        out_shape=factor_shapes,
         compiler_params=params, interpret=interpret, name="kda_chunk_solve",
     )(akk, qc, kc, vc, lc, bc)
     return w, u, aqk, qg, kt, dec
@@ -374,6 +391,13 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
         raise ValueError(f"{name}: pairs must be 'joint', 'separate', 'tiles' or 'diagonal', got {blocks.pairs!r}")
     if isinstance(blocks.diagonal_num_warps, bool) or blocks.diagonal_num_warps not in (1, 2, 4, 8):
         raise ValueError(f"{name}: diagonal_num_warps must be 1, 2, 4 or 8, got {blocks.diagonal_num_warps!r}")
+    if blocks.solve not in ("whole", "sliced"):
+        raise ValueError(f"{name}: solve must be 'whole' or 'sliced', got {blocks.solve!r}")
+    if blocks.solve == "sliced" and blocks.pairs not in ("joint", "diagonal"):
+        raise ValueError(f"{name}: solve='sliced' takes the inverse from pairs='joint' or 'diagonal', "
+                         f"got pairs={blocks.pairs!r}")
+    if isinstance(blocks.diagonal_heads, bool) or not is_pow2(blocks.diagonal_heads):
+        raise ValueError(f"{name}: diagonal_heads must be a power of two, got {blocks.diagonal_heads!r}")
     if isinstance(blocks.pairs_num_warps, bool) or blocks.pairs_num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: pairs_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
                          f"got {blocks.pairs_num_warps!r}")

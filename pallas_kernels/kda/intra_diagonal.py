@@ -25,47 +25,55 @@ from pallas_kernels.kda.intra_parallel import SUB
 
 
 def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *, scale: float, chunk: int):
-    """Program (row, head, token t): q [K] (token t), k and g [SUB, K] (t's sub-block, g the log decay)
-    -> row t of the chunk's A_kk and A_qk, [C] fp32 each: the SUB entries of t's diagonal block
-    (j <= t), zeros elsewhere."""
+    """Program (row, head block, token t) over `heads` heads: q [heads, K] (token t), k and g
+    [SUB, heads, K] (t's sub-block, g the log decay) -> row t of each head's A_kk and A_qk, [heads, C]
+    fp32: the SUB entries of t's diagonal block (j <= t), zeros elsewhere."""
     f32 = jnp.float32
     t = pl.program_id(2)
     r = t % SUB                          # t's row inside its sub-block
     first = t % chunk - r                # the sub-block's first column in the chunk
     q = q_ref[...].astype(f32) * scale
     k_r = k_ref[r].astype(f32)
-    cols = jnp.arange(chunk, dtype=jnp.int32)
+    cols = jnp.arange(chunk, dtype=jnp.int32)[None, :]
 
     def step(i, carry):
-        akk, aqk, decay = carry          # decay: G_t - G_j for j = r - i, [K], <= 0
+        akk, aqk, decay = carry          # decay: G_t - G_j for j = r - i, [heads, K], <= 0
         j = r - i
         kd = k_ref[j].astype(f32) * jnp.exp(decay)
         at = cols == first + j
-        return (jnp.where(at, jnp.sum(k_r * kd), akk), jnp.where(at, jnp.sum(q * kd), aqk),
+        return (jnp.where(at, jnp.sum(k_r * kd, axis=1, keepdims=True), akk),
+                jnp.where(at, jnp.sum(q * kd, axis=1, keepdims=True), aqk),
                 decay + g_ref[j].astype(f32))
 
-    zeros = jnp.zeros((chunk,), f32)
+    zeros = jnp.zeros((q.shape[0], chunk), f32)
     akk, aqk, _ = jax.lax.fori_loop(0, r + 1, step, (zeros, zeros, jnp.zeros_like(q)))
     akk_ref[...] = akk
     aqk_ref[...] = aqk
 
 
-def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, num_warps: int, interpret: bool):
+def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_warps: int, interpret: bool):
     """The diagonal blocks of every chunk: q, k [B, H, N, C, K] (with `tokens`: [B, N, C, H, K]), g the
     log decay in the same layout, fp32 -> (A_kk, A_qk) [B, H, N, C, C] fp32, zero outside the diagonal
-    16 x 16 blocks."""
+    16 x 16 blocks. `heads` per program (H a multiple of it; the tokens layout only, else 1)."""
     if tokens:
         b, n, c, h, kd = qc.shape
-        row = pl.BlockSpec((None, None, None, None, kd), lambda i, j, t: (i, t // c, t % c, j, 0))
-        block = pl.BlockSpec((None, None, SUB, None, kd), lambda i, j, t: (i, t // c, t % c // SUB, j, 0))
+        row = pl.BlockSpec((None, None, None, heads, kd), lambda i, j, t: (i, t // c, t % c, j, 0))
+        block = pl.BlockSpec((None, None, SUB, heads, kd), lambda i, j, t: (i, t // c, t % c // SUB, j, 0))
+        ins = (qc, kc, gc)
     else:
         b, h, n, c, kd = qc.shape
-        row = pl.BlockSpec((None, None, None, None, kd), lambda i, j, t: (i, j, t // c, t % c, 0))
-        block = pl.BlockSpec((None, None, None, SUB, kd), lambda i, j, t: (i, j, t // c, t % c // SUB, 0))
-    out = pl.BlockSpec((None, None, None, None, c), lambda i, j, t: (i, j, t // c, t % c, 0))
+        if heads != 1:
+            raise ValueError(f"diagonal_pairs: {heads} heads per program needs the tokens layout")
+        # a head axis of one, so the kernel sees [1, K] rows and [SUB, 1, K] blocks as in the tokens layout
+        ins = tuple(x[:, :, :, :, None] for x in (qc, kc, gc))
+        row = pl.BlockSpec((None, None, None, None, 1, kd), lambda i, j, t: (i, j, t // c, t % c, 0, 0))
+        block = pl.BlockSpec((None, None, None, SUB, 1, kd), lambda i, j, t: (i, j, t // c, t % c // SUB, 0, 0))
+    if h % heads:
+        raise ValueError(f"diagonal_pairs: H={h} is not a multiple of {heads} heads per program")
+    out = pl.BlockSpec((None, heads, None, None, c), lambda i, j, t: (i, j, t // c, t % c, 0))
     shape = jax.ShapeDtypeStruct((b, h, n, c, c), jnp.float32)
     return pl.pallas_call(
         lambda *refs: diagonal_pairs_kernel(*refs, scale=scale, chunk=c),
-        grid=(b, h, n * c), in_specs=[row, block, block], out_specs=[out, out], out_shape=[shape, shape],
+        grid=(b, h // heads, n * c), in_specs=[row, block, block], out_specs=[out, out], out_shape=[shape, shape],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
-        name="kda_chunk_diagonal")(qc, kc, gc)
+        name="kda_chunk_diagonal")(*ins)

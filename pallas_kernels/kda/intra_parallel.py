@@ -159,18 +159,22 @@ def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal:
     a_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, jnp.zeros((c, c), jnp.float32)).astype(a_ref.dtype)
 
 
-def joint_pairs_kernel(q_ref, k_ref, l_ref, *refs, scale: float, key_slice: int, diagonal_given: bool = False):
+def joint_pairs_kernel(q_ref, k_ref, l_ref, *refs, scale: float, key_slice: int, diagonal_given: bool = False,
+                       invert: str | None = None, interpret: bool = False):
     """A_kk (j < r) and A_qk (j <= r, q scaled) of one chunk in one launch: each level's decay
     factors and k e^(G_a - G_j) are formed once for both. q/k [C, K], l [C, K] fp32 -> two [C, C].
 
-    refs: (akk_ref, aqk_ref), or with `diagonal_given` (dkk_ref, dqk_ref, akk_ref, aqk_ref): the diagonal
-    16 x 16 blocks [C, C] fp32 from `intra_diagonal.diagonal_pairs`, to which only the levels across
-    sub-blocks are added."""
+    refs: (akk_ref, aqk_ref), with `diagonal_given` (dkk_ref, dqk_ref) first: the diagonal 16 x 16 blocks
+    [C, C] fp32 from `intra_diagonal.diagonal_pairs`, to which only the levels across sub-blocks are added;
+    with `invert` (the inverse's precision, `ChunkBlocks.inverse`) b_ref [C] (beta) first of all, and
+    akk_ref receives T = (I + diag(beta) A_kk)^-1 in its dtype instead of A_kk."""
     c, kd = k_ref.shape
     nb = c // SUB
     rows = jnp.arange(c, dtype=jnp.int32)
     cols = rows[None, :]
     akk_ref, aqk_ref = refs[-2:]
+    if invert:
+        b_ref, refs = refs[0], refs[1:]
 
     def one_slice(i, accs):
         akk, aqk = accs
@@ -190,8 +194,11 @@ def joint_pairs_kernel(q_ref, k_ref, l_ref, *refs, scale: float, key_slice: int,
     else:
         init = (jnp.zeros((c, c), jnp.float32),) * 2
     akk, aqk = jax.lax.fori_loop(0, kd // key_slice, one_slice, init)
-    akk_ref[...] = akk
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
+    if invert:
+        lower = jnp.where(rows[:, None] > cols, akk * b_ref[...].astype(jnp.float32)[:, None], 0.0)
+        akk = doubling_inverse(lower, rows, cols, _inverse_dot(invert, interpret))
+    akk_ref[...] = akk.astype(akk_ref.dtype)
 
 
 def doubling_inverse(strict_lower, rows, cols, dot_inv):
@@ -208,39 +215,75 @@ def doubling_inverse(strict_lower, rows, cols, dot_inv):
     return t
 
 
+def _inverse_dot(inverse: str, interpret: bool):
+    """The matrix product of the inverse's doubling steps at the precision `inverse` names (fp32 in
+    interpret mode)."""
+    precise = jax.lax.Precision.HIGHEST if interpret else INVERSE_PRECISION[inverse]
+    return lambda a, b: jnp.dot(a, b, precision=precise, preferred_element_type=jnp.float32)
+
+
+def _key_factors(i, t, beta, q_ref, k_ref, l_ref, w_ref, qg_ref, kt_ref, dec_ref, *, scale: float, key_slice: int):
+    """Key slice i of one chunk's W = T diag(beta) (e^G k), q e^G, k e^(G_C - G) and e^(G_C); t [C, C]
+    (fp32, or bf16: then the product's other operand is rounded to bf16 too)."""
+    c = q_ref.shape[0]
+    rows = jnp.arange(c, dtype=jnp.int32)
+    ks, q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, c // SUB, scale)
+    last = offsets[-1]
+    e_g = jnp.exp(g_chunk)
+    x = (beta[:, None] * e_g * k).astype(t.dtype)
+    w_ref[:, ks] = jnp.dot(t, x, preferred_element_type=jnp.float32).astype(w_ref.dtype)
+    qg_ref[:, ks] = (q * e_g).astype(qg_ref.dtype)
+    kt_ref[:, ks] = (k * jnp.exp(last[None, :] - g_chunk)).astype(kt_ref.dtype)
+    dec_ref[ks] = jnp.exp(last)
+
+
+def _value_factors(i, t, beta, v_ref, u_ref, *, value_slice: int):
+    """Value slice i of one chunk's U = T diag(beta) v."""
+    vs = pl.ds(pl.multiple_of(i * value_slice, value_slice), value_slice)
+    y = (beta[:, None] * v_ref[:, vs].astype(jnp.float32)).astype(t.dtype)
+    u_ref[:, vs] = jnp.dot(t, y, preferred_element_type=jnp.float32).astype(u_ref.dtype)
+
+
 def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_ref, kt_ref, dec_ref, *, scale: float,
                  key_slice: int, value_slice: int, inverse: str, interpret: bool):
     """One chunk: T = (I + diag(beta) A_kk)^-1 by doubling, then W = T diag(beta) (e^G k),
     U = T diag(beta) v, q e^G, k e^(G_C - G) and e^(G_C). akk [C, C] fp32 from `joint_pairs_kernel`
     (or `decay_pairs_kernel`)."""
-    f32 = jnp.float32
     c, kd = q_ref.shape
     vd = v_ref.shape[1]
-    nb = c // SUB
     rows = jnp.arange(c, dtype=jnp.int32)
     cols = rows[None, :]
-    beta = b_ref[...].astype(f32)
-    dot = lambda a, b: jnp.dot(a, b, preferred_element_type=f32)
-    precise = jax.lax.Precision.HIGHEST if interpret else INVERSE_PRECISION[inverse]
-    dot_inv = lambda a, b: jnp.dot(a, b, precision=precise, preferred_element_type=f32)
-
+    beta = b_ref[...].astype(jnp.float32)
     akk = jnp.where(rows[:, None] > cols, akk_ref[...] * beta[:, None], 0.0)
-    t = doubling_inverse(akk, rows, cols, dot_inv)
+    t = doubling_inverse(akk, rows, cols, _inverse_dot(inverse, interpret))
 
     def key_part(i, carry):
-        ks, q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, nb, scale)
-        last = offsets[-1]
-        e_g = jnp.exp(g_chunk)
-        w_ref[:, ks] = dot(t, beta[:, None] * e_g * k).astype(w_ref.dtype)
-        qg_ref[:, ks] = (q * e_g).astype(qg_ref.dtype)
-        kt_ref[:, ks] = (k * jnp.exp(last[None, :] - g_chunk)).astype(kt_ref.dtype)
-        dec_ref[ks] = jnp.exp(last)
+        _key_factors(i, t, beta, q_ref, k_ref, l_ref, w_ref, qg_ref, kt_ref, dec_ref, scale=scale,
+                     key_slice=key_slice)
         return carry
 
     def value_part(i, carry):
-        vs = pl.ds(pl.multiple_of(i * value_slice, value_slice), value_slice)
-        u_ref[:, vs] = dot(t, beta[:, None] * v_ref[:, vs].astype(f32)).astype(u_ref.dtype)
+        _value_factors(i, t, beta, v_ref, u_ref, value_slice=value_slice)
         return carry
 
     jax.lax.fori_loop(0, kd // key_slice, key_part, 0)
     jax.lax.fori_loop(0, vd // value_slice, value_part, 0)
+
+
+def sliced_factors_kernel(t_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_ref, kt_ref, dec_ref, *,
+                          scale: float, key_slice: int, value_slice: int):
+    """`solve_kernel` after the inverse (`ChunkBlocks(solve="sliced")`): program (row, head, chunk, i) takes
+    T [C, C] (from `joint_pairs_kernel(invert=True)`, in the factors' dtype) and writes key slice i of W,
+    q e^G, k e^(G_C - G), e^(G_C) and value slice i of U (where the chunk has that many)."""
+    i = pl.program_id(3)
+    t = t_ref[...]
+    beta = b_ref[...].astype(jnp.float32)
+
+    @pl.when(i < q_ref.shape[1] // key_slice)
+    def _():
+        _key_factors(i, t, beta, q_ref, k_ref, l_ref, w_ref, qg_ref, kt_ref, dec_ref, scale=scale,
+                     key_slice=key_slice)
+
+    @pl.when(i < v_ref.shape[1] // value_slice)
+    def _():
+        _value_factors(i, t, beta, v_ref, u_ref, value_slice=value_slice)

@@ -84,7 +84,12 @@ class ChunkBlocks:
                              # or "diagonal": the diagonal 16 x 16 blocks one program per token
                              # (`intra_diagonal.py`), then the joint launch's levels across sub-blocks only
     pairs_num_warps: int = 0  # warps of the pair launches (A_kk / A_qk, any `pairs` form; 0: num_warps)
-    diagonal_num_warps: int = 1  # warps of the per-token launch of pairs="diagonal" (a program holds [K] rows)
+    solve: str = "whole"     # "parallel": T = (I + diag(beta) A_kk)^-1, then W, U, q e^G, k e^(G_C - G) in one launch
+                             # per chunk ("whole"), or the inverse at the end of the pairs launch (stored in the
+                             # factors' dtype) and the rest one program per chunk and key slice ("sliced";
+                             # pairs "joint" or "diagonal")
+    diagonal_heads: int = 1  # pairs="diagonal": heads per program of the per-token launch (layout="tokens" only)
+    diagonal_num_warps: int = 1  # ... and its warps (a program holds [diagonal_heads, K] rows)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
                              # or "tf32" (as fla); auto: tf32 with bf16 factors, else tf32x3
     cumsum: str = "pallas"   # "parallel": the decay summed per 16-row sub-block in a Pallas launch ("pallas") or

@@ -55,6 +55,13 @@ def _l2(x):
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/diagonal"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/diagonal/chunked"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/diagonal"),
+    # the inverse at the end of the pairs launch, W, U, ... one program per key slice: K != V both ways
+    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal/bf16/sliced"),
+    (1, 130, 1, 32, 32, 64, (-0.1, 0.0), True, "bfloat16", "parallel/diagonal/bf16/sliced"),
+    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/diagonal/chunked/sliced"),
+    (1, 40, 2, 32, 16, 32, (-1e3, -1e2), True, "float32", "parallel/sliced"),
+    (1, 70, 4, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal/dh2/bf16/sliced"),  # 2 heads a program
+    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/bf16/sliced"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -74,6 +81,9 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                pairs=next((p for p in ("separate", "tiles", "diagonal")
                                                            if p in options), "joint"),
                                                layout="chunked" if "chunked" in options else "tokens",
+                                               solve="sliced" if "sliced" in options else "whole",
+                                               diagonal_heads=2 if "dh2" in options else 1,
+                                               diagonal_num_warps=2 if "dh2" in options else 1,
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -256,6 +266,12 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(factors="bfloat16", inter="split"), "needs inter='fused'"),
     (ChunkBlocks(layout="heads"), "layout must be"),
     (ChunkBlocks(inter_num_stages=-1), "inter_num_stages must be"),
+    (ChunkBlocks(solve="rows"), "solve must be"),
+    (ChunkBlocks(pairs="tiles", solve="sliced"), "takes the inverse from"),
+    (ChunkBlocks(pairs="diagonal", diagonal_heads=3), "diagonal_heads must be"),
+    (ChunkBlocks(pairs="diagonal", diagonal_num_warps=3), "diagonal_num_warps must be"),
+    (ChunkBlocks(pairs="diagonal", diagonal_heads=2), "H=1 is not a multiple of 2"),
+    (ChunkBlocks(pairs="diagonal", diagonal_heads=2, layout="chunked"), "needs the tokens layout"),
 ])
 def test_chunk_blocks_name_the_bad_setting(rng, blocks, message):
     q = jnp.asarray(_l2(rng.standard_normal((1, 16, 1, 16))), jnp.float32)
