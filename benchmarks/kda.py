@@ -141,10 +141,13 @@ def fla_kernel_times(torch, fn, calls: int = 10) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def prefill_rows(shapes, fla, iters, variants=None, profile=False):
+def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("float32",)):
     """variants: names from VARIANTS to time (None: all). profile: device time per kernel of each
-    variant's call (and of fla's) from a profiler trace."""
-    chosen = {n: VARIANTS[n].resolve("bfloat16") for n in (variants or VARIANTS)}   # bf16 q, k, v below
+    variant's call (and of fla's) from a profiler trace. qk_dtypes: q and k as our kernels get them after
+    the L2 norm (fp32, as the models pass them, or rounded to bf16 as fla's norm returns them; the XLA
+    reference always takes fp32); each variant is timed with each, "<name>@qk-bf16" for bf16."""
+    chosen = {(n + ("" if qd == "float32" else "@qk-bf16"), qd): VARIANTS[n].resolve("bfloat16")
+              for n in (variants or VARIANTS) for qd in qk_dtypes}   # bf16 q, k, v below
     rows = []
     for (b, t, h, kd) in shapes:
         key = jax.random.key(h)
@@ -159,14 +162,15 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False):
         o_ref, s_ref = ref(q, k, v, g, beta, s0)
         t_ref, _ = median_time(lambda: ref(q, k, v, g, beta, s0), warmup=1, iters=max(3, iters // 10))
         variants = {}
-        for name, blocks in chosen.items():
+        for (name, qk_dtype), blocks in chosen.items():
+            l2_in = lambda x, qk_dtype=qk_dtype: l2(x).astype(qk_dtype)
             ours = jax.jit(lambda q, k, v, g, beta, s0, blocks=blocks: kda_chunk_pallas(
-                l2(q), l2(k), v, g, beta, initial_state=s0, blocks=blocks))
+                l2_in(q), l2_in(k), v, g, beta, initial_state=s0, blocks=blocks))
             t_v, _ = median_time(lambda: ours(q, k, v, g, beta, s0), iters=iters)
             o, s = ours(q, k, v, g, beta, s0)
             tokens = blocks.reads_tokens    # the two passes timed alone, in the layout the variant's call uses
             split = to_chunk_rows if tokens else to_chunks
-            parts = jax.jit(lambda *xs: [split(x, blocks.chunk) for x in xs])(l2(q), l2(k), v, g, beta)
+            parts = jax.jit(lambda *xs: [split(x, blocks.chunk) for x in xs])(l2_in(q), l2_in(k), v, g, beta)
             intra = jax.jit(lambda *p_, blocks=blocks, tokens=tokens: chunk_intra(
                 *p_, scale=kd ** -0.5, blocks=blocks, interpret=default_interpret(), tokens=tokens))
             t_intra, _ = median_time(lambda: intra(*parts), iters=iters)
@@ -346,6 +350,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--heads", nargs="+", type=int, default=[32, 96], help="prefill head counts (T = 8192)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), help="prefill kernel variants to time (default all)")
+    ap.add_argument("--qk-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                    help="prefill: q and k after the L2 norm as the kernels get them (each variant timed with each)")
+    ap.add_argument("--name", help="the JSON's file name (default kda, kda_prefill or kda_decode)")
     ap.add_argument("--profile", action="store_true",
                     help="prefill: device time per kernel (ours and fla's); decode: the kernel's device time per layer")
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8, 16], help="num_warps of the decode launches")
@@ -368,14 +375,14 @@ def main(argv=None) -> int:
                                                                      ceiling=args.ceiling, profile=args.profile)]
     else:
         pre = [] if args.decode_only else prefill_rows([(1, 8192, h, 128) for h in args.heads], fla, args.iters,
-                                                       args.variants, args.profile)
+                                                       args.variants, args.profile, args.qk_dtypes)
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps),
                                       state_dtype=sd, splits=args.splits, columns=args.column_blocks,
                                       ceiling=args.ceiling, profile=args.profile)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
-    path = write("kda" + ("_small" if args.small else "_decode" if args.decode_only else
-                          "_prefill" if args.prefill_only else ""), record)
+    path = write(args.name or "kda" + ("_small" if args.small else "_decode" if args.decode_only else
+                                       "_prefill" if args.prefill_only else ""), record)
     print(table(pre, ["B", "T", "H", "ours_ms", "fla_ms", "speedup_vs_fla", "xla_ref_ms", "err_o_vs_ref"]))
     print(table(dec, ["B", "H", "state", "us_per_layer", "TB_s", "pct_4.3TB_s", "fla_us", "fla_TB_s", "xla_ref_us_per_layer",
                       "err_state_vs_ref"]))
