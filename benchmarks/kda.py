@@ -79,6 +79,7 @@ FP32_FACTORS = dict(factors="float32", inverse="tf32x3", cumsum="xla")
 BF16 = dict(factors="bfloat16", inverse="tf32x3", cumsum="xla")
 VARIANTS = {
     "default": ChunkBlocks(),
+    "joint": ChunkBlocks(pairs="joint", solve="whole"),   # the defaults before 2026-12-04 late (runs 12-18's "default")
     "default/chunked": ChunkBlocks(layout="chunked"),   # the defaults with XLA's layout copies (before 2026-12-03 late)
     "default/ks64": ChunkBlocks(key_slice=64),
     "default/w8": ChunkBlocks(num_warps=8),
@@ -93,17 +94,15 @@ VARIANTS = {
     "default/tiles": ChunkBlocks(pairs="tiles"),                        # A_kk, A_qk by 16-row tiles (intra_tiles.py)
     "default/tiles/w2": ChunkBlocks(pairs="tiles", pairs_num_warps=2),
     "default/tiles/w1": ChunkBlocks(pairs="tiles", pairs_num_warps=1),
-    "default/diagonal": ChunkBlocks(pairs="diagonal"),          # diagonal blocks per token (intra_diagonal.py)
-    "default/diagonal/dw2": ChunkBlocks(pairs="diagonal", diagonal_num_warps=2),
-    "default/diagonal/dw4": ChunkBlocks(pairs="diagonal", diagonal_num_warps=4),
-    "default/diagonal/dh2": ChunkBlocks(pairs="diagonal", diagonal_heads=2, diagonal_num_warps=2),
-    "default/diagonal/dh4": ChunkBlocks(pairs="diagonal", diagonal_heads=4, diagonal_num_warps=4),
-    "default/sliced": ChunkBlocks(solve="sliced"),       # the inverse in the pairs launch, W, U by key slices
-    "default/diagonal/sliced": ChunkBlocks(pairs="diagonal", solve="sliced"),
-    "default/diagonal/dh2/sliced": ChunkBlocks(pairs="diagonal", diagonal_heads=2, diagonal_num_warps=2,
-                                               solve="sliced"),
-    "default/diagonal/dh4/sliced": ChunkBlocks(pairs="diagonal", diagonal_heads=4, diagonal_num_warps=4,
-                                               solve="sliced"),
+    # run 16-18's names: "default" was joint, "diagonal" the per-token diagonal blocks (intra_diagonal.py), "dh" heads
+    # a program, "dw" its warps, "sliced" the inverse in the pairs launch and W, U by key slices
+    "joint/diagonal": ChunkBlocks(pairs="diagonal", solve="whole", diagonal_heads=1, diagonal_num_warps=1),
+    "joint/diagonal/dw2": ChunkBlocks(pairs="diagonal", solve="whole", diagonal_heads=1, diagonal_num_warps=2),
+    "joint/diagonal/dh2": ChunkBlocks(pairs="diagonal", solve="whole", diagonal_heads=2),
+    "joint/diagonal/dh4": ChunkBlocks(pairs="diagonal", solve="whole", diagonal_heads=4),
+    "joint/sliced": ChunkBlocks(pairs="joint", solve="sliced"),
+    "default/dh1": ChunkBlocks(diagonal_heads=1),
+    "default/dh4": ChunkBlocks(diagonal_heads=4),
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),

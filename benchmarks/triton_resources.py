@@ -103,9 +103,9 @@ def _build_cases():
         "kda-chunk-tiles": kda(pairs="tiles"),
         "kda-chunk-tiles-w2": kda(pairs="tiles", pairs_num_warps=2),
         "kda-chunk-tiles-w1": kda(pairs="tiles", pairs_num_warps=1),
-        "kda-chunk-diagonal": kda(pairs="diagonal"),
-        "kda-chunk-diagonal-dh4": kda(pairs="diagonal", diagonal_heads=4, diagonal_num_warps=4),
-        "kda-chunk-diagonal-sliced": kda(pairs="diagonal", solve="sliced"),
+        "kda-chunk-joint": kda(pairs="joint", solve="whole"),    # the default before the diagonal form
+        "kda-chunk-diagonal-whole": kda(solve="whole"),
+        "kda-chunk-dh4": kda(diagonal_heads=4),
         "kda-chunk-tiles-ks64": kda(pairs="tiles", key_slice=64),
         "kda-decode-b1": kda_decode(1),
         "kda-decode-b64": kda_decode(64),

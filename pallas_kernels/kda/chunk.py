@@ -190,7 +190,7 @@ def _inter_varlen_kernel(first_ref, last_ref, w_ref, u_ref, aqk_ref, qg_ref, kt_
 
 
 def _require_settled(name: str, blocks: ChunkBlocks) -> None:
-    if "auto" in (blocks.intra, blocks.factors, blocks.inverse):
+    if "auto" in (blocks.intra, blocks.factors, blocks.inverse, blocks.solve):
         raise ValueError(f"{name}: ChunkBlocks has 'auto' fields; pass blocks.resolve(value dtype)")
 
 
@@ -271,8 +271,9 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         given = blocks.pairs == "diagonal"
         extra = (bc,) if sliced else ()
         if given:
-            extra += diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, heads=blocks.diagonal_heads,
-                                    num_warps=blocks.diagonal_num_warps, interpret=interpret)
+            per, warps = blocks.diagonal_launch(h, tokens)
+            extra += diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, heads=per, num_warps=warps,
+                                    interpret=interpret)
         akk, aqk = pl.pallas_call(
             functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice, diagonal_given=given,
                               invert=blocks.inverse if sliced else None, interpret=interpret),
@@ -389,15 +390,16 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
                          f"inverse of a 128-row chunk asks the H200 for 384 KB of shared memory, over its 227 KB)")
     if blocks.pairs not in ("joint", "separate", "tiles", "diagonal"):
         raise ValueError(f"{name}: pairs must be 'joint', 'separate', 'tiles' or 'diagonal', got {blocks.pairs!r}")
-    if isinstance(blocks.diagonal_num_warps, bool) or blocks.diagonal_num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"{name}: diagonal_num_warps must be 1, 2, 4 or 8, got {blocks.diagonal_num_warps!r}")
+    if isinstance(blocks.diagonal_num_warps, bool) or blocks.diagonal_num_warps not in (0, 1, 2, 4, 8):
+        raise ValueError(f"{name}: diagonal_num_warps must be 0 (one per head), 1, 2, 4 or 8, "
+                         f"got {blocks.diagonal_num_warps!r}")
     if blocks.solve not in ("whole", "sliced"):
         raise ValueError(f"{name}: solve must be 'whole' or 'sliced', got {blocks.solve!r}")
     if blocks.solve == "sliced" and blocks.pairs not in ("joint", "diagonal"):
         raise ValueError(f"{name}: solve='sliced' takes the inverse from pairs='joint' or 'diagonal', "
                          f"got pairs={blocks.pairs!r}")
-    if isinstance(blocks.diagonal_heads, bool) or not is_pow2(blocks.diagonal_heads):
-        raise ValueError(f"{name}: diagonal_heads must be a power of two, got {blocks.diagonal_heads!r}")
+    if isinstance(blocks.diagonal_heads, bool) or not (blocks.diagonal_heads == 0 or is_pow2(blocks.diagonal_heads)):
+        raise ValueError(f"{name}: diagonal_heads must be 0 (auto) or a power of two, got {blocks.diagonal_heads!r}")
     if isinstance(blocks.pairs_num_warps, bool) or blocks.pairs_num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: pairs_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
                          f"got {blocks.pairs_num_warps!r}")

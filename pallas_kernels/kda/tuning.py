@@ -78,18 +78,21 @@ class ChunkBlocks:
     intra: str = "auto"      # intra-chunk kernel: "parallel" (no row-serial loops: `intra_parallel.py`; chunks
                              # <= 64), "blocked" (sub-block matmuls, row-serial diagonal blocks), "column"
                              # (pairwise loop); auto: parallel up to PARALLEL_MAX_CHUNK, else blocked
-    pairs: str = "joint"     # "parallel": A_kk and A_qk in one launch ("joint"), one launch each ("separate"), or in
-                             # one launch by 16-row tiles ("tiles": `intra_tiles.py`, a quarter of the product work;
-                             # slower on the H200: 2.00 against 1.93 ms at H = 32 at its best, 1 warp)
-                             # or "diagonal": the diagonal 16 x 16 blocks one program per token
-                             # (`intra_diagonal.py`), then the joint launch's levels across sub-blocks only
+    pairs: str = "diagonal"  # "parallel": the diagonal 16 x 16 blocks of A_kk and A_qk one program per token
+                             # (`intra_diagonal.py`), then one launch adds the levels across sub-blocks ("diagonal");
+                             # every level in one launch ("joint", the default before 2026-12-04 late: its four
+                             # levels inside a sub-block were 425 of its 685 us at H = 32), one launch each
+                             # ("separate"), or one launch by 16-row tiles ("tiles": `intra_tiles.py`, a quarter of
+                             # the product work; slower on the H200: 2.00 against 1.93 ms at H = 32 at best, 1 warp)
     pairs_num_warps: int = 0  # warps of the pair launches (A_kk / A_qk, any `pairs` form; 0: num_warps)
-    solve: str = "whole"     # "parallel": T = (I + diag(beta) A_kk)^-1, then W, U, q e^G, k e^(G_C - G) in one launch
+    solve: str = "auto"      # "parallel": T = (I + diag(beta) A_kk)^-1, then W, U, q e^G, k e^(G_C - G) in one launch
                              # per chunk ("whole"), or the inverse at the end of the pairs launch (stored in the
                              # factors' dtype) and the rest one program per chunk and key slice ("sliced";
-                             # pairs "joint" or "diagonal")
-    diagonal_heads: int = 1  # pairs="diagonal": heads per program of the per-token launch (layout="tokens" only)
-    diagonal_num_warps: int = 1  # ... and its warps (a program holds [diagonal_heads, K] rows)
+                             # pairs "joint" or "diagonal"); auto: sliced where the pairs form allows it.
+                             # H200, H = 32, device time (KDA run 18): pairs 260 -> 361 us, W, U, ... 500 -> 334
+    diagonal_heads: int = 0  # pairs="diagonal": heads per program of the per-token launch; 0 (auto): 2 where H is
+                             # even and layout="tokens", else 1 (H200, H = 32: 1 / 2 / 4 heads 310 / 288 / 285 us)
+    diagonal_num_warps: int = 0  # ... and its warps (0: one per head; a program holds [heads, K] rows)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
                              # or "tf32" (as fla); auto: tf32 with bf16 factors, else tf32x3
     cumsum: str = "pallas"   # "parallel": the decay summed per 16-row sub-block in a Pallas launch ("pallas") or
@@ -139,7 +142,15 @@ class ChunkBlocks:
         inverse = self.inverse
         if inverse == "auto":
             inverse = "tf32" if factors == "bfloat16" else "tf32x3"
-        return replace(self, intra=intra, factors=factors, inverse=inverse)
+        solve = self.solve
+        if solve == "auto":
+            solve = "sliced" if intra == "parallel" and self.pairs in ("joint", "diagonal") else "whole"
+        return replace(self, intra=intra, factors=factors, inverse=inverse, solve=solve)
+
+    def diagonal_launch(self, heads: int, tokens: bool) -> tuple[int, int]:
+        """(heads per program, warps) of pairs="diagonal"'s per-token launch over `heads` heads."""
+        per = self.diagonal_heads or (2 if tokens and heads % 2 == 0 else 1)
+        return per, self.diagonal_num_warps or per
 
     @property
     def reads_tokens(self) -> bool:

@@ -48,20 +48,21 @@ def _l2(x):
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/tiles/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/tiles"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/tiles"),
-    # the diagonal blocks one program per token, the levels across sub-blocks after: both layouts, weak and
-    # unbounded gates, several chunks with a ragged tail, one sub-block a chunk
-    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal/bf16"),
-    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/diagonal/chunked"),
-    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/diagonal"),
-    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/diagonal/chunked"),
-    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/diagonal"),
-    # the inverse at the end of the pairs launch, W, U, ... one program per key slice: K != V both ways
-    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal/bf16/sliced"),
-    (1, 130, 1, 32, 32, 64, (-0.1, 0.0), True, "bfloat16", "parallel/diagonal/bf16/sliced"),
-    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/diagonal/chunked/sliced"),
-    (1, 40, 2, 32, 16, 32, (-1e3, -1e2), True, "float32", "parallel/sliced"),
-    (1, 70, 4, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal/dh2/bf16/sliced"),  # 2 heads a program
-    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/bf16/sliced"),
+    # the diagonal blocks one program per token with the one-launch solve: both layouts, weak and unbounded
+    # gates, several chunks with a ragged tail, one sub-block a chunk
+    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal/bf16/whole"),
+    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/diagonal/chunked/whole"),
+    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/diagonal/whole"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/diagonal/chunked/whole"),
+    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/diagonal/whole"),
+    # every level in one launch (the default before the diagonal form), with either solve: K != V both ways
+    (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/joint/bf16/whole"),
+    (1, 130, 1, 32, 32, 64, (-0.1, 0.0), True, "bfloat16", "parallel/joint/bf16/sliced"),
+    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/joint/chunked/whole"),
+    (1, 40, 2, 32, 16, 32, (-1e3, -1e2), True, "float32", "parallel/joint/sliced"),
+    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/joint/bf16"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/joint"),
+    (1, 70, 4, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/dh2/bf16"),   # two heads a program, set
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -72,18 +73,21 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     s0 = rng.standard_normal((b, h, kd, vd)).astype(np.float32) if init else None
     cast = lambda x: jnp.asarray(x, dtype)
     intra, *options = intra.split("/")   # "separate": A_kk, A_qk one launch each; "tiles": by 16-row tiles;
-    # "diagonal": the diagonal blocks per token; "bf16": bf16 factors; "chunked": XLA's layout copies
+    # "joint": every level in one launch; "diagonal" (the default): the diagonal blocks per token; "whole" /
+    # "sliced": the solve's form (default: sliced where the pairs allow); "bf16": bf16 factors; "chunked": XLA's
+    # layout copies; "dh2": two heads (and warps) a program of the per-token launch (default: auto)
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
                                                cumsum="xla" if "xla-cumsum" in options else "pallas",
                                                inverse="tf32" if "tf32" in options else "tf32x3",
-                                               pairs=next((p for p in ("separate", "tiles", "diagonal")
-                                                           if p in options), "joint"),
+                                               pairs=next((p for p in ("separate", "tiles", "joint", "diagonal")
+                                                           if p in options), ChunkBlocks.pairs),
                                                layout="chunked" if "chunked" in options else "tokens",
-                                               solve="sliced" if "sliced" in options else "whole",
-                                               diagonal_heads=2 if "dh2" in options else 1,
-                                               diagonal_num_warps=2 if "dh2" in options else 1,
+                                               solve=next((p for p in ("sliced", "whole") if p in options),
+                                                          "auto"),
+                                               diagonal_heads=2 if "dh2" in options else 0,
+                                               diagonal_num_warps=2 if "dh2" in options else 0,
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -227,8 +231,9 @@ def test_chunk_kernels_lower_for_cuda_at_the_48b_shape(triton_for_hopper, intra,
     call = jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False))
     module = jax.export.export(call, platforms=["cuda"], disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    # parallel: the local cumsum, A_kk with A_qk, then the solve; split: the state pass and the outputs
-    launches = {"blocked": 1, "parallel": 3}[intra] + {"fused": 1, "split": 2}[inter]
+    # parallel: the local cumsum, the diagonal blocks per token, the levels across sub-blocks with the inverse,
+    # then W, U, ... by key slices; split: the state pass and the outputs
+    launches = {"blocked": 1, "parallel": 4}[intra] + {"fused": 1, "split": 2}[inter]
     assert module.mlir_module().count("__gpu$xla.gpu.triton") == launches
 
 
@@ -285,11 +290,15 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
     """"auto" fields: the parallel form up to 64-token chunks, bf16 factors (and one TF32 product per
     inverse step) for bf16 values only, fp32 factors for the split pass."""
     bf16, fp32 = ChunkBlocks().resolve("bfloat16"), ChunkBlocks().resolve("float32")
-    assert (bf16.intra, bf16.factors, bf16.inverse) == ("parallel", "bfloat16", "tf32")
-    assert (fp32.intra, fp32.factors, fp32.inverse) == ("parallel", "float32", "tf32x3")
+    assert (bf16.intra, bf16.factors, bf16.inverse, bf16.solve) == ("parallel", "bfloat16", "tf32", "sliced")
+    assert (fp32.intra, fp32.factors, fp32.inverse, fp32.solve) == ("parallel", "float32", "tf32x3", "sliced")
+    assert ChunkBlocks(pairs="tiles").resolve("bfloat16").solve == "whole"     # no inverse in the tiles launch
+    assert ChunkBlocks().diagonal_launch(32, tokens=True) == (2, 2)           # two heads a program, a warp each
+    assert ChunkBlocks().diagonal_launch(3, tokens=True) == ChunkBlocks().diagonal_launch(32, tokens=False) == (1, 1)
+    assert ChunkBlocks(diagonal_heads=4, diagonal_num_warps=2).diagonal_launch(32, tokens=True) == (4, 2)
     assert ChunkBlocks(chunk=128).resolve("bfloat16").intra == "blocked"
     assert ChunkBlocks(inter="split").resolve("bfloat16").factors == "float32"
-    explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32")
+    explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32", solve="whole")
     assert explicit.resolve("bfloat16") == explicit      # settings given are kept
 
 
@@ -309,10 +318,12 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
 
 
 @pytest.mark.parametrize("chunk", [64, 32])
-def test_tiled_pairs_equal_joint_pairs(rng, interpret, chunk):
-    """pairs="tiles" gives the joint pairs' six outputs after the solve (W, U, A_qk with its zero upper half,
-    q e^G, k e^(G_C - G), e^(G_C)) to fp32 rounding, with gates weak enough that every tile below the diagonal
-    carries weight."""
+@pytest.mark.parametrize("form", [dict(pairs="tiles"), dict(pairs="diagonal", solve="whole"),
+                                  dict(pairs="diagonal", solve="sliced"), dict(pairs="joint", solve="sliced")])
+def test_pair_and_solve_forms_equal_joint_pairs(rng, interpret, chunk, form):
+    """Each pairs / solve form gives the joint pairs' six outputs after the one-launch solve (W, U, A_qk
+    with its zero upper half, q e^G, k e^(G_C - G), e^(G_C)) to fp32 rounding, with gates weak enough that
+    every tile below the diagonal carries weight."""
     from pallas_kernels.kda.chunk import chunk_intra, to_chunks
     b, t, h, kd, vd = 2, 2 * chunk, 2, 32, 16
     q, k = (_l2(rng.standard_normal((b, t, h, kd))) for _ in range(2))
@@ -322,21 +333,22 @@ def test_tiled_pairs_equal_joint_pairs(rng, interpret, chunk):
     parts = [to_chunks(jnp.asarray(x, jnp.float32), chunk) for x in (q, k, v, g, beta)]
     run = lambda **kw: chunk_intra(*parts, scale=kd ** -0.5, interpret=interpret, blocks=ChunkBlocks(
         chunk=chunk, key_slice=16, value_block=16, factors="float32", inverse="tf32x3", **kw).resolve("float32"))
-    tiled, reference = run(pairs="tiles"), run()
-    for name, a, e in zip(("w", "u", "aqk", "qg", "kt", "dec"), tiled, reference):
+    formed, reference = run(**form), run(pairs="joint", solve="whole")
+    for name, a, e in zip(("w", "u", "aqk", "qg", "kt", "dec"), formed, reference):
         assert_close(name, a, e, dtype=kernel_dtype("float32", interpret))
-    aqk = np.asarray(tiled[2])
+    aqk = np.asarray(formed[2])
     assert np.all(np.triu(aqk, 1) == 0) and np.all(np.abs(np.tril(aqk, -17)).sum((-1, -2)) > 0)
 
 
 @pytest.mark.parametrize("t,dtype,cumsum,pairs", [
     (200, "bfloat16", "pallas", "joint"), (128, "float32", "pallas", "joint"),
     (70, "bfloat16", "pallas", "separate"), (70, "bfloat16", "xla", "joint"), (200, "bfloat16", "pallas", "tiles"),
+    (200, "bfloat16", "pallas", "diagonal"), (128, "float32", "pallas", "diagonal"),
 ])
 def test_tokens_layout_equals_chunked_layout(rng, interpret, t, dtype, cumsum, pairs):
     """layout="tokens" (the kernels read q, k, v, g, beta and write o in [B, T, H, ...]) gives the
     chunked layout's outputs bit for bit: T off the chunk (a padded tail) and on it (no copy), bf16 and
-    fp32 values, an initial state, joint, separate and tiled pair launches. With XLA's cumsum the tokens
+    fp32 values, an initial state, joint, separate, tiled and diagonal pair launches. With XLA's cumsum the tokens
     layout is not taken (same result)."""
     b, h, kd, vd = 2, 3, 32, 32
     dt = jnp.dtype(dtype)
