@@ -11,6 +11,7 @@
     python benchmarks/plot.py kda-kernels  # the same by kernel (profiled run), beside fla's kernels
     python benchmarks/plot.py kda-stages   # the sequential pass's pipeline stages (KDA run 10)
     python benchmarks/plot.py kda-tiles    # the tiled intra forms against the default (KDA run 12)
+    python benchmarks/plot.py kda-diagonal # device time per kernel: diagonal blocks per token, joint, fla (run 19)
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
     python benchmarks/plot.py all
@@ -403,6 +404,47 @@ def plot_kda_kernels(out: str) -> str:
     return _save(fig, os.path.join(out, "kda_kernels.png"))
 
 
+KDA_DIAGONAL = ("kda_prefill_run19_h32_3a7dfb2.json", "kda_prefill_run19_h96_3a7dfb2.json")   # RESULTS.md, KDA run 19
+KDA_DIAGONAL_PARTS = [   # (label, our kernels, fla's kernels): substrings of the kernel names
+    ("local cumsum", ("local_cumsum",), ("local_cumsum",)),
+    ("diagonal 16 x 16 blocks, per token", ("kda_chunk_diagonal",), ("intra_token_parallel",)),
+    ("A_kk, A_qk (joint: all levels; default: across sub-blocks + inverse)", ("kda_chunk_pairs",),
+     ("inter_solve_fused",)),
+    ("(joint: inverse +) W, U, q e^G, k e^(G_C - G)", ("kda_chunk_solve", "kda_chunk_factors"), ("recompute_w_u",)),
+    ("sequential pass (+ outputs)", ("kda_chunk_inter",), ("fwd_kernel_h", "fwd_kernel_o")),
+    ("q, k L2 norm", ("triton_softmax",), ("l2norm",)),
+]
+
+
+def plot_kda_diagonal(out: str) -> str:
+    """KDA chunked prefill at T = 8192, H = 32 and 96: device time per kernel of the default (diagonal blocks per
+    token, sliced solve), the former default (joint) and fla's chunk_kda, from run 19's profiles."""
+    import numpy as np
+
+    bars = []
+    for name in KDA_DIAGONAL:
+        shape = _load(name)["prefill"][0]
+        bars += [(f"H = {shape['H']}, {n}", v["kernel_us"]) for n, v in shape["variants"].items()]
+        bars.append((f"H = {shape['H']}, fla chunk_kda", shape["fla_kernel_us"]))
+    fig, ax = plt.subplots(figsize=(9.5, 4.8))
+    y = np.arange(len(bars))
+    left = np.zeros(len(bars))
+    for i, (label, ours, theirs) in enumerate(KDA_DIAGONAL_PARTS):
+        parts = ours + theirs
+        xs = np.array([sum(us for k, us in times.items() if any(p in k for p in parts)) / 1e3 for _, times in bars])
+        ax.barh(y, xs, 0.6, left=left, label=label, color=f"C{i}")
+        left += xs
+    kernels = [sum(us for k, us in t.items() if not k.startswith("$") and "Pj" not in k) / 1e3 for _, t in bars]
+    ax.barh(y, np.array(kernels) - left, 0.6, left=left, label="other (fills)", color="0.7")
+    ax.set_yticks(y, [b[0] for b in bars], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("device ms per call (sum of its kernels)")
+    ax.set_title("KDA prefill by kernel, B = 1, T = 8192, K = V = 128, bf16 (one H200, KDA run 19)", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
+    return _save(fig, os.path.join(out, "kda_diagonal.png"))
+
+
 SERVER_LOAD = "server_load_kimi-linear-48b.json"
 SERVER_LOAD_MORE = "server_load_run2_64_256.json"  # 64 and 256 clients, a later commit (e10e856)
 
@@ -441,7 +483,7 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra", "kda-kernels",
+    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra", "kda-kernels", "kda-diagonal",
                                           "kda-stages", "kda-tiles", "mla-merge", "mxfp4", "server",
                                           "all"])
     ap.add_argument("--out", default=HERE)
@@ -449,6 +491,7 @@ def main(argv=None) -> int:
     for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative),
                      ("prefill", plot_prefill), ("mla", plot_mla_decode), ("mla-step", plot_mla_step),
                      ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels),
+                     ("kda-diagonal", plot_kda_diagonal),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4)):
         if args.which in (name, "all"):

@@ -69,10 +69,11 @@ PARALLEL_MAX_CHUNK = 64   # the "parallel" form's doubling inverse of a 128-row 
 @dataclass(frozen=True)
 class ChunkBlocks:
     """Forms and launch settings of the chunked prefill. "auto" fields are settled per call by
-    `resolve` (from the chunk and the inputs' dtype). H200, B = 1, T = 8192, K = V = 128, H = 32
-    (benchmarks/RESULTS.md, 2026-12-03 KDA runs 3-11): these defaults 1.92 ms against fla's 1.71 in the
-    same run (run 11; 2.21 ms with the sequential pass unpipelined; 2.39 ms with the chunked layout in run 8), the
-    blocked form with fp32 factors 4.67 ms and fla 1.36 ms on another machine (run 5)."""
+    `resolve` (from the chunk and the inputs' dtype). H200, B = 1, T = 8192, K = V = 128, bf16
+    (benchmarks/RESULTS.md, KDA run 19): these defaults 1.745 / 4.495 ms at H = 32 / 96 against fla's 1.567 /
+    3.076 in the same run (device time 1,375 / 4,160 us against 1,064 / 2,937); the joint pairs launch with the
+    one-launch solve (the defaults before) 1.866 / 5.067 ms; the blocked form with fp32 factors 4.67 ms at H = 32
+    (run 5)."""
 
     chunk: int = 64          # tokens per chunk (WY form)
     intra: str = "auto"      # intra-chunk kernel: "parallel" (no row-serial loops: `intra_parallel.py`; chunks
