@@ -2,7 +2,10 @@
 for chunks of up to 64 tokens), in three launches of one program per (row, head, chunk):
 `local_cumsum_kernel`, `joint_pairs_kernel` (A_kk and A_qk; `decay_pairs_kernel` makes one of them
 per launch with `pairs="separate"`), then `solve_kernel` (T = (I + A_kk)^-1, W, U, q e^G,
-k e^(G_C - G), e^(G_C)): the same outputs as `chunk._intra_kernel`. How they are formed:
+k e^(G_C - G), e^(G_C)): the same outputs as `chunk._intra_kernel`. By default (`pairs="diagonal"`,
+`solve="sliced"`) the diagonal 16 x 16 blocks come from `intra_diagonal.py` first, the joint launch adds only
+the levels across sub-blocks and ends with the inverse, and `sliced_factors_kernel` forms W, U, ... one
+program per key slice: four launches. How they are formed:
 
 - The decay is taken as `local`: the cumulative log decay inside each 16-row sub-block (its own
   launch, or XLA's `local_cumsum` with `cumsum="xla"`). G of the chunk is local + the totals of the sub-blocks
