@@ -103,6 +103,7 @@ VARIANTS = {
     "joint/sliced": ChunkBlocks(pairs="joint", solve="sliced"),
     "default/dh1": ChunkBlocks(diagonal_heads=1),
     "default/dh4": ChunkBlocks(diagonal_heads=4),
+    "default/diagonal-cumsum": ChunkBlocks(cumsum="diagonal"),   # the local cumsum from the per-token launch
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),

@@ -106,6 +106,7 @@ def _build_cases():
         "kda-chunk-joint": kda(pairs="joint", solve="whole"),    # the default before the diagonal form
         "kda-chunk-diagonal-whole": kda(solve="whole"),
         "kda-chunk-dh4": kda(diagonal_heads=4),
+        "kda-chunk-diagonal-cumsum": kda(cumsum="diagonal"),     # the per-token launch writes the local cumsum
         "kda-chunk-tiles-ks64": kda(pairs="tiles", key_slice=64),
         "kda-decode-b1": kda_decode(1),
         "kda-decode-b64": kda_decode(64),

@@ -252,8 +252,10 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         lc = pl.pallas_call(local_cumsum_kernel, grid=(b, h, n), in_specs=[raw(kd)], out_specs=blk(c, kd),
                             out_shape=jax.ShapeDtypeStruct((b, h, n, c, kd), f32), compiler_params=params,
                             interpret=interpret, name="kda_chunk_local_cumsum")(gc)
-    else:
+    elif blocks.cumsum == "xla":
         lc = local_cumsum(gc)
+    else:
+        lc = None     # "diagonal": the per-token launch below writes it
 
     fd = jnp.dtype(blocks.factors)     # A_kk stays fp32: the inverse is taken of it
 
@@ -272,8 +274,10 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         extra = (bc,) if sliced else ()
         if given:
             per, warps = blocks.diagonal_launch(h, tokens)
-            extra += diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, heads=per, num_warps=warps,
-                                    interpret=interpret)
+            akk_d, aqk_d, *local = diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, heads=per,
+                                                  num_warps=warps, interpret=interpret, cumsum=lc is None)
+            extra += (akk_d, aqk_d)
+            lc = local[0] if local else lc
         akk, aqk = pl.pallas_call(
             functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice, diagonal_given=given,
                               invert=blocks.inverse if sliced else None, interpret=interpret),
@@ -411,8 +415,11 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
                          f"got {blocks.inter_num_stages!r}")
     if blocks.layout not in ("tokens", "chunked"):
         raise ValueError(f"{name}: layout must be 'tokens' or 'chunked', got {blocks.layout!r}")
-    if blocks.cumsum not in ("xla", "pallas"):
-        raise ValueError(f"{name}: cumsum must be 'xla' or 'pallas', got {blocks.cumsum!r}")
+    if blocks.cumsum not in ("xla", "pallas", "diagonal"):
+        raise ValueError(f"{name}: cumsum must be 'xla', 'pallas' or 'diagonal', got {blocks.cumsum!r}")
+    if blocks.cumsum == "diagonal" and (blocks.intra != "parallel" or blocks.pairs != "diagonal"):
+        raise ValueError(f"{name}: cumsum='diagonal' is written by the per-token launch of intra='parallel' with "
+                         f"pairs='diagonal', got intra={blocks.intra!r}, pairs={blocks.pairs!r}")
     if blocks.factors not in ("float32", "bfloat16"):
         raise ValueError(f"{name}: factors must be 'auto', 'float32' or 'bfloat16', got {blocks.factors!r}")
     if blocks.factors != "float32" and blocks.inter != "fused":

@@ -24,10 +24,11 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.kda.intra_parallel import SUB
 
 
-def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *, scale: float, chunk: int):
+def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *l_ref, scale: float, chunk: int):
     """Program (row, head block, token t) over `heads` heads: q [heads, K] (token t), k and g
     [SUB, heads, K] (t's sub-block, g the log decay) -> row t of each head's A_kk and A_qk, [heads, C]
-    fp32: the SUB entries of t's diagonal block (j <= t), zeros elsewhere."""
+    fp32: the SUB entries of t's diagonal block (j <= t), zeros elsewhere; with l_ref, also the decay summed
+    over t's sub-block up to t, [heads, K] (the running sum's last value: `intra_parallel.local_cumsum`)."""
     f32 = jnp.float32
     t = pl.program_id(2)
     r = t % SUB                          # t's row inside its sub-block
@@ -46,15 +47,19 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *, scale: float
                 decay + g_ref[j].astype(f32))
 
     zeros = jnp.zeros((q.shape[0], chunk), f32)
-    akk, aqk, _ = jax.lax.fori_loop(0, r + 1, step, (zeros, zeros, jnp.zeros_like(q)))
+    akk, aqk, local = jax.lax.fori_loop(0, r + 1, step, (zeros, zeros, jnp.zeros_like(q)))
     akk_ref[...] = akk
     aqk_ref[...] = aqk
+    if l_ref:
+        l_ref[0][...] = local
 
 
-def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_warps: int, interpret: bool):
+def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_warps: int, interpret: bool,
+                   cumsum: bool = False):
     """The diagonal blocks of every chunk: q, k [B, H, N, C, K] (with `tokens`: [B, N, C, H, K]), g the
     log decay in the same layout, fp32 -> (A_kk, A_qk) [B, H, N, C, C] fp32, zero outside the diagonal
-    16 x 16 blocks. `heads` per program (H a multiple of it; the tokens layout only, else 1)."""
+    16 x 16 blocks, and with `cumsum` the local cumulative decay [B, H, N, C, K] fp32 (`local_cumsum`'s
+    contract). `heads` per program (H a multiple of it; the tokens layout only, else 1)."""
     if tokens:
         b, n, c, h, kd = qc.shape
         row = pl.BlockSpec((None, None, None, heads, kd), lambda i, j, t: (i, t // c, t % c, j, 0))
@@ -70,10 +75,12 @@ def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_wa
         block = pl.BlockSpec((None, None, None, SUB, 1, kd), lambda i, j, t: (i, j, t // c, t % c // SUB, 0, 0))
     if h % heads:
         raise ValueError(f"diagonal_pairs: H={h} is not a multiple of {heads} heads per program")
-    out = pl.BlockSpec((None, heads, None, None, c), lambda i, j, t: (i, j, t // c, t % c, 0))
-    shape = jax.ShapeDtypeStruct((b, h, n, c, c), jnp.float32)
+    out = lambda width: pl.BlockSpec((None, heads, None, None, width), lambda i, j, t: (i, j, t // c, t % c, 0))
+    shape = lambda width: jax.ShapeDtypeStruct((b, h, n, c, width), jnp.float32)
+    widths = (c, c, kd) if cumsum else (c, c)
     return pl.pallas_call(
         lambda *refs: diagonal_pairs_kernel(*refs, scale=scale, chunk=c),
-        grid=(b, h // heads, n * c), in_specs=[row, block, block], out_specs=[out, out], out_shape=[shape, shape],
+        grid=(b, h // heads, n * c), in_specs=[row, block, block], out_specs=[out(w) for w in widths],
+        out_shape=[shape(w) for w in widths],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
         name="kda_chunk_diagonal")(*ins)

@@ -96,9 +96,11 @@ class ChunkBlocks:
     diagonal_num_warps: int = 0  # ... and its warps (0: one per head; a program holds [heads, K] rows)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
                              # or "tf32" (as fla); auto: tf32 with bf16 factors, else tf32x3
-    cumsum: str = "pallas"   # "parallel": the decay summed per 16-row sub-block in a Pallas launch ("pallas") or
-                             # by XLA ("xla", a windowed reduction); Pallas 2.94 -> 2.81 ms at H = 32 and
-                             # 6.87 -> 6.68 at H = 96 (host-timed, run 5; the profiles are mixed: RESULTS.md)
+    cumsum: str = "pallas"   # "parallel": the decay summed per 16-row sub-block in a Pallas launch ("pallas"), by
+                             # XLA ("xla", a windowed reduction), or written by pairs="diagonal"'s per-token launch
+                             # as its running sum's last value ("diagonal": no launch of its own; not yet timed on
+                             # a GPU); Pallas 2.94 -> 2.81 ms at H = 32 and 6.87 -> 6.68 at H = 96 against XLA
+                             # (host-timed, run 5; the profiles are mixed: RESULTS.md)
     factors: str = "auto"    # dtype of W, U, A_qk, q e^G and k e^(G_C - G) between the two passes: "float32" or
                              # "bfloat16" (half the bytes; the sequential pass's products then run on bf16
                              # operands, the state kept fp32); auto: bf16 for bf16 values, else fp32
@@ -157,5 +159,5 @@ class ChunkBlocks:
     def reads_tokens(self) -> bool:
         """Whether a settled chunked prefill reads its inputs and writes its outputs in the [B, T, H, ...]
         layout (see `layout`)."""
-        return (self.layout == "tokens" and self.intra == "parallel" and self.cumsum == "pallas"
+        return (self.layout == "tokens" and self.intra == "parallel" and self.cumsum in ("pallas", "diagonal")
                 and self.inter == "fused")

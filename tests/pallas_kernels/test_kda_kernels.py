@@ -63,6 +63,10 @@ def _l2(x):
     (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/joint/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/joint"),
     (1, 70, 4, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/dh2/bf16"),   # two heads a program, set
+    # the local cumulative decay written by the per-token launch: both layouts, unbounded gates, one sub-block a chunk
+    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal-cumsum"),
+    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/diagonal-cumsum/chunked"),
+    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/diagonal-cumsum"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -79,7 +83,8 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
-                                               cumsum="xla" if "xla-cumsum" in options else "pallas",
+                                               cumsum=("xla" if "xla-cumsum" in options else "diagonal"
+                                                       if "diagonal-cumsum" in options else "pallas"),
                                                inverse="tf32" if "tf32" in options else "tf32x3",
                                                pairs=next((p for p in ("separate", "tiles", "joint", "diagonal")
                                                            if p in options), ChunkBlocks.pairs),
@@ -277,6 +282,8 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(pairs="diagonal", diagonal_num_warps=3), "diagonal_num_warps must be"),
     (ChunkBlocks(pairs="diagonal", diagonal_heads=2), "H=1 is not a multiple of 2"),
     (ChunkBlocks(pairs="diagonal", diagonal_heads=2, layout="chunked"), "needs the tokens layout"),
+    (ChunkBlocks(pairs="joint", cumsum="diagonal"), "cumsum='diagonal' is written by"),
+    (ChunkBlocks(cumsum="scan"), "cumsum must be 'xla', 'pallas' or 'diagonal'"),
 ])
 def test_chunk_blocks_name_the_bad_setting(rng, blocks, message):
     q = jnp.asarray(_l2(rng.standard_normal((1, 16, 1, 16))), jnp.float32)
@@ -340,10 +347,33 @@ def test_pair_and_solve_forms_equal_joint_pairs(rng, interpret, chunk, form):
     assert np.all(np.triu(aqk, 1) == 0) and np.all(np.abs(np.tril(aqk, -17)).sum((-1, -2)) > 0)
 
 
+@pytest.mark.parametrize("gates", [(-1.0, 0.0), (-1e3, -1e2)])
+def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
+    """The per-token launch's running sum, read at its end, is the decay summed inside each 16-row
+    sub-block (`local_cumsum`, a forward cumulative sum), in both layouts; its diagonal blocks are the
+    same with and without that output."""
+    from pallas_kernels.kda.chunk import to_chunk_rows, to_chunks
+    from pallas_kernels.kda.intra_diagonal import diagonal_pairs
+    from pallas_kernels.kda.intra_parallel import local_cumsum
+    b, t, h, kd, c = 1, 128, 2, 32, 64
+    q, k = (jnp.asarray(_l2(rng.standard_normal((b, t, h, kd))), jnp.float32) for _ in range(2))
+    g = jnp.asarray(rng.uniform(*gates, (b, t, h, kd)), jnp.float32)
+    run = lambda split, tokens, cumsum: diagonal_pairs(*(split(x, c) for x in (q, k, g)), scale=0.5, tokens=tokens,
+                                                       heads=1, num_warps=1, interpret=interpret, cumsum=cumsum)
+    expected = local_cumsum(to_chunks(g, c))
+    for split, tokens in ((to_chunks, False), (to_chunk_rows, True)):
+        akk, aqk, local = run(split, tokens, True)
+        assert_close("local cumsum", local, expected, dtype=kernel_dtype("float32", interpret))
+        akk_only, aqk_only = run(split, tokens, False)
+        np.testing.assert_array_equal(np.asarray(akk), np.asarray(akk_only))
+        np.testing.assert_array_equal(np.asarray(aqk), np.asarray(aqk_only))
+
+
 @pytest.mark.parametrize("t,dtype,cumsum,pairs", [
     (200, "bfloat16", "pallas", "joint"), (128, "float32", "pallas", "joint"),
     (70, "bfloat16", "pallas", "separate"), (70, "bfloat16", "xla", "joint"), (200, "bfloat16", "pallas", "tiles"),
     (200, "bfloat16", "pallas", "diagonal"), (128, "float32", "pallas", "diagonal"),
+    (200, "bfloat16", "diagonal", "diagonal"),
 ])
 def test_tokens_layout_equals_chunked_layout(rng, interpret, t, dtype, cumsum, pairs):
     """layout="tokens" (the kernels read q, k, v, g, beta and write o in [B, T, H, ...]) gives the
@@ -359,7 +389,7 @@ def test_tokens_layout_equals_chunked_layout(rng, interpret, t, dtype, cumsum, p
     s0 = jnp.asarray(rng.standard_normal((b, h, kd, vd)), jnp.float32)
     tokens = ChunkBlocks(value_block=16, key_slice=16, cumsum=cumsum, pairs=pairs)
     chunked = ChunkBlocks(value_block=16, key_slice=16, cumsum=cumsum, pairs=pairs, layout="chunked")
-    assert tokens.resolve(dtype).reads_tokens == (cumsum == "pallas") and not chunked.resolve(dtype).reads_tokens
+    assert tokens.resolve(dtype).reads_tokens == (cumsum != "xla") and not chunked.resolve(dtype).reads_tokens
     o1, s1 = kda_chunk_pallas(q, k, v, g, beta, initial_state=s0, blocks=tokens, interpret=interpret)
     o2, s2 = kda_chunk_pallas(q, k, v, g, beta, initial_state=s0, blocks=chunked, interpret=interpret)
     assert o1.shape == (b, t, h, vd) and o1.dtype == dt
