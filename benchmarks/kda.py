@@ -74,7 +74,8 @@ def torch_time(torch, fn, warmup=5, iters=50) -> float:
     return statistics.median(times)
 
 
-# the settings before bf16 factors (runs 1-4; also `triton_resources.py`'s older cases)
+# the dtypes before bf16 factors (runs 1-4; also `triton_resources.py`'s older cases); the pair and solve forms are
+# today's defaults unless a variant names them ("joint" for the forms of runs 1-18)
 FP32_FACTORS = dict(factors="float32", inverse="tf32x3", cumsum="xla")
 BF16 = dict(factors="bfloat16", inverse="tf32x3", cumsum="xla")
 VARIANTS = {

@@ -483,9 +483,9 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra", "kda-kernels", "kda-diagonal",
-                                          "kda-stages", "kda-tiles", "mla-merge", "mxfp4", "server",
-                                          "all"])
+    ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
+                                      "kda-kernels", "kda-diagonal", "kda-stages", "kda-tiles", "mla-merge", "mxfp4",
+                                      "server", "all"])
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args(argv)
     for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative),

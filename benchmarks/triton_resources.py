@@ -92,7 +92,8 @@ def _build_cases():
         return call, (spec((1, d), bf16), w, w, spec((k,), jnp.int32), spec((k,), jnp.bool_))
 
     return {
-        # fp32 factors, three-TF32 inverse, XLA cumsum: the settings before the bf16 factors (runs 1-4)
+        # fp32 factors, three-TF32 inverse, XLA cumsum: the dtypes before the bf16 factors (runs 1-4); the pair and
+        # solve forms are today's defaults unless named
         "kda-chunk-blocked": kda(intra="blocked", **FP32_FACTORS),
         "kda-chunk-parallel": kda(intra="parallel", **FP32_FACTORS),
         "kda-chunk-parallel-ks16": kda(intra="parallel", key_slice=16, **FP32_FACTORS),

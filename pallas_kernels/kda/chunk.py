@@ -9,8 +9,8 @@ and `reference.kda_recurrent_reference`.
    block in registers: N = U - W S; O = (q e^G) S + A_qk N; S = e^(G_C) * S + (k e^(G_C - G))^T N.
    Value columns of the state evolve independently, so they split across programs.
 
-`ChunkBlocks` selects the forms of each step: `intra="parallel"` (`intra_parallel.py`, three launches
-without row-serial loops; the default up to 64-token chunks) or "blocked" / "column" (the kernel
+`ChunkBlocks` selects the forms of each step: `intra="parallel"` (`intra_parallel.py` and `intra_diagonal.py`,
+four launches without row-serial loops by default; the default up to 64-token chunks) or "blocked" / "column" (the kernel
 above in two forms); `factors`, the dtype of W, U, A_qk, q e^G and k e^(G_C - G) between the passes
 (bf16 for bf16 values by default); `inter="split"` (`inter_split.py`, a state-only pass, then the
 outputs of all chunks at once).
@@ -230,7 +230,7 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
 
 
 def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False):
-    """`chunk_intra` as three launches (`intra_parallel.py`): the local cumsum (or XLA's), A_kk and A_qk
+    """`chunk_intra` as three or four launches (`intra_parallel.py`): the local cumsum (or XLA's), A_kk and A_qk
     (one launch, or one each with blocks.pairs = "separate", or by 16-row tiles with "tiles": `intra_tiles.py`,
     or the diagonal blocks one program per token first with "diagonal": `intra_diagonal.py`),
     then the solve and factors (the inverse by doubling). tokens: the raw inputs
@@ -394,7 +394,7 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
                          f"inverse of a 128-row chunk asks the H200 for 384 KB of shared memory, over its 227 KB)")
     if blocks.pairs not in ("joint", "separate", "tiles", "diagonal"):
         raise ValueError(f"{name}: pairs must be 'joint', 'separate', 'tiles' or 'diagonal', got {blocks.pairs!r}")
-    if isinstance(blocks.diagonal_num_warps, bool) or blocks.diagonal_num_warps not in (0, 1, 2, 4, 8):
+    if type(blocks.diagonal_num_warps) is not int or blocks.diagonal_num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: diagonal_num_warps must be 0 (one per head), 1, 2, 4 or 8, "
                          f"got {blocks.diagonal_num_warps!r}")
     if blocks.solve not in ("whole", "sliced"):
@@ -402,8 +402,8 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.solve == "sliced" and blocks.pairs not in ("joint", "diagonal"):
         raise ValueError(f"{name}: solve='sliced' takes the inverse from pairs='joint' or 'diagonal', "
                          f"got pairs={blocks.pairs!r}")
-    if isinstance(blocks.diagonal_heads, bool) or not (blocks.diagonal_heads == 0 or is_pow2(blocks.diagonal_heads)):
-        raise ValueError(f"{name}: diagonal_heads must be 0 (auto) or a power of two, got {blocks.diagonal_heads!r}")
+    if type(blocks.diagonal_heads) is not int or blocks.diagonal_heads not in (0, 1, 2, 4, 8):
+        raise ValueError(f"{name}: diagonal_heads must be 0 (auto), 1, 2, 4 or 8, got {blocks.diagonal_heads!r}")
     if isinstance(blocks.pairs_num_warps, bool) or blocks.pairs_num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: pairs_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
                          f"got {blocks.pairs_num_warps!r}")

@@ -1,5 +1,5 @@
 """The intra-chunk KDA work without row-serial loops (`ChunkBlocks(intra="parallel")`, the default
-for chunks of up to 64 tokens), in three launches of one program per (row, head, chunk):
+for chunks of up to 64 tokens), in its original form three launches of one program per (row, head, chunk):
 `local_cumsum_kernel`, `joint_pairs_kernel` (A_kk and A_qk; `decay_pairs_kernel` makes one of them
 per launch with `pairs="separate"`), then `solve_kernel` (T = (I + A_kk)^-1, W, U, q e^G,
 k e^(G_C - G), e^(G_C)): the same outputs as `chunk._intra_kernel`. By default (`pairs="diagonal"`,
@@ -276,7 +276,7 @@ def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_re
 def sliced_factors_kernel(t_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_ref, kt_ref, dec_ref, *,
                           scale: float, key_slice: int, value_slice: int):
     """`solve_kernel` after the inverse (`ChunkBlocks(solve="sliced")`): program (row, head, chunk, i) takes
-    T [C, C] (from `joint_pairs_kernel(invert=True)`, in the factors' dtype) and writes key slice i of W,
+    T [C, C] (from `joint_pairs_kernel` with `invert` set, in the factors' dtype) and writes key slice i of W,
     q e^G, k e^(G_C - G), e^(G_C) and value slice i of U (where the chunk has that many)."""
     i = pl.program_id(3)
     t = t_ref[...]

@@ -91,8 +91,9 @@ class ChunkBlocks:
                              # factors' dtype) and the rest one program per chunk and key slice ("sliced";
                              # pairs "joint" or "diagonal"); auto: sliced where the pairs form allows it.
                              # H200, H = 32, device time (KDA run 18): pairs 260 -> 361 us, W, U, ... 500 -> 334
-    diagonal_heads: int = 0  # pairs="diagonal": heads per program of the per-token launch; 0 (auto): 2 where H is
-                             # even and layout="tokens", else 1 (H200, H = 32: 1 / 2 / 4 heads 310 / 288 / 285 us)
+    diagonal_heads: int = 0  # pairs="diagonal": heads per program of the per-token launch (1, 2, 4 or 8) where the
+                             # call takes the tokens layout, else 1; 0 (auto): 2 where H is even
+                             # (H200, H = 32: 1 / 2 / 4 heads 310 / 288 / 285 us)
     diagonal_num_warps: int = 0  # ... and its warps (0: one per head; a program holds [heads, K] rows)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
                              # or "tf32" (as fla); auto: tf32 with bf16 factors, else tf32x3
@@ -151,9 +152,11 @@ class ChunkBlocks:
         return replace(self, intra=intra, factors=factors, inverse=inverse, solve=solve)
 
     def diagonal_launch(self, heads: int, tokens: bool) -> tuple[int, int]:
-        """(heads per program, warps) of pairs="diagonal"'s per-token launch over `heads` heads."""
-        per = self.diagonal_heads or (2 if tokens and heads % 2 == 0 else 1)
-        return per, self.diagonal_num_warps or per
+        """(heads per program, warps) of pairs="diagonal"'s per-token launch over `heads` heads; one head a
+        program where the call does not take the tokens layout (the chunked layout, XLA's cumsum, the split
+        pass, packed sequences), whatever diagonal_heads asks."""
+        per = (self.diagonal_heads or (2 if heads % 2 == 0 else 1)) if tokens else 1
+        return per, self.diagonal_num_warps or min(per, 8)
 
     @property
     def reads_tokens(self) -> bool:

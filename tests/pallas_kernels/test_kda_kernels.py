@@ -279,9 +279,11 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(solve="rows"), "solve must be"),
     (ChunkBlocks(pairs="tiles", solve="sliced"), "takes the inverse from"),
     (ChunkBlocks(pairs="diagonal", diagonal_heads=3), "diagonal_heads must be"),
+    (ChunkBlocks(pairs="diagonal", diagonal_heads=16), "diagonal_heads must be"),
+    (ChunkBlocks(pairs="diagonal", diagonal_heads=2.0), "diagonal_heads must be"),
+    (ChunkBlocks(pairs="diagonal", diagonal_num_warps=2.0), "diagonal_num_warps must be"),
     (ChunkBlocks(pairs="diagonal", diagonal_num_warps=3), "diagonal_num_warps must be"),
     (ChunkBlocks(pairs="diagonal", diagonal_heads=2), "H=1 is not a multiple of 2"),
-    (ChunkBlocks(pairs="diagonal", diagonal_heads=2, layout="chunked"), "needs the tokens layout"),
     (ChunkBlocks(pairs="joint", cumsum="diagonal"), "cumsum='diagonal' is written by"),
     (ChunkBlocks(cumsum="scan"), "cumsum must be 'xla', 'pallas' or 'diagonal'"),
 ])
@@ -303,6 +305,7 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
     assert ChunkBlocks().diagonal_launch(32, tokens=True) == (2, 2)           # two heads a program, a warp each
     assert ChunkBlocks().diagonal_launch(3, tokens=True) == ChunkBlocks().diagonal_launch(32, tokens=False) == (1, 1)
     assert ChunkBlocks(diagonal_heads=4, diagonal_num_warps=2).diagonal_launch(32, tokens=True) == (4, 2)
+    assert ChunkBlocks(diagonal_heads=4).diagonal_launch(32, tokens=False) == (1, 1)   # chunked: a head a program
     assert ChunkBlocks(chunk=128).resolve("bfloat16").intra == "blocked"
     assert ChunkBlocks(inter="split").resolve("bfloat16").factors == "float32"
     explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32", solve="whole")
@@ -351,16 +354,20 @@ def test_pair_and_solve_forms_equal_joint_pairs(rng, interpret, chunk, form):
 def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     """The per-token launch's running sum, read at its end, is the decay summed inside each 16-row
     sub-block (`local_cumsum`, a forward cumulative sum), in both layouts; its diagonal blocks are the
-    same with and without that output."""
+    same with and without that output, and with two heads a program as with one."""
     from pallas_kernels.kda.chunk import to_chunk_rows, to_chunks
     from pallas_kernels.kda.intra_diagonal import diagonal_pairs
     from pallas_kernels.kda.intra_parallel import local_cumsum
     b, t, h, kd, c = 1, 128, 2, 32, 64
     q, k = (jnp.asarray(_l2(rng.standard_normal((b, t, h, kd))), jnp.float32) for _ in range(2))
     g = jnp.asarray(rng.uniform(*gates, (b, t, h, kd)), jnp.float32)
-    run = lambda split, tokens, cumsum: diagonal_pairs(*(split(x, c) for x in (q, k, g)), scale=0.5, tokens=tokens,
-                                                       heads=1, num_warps=1, interpret=interpret, cumsum=cumsum)
     expected = local_cumsum(to_chunks(g, c))
+    run = lambda split, tokens, cumsum, heads=1: diagonal_pairs(
+        *(split(x, c) for x in (q, k, g)), scale=0.5, tokens=tokens, heads=heads, num_warps=heads,
+        interpret=interpret, cumsum=cumsum)
+    one_head = run(to_chunks, False, True)
+    for got, want in zip(run(to_chunk_rows, True, True, heads=2), one_head):   # two heads a program, tokens layout
+        assert_close("two heads a program", got, want, dtype=kernel_dtype("float32", interpret))
     for split, tokens in ((to_chunks, False), (to_chunk_rows, True)):
         akk, aqk, local = run(split, tokens, True)
         assert_close("local cumsum", local, expected, dtype=kernel_dtype("float32", interpret))
