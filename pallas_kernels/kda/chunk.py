@@ -9,11 +9,11 @@ and `reference.kda_recurrent_reference`.
    block in registers: N = U - W S; O = (q e^G) S + A_qk N; S = e^(G_C) * S + (k e^(G_C - G))^T N.
    Value columns of the state evolve independently, so they split across programs.
 
-`ChunkBlocks` selects the forms of each step: `intra="parallel"` (`intra_parallel.py` and `intra_diagonal.py`,
-four launches without row-serial loops by default; the default up to 64-token chunks) or "blocked" / "column" (the kernel
-above in two forms); `factors`, the dtype of W, U, A_qk, q e^G and k e^(G_C - G) between the passes
-(bf16 for bf16 values by default); `inter="split"` (`inter_split.py`, a state-only pass, then the
-outputs of all chunks at once).
+`ChunkBlocks` selects the forms of each step: `intra="parallel"` (`intra_parallel.py` and
+`intra_diagonal.py`, four launches without row-serial loops by default; the default up to 64-token chunks)
+or "blocked" / "column" (the kernel above in two forms); `factors`, the dtype of W, U, A_qk, q e^G and
+k e^(G_C - G) between the passes (bf16 for bf16 values by default); `inter="split"` (`inter_split.py`, a
+state-only pass, then the outputs of all chunks at once).
 """
 
 from __future__ import annotations
