@@ -349,7 +349,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fla", action="store_true", help="skip the fla columns (its autotune takes ~90 s a shape)")
     ap.add_argument("--decode-only", action="store_true")
     ap.add_argument("--prefill-only", action="store_true")
-    ap.add_argument("--heads", nargs="+", type=int, default=[32, 96], help="prefill head counts (T = 8192)")
+    ap.add_argument("--heads", nargs="+", type=int, default=[32, 96], help="prefill head counts")
+    ap.add_argument("--lengths", nargs="+", type=int, default=[8192], help="prefill sequence lengths T (B = 1)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), help="prefill kernel variants to time (default all)")
     ap.add_argument("--qk-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="prefill: q and k after the L2 norm as the kernels get them (each variant timed with each)")
@@ -375,8 +376,8 @@ def main(argv=None) -> int:
                                                                      splits=args.splits, columns=args.column_blocks,
                                                                      ceiling=args.ceiling, profile=args.profile)]
     else:
-        pre = [] if args.decode_only else prefill_rows([(1, 8192, h, 128) for h in args.heads], fla, args.iters,
-                                                       args.variants, args.profile, args.qk_dtypes)
+        pre = [] if args.decode_only else prefill_rows([(1, t, h, 128) for h in args.heads for t in args.lengths],
+                                                       fla, args.iters, args.variants, args.profile, args.qk_dtypes)
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps),
                                       state_dtype=sd, splits=args.splits, columns=args.column_blocks,
