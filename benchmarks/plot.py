@@ -376,28 +376,35 @@ KDA_KERNEL_PARTS = (  # (label, name fragments of ours, of fla's)
 )
 
 
+def _kernel_bars(ax, bars, parts, rest_label: str) -> None:
+    """Horizontal stacked bars of device ms per call: bars = [(label, {kernel name: us})], parts = [(label, our
+    kernel-name substrings, fla's)]; what no part claims is the grey `rest_label` segment (host events such as
+    "$..." and "Pjit..." entries of a trace left out)."""
+    import numpy as np
+
+    y = np.arange(len(bars))
+    left = np.zeros(len(bars))
+    for i, (label, ours, theirs) in enumerate(parts):
+        names = ours + theirs
+        xs = np.array([sum(us for k, us in times.items() if any(p in k for p in names)) / 1e3 for _, times in bars])
+        ax.barh(y, xs, 0.6, left=left, label=label, color=f"C{i}")
+        left += xs
+    kernels = [sum(us for k, us in t.items() if not k.startswith("$") and "Pj" not in k) / 1e3 for _, t in bars]
+    ax.barh(y, np.array(kernels) - left, 0.6, left=left, label=rest_label, color="0.7")
+    ax.set_yticks(y, [b[0] for b in bars], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("device ms per call (sum of its kernels)")
+
+
 def plot_kda_kernels(out: str) -> str:
     """KDA chunked prefill at T = 8192, H = 32: device time per kernel of each setting and of fla's
     chunk_kda, from one run's profiles (`kda.py --profile`)."""
-    import numpy as np
-
     shape = _load(KDA_KERNELS)["prefill"][0]
     bars = [(n, v["kernel_us"]) for n, v in shape["variants"].items() if "kernel_us" in v]
     if "fla_kernel_us" in shape:
         bars.append(("fla chunk_kda", shape["fla_kernel_us"]))
     fig, ax = plt.subplots(figsize=(9, 4.6))
-    y = np.arange(len(bars))
-    left = np.zeros(len(bars))
-    for i, (label, ours, theirs) in enumerate(KDA_KERNEL_PARTS):
-        parts = ours + theirs
-        xs = np.array([sum(us for k, us in times.items() if any(p in k for p in parts)) / 1e3 for _, times in bars])
-        ax.barh(y, xs, 0.6, left=left, label=label, color=f"C{i}")
-        left += xs
-    rest = np.array([sum(times.values()) / 1e3 for _, times in bars]) - left
-    ax.barh(y, rest, 0.6, left=left, label="other (L2 norm, layout, fills)", color="0.7")
-    ax.set_yticks(y, [b[0] for b in bars], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("device ms per call (sum of its kernels)")
+    _kernel_bars(ax, bars, KDA_KERNEL_PARTS, "other (L2 norm, layout, fills)")
     ax.set_title("KDA prefill by kernel, B = 1, T = 8192, H = 32, K = V = 128 (one H200, one run)", fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3)
@@ -419,26 +426,13 @@ KDA_DIAGONAL_PARTS = [   # (label, our kernels, fla's kernels): substrings of th
 def plot_kda_diagonal(out: str) -> str:
     """KDA chunked prefill at T = 8192, H = 32 and 96: device time per kernel of the default (diagonal blocks per
     token, sliced solve), the former default (joint) and fla's chunk_kda, from run 19's profiles."""
-    import numpy as np
-
     bars = []
     for name in KDA_DIAGONAL:
         shape = _load(name)["prefill"][0]
         bars += [(f"H = {shape['H']}, {n}", v["kernel_us"]) for n, v in shape["variants"].items()]
         bars.append((f"H = {shape['H']}, fla chunk_kda", shape["fla_kernel_us"]))
     fig, ax = plt.subplots(figsize=(9.5, 4.8))
-    y = np.arange(len(bars))
-    left = np.zeros(len(bars))
-    for i, (label, ours, theirs) in enumerate(KDA_DIAGONAL_PARTS):
-        parts = ours + theirs
-        xs = np.array([sum(us for k, us in times.items() if any(p in k for p in parts)) / 1e3 for _, times in bars])
-        ax.barh(y, xs, 0.6, left=left, label=label, color=f"C{i}")
-        left += xs
-    kernels = [sum(us for k, us in t.items() if not k.startswith("$") and "Pj" not in k) / 1e3 for _, t in bars]
-    ax.barh(y, np.array(kernels) - left, 0.6, left=left, label="other (fills)", color="0.7")
-    ax.set_yticks(y, [b[0] for b in bars], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("device ms per call (sum of its kernels)")
+    _kernel_bars(ax, bars, KDA_DIAGONAL_PARTS, "other (fills)")
     ax.set_title("KDA prefill by kernel, B = 1, T = 8192, K = V = 128, bf16 (one H200, KDA run 19)", fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
