@@ -105,6 +105,11 @@ VARIANTS = {
     "default/dh1": ChunkBlocks(diagonal_heads=1),
     "default/dh4": ChunkBlocks(diagonal_heads=4),
     "default/diagonal-cumsum": ChunkBlocks(cumsum="diagonal"),   # the local cumsum from the per-token launch
+    "default/fs64": ChunkBlocks(factors_slice=64),     # W, U, ...: 64 / 128 key columns a program (key_slice 32;
+                                                       # 128 at 4 warps spills: triton_resources.py)
+    "default/fs64/fw8": ChunkBlocks(factors_slice=64, factors_num_warps=8),
+    "default/fs128/fw8": ChunkBlocks(factors_slice=128, factors_num_warps=8),
+    "default/fw2": ChunkBlocks(factors_num_warps=2),
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),

@@ -108,6 +108,9 @@ def _build_cases():
         "kda-chunk-diagonal-whole": kda(solve="whole"),
         "kda-chunk-dh4": kda(diagonal_heads=4),
         "kda-chunk-diagonal-cumsum": kda(cumsum="diagonal"),     # the per-token launch writes the local cumsum
+        "kda-chunk-fs64": kda(factors_slice=64),         # W, U, ... launch at 64 / 128 key columns a program
+        "kda-chunk-fs128": kda(factors_slice=128),
+        "kda-chunk-fs128-w8": kda(factors_slice=128, factors_num_warps=8),
         "kda-chunk-tiles-ks64": kda(pairs="tiles", key_slice=64),
         "kda-decode-b1": kda_decode(1),
         "kda-decode-b64": kda_decode(64),

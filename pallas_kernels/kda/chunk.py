@@ -297,6 +297,9 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
                      jax.ShapeDtypeStruct((b, h, n, c, kd), fd), jax.ShapeDtypeStruct((b, h, n, c, kd), fd),
                      jax.ShapeDtypeStruct((b, h, n, kd), f32)]
     if sliced:
+        fslice = blocks.factors_slice or blocks.key_slice
+        key_slice, value_slice = min(kd, fslice), min(vd, fslice)
+        params = plt.CompilerParams(num_warps=blocks.factors_num_warps or blocks.num_warps, num_stages=blocks.num_stages)
         grid4 = lambda spec: pl.BlockSpec(spec.block_shape, lambda i, j, m, s: spec.index_map(i, j, m))
         ins = [blk(c, c), raw(kd), raw(kd), raw(vd), blk(c, kd), raw()]
         outs = [blk(c, kd), blk(c, vd), blk(c, kd), blk(c, kd), blk(kd)]
@@ -404,6 +407,12 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
                          f"got pairs={blocks.pairs!r}")
     if type(blocks.diagonal_heads) is not int or blocks.diagonal_heads not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: diagonal_heads must be 0 (auto), 1, 2, 4 or 8, got {blocks.diagonal_heads!r}")
+    fs = blocks.factors_slice
+    if type(fs) is not int or (fs and not (is_pow2(fs) and fs >= 16)):
+        raise ValueError(f"{name}: factors_slice must be 0 (key_slice) or a power of two >= 16, got {fs!r}")
+    if type(blocks.factors_num_warps) is not int or blocks.factors_num_warps not in (0, 1, 2, 4, 8):
+        raise ValueError(f"{name}: factors_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
+                         f"got {blocks.factors_num_warps!r}")
     if isinstance(blocks.pairs_num_warps, bool) or blocks.pairs_num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: pairs_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
                          f"got {blocks.pairs_num_warps!r}")

@@ -107,6 +107,8 @@ class ChunkBlocks:
                              # operands, the state kept fp32); auto: bf16 for bf16 values, else fp32
     sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel ("parallel": always 16)
     key_slice: int = 32      # key (and value) columns per pass of the "parallel" kernels (bounds their registers)
+    factors_slice: int = 0   # solve="sliced": key (and value) columns per program of the W, U, ... launch (0: key_slice)
+    factors_num_warps: int = 0   # ... and its warps (0: num_warps)
     value_block: int = 32    # state columns per program of the sequential kernel
     inter: str = "fused"     # sequential pass: "fused" (outputs inside the chunk loop) or "split" (a state-only
                              # pass, then every chunk's outputs in parallel: `inter_split.py`; fp32 factors)

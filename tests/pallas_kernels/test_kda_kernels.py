@@ -286,6 +286,9 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(pairs="diagonal", diagonal_heads=2), "H=1 is not a multiple of 2"),
     (ChunkBlocks(pairs="joint", cumsum="diagonal"), "cumsum='diagonal' is written by"),
     (ChunkBlocks(cumsum="scan"), "cumsum must be 'xla', 'pallas' or 'diagonal'"),
+    (ChunkBlocks(factors_slice=48), "factors_slice must be 0"),
+    (ChunkBlocks(factors_slice=8), "factors_slice must be 0"),
+    (ChunkBlocks(factors_num_warps=3), "factors_num_warps must be"),
 ])
 def test_chunk_blocks_name_the_bad_setting(rng, blocks, message):
     q = jnp.asarray(_l2(rng.standard_normal((1, 16, 1, 16))), jnp.float32)
@@ -329,7 +332,8 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
 
 @pytest.mark.parametrize("chunk", [64, 32])
 @pytest.mark.parametrize("form", [dict(pairs="tiles"), dict(pairs="diagonal", solve="whole"),
-                                  dict(pairs="diagonal", solve="sliced"), dict(pairs="joint", solve="sliced")])
+                                  dict(pairs="diagonal", solve="sliced"), dict(pairs="joint", solve="sliced"),
+                                  dict(solve="sliced", factors_slice=32, factors_num_warps=2)])
 def test_pair_and_solve_forms_equal_joint_pairs(rng, interpret, chunk, form):
     """Each pairs / solve form gives the joint pairs' six outputs after the one-launch solve (W, U, A_qk
     with its zero upper half, q e^G, k e^(G_C - G), e^(G_C)) to fp32 rounding, with gates weak enough that
