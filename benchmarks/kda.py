@@ -110,6 +110,10 @@ VARIANTS = {
     "default/fs64/fw8": ChunkBlocks(factors_slice=64, factors_num_warps=8),
     "default/fs128/fw8": ChunkBlocks(factors_slice=128, factors_num_warps=8),
     "default/fw2": ChunkBlocks(factors_num_warps=2),
+    "default/rows": ChunkBlocks(diagonal_band=False),   # the per-token launch writes whole [C, C] rows (before run 21)
+    "default/ks16": ChunkBlocks(key_slice=16),
+    "default/pw8": ChunkBlocks(pairs_num_warps=8),
+    "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=0, factors_num_warps=0),  # run 20's default
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),

@@ -108,6 +108,7 @@ def _build_cases():
         "kda-chunk-diagonal-whole": kda(solve="whole"),
         "kda-chunk-dh4": kda(diagonal_heads=4),
         "kda-chunk-diagonal-cumsum": kda(cumsum="diagonal"),     # the per-token launch writes the local cumsum
+        "kda-chunk-rows": kda(diagonal_band=False),     # the per-token launch writing whole [C, C] rows
         "kda-chunk-fs64": kda(factors_slice=64),         # W, U, ... launch at 64 / 128 key columns a program
         "kda-chunk-fs128": kda(factors_slice=128),
         "kda-chunk-fs128-w8": kda(factors_slice=128, factors_num_warps=8),

@@ -190,7 +190,7 @@ def _inter_varlen_kernel(first_ref, last_ref, w_ref, u_ref, aqk_ref, qg_ref, kt_
 
 
 def _require_settled(name: str, blocks: ChunkBlocks) -> None:
-    if "auto" in (blocks.intra, blocks.factors, blocks.inverse, blocks.solve):
+    if "auto" in (blocks.intra, blocks.factors, blocks.inverse, blocks.solve, blocks.cumsum):
         raise ValueError(f"{name}: ChunkBlocks has 'auto' fields; pass blocks.resolve(value dtype)")
 
 
@@ -275,14 +275,17 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         if given:
             per, warps = blocks.diagonal_launch(h, tokens)
             akk_d, aqk_d, *local = diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, heads=per,
-                                                  num_warps=warps, interpret=interpret, cumsum=lc is None)
+                                                  num_warps=warps, interpret=interpret, cumsum=lc is None,
+                                                  band=blocks.diagonal_band)
             extra += (akk_d, aqk_d)
             lc = local[0] if local else lc
         akk, aqk = pl.pallas_call(
             functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice, diagonal_given=given,
-                              invert=blocks.inverse if sliced else None, interpret=interpret),
+                              band=blocks.diagonal_band, invert=blocks.inverse if sliced else None,
+                              interpret=interpret),
             grid=(b, h, n),
-            in_specs=[raw(kd), raw(kd), blk(c, kd)] + [raw()] * sliced + [blk(c, c), blk(c, c)] * given,
+            in_specs=[raw(kd), raw(kd), blk(c, kd)] + [raw()] * sliced
+                     + [blk(c, SUB if blocks.diagonal_band else c)] * (2 * given),
             out_specs=[blk(c, c)] * 2, out_shape=joint_out, compiler_params=pair_params, interpret=interpret,
             name="kda_chunk_pairs")(qc, kc, lc, *extra)
     elif blocks.pairs == "tiles":
@@ -405,6 +408,8 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.solve == "sliced" and blocks.pairs not in ("joint", "diagonal"):
         raise ValueError(f"{name}: solve='sliced' takes the inverse from pairs='joint' or 'diagonal', "
                          f"got pairs={blocks.pairs!r}")
+    if type(blocks.diagonal_band) is not bool:
+        raise ValueError(f"{name}: diagonal_band must be True or False, got {blocks.diagonal_band!r}")
     if type(blocks.diagonal_heads) is not int or blocks.diagonal_heads not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: diagonal_heads must be 0 (auto), 1, 2, 4 or 8, got {blocks.diagonal_heads!r}")
     fs = blocks.factors_slice
@@ -425,7 +430,7 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.layout not in ("tokens", "chunked"):
         raise ValueError(f"{name}: layout must be 'tokens' or 'chunked', got {blocks.layout!r}")
     if blocks.cumsum not in ("xla", "pallas", "diagonal"):
-        raise ValueError(f"{name}: cumsum must be 'xla', 'pallas' or 'diagonal', got {blocks.cumsum!r}")
+        raise ValueError(f"{name}: cumsum must be 'auto', 'xla', 'pallas' or 'diagonal', got {blocks.cumsum!r}")
     if blocks.cumsum == "diagonal" and (blocks.intra != "parallel" or blocks.pairs != "diagonal"):
         raise ValueError(f"{name}: cumsum='diagonal' is written by the per-token launch of intra='parallel' with "
                          f"pairs='diagonal', got intra={blocks.intra!r}, pairs={blocks.pairs!r}")

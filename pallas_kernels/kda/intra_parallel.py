@@ -162,13 +162,22 @@ def decay_pairs_kernel(left_ref, k_ref, l_ref, a_ref, *, scale: float, diagonal:
     a_ref[...] = jax.lax.fori_loop(0, kd // key_slice, one_slice, jnp.zeros((c, c), jnp.float32)).astype(a_ref.dtype)
 
 
+def band_blocks(band_ref, rows, cols):
+    """A band [C, SUB] from `intra_diagonal.diagonal_pairs(band=True)` (row r's entry j of its sub-block at
+    column j % SUB) -> the [C, C] matrix it stands for: its diagonal SUB x SUB blocks, zeros elsewhere.
+    rows = arange(C), cols = rows[None, :]."""
+    full = band_ref[rows[:, None], cols % SUB]
+    return jnp.where(rows[:, None] // SUB == cols // SUB, full, 0.0)
+
+
 def joint_pairs_kernel(q_ref, k_ref, l_ref, *refs, scale: float, key_slice: int, diagonal_given: bool = False,
-                       invert: str | None = None, interpret: bool = False):
+                       band: bool = False, invert: str | None = None, interpret: bool = False):
     """A_kk (j < r) and A_qk (j <= r, q scaled) of one chunk in one launch: each level's decay
     factors and k e^(G_a - G_j) are formed once for both. q/k [C, K], l [C, K] fp32 -> two [C, C].
 
     refs: (akk_ref, aqk_ref), with `diagonal_given` (dkk_ref, dqk_ref) first: the diagonal 16 x 16 blocks
-    [C, C] fp32 from `intra_diagonal.diagonal_pairs`, to which only the levels across sub-blocks are added;
+    from `intra_diagonal.diagonal_pairs`, [C, C] fp32 (or with `band` [C, SUB]: `band_blocks`), to which only
+    the levels across sub-blocks are added;
     with `invert` (the inverse's precision, `ChunkBlocks.inverse`) b_ref [C] (beta) first of all, and
     akk_ref receives T = (I + diag(beta) A_kk)^-1 in its dtype instead of A_kk."""
     c, kd = k_ref.shape
@@ -193,7 +202,7 @@ def joint_pairs_kernel(q_ref, k_ref, l_ref, *refs, scale: float, key_slice: int,
                             inside=not diagonal_given)
 
     if diagonal_given:
-        init = (refs[0][...], refs[1][...])
+        init = tuple(band_blocks(r, rows, cols) if band else r[...] for r in refs[:2])
     else:
         init = (jnp.zeros((c, c), jnp.float32),) * 2
     akk, aqk = jax.lax.fori_loop(0, kd // key_slice, one_slice, init)

@@ -95,20 +95,26 @@ class ChunkBlocks:
                              # call takes the tokens layout, else 1; 0 (auto): 2 where H is even
                              # (H200, H = 32: 1 / 2 / 4 heads 310 / 288 / 285 us)
     diagonal_num_warps: int = 0  # ... and its warps (0: one per head; a program holds [heads, K] rows)
+    diagonal_band: bool = True   # ... writes only the diagonal blocks, [C, 16] a chunk, for the pairs launch to
+                                 # expand (else whole [C, C] rows, three quarters zeros)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
                              # or "tf32" (as fla); auto: tf32 with bf16 factors, else tf32x3
-    cumsum: str = "pallas"   # "parallel": the decay summed per 16-row sub-block in a Pallas launch ("pallas"), by
+    cumsum: str = "auto"     # "parallel": the decay summed per 16-row sub-block in a Pallas launch ("pallas"), by
                              # XLA ("xla", a windowed reduction), or written by pairs="diagonal"'s per-token launch
-                             # as its running sum's last value ("diagonal": no launch of its own; not yet timed on
-                             # a GPU); Pallas 2.94 -> 2.81 ms at H = 32 and 6.87 -> 6.68 at H = 96 against XLA
-                             # (host-timed, run 5; the profiles are mixed: RESULTS.md)
+                             # as its running sum's last value ("diagonal": no launch of its own); auto: "diagonal"
+                             # with pairs="diagonal", else "pallas". H200, device time (KDA run 20): the per-token
+                             # launch 289 -> 315 us against the cumsum launch's 69 at H = 32, 842 -> 878 against 208
+                             # at H = 96; Pallas 2.94 -> 2.81 ms at H = 32 against XLA (host-timed, run 5)
     factors: str = "auto"    # dtype of W, U, A_qk, q e^G and k e^(G_C - G) between the two passes: "float32" or
                              # "bfloat16" (half the bytes; the sequential pass's products then run on bf16
                              # operands, the state kept fp32); auto: bf16 for bf16 values, else fp32
     sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel ("parallel": always 16)
     key_slice: int = 32      # key (and value) columns per pass of the "parallel" kernels (bounds their registers)
-    factors_slice: int = 0   # solve="sliced": key (and value) columns per program of the W, U, ... launch (0: key_slice)
-    factors_num_warps: int = 0   # ... and its warps (0: num_warps)
+    factors_slice: int = 128  # solve="sliced": key (and value) columns per program of the W, U, ... launch (0:
+                              # key_slice). H200, device time (KDA run 20), H = 32 / 96: 32 columns at 4 warps 336 /
+                              # 1,048 us, 64 at 4 warps 275 / 863, 64 at 8 288 / 866, 128 at 8 264 / 805 (128 at 4
+                              # warps spills: 255 registers, `triton_resources.py`)
+    factors_num_warps: int = 8   # ... and its warps (0: num_warps; 2 warps at 32 columns: 354 / 1,102 us)
     value_block: int = 32    # state columns per program of the sequential kernel
     inter: str = "fused"     # sequential pass: "fused" (outputs inside the chunk loop) or "split" (a state-only
                              # pass, then every chunk's outputs in parallel: `inter_split.py`; fp32 factors)
@@ -151,7 +157,10 @@ class ChunkBlocks:
         solve = self.solve
         if solve == "auto":
             solve = "sliced" if intra == "parallel" and self.pairs in ("joint", "diagonal") else "whole"
-        return replace(self, intra=intra, factors=factors, inverse=inverse, solve=solve)
+        cumsum = self.cumsum
+        if cumsum == "auto":
+            cumsum = "diagonal" if intra == "parallel" and self.pairs == "diagonal" else "pallas"
+        return replace(self, intra=intra, factors=factors, inverse=inverse, solve=solve, cumsum=cumsum)
 
     def diagonal_launch(self, heads: int, tokens: bool) -> tuple[int, int]:
         """(heads per program, warps) of pairs="diagonal"'s per-token launch over `heads` heads; one head a

@@ -65,6 +65,7 @@ def _l2(x):
     (1, 70, 4, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/dh2/bf16"),   # two heads a program, set
     # the local cumulative decay written by the per-token launch: both layouts, unbounded gates, one sub-block a chunk
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal-cumsum"),
+    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pallas-cumsum"),   # its own launch
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/diagonal-cumsum/chunked"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/diagonal-cumsum"),
 ])
@@ -83,8 +84,8 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
-                                               cumsum=("xla" if "xla-cumsum" in options else "diagonal"
-                                                       if "diagonal-cumsum" in options else "pallas"),
+                                               cumsum=next((c for c in ("xla", "pallas", "diagonal")
+                                                            if c + "-cumsum" in options), "auto"),
                                                inverse="tf32" if "tf32" in options else "tf32x3",
                                                pairs=next((p for p in ("separate", "tiles", "joint", "diagonal")
                                                            if p in options), ChunkBlocks.pairs),
@@ -236,9 +237,9 @@ def test_chunk_kernels_lower_for_cuda_at_the_48b_shape(triton_for_hopper, intra,
     call = jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False))
     module = jax.export.export(call, platforms=["cuda"], disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
-    # parallel: the local cumsum, the diagonal blocks per token, the levels across sub-blocks with the inverse,
-    # then W, U, ... by key slices; split: the state pass and the outputs
-    launches = {"blocked": 1, "parallel": 4}[intra] + {"fused": 1, "split": 2}[inter]
+    # parallel: the diagonal blocks per token (with the local cumsum), the levels across sub-blocks with the
+    # inverse, then W, U, ... by key slices; split: the state pass and the outputs
+    launches = {"blocked": 1, "parallel": 3}[intra] + {"fused": 1, "split": 2}[inter]
     assert module.mlir_module().count("__gpu$xla.gpu.triton") == launches
 
 
@@ -285,7 +286,8 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(pairs="diagonal", diagonal_num_warps=3), "diagonal_num_warps must be"),
     (ChunkBlocks(pairs="diagonal", diagonal_heads=2), "H=1 is not a multiple of 2"),
     (ChunkBlocks(pairs="joint", cumsum="diagonal"), "cumsum='diagonal' is written by"),
-    (ChunkBlocks(cumsum="scan"), "cumsum must be 'xla', 'pallas' or 'diagonal'"),
+    (ChunkBlocks(cumsum="scan"), "cumsum must be 'auto', 'xla', 'pallas' or 'diagonal'"),
+    (ChunkBlocks(diagonal_band=1), "diagonal_band must be True or False"),
     (ChunkBlocks(factors_slice=48), "factors_slice must be 0"),
     (ChunkBlocks(factors_slice=8), "factors_slice must be 0"),
     (ChunkBlocks(factors_num_warps=3), "factors_num_warps must be"),
@@ -302,16 +304,19 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
     """"auto" fields: the parallel form up to 64-token chunks, bf16 factors (and one TF32 product per
     inverse step) for bf16 values only, fp32 factors for the split pass."""
     bf16, fp32 = ChunkBlocks().resolve("bfloat16"), ChunkBlocks().resolve("float32")
-    assert (bf16.intra, bf16.factors, bf16.inverse, bf16.solve) == ("parallel", "bfloat16", "tf32", "sliced")
+    assert (bf16.intra, bf16.factors, bf16.inverse, bf16.solve, bf16.cumsum) == ("parallel", "bfloat16", "tf32",
+                                                                                 "sliced", "diagonal")
     assert (fp32.intra, fp32.factors, fp32.inverse, fp32.solve) == ("parallel", "float32", "tf32x3", "sliced")
     assert ChunkBlocks(pairs="tiles").resolve("bfloat16").solve == "whole"     # no inverse in the tiles launch
+    assert ChunkBlocks(pairs="joint").resolve("bfloat16").cumsum == "pallas"   # no per-token launch to write it
+    assert ChunkBlocks(chunk=128).resolve("bfloat16").cumsum == "pallas"
     assert ChunkBlocks().diagonal_launch(32, tokens=True) == (2, 2)           # two heads a program, a warp each
     assert ChunkBlocks().diagonal_launch(3, tokens=True) == ChunkBlocks().diagonal_launch(32, tokens=False) == (1, 1)
     assert ChunkBlocks(diagonal_heads=4, diagonal_num_warps=2).diagonal_launch(32, tokens=True) == (4, 2)
     assert ChunkBlocks(diagonal_heads=4).diagonal_launch(32, tokens=False) == (1, 1)   # chunked: a head a program
     assert ChunkBlocks(chunk=128).resolve("bfloat16").intra == "blocked"
     assert ChunkBlocks(inter="split").resolve("bfloat16").factors == "float32"
-    explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32", solve="whole")
+    explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32", solve="whole", cumsum="xla")
     assert explicit.resolve("bfloat16") == explicit      # settings given are kept
 
 
@@ -333,7 +338,8 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
 @pytest.mark.parametrize("chunk", [64, 32])
 @pytest.mark.parametrize("form", [dict(pairs="tiles"), dict(pairs="diagonal", solve="whole"),
                                   dict(pairs="diagonal", solve="sliced"), dict(pairs="joint", solve="sliced"),
-                                  dict(solve="sliced", factors_slice=32, factors_num_warps=2)])
+                                  dict(solve="sliced", factors_slice=32, factors_num_warps=2),
+                                  dict(pairs="diagonal", diagonal_band=False)])
 def test_pair_and_solve_forms_equal_joint_pairs(rng, interpret, chunk, form):
     """Each pairs / solve form gives the joint pairs' six outputs after the one-launch solve (W, U, A_qk
     with its zero upper half, q e^G, k e^(G_C - G), e^(G_C)) to fp32 rounding, with gates weak enough that
@@ -366,9 +372,9 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     q, k = (jnp.asarray(_l2(rng.standard_normal((b, t, h, kd))), jnp.float32) for _ in range(2))
     g = jnp.asarray(rng.uniform(*gates, (b, t, h, kd)), jnp.float32)
     expected = local_cumsum(to_chunks(g, c))
-    run = lambda split, tokens, cumsum, heads=1: diagonal_pairs(
+    run = lambda split, tokens, cumsum, heads=1, band=False: diagonal_pairs(
         *(split(x, c) for x in (q, k, g)), scale=0.5, tokens=tokens, heads=heads, num_warps=heads,
-        interpret=interpret, cumsum=cumsum)
+        interpret=interpret, cumsum=cumsum, band=band)
     one_head = run(to_chunks, False, True)
     for got, want in zip(run(to_chunk_rows, True, True, heads=2), one_head):   # two heads a program, tokens layout
         assert_close("two heads a program", got, want, dtype=kernel_dtype("float32", interpret))
@@ -378,6 +384,16 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
         akk_only, aqk_only = run(split, tokens, False)
         np.testing.assert_array_equal(np.asarray(akk), np.asarray(akk_only))
         np.testing.assert_array_equal(np.asarray(aqk), np.asarray(aqk_only))
+        for band, rows in zip(run(split, tokens, True, band=True), (akk, aqk, local)):   # only the diagonal blocks
+            band, rows = np.asarray(band), np.asarray(rows)
+            if band.shape == rows.shape:
+                np.testing.assert_array_equal(band, rows)       # the local cumsum
+                continue
+            assert band.shape == rows.shape[:-1] + (16,)
+            blocks = rows.reshape(*rows.shape[:-2], c // 16, 16, c // 16, 16)
+            inside = np.stack([blocks[..., i, :, i, :] for i in range(c // 16)], axis=-3)
+            np.testing.assert_array_equal(band, inside.reshape(band.shape))
+            assert np.abs(band).sum() > 0
 
 
 @pytest.mark.parametrize("t,dtype,cumsum,pairs", [
