@@ -154,9 +154,12 @@ def fla_kernel_times(torch, fn, calls: int = 10) -> dict[str, float]:
 def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("float32",)):
     """variants: names from VARIANTS to time (None: all). profile: device time per kernel of each
     variant's call (and of fla's) from a profiler trace. qk_dtypes: q and k as our kernels get them after
-    the L2 norm (fp32, as the models pass them, or rounded to bf16 as fla's norm returns them; the XLA
-    reference always takes fp32); each variant is timed with each, "<name>@qk-bf16" for bf16."""
-    chosen = {(n + ("" if qd == "float32" else "@qk-bf16"), qd): VARIANTS[n].resolve("bfloat16")
+    the L2 norm (fp32, as the models passed them before normalize_qk, or rounded to bf16 as fla's norm returns
+    them; the XLA reference always takes fp32), or "raw": as they leave the conv, the call normalising them
+    (`normalize_qk=True`, as the models pass them now); each variant is timed with each, "<name>@qk-bf16" for
+    bf16, "<name>@norm-in" for raw."""
+    suffix = {"float32": "", "bfloat16": "@qk-bf16", "raw": "@norm-in"}
+    chosen = {(n + suffix[qd], qd): VARIANTS[n].resolve("bfloat16")
               for n in (variants or VARIANTS) for qd in qk_dtypes}   # bf16 q, k, v below
     rows = []
     for (b, t, h, kd) in shapes:
@@ -173,16 +176,21 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
         t_ref, _ = median_time(lambda: ref(q, k, v, g, beta, s0), warmup=1, iters=max(3, iters // 10))
         variants = {}
         for (name, qk_dtype), blocks in chosen.items():
-            l2_in = lambda x, qk_dtype=qk_dtype: l2(x).astype(qk_dtype)
-            ours = jax.jit(lambda q, k, v, g, beta, s0, blocks=blocks: kda_chunk_pallas(
-                l2_in(q), l2_in(k), v, g, beta, initial_state=s0, blocks=blocks))
+            raw = qk_dtype == "raw"     # the call normalises q and k (inside its kernels where it can)
+            l2_in = (lambda x: x) if raw else (lambda x, qk_dtype=qk_dtype: l2(x).astype(qk_dtype))
+            inside = raw and blocks.normalizes_qk
+            if raw and not inside:
+                l2_in = l2
+            ours = jax.jit(lambda q, k, v, g, beta, s0, blocks=blocks, raw=raw: kda_chunk_pallas(
+                q if raw else l2_in(q), k if raw else l2_in(k), v, g, beta, initial_state=s0, blocks=blocks,
+                normalize_qk=raw))
             t_v, _ = median_time(lambda: ours(q, k, v, g, beta, s0), iters=iters)
             o, s = ours(q, k, v, g, beta, s0)
             tokens = blocks.reads_tokens    # the two passes timed alone, in the layout the variant's call uses
             split = to_chunk_rows if tokens else to_chunks
             parts = jax.jit(lambda *xs: [split(x, blocks.chunk) for x in xs])(l2_in(q), l2_in(k), v, g, beta)
-            intra = jax.jit(lambda *p_, blocks=blocks, tokens=tokens: chunk_intra(
-                *p_, scale=kd ** -0.5, blocks=blocks, interpret=default_interpret(), tokens=tokens))
+            intra = jax.jit(lambda *p_, blocks=blocks, tokens=tokens, inside=inside: chunk_intra(
+                *p_, scale=kd ** -0.5, blocks=blocks, interpret=default_interpret(), tokens=tokens, normalize=inside))
             t_intra, _ = median_time(lambda: intra(*parts), iters=iters)
             factors = intra(*parts)
             inter = jax.jit(lambda *f_, blocks=blocks, tokens=tokens: chunk_inter(
@@ -361,8 +369,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", nargs="+", type=int, default=[32, 96], help="prefill head counts")
     ap.add_argument("--lengths", nargs="+", type=int, default=[8192], help="prefill sequence lengths T (B = 1)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), help="prefill kernel variants to time (default all)")
-    ap.add_argument("--qk-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
-                    help="prefill: q and k after the L2 norm as the kernels get them (each variant timed with each)")
+    ap.add_argument("--qk-dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16", "raw"],
+                    help="prefill: q and k after the L2 norm as the kernels get them (each variant timed with each; "
+                         "raw: as they leave the conv, normalize_qk=True)")
     ap.add_argument("--name", help="the JSON's file name (default kda, kda_prefill or kda_decode)")
     ap.add_argument("--profile", action="store_true",
                     help="prefill: device time per kernel (ours and fla's); decode: the kernel's device time per layer")
@@ -380,7 +389,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     fla = None if (args.small or args.no_fla) else fla_functions()
     if args.small:
-        pre = prefill_rows([(1, 96, 2, 16)], None, 3, args.variants, args.profile)
+        pre = prefill_rows([(1, 96, 2, 16)], None, 3, args.variants, args.profile, args.qk_dtypes)
         dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 32, 3, None, 3, state_dtype=sd,
                                                                      splits=args.splits, columns=args.column_blocks,
                                                                      ceiling=args.ceiling, profile=args.profile)]

@@ -12,6 +12,7 @@
     python benchmarks/plot.py kda-stages   # the sequential pass's pipeline stages (KDA run 10)
     python benchmarks/plot.py kda-tiles    # the tiled intra forms against the default (KDA run 12)
     python benchmarks/plot.py kda-diagonal # device time per kernel: diagonal blocks per token, joint, fla (run 19)
+    python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
     python benchmarks/plot.py all
@@ -439,6 +440,51 @@ def plot_kda_diagonal(out: str) -> str:
     return _save(fig, os.path.join(out, "kda_diagonal.png"))
 
 
+KDA_LENGTHS = "kda_prefill_lengths_run22.json"          # RESULTS.md, KDA run 22: prefill over T, H = 32
+KDA_BATCHES = "kda_decode_run8_batches_b777e8c.json"    # KDA decode run 8: one layer's step over B, H = 32
+
+
+def plot_kda_scaling(out: str) -> str:
+    """Issue 16's two curves: prefill time against T (ours and fla's chunk_kda in one process, B = 1, H = 32) and
+    the decode step's state bandwidth against batch (ours, fla's fused_recurrent_kda, the bare state stream and
+    XLA's elementwise pass over the same bytes), as a share of 4.3 TB/s."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.3))
+    rows = sorted(_load(KDA_LENGTHS)["prefill"], key=lambda r: r["T"])
+    ts = [r["T"] for r in rows]
+    left.plot(ts, [r["ours_ms"] for r in rows], "o-", label="k3jax (Pallas), default")
+    left.plot(ts, [r["fla_ms"] for r in rows], "s--", label="fla chunk_kda")
+    for r in rows:
+        left.annotate(f"{r['speedup_vs_fla']:.2f}x", (r["T"], r["ours_ms"]), textcoords="offset points",
+                      xytext=(0, 7), ha="center", fontsize=7)
+    left.set_xticks(ts, [str(t) for t in ts])
+    _axes(left, "T (tokens, B = 1)", "ms per call", "KDA prefill, H = 32, K = V = 128, bf16 (label: ours / fla)")
+    dec = sorted(_load(KDA_BATCHES)["decode"], key=lambda r: r["B"])
+    bs = [r["B"] for r in dec]
+    pct = lambda tb: 100 * tb / 4.3
+    right.plot(bs, [r["pct_4.3TB_s"] for r in dec], "o-", label="k3jax one-token kernel")
+    right.plot(bs, [pct(r["fla_TB_s"]) for r in dec], "s--", label="fla fused_recurrent_kda")
+    right.plot(bs, [r["ceiling_pct_4.3TB_s"]["pallas stream 4w"] for r in dec], ":", label="state read + write only "
+               "(Pallas, same grid)")
+    right.plot(bs, [r["ceiling_pct_4.3TB_s"]["xla scale"] for r in dec], ":", label="XLA elementwise over the state")
+    right.axhline(70, color="grey", ls="--", lw=0.8, label="issue 16 target (70%)")
+    right.set_xticks(bs, [str(b) for b in bs])
+    right.set_yscale("linear")
+    _axes(right, "batch (rows)", "% of 4.3 TB/s (state bytes)", "KDA decode step per layer, H = 32, fp32 state",
+          log_y=False)
+    return _save(fig, os.path.join(out, "kda_scaling.png"))
+
+
+def _axes(ax, xlabel: str, ylabel: str, title: str, log_y: bool = True) -> None:
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 SERVER_LOAD = "server_load_kimi-linear-48b.json"
 SERVER_LOAD_MORE = "server_load_run2_64_256.json"  # 64 and 256 clients, a later commit (e10e856)
 
@@ -478,14 +524,15 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
-                                      "kda-kernels", "kda-diagonal", "kda-stages", "kda-tiles", "mla-merge", "mxfp4",
+                                      "kda-kernels", "kda-diagonal", "kda-scaling", "kda-stages", "kda-tiles",
+                                      "mla-merge", "mxfp4",
                                       "server", "all"])
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args(argv)
     for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative),
                      ("prefill", plot_prefill), ("mla", plot_mla_decode), ("mla-step", plot_mla_step),
                      ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels),
-                     ("kda-diagonal", plot_kda_diagonal),
+                     ("kda-diagonal", plot_kda_diagonal), ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4)):
         if args.which in (name, "all"):

@@ -51,10 +51,10 @@ def _build_cases():
     kda_args = (spec((b, t, h, kd), jnp.bfloat16),) * 3 + (spec((b, t, h, kd), jnp.float32),
                                                           spec((b, t, h), jnp.float32))
 
-    def kda(**kw):
+    def kda(normalize_qk=False, **kw):
         blocks = ChunkBlocks(**kw)
-        return (jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False)),
-                kda_args)
+        return (jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False,
+                                                                  normalize_qk=normalize_qk)), kda_args)
 
     from pallas_kernels.kda import DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_decode_pallas
     from pallas_kernels.mla_decode.merge import merge_splits_pallas
@@ -108,6 +108,7 @@ def _build_cases():
         "kda-chunk-diagonal-whole": kda(solve="whole"),
         "kda-chunk-dh4": kda(diagonal_heads=4),
         "kda-chunk-diagonal-cumsum": kda(cumsum="diagonal"),     # the per-token launch writes the local cumsum
+        "kda-chunk-norm-in": kda(normalize_qk=True),     # q and k L2-normalised in the per-token launch
         "kda-chunk-rows": kda(diagonal_band=False),     # the per-token launch writing whole [C, C] rows
         "kda-chunk-fs64": kda(factors_slice=64),         # W, U, ... launch at 64 / 128 key columns a program
         "kda-chunk-fs128": kda(factors_slice=128),

@@ -20,7 +20,6 @@ from k3jax.state import KDAPending, KDAState, SeqInfo
 from pallas_kernels.kda import (DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda, kda_decode, kda_decode_steps,
                                 kda_verify_outputs)
 from pallas_kernels.kda import forget_gate as gate_from_logits
-from pallas_kernels.kda import l2_normalize
 from pallas_kernels.skinny import SkinnyImpl, fused_projections
 
 
@@ -138,7 +137,7 @@ class KimiDeltaAttention(nnx.Module):
         beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
         beta = jnp.where(valid, beta, 0.0)
 
-        o, s = kda(l2_normalize(q), l2_normalize(kk), v, g, beta, scale=k ** -0.5,
+        o, s = kda(q, kk, v, g, beta, scale=k ** -0.5, normalize_qk=True,
                    initial_state=None if state is None else state.recurrent.astype(jnp.float32),
                    impl=cfg.impl, chunk_size=cfg.chunk_size)
 

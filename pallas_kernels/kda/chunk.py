@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._util import default_interpret, is_pow2, multiprocessor_count
 from pallas_kernels.kda.inter_split import chunk_inter_split
+from pallas_kernels.kda.gate import l2_normalize
 from pallas_kernels.kda.intra_diagonal import diagonal_pairs
 from pallas_kernels.kda.intra_tiles import tile_pairs_kernel
 from pallas_kernels.kda.intra_parallel import (SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum,
@@ -194,21 +195,28 @@ def _require_settled(name: str, blocks: ChunkBlocks) -> None:
         raise ValueError(f"{name}: ChunkBlocks has 'auto' fields; pass blocks.resolve(value dtype)")
 
 
-def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False):
+def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False,
+                normalize: bool = False):
     """Kernel 1 on chunked inputs [B, H, N, C, ...] (with `tokens`: [B, N, C, H, ...], the caller's
     layout with its time axis split, "parallel" only) -> (W, U, A_qk, q e^G, k e^(G_C - G), e^(G_C)),
-    each [B, H, N, C, ...]. blocks: settled (`ChunkBlocks.resolve`)."""
+    each [B, H, N, C, ...]. blocks: settled (`ChunkBlocks.resolve`). normalize: q and k are not yet
+    L2-normalised; the per-token launch does it (`blocks.normalizes_qk` only)."""
     _require_settled("chunk_intra", blocks)
+    if normalize and not blocks.normalizes_qk:
+        raise ValueError(f"chunk_intra: q and k are L2-normalised inside the per-token launch of intra='parallel' "
+                         f"with pairs='diagonal' only, got intra={blocks.intra!r}, pairs={blocks.pairs!r}")
     if tokens:
         if not blocks.reads_tokens:
             raise ValueError("chunk_intra: inputs in the tokens layout need layout='tokens', the 'parallel' form, "
                              "the Pallas cumsum and the fused pass")
-        return _intra_parallel(qc, kc, vc, gc, bc, scale=scale, blocks=blocks, interpret=interpret, tokens=True)
+        return _intra_parallel(qc, kc, vc, gc, bc, scale=scale, blocks=blocks, interpret=interpret, tokens=True,
+                               normalize=normalize)
     b, h, n, c, kd = qc.shape
     vd = vc.shape[-1]
     f32 = jnp.float32
     if blocks.intra == "parallel":
-        return _intra_parallel(qc, kc, vc, gc, bc, scale=scale, blocks=blocks, interpret=interpret)
+        return _intra_parallel(qc, kc, vc, gc, bc, scale=scale, blocks=blocks, interpret=interpret,
+                               normalize=normalize)
     if blocks.intra == "blocked":
         intra = functools.partial(_intra_blocked_kernel, scale=scale, sub=blocks.sub_chunk)
     else:
@@ -229,7 +237,8 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
     )(qc, kc, vc, gc, bc)
 
 
-def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False):
+def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False,
+                    normalize: bool = False):
     """`chunk_intra` as three or four launches (`intra_parallel.py`): the local cumsum (or XLA's), A_kk and A_qk
     (one launch, or one each with blocks.pairs = "separate", or by 16-row tiles with "tiles": `intra_tiles.py`,
     or the diagonal blocks one program per token first with "diagonal": `intra_diagonal.py`),
@@ -274,11 +283,13 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         extra = (bc,) if sliced else ()
         if given:
             per, warps = blocks.diagonal_launch(h, tokens)
-            akk_d, aqk_d, *local = diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, heads=per,
-                                                  num_warps=warps, interpret=interpret, cumsum=lc is None,
-                                                  band=blocks.diagonal_band)
+            akk_d, aqk_d, *rest = diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, heads=per,
+                                                 num_warps=warps, interpret=interpret, cumsum=lc is None,
+                                                 band=blocks.diagonal_band, normalize=normalize)
             extra += (akk_d, aqk_d)
-            lc = local[0] if local else lc
+            if normalize:
+                qc, kc = rest[-2:]
+            lc = rest[0] if lc is None else lc
         akk, aqk = pl.pallas_call(
             functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice, diagonal_given=given,
                               band=blocks.diagonal_band, invert=blocks.inverse if sliced else None,
@@ -455,13 +466,15 @@ def to_chunk_rows(x, chunk: int):
     return x.reshape(b, n, chunk, h, *x.shape[3:])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret", "normalize_qk"))
 def kda_chunk_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, blocks: ChunkBlocks = ChunkBlocks(),
-                     interpret: bool | None = None):
+                     interpret: bool | None = None, normalize_qk: bool = False):
     """Chunked KDA prefill in Pallas kernels; same contract as `kda_recurrent_reference`.
 
     Args:
-      q, k: [B, T, H, K] L2-normalised. v: [B, T, H, V]. g: [B, T, H, K] log decay (<= 0).
+      q, k: [B, T, H, K] L2-normalised, or with `normalize_qk` as they are, to be L2-normalised here (inside
+        the per-token launch where `blocks.normalizes_qk`, else by XLA first: `gate.l2_normalize`).
+        v: [B, T, H, V]. g: [B, T, H, K] log decay (<= 0).
       beta: [B, T, H] in (0, 1). scale: q multiplier (default K^-1/2).
       initial_state: [B, H, K, V] or None (zeros).
       blocks: chunk and launch settings (K, V and the chunk powers of two). interpret: default
@@ -478,10 +491,13 @@ def kda_chunk_pallas(q, k, v, g, beta, *, scale=None, initial_state=None, blocks
     scale = kd ** -0.5 if scale is None else scale
     interpret = default_interpret() if interpret is None else interpret
     tokens = blocks.reads_tokens
+    inside = normalize_qk and blocks.normalizes_qk
+    if normalize_qk and not inside:
+        q, k = l2_normalize(q), l2_normalize(k)
     split = to_chunk_rows if tokens else to_chunks
     parts = [split(x, c) for x in (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32))]
     s0 = jnp.zeros((b, h, kd, vd), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-    factors = chunk_intra(*parts, scale=scale, blocks=blocks, interpret=interpret, tokens=tokens)
+    factors = chunk_intra(*parts, scale=scale, blocks=blocks, interpret=interpret, tokens=tokens, normalize=inside)
     o, s = chunk_inter(*factors, s0, out_dtype=v.dtype, blocks=blocks, interpret=interpret, tokens=tokens)
     n = -(-t // c)
     if tokens:

@@ -12,6 +12,10 @@ exponent is <= 0 for any gate, and no cumulative sum is read. The work is elemen
 inside a sub-block were four masked [C, C] products per key slice in one program of 255 registers.
 
 A_kk's diagonal entry (j = r) is written too (as |k_r|^2); the solve reads only j < r of A_kk.
+
+With `normalize`, q and k arrive as they leave the short conv and the launch L2-normalises them (`gate.l2_normalize`:
+each k_j of the walk again, one more sum a step) and writes its own token's q / |q| and k / |k| in fp32 for the
+launches after it, in place of XLA's norm: one launch and one read of q and k fewer.
 """
 
 from __future__ import annotations
@@ -21,27 +25,40 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.kda.gate import L2_EPS
 from pallas_kernels.kda.intra_parallel import SUB
 
 
-def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *l_ref, scale: float, chunk: int, band: bool):
+def _unit_rows(x):
+    """[heads, K] -> each row over sqrt(its sum of squares + L2_EPS), as `gate.l2_normalize`."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
+
+
+def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scale: float, chunk: int, band: bool,
+                          cumsum: bool, normalize: bool):
     """Program (row, head block, token t) over `heads` heads: q [heads, K] (token t), k and g
     [SUB, heads, K] (t's sub-block, g the log decay) -> row t of each head's A_kk and A_qk, fp32: with `band`
     [heads, SUB], the SUB entries of t's diagonal block (j <= t, zeros after t), else [heads, C] with zeros
-    outside that block; with l_ref, also the decay summed over t's sub-block up to t, [heads, K] (the running
-    sum's last value: `intra_parallel.local_cumsum`)."""
+    outside that block. out_refs: with `cumsum` the decay summed over t's sub-block up to t, [heads, K] (the
+    running sum's last value: `intra_parallel.local_cumsum`); then with `normalize` (q and k taken as they are
+    and L2-normalised here) t's q and k normalised, [heads, K] fp32 each."""
     f32 = jnp.float32
+    unit = _unit_rows if normalize else (lambda x: x)
     t = pl.program_id(2)
     r = t % SUB                          # t's row inside its sub-block
     first = 0 if band else t % chunk - r   # the sub-block's first column in the output row
-    q = q_ref[...].astype(f32) * scale
-    k_r = k_ref[r].astype(f32)
+    q = unit(q_ref[...].astype(f32))
+    k_r = unit(k_ref[r].astype(f32))
+    if normalize:
+        out_refs[-2][...] = q
+        out_refs[-1][...] = k_r
+    q = q * scale
     cols = jnp.arange(SUB if band else chunk, dtype=jnp.int32)[None, :]
 
     def step(i, carry):
         akk, aqk, decay = carry          # decay: G_t - G_j for j = r - i, [heads, K], <= 0
         j = r - i
-        kd = k_ref[j].astype(f32) * jnp.exp(decay)
+        kd = unit(k_ref[j].astype(f32)) * jnp.exp(decay)
         at = cols == first + j
         return (jnp.where(at, jnp.sum(k_r * kd, axis=1, keepdims=True), akk),
                 jnp.where(at, jnp.sum(q * kd, axis=1, keepdims=True), aqk),
@@ -51,17 +68,19 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *l_ref, scale: 
     akk, aqk, local = jax.lax.fori_loop(0, r + 1, step, (zeros, zeros, jnp.zeros_like(q)))
     akk_ref[...] = akk
     aqk_ref[...] = aqk
-    if l_ref:
-        l_ref[0][...] = local
+    if cumsum:
+        out_refs[0][...] = local
 
 
 def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_warps: int, interpret: bool,
-                   cumsum: bool = False, band: bool = False):
+                   cumsum: bool = False, band: bool = False, normalize: bool = False):
     """The diagonal blocks of every chunk: q, k [B, H, N, C, K] (with `tokens`: [B, N, C, H, K]), g the
-    log decay in the same layout, fp32 -> (A_kk, A_qk) fp32, [B, H, N, C, C] zero outside the diagonal
+    log decay in the same layout, fp32 -> [A_kk, A_qk] fp32, [B, H, N, C, C] zero outside the diagonal
     16 x 16 blocks, or with `band` only those blocks, [B, H, N, C, SUB] (row r's entry j of its sub-block at
-    column j % SUB: `intra_parallel.band_blocks` expands it); with `cumsum` also the local cumulative decay [B, H, N, C, K]
-    fp32 (`local_cumsum`'s contract). `heads` per program (H a multiple of it; the tokens layout only, else 1)."""
+    column j % SUB: `intra_parallel.band_blocks` expands it); then with `cumsum` the local cumulative decay
+    [B, H, N, C, K] fp32 (`local_cumsum`'s contract); then with `normalize` (q and k not yet L2-normalised)
+    q and k normalised, fp32 in their own layout. `heads` per program (H a multiple of it; the tokens layout
+    only, else 1)."""
     if tokens:
         b, n, c, h, kd = qc.shape
         row = pl.BlockSpec((None, None, None, heads, kd), lambda i, j, t: (i, t // c, t % c, j, 0))
@@ -80,11 +99,17 @@ def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_wa
     out = lambda width: pl.BlockSpec((None, heads, None, None, width), lambda i, j, t: (i, j, t // c, t % c, 0))
     shape = lambda width: jax.ShapeDtypeStruct((b, h, n, c, width), jnp.float32)
     pair_width = SUB if band else c
-    widths = (pair_width, pair_width, kd) if cumsum else (pair_width, pair_width)
-    return pl.pallas_call(
-        lambda *refs: diagonal_pairs_kernel(*refs, scale=scale, chunk=c, band=band),
-        grid=(b, h // heads, n * c), in_specs=[row, block, block], out_specs=[out(w) for w in widths],
-        out_shape=[shape(w) for w in widths],
+    widths = [pair_width, pair_width] + [kd] * cumsum
+    out_specs, out_shapes = [out(w) for w in widths], [shape(w) for w in widths]
+    if normalize:    # q and k in the layout they came in
+        out_specs += [row, row]
+        out_shapes += [jax.ShapeDtypeStruct(ins[0].shape, jnp.float32)] * 2
+    outs = list(pl.pallas_call(
+        lambda *refs: diagonal_pairs_kernel(*refs, scale=scale, chunk=c, band=band, cumsum=cumsum,
+                                            normalize=normalize),
+        grid=(b, h // heads, n * c), in_specs=[row, block, block], out_specs=out_specs, out_shape=out_shapes,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
-        name="kda_chunk_diagonal")(*ins)
-
+        name="kda_chunk_diagonal")(*ins))
+    if normalize and not tokens:
+        outs[-2:] = [x[:, :, :, :, 0] for x in outs[-2:]]
+    return outs

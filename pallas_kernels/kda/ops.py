@@ -15,6 +15,7 @@ from pallas_kernels.kda.chunk import kda_chunk_pallas
 from pallas_kernels.kda.chunk_xla import kda_chunk_xla
 from pallas_kernels.kda.decode import kda_decode_pallas
 from pallas_kernels.kda.decode_xla import kda_decode_xla
+from pallas_kernels.kda.gate import l2_normalize
 from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
 from pallas_kernels.kda.reference import kda_recurrent_reference, kda_varlen_reference
 from pallas_kernels.kda.tuning import ChunkBlocks, DecodeBlocks
@@ -31,12 +32,14 @@ KDADecodeImpl = Literal["xla", "pallas"]
 KDA_DECODE_IMPLS: tuple[str, ...] = get_args(KDADecodeImpl)
 
 
-def kda(q, k, v, g, beta, *, scale=None, initial_state=None, impl: KDAImpl = "chunked", chunk_size: int = 64):
+def kda(q, k, v, g, beta, *, scale=None, initial_state=None, impl: KDAImpl = "chunked", chunk_size: int = 64,
+        normalize_qk: bool = False):
     """KDA over a sequence.
 
     Args:
-      q, k: [B, T, H, K] L2-normalised. v: [B, T, H, V]. g: [B, T, H, K] log decay (<= 0).
-      beta: [B, T, H] in (0, 1). scale: q multiplier (default K^-1/2).
+      q, k: [B, T, H, K] L2-normalised, or with `normalize_qk` not yet (normalised here: inside the Pallas
+        kernels where they allow it, else by `l2_normalize` first). v: [B, T, H, V]. g: [B, T, H, K] log
+        decay (<= 0). beta: [B, T, H] in (0, 1). scale: q multiplier (default K^-1/2).
       initial_state: [B, H, K, V] or None (zeros).
       impl: one of KDA_IMPLS. chunk_size: tokens per chunk of the chunked forms (a power of two
         for "pallas").
@@ -45,7 +48,9 @@ def kda(q, k, v, g, beta, *, scale=None, initial_state=None, impl: KDAImpl = "ch
     """
     if impl == "pallas":
         return kda_chunk_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                blocks=ChunkBlocks(chunk=chunk_size))
+                                blocks=ChunkBlocks(chunk=chunk_size), normalize_qk=normalize_qk)
+    if impl in KDA_IMPLS and normalize_qk:
+        q, k = l2_normalize(q), l2_normalize(k)
     if impl == "chunked":
         return kda_chunk_xla(q, k, v, g, beta, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
     if impl == "recurrent":

@@ -170,6 +170,12 @@ class ChunkBlocks:
         return per, self.diagonal_num_warps or min(per, 8)
 
     @property
+    def normalizes_qk(self) -> bool:
+        """Whether a settled chunked prefill can L2-normalise q and k inside its per-token launch
+        (`kda_chunk_pallas(normalize_qk=True)`)."""
+        return self.intra == "parallel" and self.pairs == "diagonal"
+
+    @property
     def reads_tokens(self) -> bool:
         """Whether a settled chunked prefill reads its inputs and writes its outputs in the [B, T, H, ...]
         layout (see `layout`)."""

@@ -3,6 +3,8 @@ the recurrent reference, fresh random inputs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -394,6 +396,45 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
             inside = np.stack([blocks[..., i, :, i, :] for i in range(c // 16)], axis=-3)
             np.testing.assert_array_equal(band, inside.reshape(band.shape))
             assert np.abs(band).sum() > 0
+
+
+@pytest.mark.parametrize("dtype,blocks", [
+    ("bfloat16", ChunkBlocks()),                                   # inside the per-token launch, tokens layout
+    ("float32", ChunkBlocks(layout="chunked", diagonal_band=False)),   # ... chunked layout, whole rows
+    ("bfloat16", ChunkBlocks(diagonal_heads=1, cumsum="pallas")),
+    ("bfloat16", ChunkBlocks(pairs="joint")),                      # no per-token launch: XLA's norm first
+])
+def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
+    """normalize_qk=True takes q and k as they leave the conv (any scale, a zero row among them) and gives the
+    result of the reference on q / |q| and k / |k|; where the per-token launch runs it equals the call on
+    XLA-normalised q and k up to the rounding of the norm's sums."""
+    from pallas_kernels.kda.gate import l2_normalize
+    b, t, h, kd, vd = 1, 100, 2, 32, 32
+    dt = jnp.dtype(dtype)
+    q, k = (jnp.asarray(3.0 * rng.standard_normal((b, t, h, kd)), dt) for _ in range(2))
+    k = k.at[0, 5, 1].set(0.0)
+    v = jnp.asarray(rng.standard_normal((b, t, h, vd)), dt)
+    g = jnp.asarray(rng.uniform(-1.0, 0.0, (b, t, h, kd)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (b, t, h)), jnp.float32)
+    s0 = jnp.asarray(rng.standard_normal((b, h, kd, vd)), jnp.float32)
+    blocks = replace(blocks, key_slice=16, value_block=16)
+    assert blocks.resolve(dtype).normalizes_qk == (blocks.pairs == "diagonal")
+    o, s = kda_chunk_pallas(q, k, v, g, beta, initial_state=s0, blocks=blocks, interpret=interpret, normalize_qk=True)
+    qn, kn = l2_normalize(q), l2_normalize(k)
+    o2, s2 = kda_chunk_pallas(qn, kn, v, g, beta, initial_state=s0, blocks=blocks, interpret=interpret)
+    assert_close("o, normalised outside", o, o2, dtype=kernel_dtype("float32", interpret))
+    assert_close("state, normalised outside", s, s2, dtype=kernel_dtype("float32", interpret))
+    o_ref, s_ref = kda_recurrent_reference(qn, kn, v.astype(jnp.float32), g, beta, initial_state=s0)
+    assert_close("o", o, o_ref, dtype=kernel_dtype(dtype, interpret))
+    assert_close("state", s, s_ref, tol=TOLERANCES[kernel_dtype(dtype, interpret)])
+
+
+def test_normalising_inside_needs_the_per_token_launch(rng):
+    from pallas_kernels.kda.chunk import chunk_intra, to_chunks
+    x = to_chunks(jnp.asarray(rng.standard_normal((1, 32, 1, 16)), jnp.float32), 16)
+    with pytest.raises(ValueError, match="inside the per-token launch"):
+        chunk_intra(x, x, x, x, x[..., 0], scale=1.0, interpret=True, normalize=True,
+                    blocks=ChunkBlocks(chunk=16, pairs="joint").resolve("float32"))
 
 
 @pytest.mark.parametrize("t,dtype,cumsum,pairs", [
