@@ -113,6 +113,7 @@ VARIANTS = {
     "default/rows": ChunkBlocks(diagonal_band=False),   # the per-token launch writes whole [C, C] rows (before run 21)
     "default/ks16": ChunkBlocks(key_slice=16),
     "default/pw8": ChunkBlocks(pairs_num_warps=8),
+    "default/qk-bf16": ChunkBlocks(qk_norm="diagonal-bf16"),  # with raw q, k: normalised q, k written in bf16
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=0, factors_num_warps=0),  # run 20's default
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),

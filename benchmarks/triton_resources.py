@@ -109,6 +109,7 @@ def _build_cases():
         "kda-chunk-dh4": kda(diagonal_heads=4),
         "kda-chunk-diagonal-cumsum": kda(cumsum="diagonal"),     # the per-token launch writes the local cumsum
         "kda-chunk-norm-in": kda(normalize_qk=True),     # q and k L2-normalised in the per-token launch
+        "kda-chunk-norm-in-bf16": kda(normalize_qk=True, qk_norm="diagonal-bf16"),
         "kda-chunk-rows": kda(diagonal_band=False),     # the per-token launch writing whole [C, C] rows
         "kda-chunk-fs64": kda(factors_slice=64),         # W, U, ... launch at 64 / 128 key columns a program
         "kda-chunk-fs128": kda(factors_slice=128),

@@ -204,7 +204,8 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
     _require_settled("chunk_intra", blocks)
     if normalize and not blocks.normalizes_qk:
         raise ValueError(f"chunk_intra: q and k are L2-normalised inside the per-token launch of intra='parallel' "
-                         f"with pairs='diagonal' only, got intra={blocks.intra!r}, pairs={blocks.pairs!r}")
+                         f"with pairs='diagonal' and qk_norm 'diagonal' or 'diagonal-bf16' only, got "
+                         f"intra={blocks.intra!r}, pairs={blocks.pairs!r}, qk_norm={blocks.qk_norm!r}")
     if tokens:
         if not blocks.reads_tokens:
             raise ValueError("chunk_intra: inputs in the tokens layout need layout='tokens', the 'parallel' form, "
@@ -285,7 +286,9 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
             per, warps = blocks.diagonal_launch(h, tokens)
             akk_d, aqk_d, *rest = diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, heads=per,
                                                  num_warps=warps, interpret=interpret, cumsum=lc is None,
-                                                 band=blocks.diagonal_band, normalize=normalize)
+                                                 band=blocks.diagonal_band, normalize=normalize,
+                                                 normalized_dtype=jnp.bfloat16 if blocks.qk_norm == "diagonal-bf16"
+                                                 else jnp.float32)
             extra += (akk_d, aqk_d)
             if normalize:
                 qc, kc = rest[-2:]
@@ -419,6 +422,8 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.solve == "sliced" and blocks.pairs not in ("joint", "diagonal"):
         raise ValueError(f"{name}: solve='sliced' takes the inverse from pairs='joint' or 'diagonal', "
                          f"got pairs={blocks.pairs!r}")
+    if blocks.qk_norm not in ("diagonal", "diagonal-bf16", "xla"):
+        raise ValueError(f"{name}: qk_norm must be 'diagonal', 'diagonal-bf16' or 'xla', got {blocks.qk_norm!r}")
     if type(blocks.diagonal_band) is not bool:
         raise ValueError(f"{name}: diagonal_band must be True or False, got {blocks.diagonal_band!r}")
     if type(blocks.diagonal_heads) is not int or blocks.diagonal_heads not in (0, 1, 2, 4, 8):

@@ -14,8 +14,8 @@ inside a sub-block were four masked [C, C] products per key slice in one program
 A_kk's diagonal entry (j = r) is written too (as |k_r|^2); the solve reads only j < r of A_kk.
 
 With `normalize`, q and k arrive as they leave the short conv and the launch L2-normalises them (`gate.l2_normalize`:
-each k_j of the walk again, one more sum a step) and writes its own token's q / |q| and k / |k| in fp32 for the
-launches after it, in place of XLA's norm: one launch and one read of q and k fewer.
+each k_j of the walk again, one more sum a step) and writes its own token's q / |q| and k / |k| (fp32, or bf16) for
+the launches after it, in place of XLA's norm: one launch and one read of q and k fewer.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
     [heads, SUB], the SUB entries of t's diagonal block (j <= t, zeros after t), else [heads, C] with zeros
     outside that block. out_refs: with `cumsum` the decay summed over t's sub-block up to t, [heads, K] (the
     running sum's last value: `intra_parallel.local_cumsum`); then with `normalize` (q and k taken as they are
-    and L2-normalised here) t's q and k normalised, [heads, K] fp32 each."""
+    and L2-normalised here) t's q and k normalised, [heads, K] each (in those refs' dtype)."""
     f32 = jnp.float32
     unit = _unit_rows if normalize else (lambda x: x)
     t = pl.program_id(2)
@@ -50,8 +50,8 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
     q = unit(q_ref[...].astype(f32))
     k_r = unit(k_ref[r].astype(f32))
     if normalize:
-        out_refs[-2][...] = q
-        out_refs[-1][...] = k_r
+        out_refs[-2][...] = q.astype(out_refs[-2].dtype)
+        out_refs[-1][...] = k_r.astype(out_refs[-1].dtype)
     q = q * scale
     cols = jnp.arange(SUB if band else chunk, dtype=jnp.int32)[None, :]
 
@@ -73,13 +73,13 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
 
 
 def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_warps: int, interpret: bool,
-                   cumsum: bool = False, band: bool = False, normalize: bool = False):
+                   cumsum: bool = False, band: bool = False, normalize: bool = False, normalized_dtype=jnp.float32):
     """The diagonal blocks of every chunk: q, k [B, H, N, C, K] (with `tokens`: [B, N, C, H, K]), g the
     log decay in the same layout, fp32 -> [A_kk, A_qk] fp32, [B, H, N, C, C] zero outside the diagonal
     16 x 16 blocks, or with `band` only those blocks, [B, H, N, C, SUB] (row r's entry j of its sub-block at
     column j % SUB: `intra_parallel.band_blocks` expands it); then with `cumsum` the local cumulative decay
     [B, H, N, C, K] fp32 (`local_cumsum`'s contract); then with `normalize` (q and k not yet L2-normalised)
-    q and k normalised, fp32 in their own layout. `heads` per program (H a multiple of it; the tokens layout
+    q and k normalised, in `normalized_dtype` and their own layout. `heads` per program (H a multiple of it; the tokens layout
     only, else 1)."""
     if tokens:
         b, n, c, h, kd = qc.shape
@@ -103,7 +103,7 @@ def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_wa
     out_specs, out_shapes = [out(w) for w in widths], [shape(w) for w in widths]
     if normalize:    # q and k in the layout they came in
         out_specs += [row, row]
-        out_shapes += [jax.ShapeDtypeStruct(ins[0].shape, jnp.float32)] * 2
+        out_shapes += [jax.ShapeDtypeStruct(ins[0].shape, normalized_dtype)] * 2
     outs = list(pl.pallas_call(
         lambda *refs: diagonal_pairs_kernel(*refs, scale=scale, chunk=c, band=band, cumsum=cumsum,
                                             normalize=normalize),

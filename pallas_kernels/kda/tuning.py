@@ -95,6 +95,12 @@ class ChunkBlocks:
                              # call takes the tokens layout, else 1; 0 (auto): 2 where H is even
                              # (H200, H = 32: 1 / 2 / 4 heads 310 / 288 / 285 us)
     diagonal_num_warps: int = 0  # ... and its warps (0: one per head; a program holds [heads, K] rows)
+    qk_norm: str = "diagonal"    # `kda_chunk_pallas(normalize_qk=True)`: q and k L2-normalised inside the per-token
+                                 # launch, which writes them in fp32 ("diagonal") or bf16 ("diagonal-bf16", as fla's
+                                 # norm returns them) for the launches after it, or by XLA before the kernels ("xla",
+                                 # also wherever the per-token launch does not run). H200, device time (KDA run 22):
+                                 # per-token launch 299 -> 385 us against XLA's norm 97 at H = 32, 872 -> 1,125
+                                 # against 292 at H = 96 (sums 1,232 -> 1,219 and 3,717 -> 3,679 us)
     diagonal_band: bool = True   # ... writes only the diagonal blocks, [C, 16] a chunk, for the pairs launch to
                                  # expand (else whole [C, C] rows, three quarters zeros)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
@@ -173,7 +179,7 @@ class ChunkBlocks:
     def normalizes_qk(self) -> bool:
         """Whether a settled chunked prefill can L2-normalise q and k inside its per-token launch
         (`kda_chunk_pallas(normalize_qk=True)`)."""
-        return self.intra == "parallel" and self.pairs == "diagonal"
+        return self.qk_norm != "xla" and self.intra == "parallel" and self.pairs == "diagonal"
 
     @property
     def reads_tokens(self) -> bool:

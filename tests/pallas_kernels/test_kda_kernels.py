@@ -290,6 +290,7 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(pairs="joint", cumsum="diagonal"), "cumsum='diagonal' is written by"),
     (ChunkBlocks(cumsum="scan"), "cumsum must be 'auto', 'xla', 'pallas' or 'diagonal'"),
     (ChunkBlocks(diagonal_band=1), "diagonal_band must be True or False"),
+    (ChunkBlocks(qk_norm="pallas"), "qk_norm must be"),
     (ChunkBlocks(factors_slice=48), "factors_slice must be 0"),
     (ChunkBlocks(factors_slice=8), "factors_slice must be 0"),
     (ChunkBlocks(factors_num_warps=3), "factors_num_warps must be"),
@@ -403,6 +404,8 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     ("float32", ChunkBlocks(layout="chunked", diagonal_band=False)),   # ... chunked layout, whole rows
     ("bfloat16", ChunkBlocks(diagonal_heads=1, cumsum="pallas")),
     ("bfloat16", ChunkBlocks(pairs="joint")),                      # no per-token launch: XLA's norm first
+    ("bfloat16", ChunkBlocks(qk_norm="xla")),
+    ("bfloat16", ChunkBlocks(qk_norm="diagonal-bf16")),            # written for the later launches in bf16
 ])
 def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     """normalize_qk=True takes q and k as they leave the conv (any scale, a zero row among them) and gives the
@@ -418,12 +421,13 @@ def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     beta = jnp.asarray(rng.uniform(0, 1, (b, t, h)), jnp.float32)
     s0 = jnp.asarray(rng.standard_normal((b, h, kd, vd)), jnp.float32)
     blocks = replace(blocks, key_slice=16, value_block=16)
-    assert blocks.resolve(dtype).normalizes_qk == (blocks.pairs == "diagonal")
+    assert blocks.resolve(dtype).normalizes_qk == (blocks.pairs == "diagonal" and blocks.qk_norm != "xla")
     o, s = kda_chunk_pallas(q, k, v, g, beta, initial_state=s0, blocks=blocks, interpret=interpret, normalize_qk=True)
     qn, kn = l2_normalize(q), l2_normalize(k)
     o2, s2 = kda_chunk_pallas(qn, kn, v, g, beta, initial_state=s0, blocks=blocks, interpret=interpret)
-    assert_close("o, normalised outside", o, o2, dtype=kernel_dtype("float32", interpret))
-    assert_close("state, normalised outside", s, s2, dtype=kernel_dtype("float32", interpret))
+    rounded = "bfloat16" if blocks.qk_norm == "diagonal-bf16" else "float32"    # q, k between the launches
+    assert_close("o, normalised outside", o, o2, dtype=kernel_dtype(rounded, interpret))
+    assert_close("state, normalised outside", s, s2, dtype=kernel_dtype(rounded, interpret))
     o_ref, s_ref = kda_recurrent_reference(qn, kn, v.astype(jnp.float32), g, beta, initial_state=s0)
     assert_close("o", o, o_ref, dtype=kernel_dtype(dtype, interpret))
     assert_close("state", s, s_ref, tol=TOLERANCES[kernel_dtype(dtype, interpret)])
