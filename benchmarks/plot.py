@@ -12,6 +12,7 @@
     python benchmarks/plot.py kda-stages   # the sequential pass's pipeline stages (KDA run 10)
     python benchmarks/plot.py kda-tiles    # the tiled intra forms against the default (KDA run 12)
     python benchmarks/plot.py kda-diagonal # device time per kernel: diagonal blocks per token, joint, fla (run 19)
+    python benchmarks/plot.py kda-band     # by kernel: the band, the cumsum inside, wide factors (run 21)
     python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
@@ -31,6 +32,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 H200 = os.path.join(HERE, "results", "h200")
@@ -424,23 +426,37 @@ KDA_DIAGONAL_PARTS = [   # (label, our kernels, fla's kernels): substrings of th
 ]
 
 
-def plot_kda_diagonal(out: str) -> str:
-    """KDA chunked prefill at T = 8192, H = 32 and 96: device time per kernel of the default (diagonal blocks per
-    token, sliced solve), the former default (joint) and fla's chunk_kda, from run 19's profiles."""
+def plot_kda_diagonal(out: str, records=KDA_DIAGONAL, variants=None, png: str = "kda_diagonal.png",
+                      run: str = "KDA run 19") -> str:
+    """KDA chunked prefill at T = 8192, H = 32 and 96: device time per kernel of each variant in `records`
+    (those named in `variants`, as {name: label}; None: all) and of fla's chunk_kda, from profiled runs (run 19:
+    the diagonal blocks per token and the sliced solve against the joint launch)."""
     bars = []
-    for name in KDA_DIAGONAL:
+    for name in records:
         shape = _load(name)["prefill"][0]
-        bars += [(f"H = {shape['H']}, {n}", v["kernel_us"]) for n, v in shape["variants"].items()]
+        bars += [(f"H = {shape['H']}, {n if variants is None else variants[n]}", v["kernel_us"])
+                 for n, v in shape["variants"].items() if variants is None or n in variants]
         bars.append((f"H = {shape['H']}, fla chunk_kda", shape["fla_kernel_us"]))
     fig, ax = plt.subplots(figsize=(9.5, 4.8))
     _kernel_bars(ax, bars, KDA_DIAGONAL_PARTS, "other (fills)")
-    ax.set_title("KDA prefill by kernel, B = 1, T = 8192, K = V = 128, bf16 (one H200, KDA run 19)", fontsize=9)
+    ax.set_title(f"KDA prefill by kernel, B = 1, T = 8192, K = V = 128, bf16 (one H200, {run})", fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    return _save(fig, os.path.join(out, "kda_diagonal.png"))
+    return _save(fig, os.path.join(out, png))
 
 
-KDA_LENGTHS = "kda_prefill_lengths_run22.json"          # RESULTS.md, KDA run 22: prefill over T, H = 32
+KDA_BAND = ("kda_prefill_run21_h32_fa3e5f0.json", "kda_prefill_run21_h96_fa3e5f0.json")   # RESULTS.md, KDA run 21
+
+
+def plot_kda_band(out: str) -> str:
+    """Run 21: the defaults of run 20 against the band, the cumsum in the per-token launch and the wide factors
+    launch, by kernel, beside fla."""
+    return plot_kda_diagonal(out, KDA_BAND, {"run20": "run 20's defaults", "default/rows": "whole rows, new cumsum "
+                             "and factors", "default": "default (band, cumsum inside, factors 128 x 8 warps)"},
+                             "kda_band.png", "KDA run 21")
+
+
+KDA_LENGTHS = "kda_prefill_lengths_run22_182d874.json"         # RESULTS.md, KDA run 22: prefill over T, H = 32
 KDA_BATCHES = "kda_decode_run8_batches_b777e8c.json"    # KDA decode run 8: one layer's step over B, H = 32
 
 
@@ -456,8 +472,11 @@ def plot_kda_scaling(out: str) -> str:
     for r in rows:
         left.annotate(f"{r['speedup_vs_fla']:.2f}x", (r["T"], r["ours_ms"]), textcoords="offset points",
                       xytext=(0, 7), ha="center", fontsize=7)
+    _axes(left, "T (tokens, B = 1)", "ms per call (host-timed)",
+          "KDA prefill, H = 32, K = V = 128, bf16 (labels: fla's time / ours)")
     left.set_xticks(ts, [str(t) for t in ts])
-    _axes(left, "T (tokens, B = 1)", "ms per call", "KDA prefill, H = 32, K = V = 128, bf16 (label: ours / fla)")
+    left.set_yticks([0.25, 0.5, 1, 2, 4], ["0.25", "0.5", "1", "2", "4"])
+    left.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     dec = sorted(_load(KDA_BATCHES)["decode"], key=lambda r: r["B"])
     bs = [r["B"] for r in dec]
     pct = lambda tb: 100 * tb / 4.3
@@ -467,10 +486,9 @@ def plot_kda_scaling(out: str) -> str:
                "(Pallas, same grid)")
     right.plot(bs, [r["ceiling_pct_4.3TB_s"]["xla scale"] for r in dec], ":", label="XLA elementwise over the state")
     right.axhline(70, color="grey", ls="--", lw=0.8, label="issue 16 target (70%)")
-    right.set_xticks(bs, [str(b) for b in bs])
-    right.set_yscale("linear")
     _axes(right, "batch (rows)", "% of 4.3 TB/s (state bytes)", "KDA decode step per layer, H = 32, fp32 state",
           log_y=False)
+    right.set_xticks(bs, [str(b) for b in bs])
     return _save(fig, os.path.join(out, "kda_scaling.png"))
 
 
@@ -524,7 +542,8 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
-                                      "kda-kernels", "kda-diagonal", "kda-scaling", "kda-stages", "kda-tiles",
+                                      "kda-kernels", "kda-diagonal", "kda-band", "kda-scaling", "kda-stages",
+                                      "kda-tiles",
                                       "mla-merge", "mxfp4",
                                       "server", "all"])
     ap.add_argument("--out", default=HERE)
@@ -532,7 +551,8 @@ def main(argv=None) -> int:
     for name, fn in (("decode", plot_decode), ("moe", plot_moe), ("speculative", plot_speculative),
                      ("prefill", plot_prefill), ("mla", plot_mla_decode), ("mla-step", plot_mla_step),
                      ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels),
-                     ("kda-diagonal", plot_kda_diagonal), ("kda-scaling", plot_kda_scaling),
+                     ("kda-diagonal", plot_kda_diagonal), ("kda-band", plot_kda_band),
+                     ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4)):
         if args.which in (name, "all"):

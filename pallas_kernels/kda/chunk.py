@@ -10,7 +10,7 @@ and `reference.kda_recurrent_reference`.
    Value columns of the state evolve independently, so they split across programs.
 
 `ChunkBlocks` selects the forms of each step: `intra="parallel"` (`intra_parallel.py` and
-`intra_diagonal.py`, four launches without row-serial loops by default; the default up to 64-token chunks)
+`intra_diagonal.py`, three launches without row-serial loops by default; the default up to 64-token chunks)
 or "blocked" / "column" (the kernel above in two forms); `factors`, the dtype of W, U, A_qk, q e^G and
 k e^(G_C - G) between the passes (bf16 for bf16 values by default); `inter="split"` (`inter_split.py`, a
 state-only pass, then the outputs of all chunks at once).
@@ -240,11 +240,12 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
 
 def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interpret: bool, tokens: bool = False,
                     normalize: bool = False):
-    """`chunk_intra` as three or four launches (`intra_parallel.py`): the local cumsum (or XLA's), A_kk and A_qk
-    (one launch, or one each with blocks.pairs = "separate", or by 16-row tiles with "tiles": `intra_tiles.py`,
-    or the diagonal blocks one program per token first with "diagonal": `intra_diagonal.py`),
-    then the solve and factors (the inverse by doubling). tokens: the raw inputs
-    are [B, N, C, H, ...] and each program reads its chunk's [C, ...] rows of one head there."""
+    """`chunk_intra` as three or four launches (`intra_parallel.py`): the local cumsum (a launch, XLA's, or none
+    with cumsum="diagonal"), A_kk and A_qk (one launch, or one each with blocks.pairs = "separate", or by 16-row
+    tiles with "tiles": `intra_tiles.py`, or the diagonal blocks one program per token first with "diagonal":
+    `intra_diagonal.py`), then the solve and factors (the inverse by doubling). tokens: the raw inputs are
+    [B, N, C, H, ...] and each program reads its chunk's [C, ...] rows of one head there. normalize: q and k not
+    yet L2-normalised; the per-token launch normalises them and hands them on."""
     if tokens:
         b, n, c, h, kd = qc.shape
     else:

@@ -5,10 +5,11 @@ per launch with `pairs="separate"`), then `solve_kernel` (T = (I + A_kk)^-1, W, 
 k e^(G_C - G), e^(G_C)): the same outputs as `chunk._intra_kernel`. By default (`pairs="diagonal"`,
 `solve="sliced"`) the diagonal 16 x 16 blocks come from `intra_diagonal.py` first, the joint launch adds only
 the levels across sub-blocks and ends with the inverse, and `sliced_factors_kernel` forms W, U, ... one
-program per key slice: four launches. How they are formed:
+program per chunk (`factors_slice`; the per-token launch also writes the local cumsum, `cumsum="diagonal"`):
+three launches. How they are formed:
 
-- The decay is taken as `local`: the cumulative log decay inside each 16-row sub-block (its own
-  launch, or XLA's `local_cumsum` with `cumsum="xla"`). G of the chunk is local + the totals of the sub-blocks
+- The decay is taken as `local`: the cumulative log decay inside each 16-row sub-block (from the per-token
+  launch, its own launch with `cumsum="pallas"`, or XLA's `local_cumsum` with `cumsum="xla"`). G of the chunk is local + the totals of the sub-blocks
   before. Every exponent below is a difference of two of these sums that is <= 0, so any gate
   (Kimi-Linear's unbounded one too) is safe.
 - A_kk and A_qk by levels: level s holds the pairs (r, j), j < r, whose indices first differ in

@@ -70,10 +70,10 @@ PARALLEL_MAX_CHUNK = 64   # the "parallel" form's doubling inverse of a 128-row 
 class ChunkBlocks:
     """Forms and launch settings of the chunked prefill. "auto" fields are settled per call by
     `resolve` (from the chunk and the inputs' dtype). H200, B = 1, T = 8192, K = V = 128, bf16
-    (benchmarks/RESULTS.md, KDA run 19): these defaults 1.745 / 4.495 ms at H = 32 / 96 against fla's 1.567 /
-    3.076 in the same run (device time 1,375 / 4,160 us against 1,064 / 2,937); the joint pairs launch with the
-    one-launch solve (the defaults before) 1.866 / 5.067 ms; the blocked form with fp32 factors 4.67 ms at H = 32
-    (run 5)."""
+    (benchmarks/RESULTS.md, KDA run 21): these defaults 1.557 / 4.022 ms at H = 32 / 96 against fla's 1.421 /
+    3.186 in the same run (device time 1,222 / 3,706 us against 1,060 / 2,937); run 19's defaults 1.607 / 4.499 ms
+    (1,366 / 4,148 us) in that run; the joint pairs launch with the one-launch solve 1.866 / 5.067 ms (run 19); the
+    blocked form with fp32 factors 4.67 ms at H = 32 (run 5)."""
 
     chunk: int = 64          # tokens per chunk (WY form)
     intra: str = "auto"      # intra-chunk kernel: "parallel" (no row-serial loops: `intra_parallel.py`; chunks
