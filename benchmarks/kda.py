@@ -104,17 +104,18 @@ VARIANTS = {
     "joint/sliced": ChunkBlocks(pairs="joint", solve="sliced"),
     "default/dh1": ChunkBlocks(diagonal_heads=1),
     "default/dh4": ChunkBlocks(diagonal_heads=4),
-    "default/diagonal-cumsum": ChunkBlocks(cumsum="diagonal"),   # the local cumsum from the per-token launch
-    "default/fs64": ChunkBlocks(factors_slice=64),     # W, U, ...: 64 / 128 key columns a program (key_slice 32;
-                                                       # 128 at 4 warps spills: triton_resources.py)
-    "default/fs64/fw8": ChunkBlocks(factors_slice=64, factors_num_warps=8),
-    "default/fs128/fw8": ChunkBlocks(factors_slice=128, factors_num_warps=8),
-    "default/fw2": ChunkBlocks(factors_num_warps=2),
+    # run 20's cumsum and W, U, ... settings against the defaults since (each pins what it varies). Run 20's
+    # JSON names: "default/fs128/fw8" and "default/diagonal-cumsum" are today's default, "default/fw2" is fs32/fw2
+    "default/pallas-cumsum": ChunkBlocks(cumsum="pallas"),   # the local cumsum in a launch of its own (before run 21)
+    "default/fs32": ChunkBlocks(factors_slice=32, factors_num_warps=4),   # W, U, ...: 32 / 64 key columns a program
+    "default/fs64": ChunkBlocks(factors_slice=64, factors_num_warps=4),   # at 4 warps (128 at 4 warps spills:
+    "default/fs64/fw8": ChunkBlocks(factors_slice=64, factors_num_warps=8),   # triton_resources.py); 128 at 8
+    "default/fs32/fw2": ChunkBlocks(factors_slice=32, factors_num_warps=2),   # is the default since run 21
     "default/rows": ChunkBlocks(diagonal_band=False),   # the per-token launch writes whole [C, C] rows (before run 21)
     "default/ks16": ChunkBlocks(key_slice=16),
     "default/pw8": ChunkBlocks(pairs_num_warps=8),
     "default/qk-bf16": ChunkBlocks(qk_norm="diagonal-bf16"),  # with raw q, k: normalised q, k written in bf16
-    "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=0, factors_num_warps=0),  # run 20's default
+    "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4),  # run 20's
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),

@@ -100,20 +100,20 @@ def _build_cases():
         "kda-chunk-parallel-ks64": kda(intra="parallel", key_slice=64, **FP32_FACTORS),
         "kda-chunk-parallel-w8": kda(intra="parallel", num_warps=8, **FP32_FACTORS),
         "kda-chunk-split": kda(inter="split", **FP32_FACTORS),
-        "kda-chunk-default": kda(),     # ChunkBlocks() on bf16 values: parallel, bf16 factors, Pallas cumsum
+        "kda-chunk-default": kda(),     # ChunkBlocks() on bf16 values: parallel, bf16 factors, cumsum per token
         "kda-chunk-tiles": kda(pairs="tiles"),
         "kda-chunk-tiles-w2": kda(pairs="tiles", pairs_num_warps=2),
         "kda-chunk-tiles-w1": kda(pairs="tiles", pairs_num_warps=1),
         "kda-chunk-joint": kda(pairs="joint", solve="whole"),    # the default before the diagonal form
         "kda-chunk-diagonal-whole": kda(solve="whole"),
         "kda-chunk-dh4": kda(diagonal_heads=4),
-        "kda-chunk-diagonal-cumsum": kda(cumsum="diagonal"),     # the per-token launch writes the local cumsum
+        "kda-chunk-pallas-cumsum": kda(cumsum="pallas"),     # the local cumsum in a launch of its own
         "kda-chunk-norm-in": kda(normalize_qk=True),     # q and k L2-normalised in the per-token launch
         "kda-chunk-norm-in-bf16": kda(normalize_qk=True, qk_norm="diagonal-bf16"),
         "kda-chunk-rows": kda(diagonal_band=False),     # the per-token launch writing whole [C, C] rows
-        "kda-chunk-fs64": kda(factors_slice=64),         # W, U, ... launch at 64 / 128 key columns a program
-        "kda-chunk-fs128": kda(factors_slice=128),
-        "kda-chunk-fs128-w8": kda(factors_slice=128, factors_num_warps=8),
+        "kda-chunk-fs32": kda(factors_slice=32, factors_num_warps=4),   # W, U, ... launch at 32 / 64 / 128 key
+        "kda-chunk-fs64": kda(factors_slice=64, factors_num_warps=4),   # columns a program, 4 warps (the default:
+        "kda-chunk-fs128-w4": kda(factors_slice=128, factors_num_warps=4),   # 128 at 8 warps)
         "kda-chunk-tiles-ks64": kda(pairs="tiles", key_slice=64),
         "kda-decode-b1": kda_decode(1),
         "kda-decode-b64": kda_decode(64),

@@ -209,7 +209,7 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
     if tokens:
         if not blocks.reads_tokens:
             raise ValueError("chunk_intra: inputs in the tokens layout need layout='tokens', the 'parallel' form, "
-                             "the Pallas cumsum and the fused pass")
+                             "a cumsum other than XLA's and the fused pass")
         return _intra_parallel(qc, kc, vc, gc, bc, scale=scale, blocks=blocks, interpret=interpret, tokens=True,
                                normalize=normalize)
     b, h, n, c, kd = qc.shape
@@ -317,7 +317,8 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
     if sliced:
         fslice = blocks.factors_slice or blocks.key_slice
         key_slice, value_slice = min(kd, fslice), min(vd, fslice)
-        params = plt.CompilerParams(num_warps=blocks.factors_num_warps or blocks.num_warps, num_stages=blocks.num_stages)
+        params = plt.CompilerParams(num_warps=blocks.factors_num_warps or blocks.num_warps,
+                                    num_stages=blocks.num_stages)
         grid4 = lambda spec: pl.BlockSpec(spec.block_shape, lambda i, j, m, s: spec.index_map(i, j, m))
         ins = [blk(c, c), raw(kd), raw(kd), raw(vd), blk(c, kd), raw()]
         outs = [blk(c, kd), blk(c, vd), blk(c, kd), blk(c, kd), blk(kd)]
@@ -352,7 +353,7 @@ def chunk_inter(w, u, aqk, qg, kt, dec, s0, *, out_dtype, blocks: ChunkBlocks, i
     _require_settled("chunk_inter", blocks)
     if tokens and not blocks.reads_tokens:
         raise ValueError("chunk_inter: outputs in the tokens layout need layout='tokens', the 'parallel' form, the "
-                         "Pallas cumsum and the fused pass")
+                         "cumsum other than XLA's and the fused pass")
     if blocks.inter == "split":
         if bounds is not None:
             raise ValueError("chunk_inter: rows of several sequences support inter='fused' only")

@@ -79,8 +79,8 @@ def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_wa
     16 x 16 blocks, or with `band` only those blocks, [B, H, N, C, SUB] (row r's entry j of its sub-block at
     column j % SUB: `intra_parallel.band_blocks` expands it); then with `cumsum` the local cumulative decay
     [B, H, N, C, K] fp32 (`local_cumsum`'s contract); then with `normalize` (q and k not yet L2-normalised)
-    q and k normalised, in `normalized_dtype` and their own layout. `heads` per program (H a multiple of it; the tokens layout
-    only, else 1)."""
+    q and k normalised, in `normalized_dtype` and their own layout. `heads` per program (H a multiple of it;
+    the tokens layout only, else 1)."""
     if tokens:
         b, n, c, h, kd = qc.shape
         row = pl.BlockSpec((None, None, None, heads, kd), lambda i, j, t: (i, t // c, t % c, j, 0))

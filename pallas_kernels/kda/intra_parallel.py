@@ -9,9 +9,9 @@ program per chunk (`factors_slice`; the per-token launch also writes the local c
 three launches. How they are formed:
 
 - The decay is taken as `local`: the cumulative log decay inside each 16-row sub-block (from the per-token
-  launch, its own launch with `cumsum="pallas"`, or XLA's `local_cumsum` with `cumsum="xla"`). G of the chunk is local + the totals of the sub-blocks
-  before. Every exponent below is a difference of two of these sums that is <= 0, so any gate
-  (Kimi-Linear's unbounded one too) is safe.
+  launch, its own launch with `cumsum="pallas"`, or XLA's `local_cumsum` with `cumsum="xla"`). G of the
+  chunk is local + the totals of the sub-blocks before. Every exponent below is a difference of two of these
+  sums that is <= 0, so any gate (Kimi-Linear's unbounded one too) is safe.
 - A_kk and A_qk by levels: level s holds the pairs (r, j), j < r, whose indices first differ in
   the bit of s (r in the upper, j in the lower half of one 2s-row block). For them
   e^(G_r - G_j) = e^(G_r - G_a) e^(G_a - G_j) with a the last row of j's half, both factors <= 1, so

@@ -63,7 +63,8 @@ def kda_varlen(q, k, v, g, beta, cu_seqlens, *, scale=None, initial_state=None, 
     """KDA over S sequences packed in one row (sequence i = tokens cu_seqlens[i]:cu_seqlens[i+1]).
 
     Args:
-      q, k: [1, T, H, K] L2-normalised. v: [1, T, H, V]. g: [1, T, H, K] log decay. beta: [1, T, H].
+      q, k: [1, T, H, K] L2-normalised (no `normalize_qk` here yet: no caller packs raw q, k).
+      v: [1, T, H, V]. g: [1, T, H, K] log decay. beta: [1, T, H].
       cu_seqlens: [S + 1] int offsets from 0 to T. initial_state: [S, H, K, V] or None (zeros).
       impl: one of KDA_VARLEN_IMPLS. chunk_size: tokens per chunk ("pallas", a power of two).
     Returns:

@@ -119,12 +119,12 @@ class ChunkBlocks:
     factors_slice: int = 128  # solve="sliced": key (and value) columns per program of the W, U, ... launch (0:
                               # key_slice). H200, device time (KDA run 20), H = 32 / 96: 32 columns at 4 warps 336 /
                               # 1,048 us, 64 at 4 warps 275 / 863, 64 at 8 288 / 866, 128 at 8 264 / 805 (128 at 4
-                              # warps spills: 255 registers, `triton_resources.py`)
+                              # warps spills: 255 registers; `triton_resources.py --cases kda-chunk-fs128-w4`)
     factors_num_warps: int = 8   # ... and its warps (0: num_warps; 2 warps at 32 columns: 354 / 1,102 us)
     value_block: int = 32    # state columns per program of the sequential kernel
     inter: str = "fused"     # sequential pass: "fused" (outputs inside the chunk loop) or "split" (a state-only
                              # pass, then every chunk's outputs in parallel: `inter_split.py`; fp32 factors)
-    layout: str = "tokens"   # "parallel" with the Pallas cumsum and the fused pass: the kernels read q, k, v, g,
+    layout: str = "tokens"   # "parallel" with any cumsum but XLA's and the fused pass: the kernels read q, k, v, g,
                              # beta and write o in the caller's [B, T, H, ...] layout ("tokens"), or XLA moves
                              # them to [B, H, N, C, ...] and back ("chunked", the reference; the other forms)
     num_warps: int = 4       # intra-chunk kernel (H200: 4 beat 8)

@@ -65,6 +65,7 @@ def _l2(x):
     (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/joint/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/joint"),
     (1, 70, 4, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/dh2/bf16"),   # two heads a program, set
+    (1, 130, 2, 64, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/fs16"),   # W, U, ...: 4 / 2 programs a chunk
     # the local cumulative decay written by the per-token launch: both layouts, unbounded gates, one sub-block a chunk
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal-cumsum"),
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pallas-cumsum"),   # its own launch
@@ -96,6 +97,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                           "auto"),
                                                diagonal_heads=2 if "dh2" in options else 0,
                                                diagonal_num_warps=2 if "dh2" in options else 0,
+                                               factors_slice=16 if "fs16" in options else ChunkBlocks.factors_slice,
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -341,7 +343,7 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
 @pytest.mark.parametrize("chunk", [64, 32])
 @pytest.mark.parametrize("form", [dict(pairs="tiles"), dict(pairs="diagonal", solve="whole"),
                                   dict(pairs="diagonal", solve="sliced"), dict(pairs="joint", solve="sliced"),
-                                  dict(solve="sliced", factors_slice=32, factors_num_warps=2),
+                                  dict(solve="sliced", factors_slice=16, factors_num_warps=2),   # 2 programs
                                   dict(pairs="diagonal", diagonal_band=False)])
 def test_pair_and_solve_forms_equal_joint_pairs(rng, interpret, chunk, form):
     """Each pairs / solve form gives the joint pairs' six outputs after the one-launch solve (W, U, A_qk
@@ -422,7 +424,11 @@ def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     s0 = jnp.asarray(rng.standard_normal((b, h, kd, vd)), jnp.float32)
     blocks = replace(blocks, key_slice=16, value_block=16)
     assert blocks.resolve(dtype).normalizes_qk == (blocks.pairs == "diagonal" and blocks.qk_norm != "xla")
-    o, s = kda_chunk_pallas(q, k, v, g, beta, initial_state=s0, blocks=blocks, interpret=interpret, normalize_qk=True)
+    call = lambda q, k, normalize: kda_chunk_pallas(q, k, v, g, beta, initial_state=s0, blocks=blocks,
+                                                    interpret=interpret, normalize_qk=normalize)
+    inside = blocks.resolve(dtype).normalizes_qk     # the per-token launch writes q and k: two outputs more
+    assert _launch_outputs(call, q, k, True) == _launch_outputs(call, q, k, False) + 2 * inside
+    o, s = call(q, k, True)
     qn, kn = l2_normalize(q), l2_normalize(k)
     o2, s2 = kda_chunk_pallas(qn, kn, v, g, beta, initial_state=s0, blocks=blocks, interpret=interpret)
     rounded = "bfloat16" if blocks.qk_norm == "diagonal-bf16" else "float32"    # q, k between the launches
@@ -431,6 +437,19 @@ def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     o_ref, s_ref = kda_recurrent_reference(qn, kn, v.astype(jnp.float32), g, beta, initial_state=s0)
     assert_close("o", o, o_ref, dtype=kernel_dtype(dtype, interpret))
     assert_close("state", s, s_ref, tol=TOLERANCES[kernel_dtype(dtype, interpret)])
+
+
+def _launch_outputs(call, q, k, normalize) -> int:
+    """Outputs of every Pallas launch in call(q, k, normalize)'s traced program."""
+    import jax
+
+    def count(jaxpr):
+        n = 0
+        for eqn in jaxpr.eqns:
+            n += len(eqn.outvars) if eqn.primitive.name == "pallas_call" else 0
+            n += sum(count(p.jaxpr) for p in eqn.params.values() if hasattr(getattr(p, "jaxpr", None), "eqns"))
+        return n
+    return count(jax.make_jaxpr(lambda q, k: call(q, k, normalize))(q, k).jaxpr)
 
 
 def test_normalising_inside_needs_the_per_token_launch(rng):
