@@ -110,6 +110,7 @@ def _build_cases():
         "kda-chunk-pallas-cumsum": kda(cumsum="pallas"),     # the local cumsum in a launch of its own
         "kda-chunk-norm-in": kda(normalize_qk=True),     # q and k L2-normalised in the per-token launch
         "kda-chunk-norm-in-bf16": kda(normalize_qk=True, qk_norm="diagonal-bf16"),
+        "kda-chunk-norm-in-after": kda(normalize_qk=True, qk_norm="diagonal-after"),
         "kda-chunk-rows": kda(diagonal_band=False),     # the per-token launch writing whole [C, C] rows
         "kda-chunk-fs32": kda(factors_slice=32, factors_num_warps=4),   # W, U, ... launch at 32 / 64 / 128 key
         "kda-chunk-fs64": kda(factors_slice=64, factors_num_warps=4),   # columns a program, 4 warps (the default:

@@ -289,7 +289,8 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
                                                  num_warps=warps, interpret=interpret, cumsum=lc is None,
                                                  band=blocks.diagonal_band, normalize=normalize,
                                                  normalized_dtype=jnp.bfloat16 if blocks.qk_norm == "diagonal-bf16"
-                                                 else jnp.float32)
+                                                 else jnp.float32,
+                                                 scale_after=normalize and blocks.qk_norm == "diagonal-after")
             extra += (akk_d, aqk_d)
             if normalize:
                 qc, kc = rest[-2:]
@@ -424,8 +425,12 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.solve == "sliced" and blocks.pairs not in ("joint", "diagonal"):
         raise ValueError(f"{name}: solve='sliced' takes the inverse from pairs='joint' or 'diagonal', "
                          f"got pairs={blocks.pairs!r}")
-    if blocks.qk_norm not in ("diagonal", "diagonal-bf16", "xla"):
-        raise ValueError(f"{name}: qk_norm must be 'diagonal', 'diagonal-bf16' or 'xla', got {blocks.qk_norm!r}")
+    if blocks.qk_norm not in ("diagonal", "diagonal-bf16", "diagonal-after", "xla"):
+        raise ValueError(f"{name}: qk_norm must be 'diagonal', 'diagonal-bf16', 'diagonal-after' or 'xla', "
+                         f"got {blocks.qk_norm!r}")
+    if blocks.qk_norm == "diagonal-after" and not blocks.diagonal_band:
+        raise ValueError(f"{name}: qk_norm='diagonal-after' scales the per-token launch's band: it needs "
+                         f"diagonal_band=True")
     if type(blocks.diagonal_band) is not bool:
         raise ValueError(f"{name}: diagonal_band must be True or False, got {blocks.diagonal_band!r}")
     if type(blocks.diagonal_heads) is not int or blocks.diagonal_heads not in (0, 1, 2, 4, 8):

@@ -35,15 +35,18 @@ def _unit_rows(x):
 
 
 def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scale: float, chunk: int, band: bool,
-                          cumsum: bool, normalize: bool):
+                          cumsum: bool, normalize: bool, scale_after: bool = False):
     """Program (row, head block, token t) over `heads` heads: q [heads, K] (token t), k and g
     [SUB, heads, K] (t's sub-block, g the log decay) -> row t of each head's A_kk and A_qk, fp32: with `band`
     [heads, SUB], the SUB entries of t's diagonal block (j <= t, zeros after t), else [heads, C] with zeros
     outside that block. out_refs: with `cumsum` the decay summed over t's sub-block up to t, [heads, K] (the
     running sum's last value: `intra_parallel.local_cumsum`); then with `normalize` (q and k taken as they are
-    and L2-normalised here) t's q and k normalised, [heads, K] each (in those refs' dtype)."""
+    and L2-normalised here) t's q and k normalised, [heads, K] each (in those refs' dtype). `scale_after` (with
+    `normalize` and `band`): the walk takes the sub-block's k rows as they are and the band is scaled by their
+    1 / |k_j| at the end, all SUB of them from one load of the block, instead of a norm a step."""
     f32 = jnp.float32
     unit = _unit_rows if normalize else (lambda x: x)
+    walk_unit = (lambda x: x) if scale_after else unit
     t = pl.program_id(2)
     r = t % SUB                          # t's row inside its sub-block
     first = 0 if band else t % chunk - r   # the sub-block's first column in the output row
@@ -58,7 +61,7 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
     def step(i, carry):
         akk, aqk, decay = carry          # decay: G_t - G_j for j = r - i, [heads, K], <= 0
         j = r - i
-        kd = unit(k_ref[j].astype(f32)) * jnp.exp(decay)
+        kd = walk_unit(k_ref[j].astype(f32)) * jnp.exp(decay)
         at = cols == first + j
         return (jnp.where(at, jnp.sum(k_r * kd, axis=1, keepdims=True), akk),
                 jnp.where(at, jnp.sum(q * kd, axis=1, keepdims=True), aqk),
@@ -66,6 +69,10 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
 
     zeros = jnp.zeros((q.shape[0], cols.shape[1]), f32)
     akk, aqk, local = jax.lax.fori_loop(0, r + 1, step, (zeros, zeros, jnp.zeros_like(q)))
+    if scale_after:    # column j of the band times 1 / |k_j| (rows past t are zeros either way)
+        block = k_ref[...].astype(f32)                                            # [SUB, heads, K]
+        inverse = jax.lax.rsqrt(jnp.sum(block * block, axis=2) + L2_EPS).T        # [heads, SUB]
+        akk, aqk = akk * inverse, aqk * inverse
     akk_ref[...] = akk
     aqk_ref[...] = aqk
     if cumsum:
@@ -73,14 +80,17 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
 
 
 def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_warps: int, interpret: bool,
-                   cumsum: bool = False, band: bool = False, normalize: bool = False, normalized_dtype=jnp.float32):
+                   cumsum: bool = False, band: bool = False, normalize: bool = False, normalized_dtype=jnp.float32,
+                   scale_after: bool = False):
     """The diagonal blocks of every chunk: q, k [B, H, N, C, K] (with `tokens`: [B, N, C, H, K]), g the
     log decay in the same layout, fp32 -> [A_kk, A_qk] fp32, [B, H, N, C, C] zero outside the diagonal
     16 x 16 blocks, or with `band` only those blocks, [B, H, N, C, SUB] (row r's entry j of its sub-block at
     column j % SUB: `intra_parallel.band_blocks` expands it); then with `cumsum` the local cumulative decay
     [B, H, N, C, K] fp32 (`local_cumsum`'s contract); then with `normalize` (q and k not yet L2-normalised)
-    q and k normalised, in `normalized_dtype` and their own layout. `heads` per program (H a multiple of it;
-    the tokens layout only, else 1)."""
+    q and k normalised, in `normalized_dtype` and their own layout (`scale_after`: see the kernel; `band` only).
+    `heads` per program (H a multiple of it; the tokens layout only, else 1)."""
+    if scale_after and not (normalize and band):
+        raise ValueError("diagonal_pairs: scale_after scales the band of a normalising launch (normalize, band)")
     if tokens:
         b, n, c, h, kd = qc.shape
         row = pl.BlockSpec((None, None, None, heads, kd), lambda i, j, t: (i, t // c, t % c, j, 0))
@@ -106,7 +116,7 @@ def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_wa
         out_shapes += [jax.ShapeDtypeStruct(ins[0].shape, normalized_dtype)] * 2
     outs = list(pl.pallas_call(
         lambda *refs: diagonal_pairs_kernel(*refs, scale=scale, chunk=c, band=band, cumsum=cumsum,
-                                            normalize=normalize),
+                                            normalize=normalize, scale_after=scale_after),
         grid=(b, h // heads, n * c), in_specs=[row, block, block], out_specs=out_specs, out_shape=out_shapes,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
         name="kda_chunk_diagonal")(*ins))

@@ -97,7 +97,9 @@ class ChunkBlocks:
     diagonal_num_warps: int = 0  # ... and its warps (0: one per head; a program holds [heads, K] rows)
     qk_norm: str = "diagonal"    # `kda_chunk_pallas(normalize_qk=True)`: q and k L2-normalised inside the per-token
                                  # launch, which writes them in fp32 ("diagonal") or bf16 ("diagonal-bf16", as fla's
-                                 # norm returns them) for the launches after it, or by XLA before the kernels ("xla",
+                                 # norm returns them) for the launches after it ("diagonal-after": the walk on raw
+                                 # k rows, the band scaled by the sub-block's 1 / |k_j| at the end, one sum a row
+                                 # instead of one a step; not yet timed), or by XLA before the kernels ("xla",
                                  # also wherever the per-token launch does not run). H200, device time (KDA run 22):
                                  # per-token launch 299 -> 385 us against XLA's norm 97 at H = 32, 872 -> 1,125
                                  # against 292 at H = 96 (sums 1,232 -> 1,219 and 3,717 -> 3,679 us)

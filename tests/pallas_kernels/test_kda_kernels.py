@@ -293,6 +293,7 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(cumsum="scan"), "cumsum must be 'auto', 'xla', 'pallas' or 'diagonal'"),
     (ChunkBlocks(diagonal_band=1), "diagonal_band must be True or False"),
     (ChunkBlocks(qk_norm="pallas"), "qk_norm must be"),
+    (ChunkBlocks(qk_norm="diagonal-after", diagonal_band=False), "needs diagonal_band=True"),
     (ChunkBlocks(factors_slice=48), "factors_slice must be 0"),
     (ChunkBlocks(factors_slice=8), "factors_slice must be 0"),
     (ChunkBlocks(factors_num_warps=3), "factors_num_warps must be"),
@@ -408,6 +409,8 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     ("bfloat16", ChunkBlocks(pairs="joint")),                      # no per-token launch: XLA's norm first
     ("bfloat16", ChunkBlocks(qk_norm="xla")),
     ("bfloat16", ChunkBlocks(qk_norm="diagonal-bf16")),            # written for the later launches in bf16
+    ("bfloat16", ChunkBlocks(qk_norm="diagonal-after")),           # the band scaled by 1 / |k_j| at the end
+    ("float32", ChunkBlocks(qk_norm="diagonal-after", layout="chunked")),
 ])
 def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     """normalize_qk=True takes q and k as they leave the conv (any scale, a zero row among them) and gives the
