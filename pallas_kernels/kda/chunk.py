@@ -204,7 +204,7 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
     _require_settled("chunk_intra", blocks)
     if normalize and not blocks.normalizes_qk:
         raise ValueError(f"chunk_intra: q and k are L2-normalised inside the per-token launch of intra='parallel' "
-                         f"with pairs='diagonal' and qk_norm 'diagonal' or 'diagonal-bf16' only, got "
+                         f"with pairs='diagonal' and a qk_norm other than 'xla' only, got "
                          f"intra={blocks.intra!r}, pairs={blocks.pairs!r}, qk_norm={blocks.qk_norm!r}")
     if tokens:
         if not blocks.reads_tokens:
