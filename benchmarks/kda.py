@@ -154,13 +154,14 @@ def fla_kernel_times(torch, fn, calls: int = 10) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("float32",)):
+def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("float32",), save=None):
     """variants: names from VARIANTS to time (None: all). profile: device time per kernel of each
     variant's call (and of fla's) from a profiler trace. qk_dtypes: q and k as our kernels get them after
     the L2 norm (fp32, as the models passed them before normalize_qk, or rounded to bf16 as fla's norm returns
     them; the XLA reference always takes fp32), or "raw": as they leave the conv, the call normalising them
     (`normalize_qk=True`, as the models pass them now); each variant is timed with each, "<name>@qk-bf16" for
-    bf16, "<name>@norm-in" for raw."""
+    bf16, "<name>@norm-in" for raw. save: called with the rows so far (the shape in progress marked "partial")
+    after every variant and every shape, so a run cut short by its time limit keeps what it measured."""
     suffix = {"float32": "", "bfloat16": "@qk-bf16", "raw": "@norm-in"}
     chosen = {(n + suffix[qd], qd): VARIANTS[n].resolve("bfloat16")
               for n in (variants or VARIANTS) for qd in qk_dtypes}   # bf16 q, k, v below
@@ -205,6 +206,8 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
                 variants[name]["kernel_us"] = {k_: round(v_, 1) for k_, v_ in
                                                kernel_times(ours, (q, k, v, g, beta, s0), calls=10).items()}
             print(f"  {name}: {variants[name]}", flush=True)
+            if save is not None:
+                save(rows + [{"B": b, "T": t, "H": h, "K": kd, "partial": True, "variants": variants}])
         best = min(variants, key=lambda n_: variants[n_]["ms"])
         t_ours = variants[best]["ms"] / 1e3
         row = {"B": b, "T": t, "H": h, "K": kd, "ours_ms": t_ours * 1e3, "variant": best, "xla_ref_ms": t_ref * 1e3,
@@ -228,6 +231,8 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
                     torch, lambda: chunk_kda(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
                                              use_qk_l2norm_in_kernel=True)).items()}
         rows.append(row)
+        if save is not None:
+            save(rows)
         print("prefill", {k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
     return rows
 
@@ -390,22 +395,26 @@ def main(argv=None) -> int:
     ap.add_argument("--state-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="recurrent state dtypes of the decode rows (bfloat16: the kda_state option)")
     args = ap.parse_args(argv)
+    name = args.name or "kda" + ("_small" if args.small else "_decode" if args.decode_only else
+                                 "_prefill" if args.prefill_only else "")
+    save = lambda pre: write(name, {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": [],
+                                    "partial": True})
     fla = None if (args.small or args.no_fla) else fla_functions()
     if args.small:
-        pre = prefill_rows([(1, 96, 2, 16)], None, 3, args.variants, args.profile, args.qk_dtypes)
+        pre = prefill_rows([(1, 96, 2, 16)], None, 3, args.variants, args.profile, args.qk_dtypes, save)
         dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 32, 3, None, 3, state_dtype=sd,
                                                                      splits=args.splits, columns=args.column_blocks,
                                                                      ceiling=args.ceiling, profile=args.profile)]
     else:
         pre = [] if args.decode_only else prefill_rows([(1, t, h, 128) for h in args.heads for t in args.lengths],
-                                                       fla, args.iters, args.variants, args.profile, args.qk_dtypes)
+                                                       fla, args.iters, args.variants, args.profile, args.qk_dtypes,
+                                                       save)
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps),
                                       state_dtype=sd, splits=args.splits, columns=args.column_blocks,
                                       ceiling=args.ceiling, profile=args.profile)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
-    path = write(args.name or "kda" + ("_small" if args.small else "_decode" if args.decode_only else
-                                       "_prefill" if args.prefill_only else ""), record)
+    path = write(name, record)
     print(table(pre, ["B", "T", "H", "ours_ms", "fla_ms", "speedup_vs_fla", "xla_ref_ms", "err_o_vs_ref"]))
     print(table(dec, ["B", "H", "state", "us_per_layer", "TB_s", "pct_4.3TB_s", "fla_us", "fla_TB_s", "xla_ref_us_per_layer",
                       "err_state_vs_ref"]))
