@@ -181,10 +181,9 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
         variants = {}
         for (name, qk_dtype), blocks in chosen.items():
             raw = qk_dtype == "raw"     # the call normalises q and k (inside its kernels where it can)
-            l2_in = (lambda x: x) if raw else (lambda x, qk_dtype=qk_dtype: l2(x).astype(qk_dtype))
             inside = raw and blocks.normalizes_qk
-            if raw and not inside:
-                l2_in = l2
+            # q, k as the intra pass alone gets them (raw where the per-token launch normalises)
+            l2_in = (lambda x: x) if inside else l2 if raw else (lambda x, d=qk_dtype: l2(x).astype(d))
             ours = jax.jit(lambda q, k, v, g, beta, s0, blocks=blocks, raw=raw: kda_chunk_pallas(
                 q if raw else l2_in(q), k if raw else l2_in(k), v, g, beta, initial_state=s0, blocks=blocks,
                 normalize_qk=raw))

@@ -94,15 +94,21 @@ def plot_decode(out: str) -> str:
                    "Kimi-Linear-48B shape, bf16, one H200", os.path.join(out, "decode_tpot.png"), legend_below=True)
 
 
+def _axes(ax, xlabel: str, ylabel: str, title: str, log_y: bool = True, title_size=None) -> None:
+    """Log-2 x axis (and log y unless `log_y` is False), labels, title and grid."""
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, **({} if title_size is None else {"fontsize": title_size}))
+    ax.grid(True, which="both", alpha=0.3)
+
+
 def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: str, legend_below: bool = False) -> str:
     """Log-log axes, labels, grid and legend (inside, or under the axes); saves the PNG and returns
     its path."""
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
+    _axes(ax, xlabel, ylabel, title)
     if legend_below:
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
     else:
@@ -473,7 +479,8 @@ def plot_kda_scaling(out: str) -> str:
         left.annotate(f"{r['speedup_vs_fla']:.2f}x", (r["T"], r["ours_ms"]), textcoords="offset points",
                       xytext=(0, 7), ha="center", fontsize=7)
     _axes(left, "T (tokens, B = 1)", "ms per call (host-timed)",
-          "KDA prefill, H = 32, K = V = 128, bf16 (labels: fla's time / ours)")
+          "KDA prefill, H = 32, K = V = 128, bf16 (labels: fla's time / ours)", title_size=9)
+    left.legend(fontsize=7)
     left.set_xticks(ts, [str(t) for t in ts])
     left.set_yticks([0.25, 0.5, 1, 2, 4], ["0.25", "0.5", "1", "2", "4"])
     left.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -487,20 +494,10 @@ def plot_kda_scaling(out: str) -> str:
     right.plot(bs, [r["ceiling_pct_4.3TB_s"]["xla scale"] for r in dec], ":", label="XLA elementwise over the state")
     right.axhline(70, color="grey", ls="--", lw=0.8, label="issue 16 target (70%)")
     _axes(right, "batch (rows)", "% of 4.3 TB/s (state bytes)", "KDA decode step per layer, H = 32, fp32 state",
-          log_y=False)
+          log_y=False, title_size=9)
+    right.legend(fontsize=7)
     right.set_xticks(bs, [str(b) for b in bs])
     return _save(fig, os.path.join(out, "kda_scaling.png"))
-
-
-def _axes(ax, xlabel: str, ylabel: str, title: str, log_y: bool = True) -> None:
-    ax.set_xscale("log", base=2)
-    if log_y:
-        ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
 
 
 SERVER_LOAD = "server_load_kimi-linear-48b.json"

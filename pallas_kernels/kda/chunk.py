@@ -287,10 +287,8 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
             per, warps = blocks.diagonal_launch(h, tokens)
             akk_d, aqk_d, *rest = diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, heads=per,
                                                  num_warps=warps, interpret=interpret, cumsum=lc is None,
-                                                 band=blocks.diagonal_band, normalize=normalize,
-                                                 normalized_dtype=jnp.bfloat16 if blocks.qk_norm == "diagonal-bf16"
-                                                 else jnp.float32,
-                                                 scale_after=normalize and blocks.qk_norm == "diagonal-after")
+                                                 band=blocks.diagonal_band,
+                                                 normalize=blocks.qk_norm if normalize else None)
             extra += (akk_d, aqk_d)
             if normalize:
                 qc, kc = rest[-2:]

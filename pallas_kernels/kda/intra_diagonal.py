@@ -25,13 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.kda.gate import L2_EPS
+from pallas_kernels.kda.gate import L2_EPS, l2_normalize
 from pallas_kernels.kda.intra_parallel import SUB
-
-
-def _unit_rows(x):
-    """[heads, K] -> each row over sqrt(its sum of squares + L2_EPS), as `gate.l2_normalize`."""
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
 
 
 def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scale: float, chunk: int, band: bool,
@@ -45,7 +40,7 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
     `normalize` and `band`): the walk takes the sub-block's k rows as they are and the band is scaled by their
     1 / |k_j| at the end, all SUB of them from one load of the block, instead of a norm a step."""
     f32 = jnp.float32
-    unit = _unit_rows if normalize else (lambda x: x)
+    unit = l2_normalize if normalize else (lambda x: x)
     walk_unit = (lambda x: x) if scale_after else unit
     t = pl.program_id(2)
     r = t % SUB                          # t's row inside its sub-block
@@ -80,17 +75,21 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
 
 
 def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_warps: int, interpret: bool,
-                   cumsum: bool = False, band: bool = False, normalize: bool = False, normalized_dtype=jnp.float32,
-                   scale_after: bool = False):
+                   cumsum: bool = False, band: bool = False, normalize: str | None = None):
     """The diagonal blocks of every chunk: q, k [B, H, N, C, K] (with `tokens`: [B, N, C, H, K]), g the
     log decay in the same layout, fp32 -> [A_kk, A_qk] fp32, [B, H, N, C, C] zero outside the diagonal
     16 x 16 blocks, or with `band` only those blocks, [B, H, N, C, SUB] (row r's entry j of its sub-block at
     column j % SUB: `intra_parallel.band_blocks` expands it); then with `cumsum` the local cumulative decay
-    [B, H, N, C, K] fp32 (`local_cumsum`'s contract); then with `normalize` (q and k not yet L2-normalised)
-    q and k normalised, in `normalized_dtype` and their own layout (`scale_after`: see the kernel; `band` only).
-    `heads` per program (H a multiple of it; the tokens layout only, else 1)."""
-    if scale_after and not (normalize and band):
-        raise ValueError("diagonal_pairs: scale_after scales the band of a normalising launch (normalize, band)")
+    [B, H, N, C, K] fp32 (`local_cumsum`'s contract); then with `normalize` (q and k not yet L2-normalised; one
+    of `ChunkBlocks.qk_norm`'s in-launch forms: "diagonal", "diagonal-bf16" or "diagonal-after", `band` only)
+    q and k normalised, fp32 (bf16 for "diagonal-bf16") in their own layout. `heads` per program (H a multiple
+    of it; the tokens layout only, else 1)."""
+    if normalize not in (None, "diagonal", "diagonal-bf16", "diagonal-after"):
+        raise ValueError(f"diagonal_pairs: normalize must be None, 'diagonal', 'diagonal-bf16' or 'diagonal-after', "
+                         f"got {normalize!r}")
+    scale_after = normalize == "diagonal-after"
+    if scale_after and not band:
+        raise ValueError("diagonal_pairs: normalize='diagonal-after' scales the band: it needs band=True")
     if tokens:
         b, n, c, h, kd = qc.shape
         row = pl.BlockSpec((None, None, None, heads, kd), lambda i, j, t: (i, t // c, t % c, j, 0))
@@ -113,10 +112,11 @@ def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_wa
     out_specs, out_shapes = [out(w) for w in widths], [shape(w) for w in widths]
     if normalize:    # q and k in the layout they came in
         out_specs += [row, row]
-        out_shapes += [jax.ShapeDtypeStruct(ins[0].shape, normalized_dtype)] * 2
+        dtype = jnp.bfloat16 if normalize == "diagonal-bf16" else jnp.float32
+        out_shapes += [jax.ShapeDtypeStruct(ins[0].shape, dtype)] * 2
     outs = list(pl.pallas_call(
         lambda *refs: diagonal_pairs_kernel(*refs, scale=scale, chunk=c, band=band, cumsum=cumsum,
-                                            normalize=normalize, scale_after=scale_after),
+                                            normalize=normalize is not None, scale_after=scale_after),
         grid=(b, h // heads, n * c), in_specs=[row, block, block], out_specs=out_specs, out_shape=out_shapes,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
         name="kda_chunk_diagonal")(*ins))
