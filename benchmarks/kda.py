@@ -116,6 +116,9 @@ VARIANTS = {
     "default/pw8": ChunkBlocks(pairs_num_warps=8),
     "default/qk-bf16": ChunkBlocks(qk_norm="diagonal-bf16"),  # with raw q, k: normalised q, k written in bf16
     "default/qk-after": ChunkBlocks(qk_norm="diagonal-after"),  # ... the band scaled by 1 / |k_j| after the walk
+    "default/scales": ChunkBlocks(qk_norm="scales"),     # ... only 1 / |q|, 1 / |k| handed on, q, k read as they came
+    "default/scales-after": ChunkBlocks(qk_norm="scales-after"),
+    "default/scales-after/dh4": ChunkBlocks(qk_norm="scales-after", diagonal_heads=4),
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4),  # run 20's
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),

@@ -111,6 +111,8 @@ def _build_cases():
         "kda-chunk-norm-in": kda(normalize_qk=True),     # q and k L2-normalised in the per-token launch
         "kda-chunk-norm-in-bf16": kda(normalize_qk=True, qk_norm="diagonal-bf16"),
         "kda-chunk-norm-in-after": kda(normalize_qk=True, qk_norm="diagonal-after"),
+        "kda-chunk-norm-scales": kda(normalize_qk=True, qk_norm="scales"),   # only 1 / |q|, 1 / |k| handed on
+        "kda-chunk-norm-scales-after": kda(normalize_qk=True, qk_norm="scales-after"),
         "kda-chunk-rows": kda(diagonal_band=False),     # the per-token launch writing whole [C, C] rows
         "kda-chunk-fs32": kda(factors_slice=32, factors_num_warps=4),   # W, U, ... launch at 32 / 64 / 128 key
         "kda-chunk-fs64": kda(factors_slice=64, factors_num_warps=4),   # columns a program, 4 warps (the default:

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._util import default_interpret, is_pow2, multiprocessor_count
 from pallas_kernels.kda.inter_split import chunk_inter_split
 from pallas_kernels.kda.gate import l2_normalize
-from pallas_kernels.kda.intra_diagonal import diagonal_pairs
+from pallas_kernels.kda.intra_diagonal import IN_LAUNCH_NORMS, diagonal_pairs
 from pallas_kernels.kda.intra_tiles import tile_pairs_kernel
 from pallas_kernels.kda.intra_parallel import (SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum,
                                               local_cumsum_kernel, sliced_factors_kernel, solve_kernel)
@@ -280,6 +280,7 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
     sliced = blocks.solve == "sliced"     # the inverse inside the pairs launch, then W, U, ... by slices
     joint_out = [jax.ShapeDtypeStruct((b, h, n, c, c), fd if sliced else f32),
                  jax.ShapeDtypeStruct((b, h, n, c, c), fd)]
+    norms = ()     # 1 / |q|, 1 / |k| per row where the per-token launch hands on those instead of q and k
     if blocks.pairs in ("joint", "diagonal"):
         given = blocks.pairs == "diagonal"
         extra = (bc,) if sliced else ()
@@ -289,16 +290,18 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
                                                  num_warps=warps, interpret=interpret, cumsum=lc is None,
                                                  band=blocks.diagonal_band,
                                                  normalize=blocks.qk_norm if normalize else None)
-            extra += (akk_d, aqk_d)
-            if normalize:
+            if normalize and blocks.hands_on_norms:
+                norms = tuple(rest[-2:])
+            elif normalize:
                 qc, kc = rest[-2:]
+            extra += norms + (akk_d, aqk_d)
             lc = rest[0] if lc is None else lc
         akk, aqk = pl.pallas_call(
             functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice, diagonal_given=given,
                               band=blocks.diagonal_band, invert=blocks.inverse if sliced else None,
-                              interpret=interpret),
+                              scaled=bool(norms), interpret=interpret),
             grid=(b, h, n),
-            in_specs=[raw(kd), raw(kd), blk(c, kd)] + [raw()] * sliced
+            in_specs=[raw(kd), raw(kd), blk(c, kd)] + [raw()] * (sliced + len(norms))
                      + [blk(c, SUB if blocks.diagonal_band else c)] * (2 * given),
             out_specs=[blk(c, c)] * 2, out_shape=joint_out, compiler_params=pair_params, interpret=interpret,
             name="kda_chunk_pairs")(qc, kc, lc, *extra)
@@ -319,14 +322,15 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         params = plt.CompilerParams(num_warps=blocks.factors_num_warps or blocks.num_warps,
                                     num_stages=blocks.num_stages)
         grid4 = lambda spec: pl.BlockSpec(spec.block_shape, lambda i, j, m, s: spec.index_map(i, j, m))
-        ins = [blk(c, c), raw(kd), raw(kd), raw(vd), blk(c, kd), raw()]
+        ins = [blk(c, c), raw(kd), raw(kd), raw(vd), blk(c, kd), raw()] + [raw()] * len(norms)
         outs = [blk(c, kd), blk(c, vd), blk(c, kd), blk(c, kd), blk(kd)]
         w, u, qg, kt, dec = pl.pallas_call(
-            functools.partial(sliced_factors_kernel, scale=scale, key_slice=key_slice, value_slice=value_slice),
+            functools.partial(sliced_factors_kernel, scale=scale, key_slice=key_slice, value_slice=value_slice,
+                              scaled=bool(norms)),
             grid=(b, h, n, max(kd // key_slice, vd // value_slice)),
             in_specs=[grid4(x) for x in ins], out_specs=[grid4(x) for x in outs], out_shape=factor_shapes,
             compiler_params=params, interpret=interpret, name="kda_chunk_factors",
-        )(akk, qc, kc, vc, lc, bc)
+        )(akk, qc, kc, vc, lc, bc, *norms)
         return w, u, aqk, qg, kt, dec
     w, u, qg, kt, dec = pl.pallas_call(
         functools.partial(solve_kernel, scale=scale,
@@ -423,11 +427,10 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.solve == "sliced" and blocks.pairs not in ("joint", "diagonal"):
         raise ValueError(f"{name}: solve='sliced' takes the inverse from pairs='joint' or 'diagonal', "
                          f"got pairs={blocks.pairs!r}")
-    if blocks.qk_norm not in ("diagonal", "diagonal-bf16", "diagonal-after", "xla"):
-        raise ValueError(f"{name}: qk_norm must be 'diagonal', 'diagonal-bf16', 'diagonal-after' or 'xla', "
-                         f"got {blocks.qk_norm!r}")
-    if blocks.qk_norm == "diagonal-after" and not blocks.diagonal_band:
-        raise ValueError(f"{name}: qk_norm='diagonal-after' scales the per-token launch's band: it needs "
+    if blocks.qk_norm not in IN_LAUNCH_NORMS + ("xla",):
+        raise ValueError(f"{name}: qk_norm must be one of {IN_LAUNCH_NORMS + ('xla',)}, got {blocks.qk_norm!r}")
+    if blocks.qk_norm.endswith("-after") and not blocks.diagonal_band:
+        raise ValueError(f"{name}: qk_norm={blocks.qk_norm!r} scales the per-token launch's band: it needs "
                          f"diagonal_band=True")
     if type(blocks.diagonal_band) is not bool:
         raise ValueError(f"{name}: diagonal_band must be True or False, got {blocks.diagonal_band!r}")

@@ -33,10 +33,15 @@ def forget_gate(u: jax.Array, a: jax.Array, lower_bound: float | None) -> jax.Ar
     return lower_bound * jax.nn.sigmoid(a * u)
 
 
+def l2_inverse_norm(x: jax.Array, axis: int = -1, keepdims: bool = True) -> jax.Array:
+    """1 / sqrt(sum(x^2) + L2_EPS) over `axis`, in fp32 (x times it is `l2_normalize(x)`)."""
+    x = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=keepdims) + L2_EPS)
+
+
 def l2_normalize(x: jax.Array, axis: int = -1) -> jax.Array:
     """x / sqrt(sum(x^2) + L2_EPS) over `axis`, in fp32."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + L2_EPS)
+    return x.astype(jnp.float32) * l2_inverse_norm(x, axis)
 
 
 def gated_rms_norm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float, axis: int = -1) -> jax.Array:

@@ -15,7 +15,9 @@ A_kk's diagonal entry (j = r) is written too (as |k_r|^2); the solve reads only 
 
 With `normalize`, q and k arrive as they leave the short conv and the launch L2-normalises them (`gate.l2_normalize`:
 each k_j of the walk again, one more sum a step) and writes its own token's q / |q| and k / |k| (fp32, or bf16) for
-the launches after it, in place of XLA's norm: one launch and one read of q and k fewer.
+the launches after it, in place of XLA's norm: one launch and one read of q and k fewer. Or it writes only
+1 / |q| and 1 / |k| (a float a row, "scales" forms), and the later launches read q and k as they came and scale
+their rows: 1 KB a token and head less written here at fp32, and each later read of q and k at their own width.
 """
 
 from __future__ import annotations
@@ -25,31 +27,36 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.kda.gate import L2_EPS, l2_normalize
+from pallas_kernels.kda.gate import l2_inverse_norm
 from pallas_kernels.kda.intra_parallel import SUB
+
+# `ChunkBlocks.qk_norm`'s forms that normalise q and k inside this launch
+IN_LAUNCH_NORMS = ("diagonal", "diagonal-bf16", "diagonal-after", "scales", "scales-after")
 
 
 def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scale: float, chunk: int, band: bool,
-                          cumsum: bool, normalize: bool, scale_after: bool = False):
+                          cumsum: bool, normalize: bool, scale_after: bool = False, scales: bool = False):
     """Program (row, head block, token t) over `heads` heads: q [heads, K] (token t), k and g
     [SUB, heads, K] (t's sub-block, g the log decay) -> row t of each head's A_kk and A_qk, fp32: with `band`
     [heads, SUB], the SUB entries of t's diagonal block (j <= t, zeros after t), else [heads, C] with zeros
     outside that block. out_refs: with `cumsum` the decay summed over t's sub-block up to t, [heads, K] (the
     running sum's last value: `intra_parallel.local_cumsum`); then with `normalize` (q and k taken as they are
-    and L2-normalised here) t's q and k normalised, [heads, K] each (in those refs' dtype). `scale_after` (with
-    `normalize` and `band`): the walk takes the sub-block's k rows as they are and the band is scaled by their
-    1 / |k_j| at the end, all SUB of them from one load of the block, instead of a norm a step."""
+    and L2-normalised here) t's q and k normalised, [heads, K] each (in those refs' dtype), or with `scales`
+    their inverse norms 1 / |q_t| and 1 / |k_t|, [heads] each. `scale_after` (with `normalize` and `band`): the
+    walk takes the sub-block's k rows as they are and the band is scaled by their 1 / |k_j| at the end, all SUB
+    of them from one load of the block, instead of a norm a step."""
     f32 = jnp.float32
-    unit = l2_normalize if normalize else (lambda x: x)
-    walk_unit = (lambda x: x) if scale_after else unit
+    walk_unit = (lambda x: x * l2_inverse_norm(x)) if normalize and not scale_after else (lambda x: x)
     t = pl.program_id(2)
     r = t % SUB                          # t's row inside its sub-block
     first = 0 if band else t % chunk - r   # the sub-block's first column in the output row
-    q = unit(q_ref[...].astype(f32))
-    k_r = unit(k_ref[r].astype(f32))
+    q = q_ref[...].astype(f32)
+    k_r = k_ref[r].astype(f32)
     if normalize:
-        out_refs[-2][...] = q.astype(out_refs[-2].dtype)
-        out_refs[-1][...] = k_r.astype(out_refs[-1].dtype)
+        inverse_q, inverse_k = l2_inverse_norm(q, keepdims=False), l2_inverse_norm(k_r, keepdims=False)  # [heads]
+        q, k_r = q * inverse_q[:, None], k_r * inverse_k[:, None]
+        for ref, x in zip(out_refs[-2:], (inverse_q, inverse_k) if scales else (q, k_r)):
+            ref[...] = x.reshape(ref.shape).astype(ref.dtype)
     q = q * scale
     cols = jnp.arange(SUB if band else chunk, dtype=jnp.int32)[None, :]
 
@@ -66,7 +73,7 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
     akk, aqk, local = jax.lax.fori_loop(0, r + 1, step, (zeros, zeros, jnp.zeros_like(q)))
     if scale_after:    # column j of the band times 1 / |k_j| (rows past t are zeros either way)
         block = k_ref[...].astype(f32)                                            # [SUB, heads, K]
-        inverse = jax.lax.rsqrt(jnp.sum(block * block, axis=2) + L2_EPS).T        # [heads, SUB]
+        inverse = l2_inverse_norm(block, axis=2, keepdims=False).T                # [heads, SUB]
         akk, aqk = akk * inverse, aqk * inverse
     akk_ref[...] = akk
     aqk_ref[...] = aqk
@@ -81,15 +88,16 @@ def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_wa
     16 x 16 blocks, or with `band` only those blocks, [B, H, N, C, SUB] (row r's entry j of its sub-block at
     column j % SUB: `intra_parallel.band_blocks` expands it); then with `cumsum` the local cumulative decay
     [B, H, N, C, K] fp32 (`local_cumsum`'s contract); then with `normalize` (q and k not yet L2-normalised; one
-    of `ChunkBlocks.qk_norm`'s in-launch forms: "diagonal", "diagonal-bf16" or "diagonal-after", `band` only)
-    q and k normalised, fp32 (bf16 for "diagonal-bf16") in their own layout. `heads` per program (H a multiple
-    of it; the tokens layout only, else 1)."""
-    if normalize not in (None, "diagonal", "diagonal-bf16", "diagonal-after"):
-        raise ValueError(f"diagonal_pairs: normalize must be None, 'diagonal', 'diagonal-bf16' or 'diagonal-after', "
-                         f"got {normalize!r}")
-    scale_after = normalize == "diagonal-after"
+    of `ChunkBlocks.qk_norm`'s in-launch forms, IN_LAUNCH_NORMS; the "-after" forms `band` only) q and k
+    normalised, fp32 (bf16 for "diagonal-bf16") in their own layout, or for the "scales" forms 1 / |q| and
+    1 / |k|, fp32 in beta's layout ([B, N, C, H] with `tokens`, else [B, H, N, C]). `heads` per program (H a
+    multiple of it; the tokens layout only, else 1)."""
+    if normalize is not None and normalize not in IN_LAUNCH_NORMS:
+        raise ValueError(f"diagonal_pairs: normalize must be None or one of {IN_LAUNCH_NORMS}, got {normalize!r}")
+    scale_after = normalize is not None and normalize.endswith("-after")
+    scales = normalize is not None and normalize.startswith("scales")
     if scale_after and not band:
-        raise ValueError("diagonal_pairs: normalize='diagonal-after' scales the band: it needs band=True")
+        raise ValueError(f"diagonal_pairs: normalize={normalize!r} scales the band: it needs band=True")
     if tokens:
         b, n, c, h, kd = qc.shape
         row = pl.BlockSpec((None, None, None, heads, kd), lambda i, j, t: (i, t // c, t % c, j, 0))
@@ -110,16 +118,25 @@ def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_wa
     pair_width = SUB if band else c
     widths = [pair_width, pair_width] + [kd] * cumsum
     out_specs, out_shapes = [out(w) for w in widths], [shape(w) for w in widths]
-    if normalize:    # q and k in the layout they came in
+    if scales:       # 1 / |q| and 1 / |k|, a float a row: [B, N, C, H] (tokens), else [B, H, N, C, 1]
+        if tokens:
+            norm = pl.BlockSpec((None, None, None, heads), lambda i, j, t: (i, t // c, t % c, j))
+            norm_shape = (b, n, c, h)
+        else:
+            norm = pl.BlockSpec((None, None, None, None, 1), lambda i, j, t: (i, j, t // c, t % c, 0))
+            norm_shape = (b, h, n, c, 1)
+        out_specs += [norm, norm]
+        out_shapes += [jax.ShapeDtypeStruct(norm_shape, jnp.float32)] * 2
+    elif normalize:    # q and k in the layout they came in
         out_specs += [row, row]
         dtype = jnp.bfloat16 if normalize == "diagonal-bf16" else jnp.float32
         out_shapes += [jax.ShapeDtypeStruct(ins[0].shape, dtype)] * 2
     outs = list(pl.pallas_call(
         lambda *refs: diagonal_pairs_kernel(*refs, scale=scale, chunk=c, band=band, cumsum=cumsum,
-                                            normalize=normalize is not None, scale_after=scale_after),
+                                            normalize=normalize is not None, scale_after=scale_after, scales=scales),
         grid=(b, h // heads, n * c), in_specs=[row, block, block], out_specs=out_specs, out_shape=out_shapes,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
         name="kda_chunk_diagonal")(*ins))
     if normalize and not tokens:
-        outs[-2:] = [x[:, :, :, :, 0] for x in outs[-2:]]
+        outs[-2:] = [x[..., 0] if scales else x[:, :, :, :, 0] for x in outs[-2:]]
     return outs

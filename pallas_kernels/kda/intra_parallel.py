@@ -90,12 +90,16 @@ def _pick(rows_index, vectors):
     return out
 
 
-def _slice(a_ref, k_ref, l_ref, i, key_slice, rows, nb, scale):
+def _slice(a_ref, k_ref, l_ref, i, key_slice, rows, nb, scale, norms=None):
     """Key slice i (of key_slice columns) of one chunk -> (its columns, a * scale, k (fp32), the
-    local decay, its block offsets (refrow, offsets: see `_block_offsets`), G)."""
+    local decay, its block offsets (refrow, offsets: see `_block_offsets`), G). norms: None, or refs of the
+    rows' inverse norms (1 / |a_r|, 1 / |k_r|), [C] each, that a and k are scaled by (q and k not yet
+    normalised; read here, a slice at a time: held across the pairs launch's loop they spilled)."""
     ks = pl.ds(pl.multiple_of(i * key_slice, key_slice), key_slice)
     a = a_ref[:, ks].astype(jnp.float32) * scale
     k = k_ref[:, ks].astype(jnp.float32)
+    if norms is not None:
+        a, k = a * norms[0][...][:, None], k * norms[1][...][:, None]
     local = l_ref[:, ks]
     refrow, offsets = _block_offsets(l_ref, ks, local, rows, nb)
     return ks, a, k, local, refrow, offsets, local + refrow
@@ -172,13 +176,16 @@ def band_blocks(band_ref, rows, cols):
 
 
 def joint_pairs_kernel(q_ref, k_ref, l_ref, *refs, scale: float, key_slice: int, diagonal_given: bool = False,
-                       band: bool = False, invert: str | None = None, interpret: bool = False):
+                       band: bool = False, invert: str | None = None, scaled: bool = False, interpret: bool = False):
     """A_kk (j < r) and A_qk (j <= r, q scaled) of one chunk in one launch: each level's decay
     factors and k e^(G_a - G_j) are formed once for both. q/k [C, K], l [C, K] fp32 -> two [C, C].
 
     refs: (akk_ref, aqk_ref), with `diagonal_given` (dkk_ref, dqk_ref) first: the diagonal 16 x 16 blocks
     from `intra_diagonal.diagonal_pairs`, [C, C] fp32 (or with `band` [C, SUB]: `band_blocks`), to which only
     the levels across sub-blocks are added;
+    with `scaled` (q and k not yet normalised) their rows' inverse norms, [C] each, before those: the levels
+    run on q and k as they are and their sums are scaled by 1 / |q_r| (or 1 / |k_r|) and 1 / |k_j| at the end
+    (one product an entry, and nothing more held across the loop);
     with `invert` (the inverse's precision, `ChunkBlocks.inverse`) b_ref [C] (beta) first of all, and
     akk_ref receives T = (I + diag(beta) A_kk)^-1 in its dtype instead of A_kk."""
     c, kd = k_ref.shape
@@ -188,6 +195,8 @@ def joint_pairs_kernel(q_ref, k_ref, l_ref, *refs, scale: float, key_slice: int,
     akk_ref, aqk_ref = refs[-2:]
     if invert:
         b_ref, refs = refs[0], refs[1:]
+    if scaled:
+        norms, refs = refs[:2], refs[2:]
 
     def one_slice(i, accs):
         akk, aqk = accs
@@ -202,11 +211,14 @@ def joint_pairs_kernel(q_ref, k_ref, l_ref, *refs, scale: float, key_slice: int,
         return _pair_levels((akk, aqk), add, c, rows, cols, l_ref, ks, local, refrow, offsets,
                             inside=not diagonal_given)
 
-    if diagonal_given:
-        init = tuple(band_blocks(r, rows, cols) if band else r[...] for r in refs[:2])
-    else:
-        init = (jnp.zeros((c, c), jnp.float32),) * 2
-    akk, aqk = jax.lax.fori_loop(0, kd // key_slice, one_slice, init)
+    zeros = (jnp.zeros((c, c), jnp.float32),) * 2
+    given = lambda: tuple(band_blocks(r, rows, cols) if band else r[...] for r in refs[:2]) if diagonal_given else zeros
+    akk, aqk = jax.lax.fori_loop(0, kd // key_slice, one_slice, zeros if scaled else given())
+    if scaled:
+        inverse_q, inverse_k = (r[...] for r in norms)
+        akk_d, aqk_d = given()
+        akk = akk_d + akk * (inverse_k[:, None] * inverse_k[None, :])
+        aqk = aqk_d + aqk * (inverse_q[:, None] * inverse_k[None, :])
     aqk_ref[...] = aqk.astype(aqk_ref.dtype)
     if invert:
         lower = jnp.where(rows[:, None] > cols, akk * b_ref[...].astype(jnp.float32)[:, None], 0.0)
@@ -235,12 +247,13 @@ def _inverse_dot(inverse: str, interpret: bool):
     return lambda a, b: jnp.dot(a, b, precision=precise, preferred_element_type=jnp.float32)
 
 
-def _key_factors(i, t, beta, q_ref, k_ref, l_ref, w_ref, qg_ref, kt_ref, dec_ref, *, scale: float, key_slice: int):
+def _key_factors(i, t, beta, q_ref, k_ref, l_ref, w_ref, qg_ref, kt_ref, dec_ref, *, scale: float, key_slice: int,
+                 norms=None):
     """Key slice i of one chunk's W = T diag(beta) (e^G k), q e^G, k e^(G_C - G) and e^(G_C); t [C, C]
-    (fp32, or bf16: then the product's other operand is rounded to bf16 too)."""
+    (fp32, or bf16: then the product's other operand is rounded to bf16 too). norms: see `_slice`."""
     c = q_ref.shape[0]
     rows = jnp.arange(c, dtype=jnp.int32)
-    ks, q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, c // SUB, scale)
+    ks, q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, c // SUB, scale, norms)
     last = offsets[-1]
     e_g = jnp.exp(g_chunk)
     x = (beta[:, None] * e_g * k).astype(t.dtype)
@@ -283,19 +296,22 @@ def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_re
     jax.lax.fori_loop(0, vd // value_slice, value_part, 0)
 
 
-def sliced_factors_kernel(t_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_ref, kt_ref, dec_ref, *,
-                          scale: float, key_slice: int, value_slice: int):
+def sliced_factors_kernel(t_ref, q_ref, k_ref, v_ref, l_ref, b_ref, *refs, scale: float, key_slice: int,
+                          value_slice: int, scaled: bool = False):
     """`solve_kernel` after the inverse (`ChunkBlocks(solve="sliced")`): program (row, head, chunk, i) takes
     T [C, C] (from `joint_pairs_kernel` with `invert` set, in the factors' dtype) and writes key slice i of W,
-    q e^G, k e^(G_C - G), e^(G_C) and value slice i of U (where the chunk has that many)."""
+    q e^G, k e^(G_C - G), e^(G_C) and value slice i of U (where the chunk has that many). refs: with `scaled`
+    (q and k not yet normalised) their rows' inverse norms, [C] each, then the outputs w, u, qg, kt, dec."""
     i = pl.program_id(3)
     t = t_ref[...]
     beta = b_ref[...].astype(jnp.float32)
+    norms = refs[:2] if scaled else None
+    w_ref, u_ref, qg_ref, kt_ref, dec_ref = refs[2 * scaled:]
 
     @pl.when(i < q_ref.shape[1] // key_slice)
     def _():
         _key_factors(i, t, beta, q_ref, k_ref, l_ref, w_ref, qg_ref, kt_ref, dec_ref, scale=scale,
-                     key_slice=key_slice)
+                     key_slice=key_slice, norms=norms)
 
     @pl.when(i < v_ref.shape[1] // value_slice)
     def _():

@@ -99,7 +99,10 @@ class ChunkBlocks:
                                  # launch, which writes them in fp32 ("diagonal") or bf16 ("diagonal-bf16", as fla's
                                  # norm returns them) for the launches after it ("diagonal-after": the walk on raw
                                  # k rows, the band scaled by the sub-block's 1 / |k_j| at the end, one sum a row
-                                 # instead of one a step; not yet timed), or by XLA before the kernels ("xla",
+                                 # instead of one a step; not yet timed), or writes only 1 / |q| and 1 / |k| (a
+                                 # float a row) for the later launches to scale q and k by as they read them
+                                 # ("scales", "scales-after": the walk as in "diagonal", "diagonal-after"; with
+                                 # solve="sliced"), or by XLA before the kernels ("xla",
                                  # also wherever the per-token launch does not run). H200, device time (KDA run 22):
                                  # per-token launch 299 -> 385 us against XLA's norm 97 at H = 32, 872 -> 1,125
                                  # against 292 at H = 96 (sums 1,232 -> 1,219 and 3,717 -> 3,679 us)
@@ -181,7 +184,14 @@ class ChunkBlocks:
     def normalizes_qk(self) -> bool:
         """Whether a settled chunked prefill can L2-normalise q and k inside its per-token launch
         (`kda_chunk_pallas(normalize_qk=True)`)."""
-        return self.qk_norm != "xla" and self.intra == "parallel" and self.pairs == "diagonal"
+        return (self.qk_norm != "xla" and self.intra == "parallel" and self.pairs == "diagonal"
+                and (self.solve == "sliced" or not self.hands_on_norms))
+
+    @property
+    def hands_on_norms(self) -> bool:
+        """Whether q and k normalised inside the per-token launch go on as they came, with their rows' inverse
+        norms (qk_norm "scales" forms), rather than normalised."""
+        return self.qk_norm.startswith("scales")
 
     @property
     def reads_tokens(self) -> bool:

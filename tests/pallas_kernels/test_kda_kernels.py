@@ -411,6 +411,10 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     ("bfloat16", ChunkBlocks(qk_norm="diagonal-bf16")),            # written for the later launches in bf16
     ("bfloat16", ChunkBlocks(qk_norm="diagonal-after")),           # the band scaled by 1 / |k_j| at the end
     ("float32", ChunkBlocks(qk_norm="diagonal-after", layout="chunked")),
+    ("bfloat16", ChunkBlocks(qk_norm="scales")),                   # only 1 / |q|, 1 / |k| handed on
+    ("bfloat16", ChunkBlocks(qk_norm="scales-after")),
+    ("float32", ChunkBlocks(qk_norm="scales-after", layout="chunked")),
+    ("bfloat16", ChunkBlocks(qk_norm="scales", solve="whole")),    # the whole solve reads q, k normalised by XLA
 ])
 def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     """normalize_qk=True takes q and k as they leave the conv (any scale, a zero row among them) and gives the
@@ -426,11 +430,19 @@ def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     beta = jnp.asarray(rng.uniform(0, 1, (b, t, h)), jnp.float32)
     s0 = jnp.asarray(rng.standard_normal((b, h, kd, vd)), jnp.float32)
     blocks = replace(blocks, key_slice=16, value_block=16)
-    assert blocks.resolve(dtype).normalizes_qk == (blocks.pairs == "diagonal" and blocks.qk_norm != "xla")
+    settled = blocks.resolve(dtype)
+    assert settled.normalizes_qk == (blocks.pairs == "diagonal" and blocks.qk_norm != "xla"
+                                     and (settled.solve == "sliced" or not blocks.qk_norm.startswith("scales")))
     call = lambda q, k, normalize: kda_chunk_pallas(q, k, v, g, beta, initial_state=s0, blocks=blocks,
                                                     interpret=interpret, normalize_qk=normalize)
-    inside = blocks.resolve(dtype).normalizes_qk     # the per-token launch writes q and k: two outputs more
-    assert _launch_outputs(call, q, k, True) == _launch_outputs(call, q, k, False) + 2 * inside
+    inside = settled.normalizes_qk     # the per-token launch writes q and k (or their inverse norms): two outputs more
+    shapes = _launch_output_shapes(call, q, k, True)
+    outputs = lambda found: sum(map(len, found.values()))
+    assert outputs(shapes) == outputs(_launch_output_shapes(call, q, k, False)) + 2 * inside
+    if inside:    # the per-token launch's last two: q and k (K floats a row and head), or one float a row and head
+        rows = b * -(-t // blocks.chunk) * blocks.chunk * h
+        per_row = 1 if settled.hands_on_norms else kd
+        assert [np.prod(x) for x in shapes["kda_chunk_diagonal"][-2:]] == [rows * per_row] * 2
     o, s = call(q, k, True)
     qn, kn = l2_normalize(q), l2_normalize(k)
     o2, s2 = kda_chunk_pallas(qn, kn, v, g, beta, initial_state=s0, blocks=blocks, interpret=interpret)
@@ -442,17 +454,21 @@ def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     assert_close("state", s, s_ref, tol=TOLERANCES[kernel_dtype(dtype, interpret)])
 
 
-def _launch_outputs(call, q, k, normalize) -> int:
-    """Outputs of every Pallas launch in call(q, k, normalize)'s traced program."""
+def _launch_output_shapes(call, q, k, normalize) -> dict[str, list[tuple]]:
+    """The outputs' shapes of every Pallas launch in call(q, k, normalize)'s traced program, by launch name."""
     import jax
+    found = {}
 
-    def count(jaxpr):
-        n = 0
+    def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            n += len(eqn.outvars) if eqn.primitive.name == "pallas_call" else 0
-            n += sum(count(p.jaxpr) for p in eqn.params.values() if hasattr(getattr(p, "jaxpr", None), "eqns"))
-        return n
-    return count(jax.make_jaxpr(lambda q, k: call(q, k, normalize))(q, k).jaxpr)
+            if eqn.primitive.name == "pallas_call":
+                name = str(eqn.params["name"])
+                found.setdefault(name, []).extend(v.aval.shape for v in eqn.outvars)
+            for p in eqn.params.values():
+                if hasattr(getattr(p, "jaxpr", None), "eqns"):
+                    walk(p.jaxpr)
+    walk(jax.make_jaxpr(lambda q, k: call(q, k, normalize))(q, k).jaxpr)
+    return found
 
 
 def test_normalising_inside_needs_the_per_token_launch(rng):
