@@ -119,6 +119,11 @@ VARIANTS = {
     "default/scales": ChunkBlocks(qk_norm="scales"),     # ... only 1 / |q|, 1 / |k| handed on, q, k read as they came
     "default/scales-after": ChunkBlocks(qk_norm="scales-after"),
     "default/scales-after/dh4": ChunkBlocks(qk_norm="scales-after", diagonal_heads=4),
+    "default/across-tiles": ChunkBlocks(across="tiles"),   # pairs across sub-blocks and the inverse by 16 x 16 tiles
+    "default/across-tiles/pw2": ChunkBlocks(across="tiles", pairs_num_warps=2),
+    "default/across-tiles/pw1": ChunkBlocks(across="tiles", pairs_num_warps=1),
+    "default/across-tiles/ks16": ChunkBlocks(across="tiles", key_slice=16),
+    "default/across-tiles/ks16/pw1": ChunkBlocks(across="tiles", key_slice=16, pairs_num_warps=1),
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4),  # run 20's
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),

@@ -113,6 +113,12 @@ def _build_cases():
         "kda-chunk-norm-in-after": kda(normalize_qk=True, qk_norm="diagonal-after"),
         "kda-chunk-norm-scales": kda(normalize_qk=True, qk_norm="scales"),   # only 1 / |q|, 1 / |k| handed on
         "kda-chunk-norm-scales-after": kda(normalize_qk=True, qk_norm="scales-after"),
+        "kda-chunk-across-tiles": kda(across="tiles"),   # the pairs across sub-blocks and the inverse by 16 x 16 tiles
+        "kda-chunk-across-tiles-w2": kda(across="tiles", pairs_num_warps=2),
+        "kda-chunk-across-tiles-w1": kda(across="tiles", pairs_num_warps=1),
+        "kda-chunk-across-tiles-ks64": kda(across="tiles", key_slice=64),
+        "kda-chunk-across-tiles-ks16": kda(across="tiles", key_slice=16),
+        "kda-chunk-across-tiles-ks16-w2": kda(across="tiles", key_slice=16, pairs_num_warps=2),
         "kda-chunk-rows": kda(diagonal_band=False),     # the per-token launch writing whole [C, C] rows
         "kda-chunk-fs32": kda(factors_slice=32, factors_num_warps=4),   # W, U, ... launch at 32 / 64 / 128 key
         "kda-chunk-fs64": kda(factors_slice=64, factors_num_warps=4),   # columns a program, 4 warps (the default:

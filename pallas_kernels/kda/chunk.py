@@ -29,6 +29,7 @@ from pallas_kernels._util import default_interpret, is_pow2, multiprocessor_coun
 from pallas_kernels.kda.inter_split import chunk_inter_split
 from pallas_kernels.kda.gate import l2_normalize
 from pallas_kernels.kda.intra_diagonal import IN_LAUNCH_NORMS, diagonal_pairs
+from pallas_kernels.kda.intra_solve_tiles import tile_solve_kernel
 from pallas_kernels.kda.intra_tiles import tile_pairs_kernel
 from pallas_kernels.kda.intra_parallel import (SUB, decay_pairs_kernel, joint_pairs_kernel, local_cumsum,
                                               local_cumsum_kernel, sliced_factors_kernel, solve_kernel)
@@ -296,10 +297,15 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
                 qc, kc = rest[-2:]
             extra += norms + (akk_d, aqk_d)
             lc = rest[0] if lc is None else lc
+        if blocks.across == "tiles":      # check_blocks: with pairs="diagonal" and solve="sliced" only
+            kernel = functools.partial(tile_solve_kernel, scale=scale, key_slice=key_slice, band=blocks.diagonal_band,
+                                       inverse=blocks.inverse, scaled=bool(norms), interpret=interpret)
+        else:
+            kernel = functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice, diagonal_given=given,
+                                       band=blocks.diagonal_band, invert=blocks.inverse if sliced else None,
+                                       scaled=bool(norms), interpret=interpret)
         akk, aqk = pl.pallas_call(
-            functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice, diagonal_given=given,
-                              band=blocks.diagonal_band, invert=blocks.inverse if sliced else None,
-                              scaled=bool(norms), interpret=interpret),
+            kernel,
             grid=(b, h, n),
             in_specs=[raw(kd), raw(kd), blk(c, kd)] + [raw()] * (sliced + len(norms))
                      + [blk(c, SUB if blocks.diagonal_band else c)] * (2 * given),
@@ -424,6 +430,12 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
                          f"got {blocks.diagonal_num_warps!r}")
     if blocks.solve not in ("whole", "sliced"):
         raise ValueError(f"{name}: solve must be 'whole' or 'sliced', got {blocks.solve!r}")
+    if blocks.across not in ("levels", "tiles"):
+        raise ValueError(f"{name}: across must be 'levels' or 'tiles', got {blocks.across!r}")
+    if blocks.across == "tiles" and (blocks.intra, blocks.pairs, blocks.solve) != ("parallel", "diagonal", "sliced"):
+        raise ValueError(f"{name}: across='tiles' follows the per-token launch and holds the inverse: it needs "
+                         f"intra='parallel', pairs='diagonal' and solve='sliced', got intra={blocks.intra!r}, "
+                         f"pairs={blocks.pairs!r}, solve={blocks.solve!r}")
     if blocks.solve == "sliced" and blocks.pairs not in ("joint", "diagonal"):
         raise ValueError(f"{name}: solve='sliced' takes the inverse from pairs='joint' or 'diagonal', "
                          f"got pairs={blocks.pairs!r}")

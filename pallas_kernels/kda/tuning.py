@@ -86,6 +86,11 @@ class ChunkBlocks:
                              # ("separate"), or one launch by 16-row tiles ("tiles": `intra_tiles.py`, a quarter of
                              # the product work; slower on the H200: 2.00 against 1.93 ms at H = 32 at best, 1 warp)
     pairs_num_warps: int = 0  # warps of the pair launches (A_kk / A_qk, any `pairs` form; 0: num_warps)
+    across: str = "levels"   # pairs="diagonal" with solve="sliced": the launch after the per-token one forms the
+                             # pairs across sub-blocks as bit levels of masked [C, C] products and the inverse by
+                             # doubling over [C, C] ("levels", `joint_pairs_kernel`), or both by 16 x 16 tiles
+                             # ("tiles": one product a tile pair, block forward substitution;
+                             # `intra_solve_tiles.py`, about a tenth of the multiply-adds)
     solve: str = "auto"      # "parallel": T = (I + diag(beta) A_kk)^-1, then W, U, q e^G, k e^(G_C - G) in one launch
                              # per chunk ("whole"), or the inverse at the end of the pairs launch (stored in the
                              # factors' dtype) and the rest one program per chunk and key slice ("sliced";

@@ -71,6 +71,14 @@ def _l2(x):
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pallas-cumsum"),   # its own launch
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/diagonal-cumsum/chunked"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/diagonal-cumsum"),
+    # the pairs across sub-blocks and the inverse by 16 x 16 tiles: both layouts, weak, strong and unbounded
+    # gates, 4 / 2 / 1 sub-blocks a chunk, a ragged tail
+    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/across-tiles/bf16"),
+    (1, 130, 1, 32, 32, 64, (-0.1, 0.0), True, "bfloat16", "parallel/across-tiles/bf16/tf32"),
+    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/across-tiles/chunked"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/across-tiles"),
+    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/across-tiles"),
+    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/across-tiles"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -98,6 +106,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                diagonal_heads=2 if "dh2" in options else 0,
                                                diagonal_num_warps=2 if "dh2" in options else 0,
                                                factors_slice=16 if "fs16" in options else ChunkBlocks.factors_slice,
+                                               across="tiles" if "across-tiles" in options else "levels",
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -297,6 +306,9 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(factors_slice=48), "factors_slice must be 0"),
     (ChunkBlocks(factors_slice=8), "factors_slice must be 0"),
     (ChunkBlocks(factors_num_warps=3), "factors_num_warps must be"),
+    (ChunkBlocks(across="blocks"), "across must be 'levels' or 'tiles'"),
+    (ChunkBlocks(across="tiles", solve="whole"), "across='tiles' follows the per-token launch"),
+    (ChunkBlocks(across="tiles", pairs="joint"), "across='tiles' follows the per-token launch"),
 ])
 def test_chunk_blocks_name_the_bad_setting(rng, blocks, message):
     q = jnp.asarray(_l2(rng.standard_normal((1, 16, 1, 16))), jnp.float32)
@@ -345,7 +357,8 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
 @pytest.mark.parametrize("form", [dict(pairs="tiles"), dict(pairs="diagonal", solve="whole"),
                                   dict(pairs="diagonal", solve="sliced"), dict(pairs="joint", solve="sliced"),
                                   dict(solve="sliced", factors_slice=16, factors_num_warps=2),   # 2 programs
-                                  dict(pairs="diagonal", diagonal_band=False)])
+                                  dict(pairs="diagonal", diagonal_band=False),
+                                  dict(across="tiles"), dict(across="tiles", diagonal_band=False)])
 def test_pair_and_solve_forms_equal_joint_pairs(rng, interpret, chunk, form):
     """Each pairs / solve form gives the joint pairs' six outputs after the one-launch solve (W, U, A_qk
     with its zero upper half, q e^G, k e^(G_C - G), e^(G_C)) to fp32 rounding, with gates weak enough that
@@ -415,6 +428,9 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     ("bfloat16", ChunkBlocks(qk_norm="scales-after")),
     ("float32", ChunkBlocks(qk_norm="scales-after", layout="chunked")),
     ("bfloat16", ChunkBlocks(qk_norm="scales", solve="whole")),    # the whole solve reads q, k normalised by XLA
+    ("bfloat16", ChunkBlocks(across="tiles")),
+    ("bfloat16", ChunkBlocks(across="tiles", qk_norm="scales")),
+    ("float32", ChunkBlocks(across="tiles", qk_norm="scales-after", layout="chunked")),
 ])
 def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     """normalize_qk=True takes q and k as they leave the conv (any scale, a zero row among them) and gives the

@@ -1,0 +1,109 @@
+"""The pairs across a KDA chunk's 16-row sub-blocks and T = (I + diag(beta) A_kk)^-1 by 16 x 16 tiles
+(`ChunkBlocks(across="tiles")`): the launch after `intra_diagonal.py`'s per-token one, with the same outputs as
+`intra_parallel.joint_pairs_kernel(diagonal_given=True, invert=...)`, in about a tenth of its multiply-adds.
+
+The joint launch forms each bit level across sub-blocks as a masked [C, C] product and the inverse by doubling over
+the whole [C, C] matrix: at C = 64 about 4.7 M multiply-adds a chunk, most of them on entries that are masked away
+or known to be zero. Here, with C / 16 = nb row blocks:
+
+- Tile (i, j), j < i, of A_kk and A_qk is one [16, K] x [K, 16] product. With G_a the cumulative decay at the end of
+  block i - 1 (the start of block i), e^(G_r - G_j) = e^(G_r - G_a) e^(G_a - G_j) for r in block i and j in block
+  j, and in terms of the local sums (each sub-block's own running sum, `local_cumsum`) and block totals:
+
+      G_r - G_a = local_r,   G_a - G_j = (total_j - local_j) + (totals of blocks j + 1 .. i - 1),
+
+  each term <= 0 for any gate, so every factor is <= 1: k_r e^(local_r) for the rows, k_j e^(total_j - local_j) for
+  the columns (formed once per block), and e^(totals between) for the pairs two or more blocks apart.
+- T by block forward substitution: the diagonal tiles' inverses (I + L_ii)^-1 by doubling inside each 16 x 16
+  tile (`intra_parallel.doubling_inverse`, three levels), then T_ij = -T_ii sum_{m = j .. i - 1} L_im T_mj.
+
+The diagonal tiles of A_kk and A_qk come from the per-token launch: its band ([C, 16], row r's entries of its own
+sub-block; `intra_diagonal.diagonal_pairs(band=True)`) holds them stacked, or its whole rows ([C, C]).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.intra_parallel import SUB, _dot_t, _inverse_dot, doubling_inverse
+
+
+def _block(i: int):
+    return pl.ds(i * SUB, SUB)
+
+
+def _across_products(q_ref, k_ref, l_ref, *, scale: float, key_slice: int):
+    """{(i, j): A_kk tile}, {(i, j): A_qk tile} ([SUB, SUB] fp32, q scaled) for the block pairs j < i: one
+    row block i at a time (its i tile pairs, two [SUB, SUB] accumulators each: a [16, 16] tile sits whole in
+    every warp, so fewer live tiles is fewer registers), summed over key slices of key_slice columns in a loop."""
+    f32 = jnp.float32
+    akk, aqk = {}, {}
+    for i in range(1, q_ref.shape[0] // SUB):
+        def one_slice(s, accs, i=i):
+            ks = pl.ds(pl.multiple_of(s * key_slice, key_slice), key_slice)
+            e = jnp.exp(l_ref[_block(i), ks])                                    # e^(G_r - G_a), <= 1
+            xk = k_ref[_block(i), ks].astype(f32) * e
+            xq = q_ref[_block(i), ks].astype(f32) * (e * scale)
+            out, between = list(accs), None                # the decay of the whole blocks between j and i
+            for j in range(i - 1, -1, -1):
+                total = l_ref[j * SUB + SUB - 1, ks]                             # [ks]
+                y = k_ref[_block(j), ks].astype(f32) * jnp.exp(total[None, :] - l_ref[_block(j), ks])
+                if between is not None:
+                    y = y * jnp.exp(between)[None, :]
+                out[2 * j] = out[2 * j] + _dot_t(xk, y)
+                out[2 * j + 1] = out[2 * j + 1] + _dot_t(xq, y)
+                between = total if between is None else between + total
+            return tuple(out)
+
+        zeros = (jnp.zeros((SUB, SUB), f32),) * (2 * i)
+        accs = jax.lax.fori_loop(0, q_ref.shape[1] // key_slice, one_slice, zeros)
+        for j in range(i):
+            akk[i, j], aqk[i, j] = accs[2 * j], accs[2 * j + 1]
+    return akk, aqk
+
+
+def tile_solve_kernel(q_ref, k_ref, l_ref, b_ref, *refs, scale: float, key_slice: int, band: bool, inverse: str,
+                      scaled: bool = False, interpret: bool = False):
+    """One chunk: q, k [C, K] (L2-normalised, or with `scaled` as they came), l (the local cumulative decay)
+    [C, K] fp32, beta [C] -> T = (I + diag(beta) A_kk)^-1 and A_qk (j <= r, q scaled), [C, C] each in their refs'
+    dtypes, zero above the diagonal.
+
+    refs: with `scaled` the rows' inverse norms 1 / |q_r|, 1 / |k_r| ([C] each) first; then the per-token launch's
+    diagonal tiles of A_kk and A_qk (`band`: [C, SUB] stacked, else whole [C, C] rows); then t_ref, aqk_ref.
+    inverse: the precision of the inverse's products (`ChunkBlocks.inverse`)."""
+    f32 = jnp.float32
+    nb = q_ref.shape[0] // SUB
+    t_ref, aqk_ref = refs[-2:]
+    norms, refs = (refs[:2], refs[2:]) if scaled else (None, refs)
+    dkk_ref, dqk_ref = refs[:2]
+    akk, aqk = _across_products(q_ref, k_ref, l_ref, scale=scale, key_slice=key_slice)
+    if scaled:
+        inverse_q, inverse_k = ([ref[_block(b)] for b in range(nb)] for ref in norms)
+        for i, j in akk:
+            akk[i, j] = akk[i, j] * (inverse_k[i][:, None] * inverse_k[j][None, :])
+            aqk[i, j] = aqk[i, j] * (inverse_q[i][:, None] * inverse_k[j][None, :])
+
+    diagonal = lambda ref, i: ref[_block(i), :] if band else ref[_block(i), _block(i)]
+    zero = jnp.zeros((SUB, SUB), f32)
+    for i in range(nb):              # A_qk stored first: its tiles are not held through the solve
+        for j in range(nb):
+            a = diagonal(dqk_ref, i) if i == j else aqk.get((i, j), zero)
+            aqk_ref[_block(i), _block(j)] = a.astype(aqk_ref.dtype)
+
+    rows = jnp.arange(SUB, dtype=jnp.int32)
+    cols = rows[None, :]
+    dot = _inverse_dot(inverse, interpret)
+    inv = {}
+    for i in range(nb):              # T by row blocks: row block i needs T's tiles of the rows above
+        beta = b_ref[_block(i)].astype(f32)[:, None]
+        inv[i, i] = doubling_inverse(jnp.where(rows[:, None] > cols, beta * diagonal(dkk_ref, i), 0.0), rows, cols,
+                                     dot)
+        for j in range(i - 1, -1, -1):
+            acc = dot(beta * akk[i, j], inv[j, j])
+            for m in range(j + 1, i):
+                acc = acc + dot(beta * akk[i, m], inv[m, j])
+            inv[i, j] = -dot(inv[i, i], acc)
+        for j in range(nb):
+            t_ref[_block(i), _block(j)] = inv.get((i, j), zero).astype(t_ref.dtype)
