@@ -124,6 +124,22 @@ VARIANTS = {
     "default/across-tiles/pw1": ChunkBlocks(across="tiles", pairs_num_warps=1),
     "default/across-tiles/ks16": ChunkBlocks(across="tiles", key_slice=16),
     "default/across-tiles/ks16/pw1": ChunkBlocks(across="tiles", key_slice=16, pairs_num_warps=1),
+    # ... their key-slice loops' loads pipelined (num_stages), at 1 and 2 warps
+    "default/across-tiles/pw1/ps2": ChunkBlocks(across="tiles", pairs_num_warps=1, pairs_num_stages=2),
+    "default/across-tiles/pw1/ps3": ChunkBlocks(across="tiles", pairs_num_warps=1, pairs_num_stages=3),
+    "default/across-tiles/pw2/ps2": ChunkBlocks(across="tiles", pairs_num_warps=2, pairs_num_stages=2),
+    "default/across-tiles/ks16/pw1/ps3": ChunkBlocks(across="tiles", key_slice=16, pairs_num_warps=1,
+                                                     pairs_num_stages=3),
+    # W, U, ...: one program a chunk walking slices of 32 / 64 columns in a loop whose loads are pipelined
+    "default/factors-loop32/s2": ChunkBlocks(factors_loop=True, factors_slice=32, factors_num_warps=4,
+                                             factors_num_stages=2),
+    "default/factors-loop32/s3": ChunkBlocks(factors_loop=True, factors_slice=32, factors_num_warps=4,
+                                             factors_num_stages=3),
+    "default/factors-loop64/fw8/s2": ChunkBlocks(factors_loop=True, factors_slice=64, factors_num_warps=8,
+                                                 factors_num_stages=2),
+    "default/across-tiles/pw1/ps3/factors-loop32/s3": ChunkBlocks(
+        across="tiles", pairs_num_warps=1, pairs_num_stages=3, factors_loop=True, factors_slice=32,
+        factors_num_warps=4, factors_num_stages=3),
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4),  # run 20's
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),

@@ -118,6 +118,16 @@ def _build_cases():
         "kda-chunk-across-tiles-w1": kda(across="tiles", pairs_num_warps=1),
         "kda-chunk-across-tiles-ks64": kda(across="tiles", key_slice=64),
         "kda-chunk-across-tiles-ks16": kda(across="tiles", key_slice=16),
+        "kda-chunk-stages2": kda(num_stages=2),
+        "kda-chunk-factors-loop32-s2": kda(factors_loop=True, factors_slice=32, factors_num_warps=4, factors_num_stages=2),
+        "kda-chunk-factors-loop32-s3": kda(factors_loop=True, factors_slice=32, factors_num_warps=4, factors_num_stages=3),
+        "kda-chunk-factors-loop64-s2": kda(factors_loop=True, factors_slice=64, factors_num_warps=4, factors_num_stages=2),
+        "kda-chunk-factors-loop64-w8-s2": kda(factors_loop=True, factors_slice=64, factors_num_warps=8,
+                                              factors_num_stages=2),
+        "kda-chunk-across-tiles-w1-stages2": kda(across="tiles", pairs_num_warps=1, num_stages=2),
+        "kda-chunk-across-tiles-w1-stages3": kda(across="tiles", pairs_num_warps=1, num_stages=3),
+        "kda-chunk-across-tiles-w2-stages2": kda(across="tiles", pairs_num_warps=2, num_stages=2),
+        "kda-chunk-across-tiles-w1-ks16-stages3": kda(across="tiles", pairs_num_warps=1, key_slice=16, num_stages=3),
         "kda-chunk-across-tiles-ks16-w2": kda(across="tiles", key_slice=16, pairs_num_warps=2),
         "kda-chunk-rows": kda(diagonal_band=False),     # the per-token launch writing whole [C, C] rows
         "kda-chunk-fs32": kda(factors_slice=32, factors_num_warps=4),   # W, U, ... launch at 32 / 64 / 128 key

@@ -259,7 +259,8 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
     raw = (lambda *tail: pl.BlockSpec((None, None, c, None) + tail, lambda i, j, m: (i, m, 0, j) + (0,) * len(tail))
            ) if tokens else (lambda *tail: blk(c, *tail))
     params = plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
-    pair_params = plt.CompilerParams(num_warps=blocks.pairs_num_warps or blocks.num_warps, num_stages=blocks.num_stages)
+    pair_params = plt.CompilerParams(num_warps=blocks.pairs_num_warps or blocks.num_warps,
+                                     num_stages=blocks.pairs_num_stages or blocks.num_stages)
     if blocks.cumsum == "pallas":
         lc = pl.pallas_call(local_cumsum_kernel, grid=(b, h, n), in_specs=[raw(kd)], out_specs=blk(c, kd),
                             out_shape=jax.ShapeDtypeStruct((b, h, n, c, kd), f32), compiler_params=params,
@@ -326,14 +327,15 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         fslice = blocks.factors_slice or blocks.key_slice
         key_slice, value_slice = min(kd, fslice), min(vd, fslice)
         params = plt.CompilerParams(num_warps=blocks.factors_num_warps or blocks.num_warps,
-                                    num_stages=blocks.num_stages)
+                                    num_stages=blocks.factors_num_stages or blocks.num_stages)
         grid4 = lambda spec: pl.BlockSpec(spec.block_shape, lambda i, j, m, s: spec.index_map(i, j, m))
         ins = [blk(c, c), raw(kd), raw(kd), raw(vd), blk(c, kd), raw()] + [raw()] * len(norms)
         outs = [blk(c, kd), blk(c, vd), blk(c, kd), blk(c, kd), blk(kd)]
+        loop = blocks.factors_loop
         w, u, qg, kt, dec = pl.pallas_call(
             functools.partial(sliced_factors_kernel, scale=scale, key_slice=key_slice, value_slice=value_slice,
-                              scaled=bool(norms)),
-            grid=(b, h, n, max(kd // key_slice, vd // value_slice)),
+                              scaled=bool(norms), loop=loop),
+            grid=(b, h, n, 1 if loop else max(kd // key_slice, vd // value_slice)),
             in_specs=[grid4(x) for x in ins], out_specs=[grid4(x) for x in outs], out_shape=factor_shapes,
             compiler_params=params, interpret=interpret, name="kda_chunk_factors",
         )(akk, qc, kc, vc, lc, bc, *norms)
@@ -451,6 +453,12 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     fs = blocks.factors_slice
     if type(fs) is not int or (fs and not (is_pow2(fs) and fs >= 16)):
         raise ValueError(f"{name}: factors_slice must be 0 (key_slice) or a power of two >= 16, got {fs!r}")
+    for field in ("factors_num_stages", "pairs_num_stages"):
+        stages = getattr(blocks, field)
+        if type(stages) is not int or stages < 0:
+            raise ValueError(f"{name}: {field} must be 0 (num_stages) or a stage count >= 1, got {stages!r}")
+    if type(blocks.factors_loop) is not bool:
+        raise ValueError(f"{name}: factors_loop must be True or False, got {blocks.factors_loop!r}")
     if type(blocks.factors_num_warps) is not int or blocks.factors_num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: factors_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
                          f"got {blocks.factors_num_warps!r}")

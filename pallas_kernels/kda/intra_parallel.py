@@ -297,22 +297,30 @@ def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_re
 
 
 def sliced_factors_kernel(t_ref, q_ref, k_ref, v_ref, l_ref, b_ref, *refs, scale: float, key_slice: int,
-                          value_slice: int, scaled: bool = False):
+                          value_slice: int, scaled: bool = False, loop: bool = False):
     """`solve_kernel` after the inverse (`ChunkBlocks(solve="sliced")`): program (row, head, chunk, i) takes
     T [C, C] (from `joint_pairs_kernel` with `invert` set, in the factors' dtype) and writes key slice i of W,
-    q e^G, k e^(G_C - G), e^(G_C) and value slice i of U (where the chunk has that many). refs: with `scaled`
-    (q and k not yet normalised) their rows' inverse norms, [C] each, then the outputs w, u, qg, kt, dec."""
-    i = pl.program_id(3)
+    q e^G, k e^(G_C - G), e^(G_C) and value slice i of U (where the chunk has that many); with `loop` one program
+    a chunk walks every slice i in a loop (whose loads the compiler can pipeline: `num_stages`). refs: with
+    `scaled` (q and k not yet normalised) their rows' inverse norms, [C] each, then the outputs w, u, qg, kt,
+    dec."""
     t = t_ref[...]
     beta = b_ref[...].astype(jnp.float32)
     norms = refs[:2] if scaled else None
     w_ref, u_ref, qg_ref, kt_ref, dec_ref = refs[2 * scaled:]
+    key_slices, value_slices = q_ref.shape[1] // key_slice, v_ref.shape[1] // value_slice
 
-    @pl.when(i < q_ref.shape[1] // key_slice)
-    def _():
-        _key_factors(i, t, beta, q_ref, k_ref, l_ref, w_ref, qg_ref, kt_ref, dec_ref, scale=scale,
-                     key_slice=key_slice, norms=norms)
+    def one_slice(i):
+        key = lambda: _key_factors(i, t, beta, q_ref, k_ref, l_ref, w_ref, qg_ref, kt_ref, dec_ref, scale=scale,
+                                   key_slice=key_slice, norms=norms)
+        value = lambda: _value_factors(i, t, beta, v_ref, u_ref, value_slice=value_slice)
+        if key_slices == value_slices:     # no branches (a loop's loads inside one are not pipelined)
+            key(), value()
+        else:
+            pl.when(i < key_slices)(key)
+            pl.when(i < value_slices)(value)
 
-    @pl.when(i < v_ref.shape[1] // value_slice)
-    def _():
-        _value_factors(i, t, beta, v_ref, u_ref, value_slice=value_slice)
+    if loop:
+        jax.lax.fori_loop(0, max(key_slices, value_slices), lambda i, carry: (one_slice(i), carry)[1], 0)
+    else:
+        one_slice(pl.program_id(3))

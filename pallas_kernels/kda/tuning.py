@@ -131,6 +131,11 @@ class ChunkBlocks:
                               # 1,048 us, 64 at 4 warps 275 / 863, 64 at 8 288 / 866, 128 at 8 264 / 805 (128 at 4
                               # warps spills: 255 registers; `triton_resources.py --cases kda-chunk-fs128-w4`)
     factors_num_warps: int = 8   # ... and its warps (0: num_warps; 2 warps at 32 columns: 354 / 1,102 us)
+    factors_loop: bool = False   # ... or one program a chunk walking the slices of factors_slice columns in a loop,
+                                 # whose loads the compiler pipelines (factors_num_stages)
+    factors_num_stages: int = 0  # ... the W, U launch's num_stages (0: num_stages)
+    pairs_num_stages: int = 0    # the pairs launch's num_stages (0: num_stages): with across="tiles" its key-slice
+                                 # loops' loads are pipelined (the levels' nested loops are not)
     value_block: int = 32    # state columns per program of the sequential kernel
     inter: str = "fused"     # sequential pass: "fused" (outputs inside the chunk loop) or "split" (a state-only
                              # pass, then every chunk's outputs in parallel: `inter_split.py`; fp32 factors)

@@ -79,6 +79,9 @@ def _l2(x):
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/across-tiles"),
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/across-tiles"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/across-tiles"),
+    # W, U, ... one program a chunk walking the slices in a loop: K == V (no branches) and K != V
+    (1, 130, 2, 64, 64, 64, (-3.0, 0.0), True, "bfloat16", "parallel/fs16/factors-loop"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/fs16/factors-loop/across-tiles"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -107,6 +110,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                diagonal_num_warps=2 if "dh2" in options else 0,
                                                factors_slice=16 if "fs16" in options else ChunkBlocks.factors_slice,
                                                across="tiles" if "across-tiles" in options else "levels",
+                                               factors_loop="factors-loop" in options,
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -307,6 +311,9 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(factors_slice=8), "factors_slice must be 0"),
     (ChunkBlocks(factors_num_warps=3), "factors_num_warps must be"),
     (ChunkBlocks(across="blocks"), "across must be 'levels' or 'tiles'"),
+    (ChunkBlocks(factors_loop=1), "factors_loop must be True or False"),
+    (ChunkBlocks(pairs_num_stages=-1), "pairs_num_stages must be 0"),
+    (ChunkBlocks(factors_num_stages=2.0), "factors_num_stages must be 0"),
     (ChunkBlocks(across="tiles", solve="whole"), "across='tiles' follows the per-token launch"),
     (ChunkBlocks(across="tiles", pairs="joint"), "across='tiles' follows the per-token launch"),
 ])
@@ -358,7 +365,10 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
                                   dict(pairs="diagonal", solve="sliced"), dict(pairs="joint", solve="sliced"),
                                   dict(solve="sliced", factors_slice=16, factors_num_warps=2),   # 2 programs
                                   dict(pairs="diagonal", diagonal_band=False),
-                                  dict(across="tiles"), dict(across="tiles", diagonal_band=False)])
+                                  dict(across="tiles"), dict(across="tiles", diagonal_band=False),
+                                  dict(factors_loop=True, factors_slice=16),    # 2 key, 1 value slice in a loop
+                                  dict(factors_loop=True, factors_slice=16, factors_num_stages=2,
+                                       across="tiles", pairs_num_warps=1, pairs_num_stages=3)])
 def test_pair_and_solve_forms_equal_joint_pairs(rng, interpret, chunk, form):
     """Each pairs / solve form gives the joint pairs' six outputs after the one-launch solve (W, U, A_qk
     with its zero upper half, q e^G, k e^(G_C - G), e^(G_C)) to fp32 rounding, with gates weak enough that
