@@ -140,6 +140,8 @@ VARIANTS = {
     "default/across-tiles/pw1/ps3/factors-loop32/s3": ChunkBlocks(
         across="tiles", pairs_num_warps=1, pairs_num_stages=3, factors_loop=True, factors_slice=32,
         factors_num_warps=4, factors_num_stages=3),
+    "default/across-levels": ChunkBlocks(across="levels"),   # the levels and the [C, C] doubling (before run 27)
+    "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128, factors_num_stages=0),  # run 24's
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4),  # run 20's
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),

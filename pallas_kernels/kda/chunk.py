@@ -192,7 +192,7 @@ def _inter_varlen_kernel(first_ref, last_ref, w_ref, u_ref, aqk_ref, qg_ref, kt_
 
 
 def _require_settled(name: str, blocks: ChunkBlocks) -> None:
-    if "auto" in (blocks.intra, blocks.factors, blocks.inverse, blocks.solve, blocks.cumsum):
+    if "auto" in (blocks.intra, blocks.factors, blocks.inverse, blocks.solve, blocks.cumsum, blocks.across):
         raise ValueError(f"{name}: ChunkBlocks has 'auto' fields; pass blocks.resolve(value dtype)")
 
 
@@ -259,8 +259,9 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
     raw = (lambda *tail: pl.BlockSpec((None, None, c, None) + tail, lambda i, j, m: (i, m, 0, j) + (0,) * len(tail))
            ) if tokens else (lambda *tail: blk(c, *tail))
     params = plt.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
-    pair_params = plt.CompilerParams(num_warps=blocks.pairs_num_warps or blocks.num_warps,
-                                     num_stages=blocks.pairs_num_stages or blocks.num_stages)
+    pair_warps, pair_stages, pair_slice = blocks.pairs_launch()
+    pair_params = plt.CompilerParams(num_warps=pair_warps, num_stages=pair_stages)
+    pair_slice = min(kd, pair_slice)
     if blocks.cumsum == "pallas":
         lc = pl.pallas_call(local_cumsum_kernel, grid=(b, h, n), in_specs=[raw(kd)], out_specs=blk(c, kd),
                             out_shape=jax.ShapeDtypeStruct((b, h, n, c, kd), f32), compiler_params=params,
@@ -274,7 +275,7 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
 
     def pairs(left, left_scale, diagonal, dtype, name):
         return pl.pallas_call(
-            functools.partial(decay_pairs_kernel, scale=left_scale, diagonal=diagonal, key_slice=key_slice),
+            functools.partial(decay_pairs_kernel, scale=left_scale, diagonal=diagonal, key_slice=pair_slice),
             grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd)], out_specs=blk(c, c),
             out_shape=jax.ShapeDtypeStruct((b, h, n, c, c), dtype), compiler_params=pair_params, interpret=interpret,
             name=name)(left, kc, lc)
@@ -299,10 +300,10 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
             extra += norms + (akk_d, aqk_d)
             lc = rest[0] if lc is None else lc
         if blocks.across == "tiles":      # check_blocks: with pairs="diagonal" and solve="sliced" only
-            kernel = functools.partial(tile_solve_kernel, scale=scale, key_slice=key_slice, band=blocks.diagonal_band,
+            kernel = functools.partial(tile_solve_kernel, scale=scale, key_slice=pair_slice, band=blocks.diagonal_band,
                                        inverse=blocks.inverse, scaled=bool(norms), interpret=interpret)
         else:
-            kernel = functools.partial(joint_pairs_kernel, scale=scale, key_slice=key_slice, diagonal_given=given,
+            kernel = functools.partial(joint_pairs_kernel, scale=scale, key_slice=pair_slice, diagonal_given=given,
                                        band=blocks.diagonal_band, invert=blocks.inverse if sliced else None,
                                        scaled=bool(norms), interpret=interpret)
         akk, aqk = pl.pallas_call(
@@ -314,7 +315,7 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
             name="kda_chunk_pairs")(qc, kc, lc, *extra)
     elif blocks.pairs == "tiles":
         akk, aqk = pl.pallas_call(
-            functools.partial(tile_pairs_kernel, scale=scale, key_slice=key_slice),
+            functools.partial(tile_pairs_kernel, scale=scale, key_slice=pair_slice),
             grid=(b, h, n), in_specs=[raw(kd), raw(kd), blk(c, kd)], out_specs=[blk(c, c)] * 2,
             out_shape=joint_out, compiler_params=pair_params, interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc)
     else:
@@ -433,7 +434,10 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.solve not in ("whole", "sliced"):
         raise ValueError(f"{name}: solve must be 'whole' or 'sliced', got {blocks.solve!r}")
     if blocks.across not in ("levels", "tiles"):
-        raise ValueError(f"{name}: across must be 'levels' or 'tiles', got {blocks.across!r}")
+        raise ValueError(f"{name}: across must be 'auto', 'levels' or 'tiles', got {blocks.across!r}")
+    ps = blocks.pairs_key_slice
+    if type(ps) is not int or (ps and not (is_pow2(ps) and ps >= 16)):
+        raise ValueError(f"{name}: pairs_key_slice must be 0 (auto) or a power of two >= 16, got {ps!r}")
     if blocks.across == "tiles" and (blocks.intra, blocks.pairs, blocks.solve) != ("parallel", "diagonal", "sliced"):
         raise ValueError(f"{name}: across='tiles' follows the per-token launch and holds the inverse: it needs "
                          f"intra='parallel', pairs='diagonal' and solve='sliced', got intra={blocks.intra!r}, "
@@ -456,14 +460,14 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     for field in ("factors_num_stages", "pairs_num_stages"):
         stages = getattr(blocks, field)
         if type(stages) is not int or stages < 0:
-            raise ValueError(f"{name}: {field} must be 0 (num_stages) or a stage count >= 1, got {stages!r}")
+            raise ValueError(f"{name}: {field} must be 0 (auto) or a stage count >= 1, got {stages!r}")
     if type(blocks.factors_loop) is not bool:
         raise ValueError(f"{name}: factors_loop must be True or False, got {blocks.factors_loop!r}")
     if type(blocks.factors_num_warps) is not int or blocks.factors_num_warps not in (0, 1, 2, 4, 8):
         raise ValueError(f"{name}: factors_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
                          f"got {blocks.factors_num_warps!r}")
     if isinstance(blocks.pairs_num_warps, bool) or blocks.pairs_num_warps not in (0, 1, 2, 4, 8):
-        raise ValueError(f"{name}: pairs_num_warps must be 0 (num_warps) or 1, 2, 4 or 8, "
+        raise ValueError(f"{name}: pairs_num_warps must be 0 (auto) or 1, 2, 4 or 8, "
                          f"got {blocks.pairs_num_warps!r}")
     if blocks.inverse not in ("tf32x3", "tf32"):
         raise ValueError(f"{name}: inverse must be 'auto', 'tf32x3' or 'tf32', got {blocks.inverse!r}")

@@ -85,12 +85,19 @@ class ChunkBlocks:
                              # levels inside a sub-block were 425 of its 685 us at H = 32), one launch each
                              # ("separate"), or one launch by 16-row tiles ("tiles": `intra_tiles.py`, a quarter of
                              # the product work; slower on the H200: 2.00 against 1.93 ms at H = 32 at best, 1 warp)
-    pairs_num_warps: int = 0  # warps of the pair launches (A_kk / A_qk, any `pairs` form; 0: num_warps)
-    across: str = "levels"   # pairs="diagonal" with solve="sliced": the launch after the per-token one forms the
+    pairs_num_warps: int = 0  # warps of the pair launches (A_kk / A_qk, any `pairs` form; 0: 1 with across="tiles",
+                              # else num_warps)
+    across: str = "auto"     # pairs="diagonal" with solve="sliced": the launch after the per-token one forms the
                              # pairs across sub-blocks as bit levels of masked [C, C] products and the inverse by
                              # doubling over [C, C] ("levels", `joint_pairs_kernel`), or both by 16 x 16 tiles
                              # ("tiles": one product a tile pair, block forward substitution;
-                             # `intra_solve_tiles.py`, about a tenth of the multiply-adds)
+                             # `intra_solve_tiles.py`, about a tenth of the multiply-adds); auto: tiles where the
+                             # pairs and solve forms allow it. H200, device time (KDA runs 25-26), H = 32 / 96:
+                             # levels 352 / 1,035 us; tiles at 1 warp 352 / 1,053, at 4 warps 918 / 2,697 (a
+                             # [16, 16] tile sits whole in every warp); tiles at 1 warp, 16 key columns a step,
+                             # 3 stages (the default `pairs_launch`) 344 / 966
+    pairs_key_slice: int = 0  # key columns a loop step of the pairs launch (0: 16 with across="tiles", else
+                              # key_slice)
     solve: str = "auto"      # "parallel": T = (I + diag(beta) A_kk)^-1, then W, U, q e^G, k e^(G_C - G) in one launch
                              # per chunk ("whole"), or the inverse at the end of the pairs launch (stored in the
                              # factors' dtype) and the rest one program per chunk and key slice ("sliced";
@@ -126,16 +133,19 @@ class ChunkBlocks:
                              # operands, the state kept fp32); auto: bf16 for bf16 values, else fp32
     sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel ("parallel": always 16)
     key_slice: int = 32      # key (and value) columns per pass of the "parallel" kernels (bounds their registers)
-    factors_slice: int = 128  # solve="sliced": key (and value) columns per program of the W, U, ... launch (0:
+    factors_slice: int = 64   # solve="sliced": key (and value) columns per program of the W, U, ... launch (0:
                               # key_slice). H200, device time (KDA run 20), H = 32 / 96: 32 columns at 4 warps 336 /
                               # 1,048 us, 64 at 4 warps 275 / 863, 64 at 8 288 / 866, 128 at 8 264 / 805 (128 at 4
                               # warps spills: 255 registers; `triton_resources.py --cases kda-chunk-fs128-w4`)
     factors_num_warps: int = 8   # ... and its warps (0: num_warps; 2 warps at 32 columns: 354 / 1,102 us)
-    factors_loop: bool = False   # ... or one program a chunk walking the slices of factors_slice columns in a loop,
-                                 # whose loads the compiler pipelines (factors_num_stages)
-    factors_num_stages: int = 0  # ... the W, U launch's num_stages (0: num_stages)
-    pairs_num_stages: int = 0    # the pairs launch's num_stages (0: num_stages): with across="tiles" its key-slice
-                                 # loops' loads are pipelined (the levels' nested loops are not)
+    factors_loop: bool = True    # ... or one program a chunk walking the slices of factors_slice columns in a loop,
+                                 # whose loads the compiler pipelines (factors_num_stages). H200, device time (KDA
+                                 # run 26), H = 32 / 96: a program a slice at 128 columns, 8 warps 261 / 792 us; in a
+                                 # loop 32 columns, 4 warps, 2 stages 237 / 702, 3 stages 226 / 678; 64 columns,
+                                 # 8 warps, 2 stages (the default) 224 / 671
+    factors_num_stages: int = 2  # ... the W, U launch's num_stages (0: num_stages)
+    pairs_num_stages: int = 0    # the pairs launch's num_stages (0: 3 with across="tiles", whose key-slice loops'
+                                 # loads are pipelined, else num_stages: the levels' nested loops are not)
     value_block: int = 32    # state columns per program of the sequential kernel
     inter: str = "fused"     # sequential pass: "fused" (outputs inside the chunk loop) or "split" (a state-only
                              # pass, then every chunk's outputs in parallel: `inter_split.py`; fp32 factors)
@@ -181,7 +191,19 @@ class ChunkBlocks:
         cumsum = self.cumsum
         if cumsum == "auto":
             cumsum = "diagonal" if intra == "parallel" and self.pairs == "diagonal" else "pallas"
-        return replace(self, intra=intra, factors=factors, inverse=inverse, solve=solve, cumsum=cumsum)
+        across = self.across
+        if across == "auto":
+            across = "tiles" if intra == "parallel" and self.pairs == "diagonal" and solve == "sliced" else "levels"
+        return replace(self, intra=intra, factors=factors, inverse=inverse, solve=solve, cumsum=cumsum, across=across)
+
+    def pairs_launch(self) -> tuple[int, int, int]:
+        """(warps, stages, key columns a loop step) of the pairs launch of these settled settings: the fields
+        where set, else 1 warp, 3 stages and 16 columns for across="tiles" (H200, KDA run 26), num_warps,
+        num_stages and key_slice otherwise."""
+        tiles = self.across == "tiles"
+        return (self.pairs_num_warps or (1 if tiles else self.num_warps),
+                self.pairs_num_stages or (3 if tiles else self.num_stages),
+                self.pairs_key_slice or (16 if tiles else self.key_slice))
 
     def diagonal_launch(self, heads: int, tokens: bool) -> tuple[int, int]:
         """(heads per program, warps) of pairs="diagonal"'s per-token launch over `heads` heads; one head a

@@ -53,6 +53,10 @@ def _l2(x):
     # the diagonal blocks one program per token with the one-launch solve: both layouts, weak and unbounded
     # gates, several chunks with a ragged tail, one sub-block a chunk
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal/bf16/whole"),
+    # ... with the levels across sub-blocks and the doubling inverse in the pairs launch (the default before 2026-12-04)
+    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/across-levels/bf16"),
+    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/across-levels/chunked"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/across-levels"),
     (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/diagonal/chunked/whole"),
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/diagonal/whole"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/diagonal/chunked/whole"),
@@ -109,7 +113,8 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                diagonal_heads=2 if "dh2" in options else 0,
                                                diagonal_num_warps=2 if "dh2" in options else 0,
                                                factors_slice=16 if "fs16" in options else ChunkBlocks.factors_slice,
-                                               across="tiles" if "across-tiles" in options else "levels",
+                                               across=next((a for a in ("tiles", "levels")
+                                                            if "across-" + a in options), "auto"),
                                                factors_loop="factors-loop" in options,
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
@@ -310,7 +315,8 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(factors_slice=48), "factors_slice must be 0"),
     (ChunkBlocks(factors_slice=8), "factors_slice must be 0"),
     (ChunkBlocks(factors_num_warps=3), "factors_num_warps must be"),
-    (ChunkBlocks(across="blocks"), "across must be 'levels' or 'tiles'"),
+    (ChunkBlocks(across="blocks"), "across must be 'auto', 'levels' or 'tiles'"),
+    (ChunkBlocks(pairs_key_slice=24), "pairs_key_slice must be 0"),
     (ChunkBlocks(factors_loop=1), "factors_loop must be True or False"),
     (ChunkBlocks(pairs_num_stages=-1), "pairs_num_stages must be 0"),
     (ChunkBlocks(factors_num_stages=2.0), "factors_num_stages must be 0"),
@@ -333,6 +339,12 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
                                                                                  "sliced", "diagonal")
     assert (fp32.intra, fp32.factors, fp32.inverse, fp32.solve) == ("parallel", "float32", "tf32x3", "sliced")
     assert ChunkBlocks(pairs="tiles").resolve("bfloat16").solve == "whole"     # no inverse in the tiles launch
+    assert bf16.across == fp32.across == "tiles" and bf16.pairs_launch() == (1, 3, 16)
+    for form in (dict(pairs="joint"), dict(solve="whole"), dict(chunk=128)):    # no tile solve after the per-token
+        levels = ChunkBlocks(**form).resolve("bfloat16")                        # launch: the levels, 4 warps
+        assert levels.across == "levels" and levels.pairs_launch() == (4, 1, 32)
+    assert ChunkBlocks(pairs_num_warps=2, pairs_num_stages=1, pairs_key_slice=32).resolve(
+        "bfloat16").pairs_launch() == (2, 1, 32)
     assert ChunkBlocks(pairs="joint").resolve("bfloat16").cumsum == "pallas"   # no per-token launch to write it
     assert ChunkBlocks(chunk=128).resolve("bfloat16").cumsum == "pallas"
     assert ChunkBlocks().diagonal_launch(32, tokens=True) == (2, 2)           # two heads a program, a warp each
@@ -341,7 +353,8 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
     assert ChunkBlocks(diagonal_heads=4).diagonal_launch(32, tokens=False) == (1, 1)   # chunked: a head a program
     assert ChunkBlocks(chunk=128).resolve("bfloat16").intra == "blocked"
     assert ChunkBlocks(inter="split").resolve("bfloat16").factors == "float32"
-    explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32", solve="whole", cumsum="xla")
+    explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32", solve="whole", cumsum="xla",
+                           across="levels")
     assert explicit.resolve("bfloat16") == explicit      # settings given are kept
 
 
@@ -366,6 +379,7 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
                                   dict(solve="sliced", factors_slice=16, factors_num_warps=2),   # 2 programs
                                   dict(pairs="diagonal", diagonal_band=False),
                                   dict(across="tiles"), dict(across="tiles", diagonal_band=False),
+                                  dict(across="levels"), dict(across="levels", factors_loop=False),
                                   dict(factors_loop=True, factors_slice=16),    # 2 key, 1 value slice in a loop
                                   dict(factors_loop=True, factors_slice=16, factors_num_stages=2,
                                        across="tiles", pairs_num_warps=1, pairs_num_stages=3)])
