@@ -13,6 +13,7 @@
     python benchmarks/plot.py kda-tiles    # the tiled intra forms against the default (KDA run 12)
     python benchmarks/plot.py kda-diagonal # device time per kernel: diagonal blocks per token, joint, fla (run 19)
     python benchmarks/plot.py kda-band     # by kernel: the band, the cumsum inside, wide factors (run 21)
+    python benchmarks/plot.py kda-tile-solve  # by kernel: 16 x 16 tiles across sub-blocks, W, U in a loop (run 27)
     python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
@@ -445,6 +446,7 @@ def plot_kda_diagonal(out: str, records=KDA_DIAGONAL, variants=None, png: str = 
         bars.append((f"H = {shape['H']}, fla chunk_kda", shape["fla_kernel_us"]))
     fig, ax = plt.subplots(figsize=(9.5, 4.8))
     _kernel_bars(ax, bars, KDA_DIAGONAL_PARTS, "other (fills)")
+    ax.set_xlim(0, 1.03 * ax.get_xlim()[1])
     ax.set_title(f"KDA prefill by kernel, B = 1, T = 8192, K = V = 128, bf16 (one H200, {run})", fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
@@ -460,6 +462,17 @@ def plot_kda_band(out: str) -> str:
     return plot_kda_diagonal(out, KDA_BAND, {"run20": "run 20's defaults", "default/rows": "whole rows, new cumsum "
                              "and factors", "default": "default (band, cumsum inside, factors 128 x 8 warps)"},
                              "kda_band.png", "KDA run 21")
+
+
+KDA_TILE_SOLVE = ("kda_prefill_run27_h32_7145f0b.json", "kda_prefill_run27_h96_7145f0b.json")   # KDA run 27
+
+
+def plot_kda_tile_solve(out: str) -> str:
+    """Run 27: run 24's defaults against the W, U launch as a pipelined loop and the pairs across sub-blocks with
+    the inverse by 16 x 16 tiles, by kernel, beside fla (q and k normalised inside, as the model calls it)."""
+    return plot_kda_diagonal(out, KDA_TILE_SOLVE, {
+        "run24@norm-in": "run 24's defaults", "default/across-levels@norm-in": "levels + W, U loop",
+        "default@norm-in": "default (16 x 16 tiles + W, U loop)"}, "kda_tile_solve.png", "KDA run 27")
 
 
 KDA_LENGTHS = "kda_prefill_lengths_run22_182d874.json"         # RESULTS.md, KDA run 22: prefill over T, H = 32
@@ -539,7 +552,8 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
-                                      "kda-kernels", "kda-diagonal", "kda-band", "kda-scaling", "kda-stages",
+                                      "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-scaling",
+                                      "kda-stages",
                                       "kda-tiles",
                                       "mla-merge", "mxfp4",
                                       "server", "all"])
@@ -549,6 +563,7 @@ def main(argv=None) -> int:
                      ("prefill", plot_prefill), ("mla", plot_mla_decode), ("mla-step", plot_mla_step),
                      ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels),
                      ("kda-diagonal", plot_kda_diagonal), ("kda-band", plot_kda_band),
+                     ("kda-tile-solve", plot_kda_tile_solve),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4)):
