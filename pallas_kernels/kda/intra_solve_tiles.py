@@ -17,6 +17,12 @@ or known to be zero. Here, with C / 16 = nb row blocks:
 - T by block forward substitution: the diagonal tiles' inverses (I + L_ii)^-1 by doubling inside each 16 x 16
   tile (`intra_parallel.doubling_inverse`, three levels), then T_ij = -T_ii sum_{m = j .. i - 1} L_im T_mj.
 
+Measured on the H200 (RESULTS.md, KDA runs 25-27; B = 1, T = 8192, H = 32 / 96): the multiply-adds were not what
+the levels' launch waited on. At 1 warp and 32 key columns a step this form took 352 / 1,053 us against the levels'
+352 / 1,028, at 4 warps 918 / 2,697 (a [16, 16] tile sits whole in every warp, so 4 warps repeat one another's
+work). With 16 key columns a step and the key-slice loops' loads pipelined in 3 stages (1 warp, 168 registers: the
+default, `ChunkBlocks.pairs_launch`) it takes 342-344 / 959-966 us.
+
 The diagonal tiles of A_kk and A_qk come from the per-token launch: its band ([C, 16], row r's entries of its own
 sub-block; `intra_diagonal.diagonal_pairs(band=True)`) holds them stacked, or its whole rows ([C, C]).
 """

@@ -69,11 +69,11 @@ PARALLEL_MAX_CHUNK = 64   # the "parallel" form's doubling inverse of a 128-row 
 @dataclass(frozen=True)
 class ChunkBlocks:
     """Forms and launch settings of the chunked prefill. "auto" fields are settled per call by
-    `resolve` (from the chunk and the inputs' dtype). H200, B = 1, T = 8192, K = V = 128, bf16
-    (benchmarks/RESULTS.md, KDA run 21): these defaults 1.557 / 4.022 ms at H = 32 / 96 against fla's 1.421 /
-    3.186 in the same run (device time 1,222 / 3,706 us against 1,060 / 2,937); run 19's defaults 1.607 / 4.499 ms
-    (1,366 / 4,148 us) in that run; the joint pairs launch with the one-launch solve 1.866 / 5.067 ms (run 19); the
-    blocked form with fp32 factors 4.67 ms at H = 32 (run 5)."""
+    `resolve` (from the chunk and the inputs' dtype). H200, B = 1, T = 8192, K = V = 128, bf16, q and k normalised
+    inside (benchmarks/RESULTS.md, KDA run 27): these defaults 1.507 / 3.853 ms at H = 32 / 96 against fla's 1.381 /
+    3.118 in the same run (device time 1,168 / 3,478 us against 1,062 / 2,942); run 24's defaults 1,217 / 3,662 us
+    in that run; run 19's 1,366 / 4,148 us (run 21); the joint pairs launch with the one-launch solve 1.866 / 5.067
+    ms (run 19); the blocked form with fp32 factors 4.67 ms at H = 32 (run 5)."""
 
     chunk: int = 64          # tokens per chunk (WY form)
     intra: str = "auto"      # intra-chunk kernel: "parallel" (no row-serial loops: `intra_parallel.py`; chunks
@@ -114,7 +114,9 @@ class ChunkBlocks:
                                  # instead of one a step; not yet timed), or writes only 1 / |q| and 1 / |k| (a
                                  # float a row) for the later launches to scale q and k by as they read them
                                  # ("scales", "scales-after": the walk as in "diagonal", "diagonal-after"; with
-                                 # solve="sliced"), or by XLA before the kernels ("xla",
+                                 # solve="sliced"; KDA run 24: per-token launch 384 -> 389 us, pairs 352 -> 409,
+                                 # W, U 262 -> 244 at H = 32, so slower; "diagonal-after": per-token 384 -> 432),
+                                 # or by XLA before the kernels ("xla",
                                  # also wherever the per-token launch does not run). H200, device time (KDA run 22):
                                  # per-token launch 299 -> 385 us against XLA's norm 97 at H = 32, 872 -> 1,125
                                  # against 292 at H = 96 (sums 1,232 -> 1,219 and 3,717 -> 3,679 us)
