@@ -78,6 +78,8 @@ def torch_time(torch, fn, warmup=5, iters=50) -> float:
 # today's defaults unless a variant names them ("joint" for the forms of runs 1-18)
 FP32_FACTORS = dict(factors="float32", inverse="tf32x3", cumsum="xla")
 BF16 = dict(factors="bfloat16", inverse="tf32x3", cumsum="xla")
+# the pairs launch's (warps, stages, key columns a step), pinned: `ChunkBlocks.pairs_launch`
+TILES = lambda warps, stages, columns: dict(pairs_num_warps=warps, pairs_num_stages=stages, pairs_key_slice=columns)
 VARIANTS = {
     "default": ChunkBlocks(),
     "joint": ChunkBlocks(pairs="joint", solve="whole"),   # the defaults before 2026-12-04 late (runs 12-18's "default")
@@ -85,7 +87,7 @@ VARIANTS = {
     "default/ks64": ChunkBlocks(key_slice=64),
     "default/w8": ChunkBlocks(num_warps=8),
     "default/v64": ChunkBlocks(value_block=64),
-    "default/stages2": ChunkBlocks(num_stages=2, inter_num_stages=2),     # every launch at 2 stages
+    "default/stages2": ChunkBlocks(num_stages=2, inter_num_stages=2),   # 2 stages where a launch has no own setting
     "default/inter-s1": ChunkBlocks(inter_num_stages=1),   # the sequential pass unpipelined (default before run 11)
     "default/inter-s2": ChunkBlocks(inter_num_stages=2),
     "default/inter-s3": ChunkBlocks(inter_num_stages=3),
@@ -119,17 +121,17 @@ VARIANTS = {
     "default/scales": ChunkBlocks(qk_norm="scales"),     # ... only 1 / |q|, 1 / |k| handed on, q, k read as they came
     "default/scales-after": ChunkBlocks(qk_norm="scales-after"),
     "default/scales-after/dh4": ChunkBlocks(qk_norm="scales-after", diagonal_heads=4),
-    "default/across-tiles": ChunkBlocks(across="tiles"),   # pairs across sub-blocks and the inverse by 16 x 16 tiles
-    "default/across-tiles/pw2": ChunkBlocks(across="tiles", pairs_num_warps=2),
-    "default/across-tiles/pw1": ChunkBlocks(across="tiles", pairs_num_warps=1),
-    "default/across-tiles/ks16": ChunkBlocks(across="tiles", key_slice=16),
-    "default/across-tiles/ks16/pw1": ChunkBlocks(across="tiles", key_slice=16, pairs_num_warps=1),
+    # runs 25-26's tile forms, pinned (the tile launch's defaults since run 27: 1 warp, 3 stages, 16 key columns)
+    "default/across-tiles": ChunkBlocks(across="tiles", **TILES(4, 1, 32)),   # 16 x 16 tiles across sub-blocks
+    "default/across-tiles/pw2": ChunkBlocks(across="tiles", **TILES(2, 1, 32)),
+    "default/across-tiles/pw1": ChunkBlocks(across="tiles", **TILES(1, 1, 32)),
+    "default/across-tiles/ks16": ChunkBlocks(across="tiles", **TILES(4, 1, 16)),
+    "default/across-tiles/ks16/pw1": ChunkBlocks(across="tiles", **TILES(1, 1, 16)),
     # ... their key-slice loops' loads pipelined (num_stages), at 1 and 2 warps
-    "default/across-tiles/pw1/ps2": ChunkBlocks(across="tiles", pairs_num_warps=1, pairs_num_stages=2),
-    "default/across-tiles/pw1/ps3": ChunkBlocks(across="tiles", pairs_num_warps=1, pairs_num_stages=3),
-    "default/across-tiles/pw2/ps2": ChunkBlocks(across="tiles", pairs_num_warps=2, pairs_num_stages=2),
-    "default/across-tiles/ks16/pw1/ps3": ChunkBlocks(across="tiles", key_slice=16, pairs_num_warps=1,
-                                                     pairs_num_stages=3),
+    "default/across-tiles/pw1/ps2": ChunkBlocks(across="tiles", **TILES(1, 2, 32)),
+    "default/across-tiles/pw1/ps3": ChunkBlocks(across="tiles", **TILES(1, 3, 32)),
+    "default/across-tiles/pw2/ps2": ChunkBlocks(across="tiles", **TILES(2, 2, 32)),
+    "default/across-tiles/ks16/pw1/ps3": ChunkBlocks(across="tiles", **TILES(1, 3, 16)),   # the default since run 27
     # W, U, ...: one program a chunk walking slices of 32 / 64 columns in a loop whose loads are pipelined
     "default/factors-loop32/s2": ChunkBlocks(factors_loop=True, factors_slice=32, factors_num_warps=4,
                                              factors_num_stages=2),
@@ -140,8 +142,13 @@ VARIANTS = {
     "default/across-tiles/pw1/ps3/factors-loop32/s3": ChunkBlocks(
         across="tiles", pairs_num_warps=1, pairs_num_stages=3, factors_loop=True, factors_slice=32,
         factors_num_warps=4, factors_num_stages=3),
+    # per-token launch with fewer warps than heads (more elements a thread, fewer shuffles a step; prepared after
+    # run 27: its loop is 266 PTX lines a warp at 1 warp for 2 heads against 2 x 185 at 2 warps)
+    "default/dw1": ChunkBlocks(diagonal_num_warps=1),
+    "default/dh4/dw1": ChunkBlocks(diagonal_heads=4, diagonal_num_warps=1),
+    "default/dh4/dw2": ChunkBlocks(diagonal_heads=4, diagonal_num_warps=2),
     "default/across-levels": ChunkBlocks(across="levels"),   # the levels and the [C, C] doubling (before run 27)
-    "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128, factors_num_stages=0),  # run 24's
+    "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128),   # run 24's defaults
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4),  # run 20's
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),

@@ -56,6 +56,10 @@ def _build_cases():
         return (jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False,
                                                                   normalize_qk=normalize_qk)), kda_args)
 
+    tiles = lambda warps, stages, columns: dict(pairs_num_warps=warps, pairs_num_stages=stages, pairs_key_slice=columns)
+    factors_loop = lambda columns, warps, stages: dict(factors_loop=True, factors_slice=columns,
+                                                       factors_num_warps=warps, factors_num_stages=stages)
+
     from pallas_kernels.kda import DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_decode_pallas
     from pallas_kernels.mla_decode.merge import merge_splits_pallas
     from pallas_kernels.moe_gmm.kernel import pair_glu_pallas
@@ -113,22 +117,27 @@ def _build_cases():
         "kda-chunk-norm-in-after": kda(normalize_qk=True, qk_norm="diagonal-after"),
         "kda-chunk-norm-scales": kda(normalize_qk=True, qk_norm="scales"),   # only 1 / |q|, 1 / |k| handed on
         "kda-chunk-norm-scales-after": kda(normalize_qk=True, qk_norm="scales-after"),
-        "kda-chunk-across-tiles": kda(across="tiles"),   # the pairs across sub-blocks and the inverse by 16 x 16 tiles
-        "kda-chunk-across-tiles-w2": kda(across="tiles", pairs_num_warps=2),
-        "kda-chunk-across-tiles-w1": kda(across="tiles", pairs_num_warps=1),
-        "kda-chunk-across-tiles-ks64": kda(across="tiles", key_slice=64),
-        "kda-chunk-across-tiles-ks16": kda(across="tiles", key_slice=16),
+        # the pairs across sub-blocks and the inverse by 16 x 16 tiles at (warps, stages, key columns a step), pinned
+        # (the default since KDA run 27: 1, 3, 16)
+        "kda-chunk-across-tiles": kda(across="tiles", **tiles(4, 1, 32)),
+        "kda-chunk-across-tiles-w2": kda(across="tiles", **tiles(2, 1, 32)),
+        "kda-chunk-across-tiles-w1": kda(across="tiles", **tiles(1, 1, 32)),
+        "kda-chunk-across-tiles-ks64": kda(across="tiles", **tiles(4, 1, 64)),
+        "kda-chunk-across-tiles-ks16": kda(across="tiles", **tiles(4, 1, 16)),
+        "kda-chunk-across-tiles-ks16-w2": kda(across="tiles", **tiles(2, 1, 16)),
+        "kda-chunk-across-tiles-w1-stages2": kda(across="tiles", **tiles(1, 2, 32)),
+        "kda-chunk-across-tiles-w1-stages3": kda(across="tiles", **tiles(1, 3, 32)),
+        "kda-chunk-across-tiles-w2-stages2": kda(across="tiles", **tiles(2, 2, 32)),
+        "kda-chunk-across-tiles-w1-ks16-stages3": kda(across="tiles", **tiles(1, 3, 16)),
         "kda-chunk-stages2": kda(num_stages=2),
-        "kda-chunk-factors-loop32-s2": kda(factors_loop=True, factors_slice=32, factors_num_warps=4, factors_num_stages=2),
-        "kda-chunk-factors-loop32-s3": kda(factors_loop=True, factors_slice=32, factors_num_warps=4, factors_num_stages=3),
-        "kda-chunk-factors-loop64-s2": kda(factors_loop=True, factors_slice=64, factors_num_warps=4, factors_num_stages=2),
-        "kda-chunk-factors-loop64-w8-s2": kda(factors_loop=True, factors_slice=64, factors_num_warps=8,
-                                              factors_num_stages=2),
-        "kda-chunk-across-tiles-w1-stages2": kda(across="tiles", pairs_num_warps=1, num_stages=2),
-        "kda-chunk-across-tiles-w1-stages3": kda(across="tiles", pairs_num_warps=1, num_stages=3),
-        "kda-chunk-across-tiles-w2-stages2": kda(across="tiles", pairs_num_warps=2, num_stages=2),
-        "kda-chunk-across-tiles-w1-ks16-stages3": kda(across="tiles", pairs_num_warps=1, key_slice=16, num_stages=3),
-        "kda-chunk-across-tiles-ks16-w2": kda(across="tiles", key_slice=16, pairs_num_warps=2),
+        "kda-chunk-norm-in-dw1": kda(normalize_qk=True, diagonal_num_warps=1),   # per-token launch: 2 heads, 1 warp
+        "kda-chunk-norm-in-dh4-dw1": kda(normalize_qk=True, diagonal_heads=4, diagonal_num_warps=1),
+        "kda-chunk-norm-in-dh4-dw2": kda(normalize_qk=True, diagonal_heads=4, diagonal_num_warps=2),
+        # W, U, ... one program a chunk walking (columns, warps, stages) slices in a loop (the default: 64, 8, 2)
+        "kda-chunk-factors-loop32-s2": kda(**factors_loop(32, 4, 2)),
+        "kda-chunk-factors-loop32-s3": kda(**factors_loop(32, 4, 3)),
+        "kda-chunk-factors-loop64-s2": kda(**factors_loop(64, 4, 2)),
+        "kda-chunk-factors-loop64-w8-s2": kda(**factors_loop(64, 8, 2)),
         "kda-chunk-rows": kda(diagonal_band=False),     # the per-token launch writing whole [C, C] rows
         "kda-chunk-fs32": kda(factors_slice=32, factors_num_warps=4),   # W, U, ... launch at 32 / 64 / 128 key
         "kda-chunk-fs64": kda(factors_slice=64, factors_num_warps=4),   # columns a program, 4 warps (the default:

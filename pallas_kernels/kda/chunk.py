@@ -205,8 +205,9 @@ def chunk_intra(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, interp
     _require_settled("chunk_intra", blocks)
     if normalize and not blocks.normalizes_qk:
         raise ValueError(f"chunk_intra: q and k are L2-normalised inside the per-token launch of intra='parallel' "
-                         f"with pairs='diagonal' and a qk_norm other than 'xla' only, got "
-                         f"intra={blocks.intra!r}, pairs={blocks.pairs!r}, qk_norm={blocks.qk_norm!r}")
+                         f"with pairs='diagonal' and a qk_norm other than 'xla' only (the 'scales' forms with "
+                         f"solve='sliced'), got intra={blocks.intra!r}, pairs={blocks.pairs!r}, "
+                         f"solve={blocks.solve!r}, qk_norm={blocks.qk_norm!r}")
     if tokens:
         if not blocks.reads_tokens:
             raise ValueError("chunk_intra: inputs in the tokens layout need layout='tokens', the 'parallel' form, "
@@ -244,9 +245,11 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
     """`chunk_intra` as three or four launches (`intra_parallel.py`): the local cumsum (a launch, XLA's, or none
     with cumsum="diagonal"), A_kk and A_qk (one launch, or one each with blocks.pairs = "separate", or by 16-row
     tiles with "tiles": `intra_tiles.py`, or the diagonal blocks one program per token first with "diagonal":
-    `intra_diagonal.py`), then the solve and factors (the inverse by doubling). tokens: the raw inputs are
-    [B, N, C, H, ...] and each program reads its chunk's [C, ...] rows of one head there. normalize: q and k not
-    yet L2-normalised; the per-token launch normalises them and hands them on."""
+    `intra_diagonal.py`, after which one launch forms the pairs across sub-blocks and the inverse: by 16 x 16
+    tiles, `intra_solve_tiles.py`, or by levels and doubling), then the solve and factors. tokens: the raw inputs
+    are [B, N, C, H, ...] and each program reads its chunk's [C, ...] rows of one head there. normalize: q and k
+    not yet L2-normalised; the per-token launch normalises them and hands them on (or their inverse norms, with
+    the "scales" forms)."""
     if tokens:
         b, n, c, h, kd = qc.shape
     else:
@@ -327,8 +330,8 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
     if sliced:
         fslice = blocks.factors_slice or blocks.key_slice
         key_slice, value_slice = min(kd, fslice), min(vd, fslice)
-        params = plt.CompilerParams(num_warps=blocks.factors_num_warps or blocks.num_warps,
-                                    num_stages=blocks.factors_num_stages or blocks.num_stages)
+        factor_warps, factor_stages = blocks.factors_launch()
+        params = plt.CompilerParams(num_warps=factor_warps, num_stages=factor_stages)
         grid4 = lambda spec: pl.BlockSpec(spec.block_shape, lambda i, j, m, s: spec.index_map(i, j, m))
         ins = [blk(c, c), raw(kd), raw(kd), raw(vd), blk(c, kd), raw()] + [raw()] * len(norms)
         outs = [blk(c, kd), blk(c, vd), blk(c, kd), blk(c, kd), blk(kd)]

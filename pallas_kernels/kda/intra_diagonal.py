@@ -1,6 +1,6 @@
 """The diagonal 16 x 16 blocks of a KDA chunk's A_kk and A_qk, one program per token
-(`ChunkBlocks(pairs="diagonal")`); the blocks below the diagonal stay with `joint_pairs_kernel`'s levels
-across sub-blocks (`inside=False`).
+(`ChunkBlocks(pairs="diagonal")`); the blocks below the diagonal come from the next launch, by 16 x 16 tiles
+(`intra_solve_tiles.py`) or by `joint_pairs_kernel`'s levels across sub-blocks (`inside=False`).
 
 Row r of a diagonal block pairs token r with the tokens j = f .. r of its 16-row sub-block (f its first row):
 
@@ -13,7 +13,7 @@ inside a sub-block were four masked [C, C] products per key slice in one program
 
 A_kk's diagonal entry (j = r) is written too (as |k_r|^2); the solve reads only j < r of A_kk.
 
-With `normalize`, q and k arrive as they leave the short conv and the launch L2-normalises them (`gate.l2_normalize`:
+With `normalize`, q and k arrive as they leave the short conv and the launch L2-normalises them (`gate.l2_inverse_norm`:
 each k_j of the walk again, one more sum a step) and writes its own token's q / |q| and k / |k| (fp32, or bf16) for
 the launches after it, in place of XLA's norm: one launch and one read of q and k fewer. Or it writes only
 1 / |q| and 1 / |k| (a float a row, "scales" forms), and the later launches read q and k as they came and scale

@@ -3,10 +3,11 @@ for chunks of up to 64 tokens), in its original form three launches of one progr
 `local_cumsum_kernel`, `joint_pairs_kernel` (A_kk and A_qk; `decay_pairs_kernel` makes one of them
 per launch with `pairs="separate"`), then `solve_kernel` (T = (I + A_kk)^-1, W, U, q e^G,
 k e^(G_C - G), e^(G_C)): the same outputs as `chunk._intra_kernel`. By default (`pairs="diagonal"`,
-`solve="sliced"`) the diagonal 16 x 16 blocks come from `intra_diagonal.py` first, the joint launch adds only
-the levels across sub-blocks and ends with the inverse, and `sliced_factors_kernel` forms W, U, ... one
-program per chunk (`factors_slice`; the per-token launch also writes the local cumsum, `cumsum="diagonal"`):
-three launches. How they are formed:
+`solve="sliced"`) the diagonal 16 x 16 blocks come from `intra_diagonal.py` first, one launch adds the pairs
+across sub-blocks and ends with the inverse (by 16 x 16 tiles, `intra_solve_tiles.py`; or, with
+`across="levels"`, the joint launch's levels across sub-blocks), and `sliced_factors_kernel` forms W, U, ...
+one program per chunk (`factors_slice`, `factors_loop`; the per-token launch also writes the local cumsum,
+`cumsum="diagonal"`): three launches. How the levels forms work:
 
 - The decay is taken as `local`: the cumulative log decay inside each 16-row sub-block (from the per-token
   launch, its own launch with `cumsum="pallas"`, or XLA's `local_cumsum` with `cumsum="xla"`). G of the
@@ -94,7 +95,7 @@ def _slice(a_ref, k_ref, l_ref, i, key_slice, rows, nb, scale, norms=None):
     """Key slice i (of key_slice columns) of one chunk -> (its columns, a * scale, k (fp32), the
     local decay, its block offsets (refrow, offsets: see `_block_offsets`), G). norms: None, or refs of the
     rows' inverse norms (1 / |a_r|, 1 / |k_r|), [C] each, that a and k are scaled by (q and k not yet
-    normalised; read here, a slice at a time: held across the pairs launch's loop they spilled)."""
+    normalised; the W, U launch's "scales" hand-off), read a slice at a time."""
     ks = pl.ds(pl.multiple_of(i * key_slice, key_slice), key_slice)
     a = a_ref[:, ks].astype(jnp.float32) * scale
     k = k_ref[:, ks].astype(jnp.float32)
@@ -212,7 +213,12 @@ def joint_pairs_kernel(q_ref, k_ref, l_ref, *refs, scale: float, key_slice: int,
                             inside=not diagonal_given)
 
     zeros = (jnp.zeros((c, c), jnp.float32),) * 2
-    given = lambda: tuple(band_blocks(r, rows, cols) if band else r[...] for r in refs[:2]) if diagonal_given else zeros
+
+    def given():     # the per-token launch's diagonal blocks, or nothing
+        if not diagonal_given:
+            return zeros
+        return tuple(band_blocks(r, rows, cols) if band else r[...] for r in refs[:2])
+
     akk, aqk = jax.lax.fori_loop(0, kd // key_slice, one_slice, zeros if scaled else given())
     if scaled:
         inverse_q, inverse_k = (r[...] for r in norms)
@@ -311,16 +317,25 @@ def sliced_factors_kernel(t_ref, q_ref, k_ref, v_ref, l_ref, b_ref, *refs, scale
     key_slices, value_slices = q_ref.shape[1] // key_slice, v_ref.shape[1] // value_slice
 
     def one_slice(i):
-        key = lambda: _key_factors(i, t, beta, q_ref, k_ref, l_ref, w_ref, qg_ref, kt_ref, dec_ref, scale=scale,
-                                   key_slice=key_slice, norms=norms)
-        value = lambda: _value_factors(i, t, beta, v_ref, u_ref, value_slice=value_slice)
+        def key():
+            _key_factors(i, t, beta, q_ref, k_ref, l_ref, w_ref, qg_ref, kt_ref, dec_ref, scale=scale,
+                         key_slice=key_slice, norms=norms)
+
+        def value():
+            _value_factors(i, t, beta, v_ref, u_ref, value_slice=value_slice)
+
         if key_slices == value_slices:     # no branches (a loop's loads inside one are not pipelined)
-            key(), value()
+            key()
+            value()
         else:
             pl.when(i < key_slices)(key)
             pl.when(i < value_slices)(value)
 
+    def loop_step(i, carry):
+        one_slice(i)
+        return carry
+
     if loop:
-        jax.lax.fori_loop(0, max(key_slices, value_slices), lambda i, carry: (one_slice(i), carry)[1], 0)
+        jax.lax.fori_loop(0, max(key_slices, value_slices), loop_step, 0)
     else:
         one_slice(pl.program_id(3))

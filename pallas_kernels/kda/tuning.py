@@ -92,10 +92,10 @@ class ChunkBlocks:
                              # doubling over [C, C] ("levels", `joint_pairs_kernel`), or both by 16 x 16 tiles
                              # ("tiles": one product a tile pair, block forward substitution;
                              # `intra_solve_tiles.py`, about a tenth of the multiply-adds); auto: tiles where the
-                             # pairs and solve forms allow it. H200, device time (KDA runs 25-26), H = 32 / 96:
-                             # levels 352 / 1,035 us; tiles at 1 warp 352 / 1,053, at 4 warps 918 / 2,697 (a
-                             # [16, 16] tile sits whole in every warp); tiles at 1 warp, 16 key columns a step,
-                             # 3 stages (the default `pairs_launch`) 344 / 966
+                             # pairs and solve forms allow it. H200, device time, H = 32 / 96 (KDA run 25): levels
+                             # 352 / 1,028 us; tiles at 1 warp 352 / 1,053, at 4 warps 918 / 2,697 (a [16, 16]
+                             # tile sits whole in every warp); (run 26) tiles at 1 warp, 16 key columns a step,
+                             # 3 stages (the default `pairs_launch`) 344 / 966 against the levels' 352 / 1,036
     pairs_key_slice: int = 0  # key columns a loop step of the pairs launch (0: 16 with across="tiles", else
                               # key_slice)
     solve: str = "auto"      # "parallel": T = (I + diag(beta) A_kk)^-1, then W, U, q e^G, k e^(G_C - G) in one launch
@@ -111,7 +111,7 @@ class ChunkBlocks:
                                  # launch, which writes them in fp32 ("diagonal") or bf16 ("diagonal-bf16", as fla's
                                  # norm returns them) for the launches after it ("diagonal-after": the walk on raw
                                  # k rows, the band scaled by the sub-block's 1 / |k_j| at the end, one sum a row
-                                 # instead of one a step; not yet timed), or writes only 1 / |q| and 1 / |k| (a
+                                 # instead of one a step), or writes only 1 / |q| and 1 / |k| (a
                                  # float a row) for the later launches to scale q and k by as they read them
                                  # ("scales", "scales-after": the walk as in "diagonal", "diagonal-after"; with
                                  # solve="sliced"; KDA run 24: per-token launch 384 -> 389 us, pairs 352 -> 409,
@@ -135,17 +135,18 @@ class ChunkBlocks:
                              # operands, the state kept fp32); auto: bf16 for bf16 values, else fp32
     sub_chunk: int = 16      # rows per sub-block of the blocked intra kernel ("parallel": always 16)
     key_slice: int = 32      # key (and value) columns per pass of the "parallel" kernels (bounds their registers)
-    factors_slice: int = 64   # solve="sliced": key (and value) columns per program of the W, U, ... launch (0:
-                              # key_slice). H200, device time (KDA run 20), H = 32 / 96: 32 columns at 4 warps 336 /
-                              # 1,048 us, 64 at 4 warps 275 / 863, 64 at 8 288 / 866, 128 at 8 264 / 805 (128 at 4
-                              # warps spills: 255 registers; `triton_resources.py --cases kda-chunk-fs128-w4`)
+    factors_slice: int = 64   # solve="sliced": key (and value) columns per program of the W, U, ... launch, or per
+                              # step of its loop with factors_loop (0: key_slice). A program a slice, H200, device
+                              # time (KDA run 20), H = 32 / 96: 32 columns at 4 warps 336 / 1,048 us, 64 at 4 warps
+                              # 275 / 863, 64 at 8 288 / 866, 128 at 8 264 / 805 (128 at 4 warps spills: 255
+                              # registers; `triton_resources.py --cases kda-chunk-fs128-w4`)
     factors_num_warps: int = 8   # ... and its warps (0: num_warps; 2 warps at 32 columns: 354 / 1,102 us)
     factors_loop: bool = True    # ... or one program a chunk walking the slices of factors_slice columns in a loop,
                                  # whose loads the compiler pipelines (factors_num_stages). H200, device time (KDA
                                  # run 26), H = 32 / 96: a program a slice at 128 columns, 8 warps 261 / 792 us; in a
                                  # loop 32 columns, 4 warps, 2 stages 237 / 702, 3 stages 226 / 678; 64 columns,
                                  # 8 warps, 2 stages (the default) 224 / 671
-    factors_num_stages: int = 2  # ... the W, U launch's num_stages (0: num_stages)
+    factors_num_stages: int = 0  # ... the W, U launch's num_stages (0: 2 with factors_loop, else num_stages)
     pairs_num_stages: int = 0    # the pairs launch's num_stages (0: 3 with across="tiles", whose key-slice loops'
                                  # loads are pipelined, else num_stages: the levels' nested loops are not)
     value_block: int = 32    # state columns per program of the sequential kernel
@@ -202,10 +203,18 @@ class ChunkBlocks:
         """(warps, stages, key columns a loop step) of the pairs launch of these settled settings: the fields
         where set, else 1 warp, 3 stages and 16 columns for across="tiles" (H200, KDA run 26), num_warps,
         num_stages and key_slice otherwise."""
+        if self.across == "auto":
+            raise ValueError("ChunkBlocks.pairs_launch: across is 'auto'; call it on blocks.resolve(value dtype)")
         tiles = self.across == "tiles"
         return (self.pairs_num_warps or (1 if tiles else self.num_warps),
                 self.pairs_num_stages or (3 if tiles else self.num_stages),
                 self.pairs_key_slice or (16 if tiles else self.key_slice))
+
+    def factors_launch(self) -> tuple[int, int]:
+        """(warps, stages) of the solve="sliced" W, U, ... launch: the fields where set, else num_warps, and 2
+        stages for its loop (factors_loop; H200, KDA run 26) or num_stages."""
+        return (self.factors_num_warps or self.num_warps,
+                self.factors_num_stages or (2 if self.factors_loop else self.num_stages))
 
     def diagonal_launch(self, heads: int, tokens: bool) -> tuple[int, int]:
         """(heads per program, warps) of pairs="diagonal"'s per-token launch over `heads` heads; one head a

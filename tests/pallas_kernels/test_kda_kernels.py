@@ -53,7 +53,7 @@ def _l2(x):
     # the diagonal blocks one program per token with the one-launch solve: both layouts, weak and unbounded
     # gates, several chunks with a ragged tail, one sub-block a chunk
     (1, 130, 1, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal/bf16/whole"),
-    # ... with the levels across sub-blocks and the doubling inverse in the pairs launch (the default before 2026-12-04)
+    # ... with the levels across sub-blocks and the doubling inverse in the pairs launch (the default before run 27)
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/across-levels/bf16"),
     (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/across-levels/chunked"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/across-levels"),
@@ -69,23 +69,23 @@ def _l2(x):
     (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/joint/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/joint"),
     (1, 70, 4, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/dh2/bf16"),   # two heads a program, set
-    (1, 130, 2, 64, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/fs16"),   # W, U, ...: 4 / 2 programs a chunk
+    (1, 130, 2, 64, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/fs16/factors-programs"),   # W, U, ...: 4 / 2
+    # programs a chunk
     # the local cumulative decay written by the per-token launch: both layouts, unbounded gates, one sub-block a chunk
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/diagonal-cumsum"),
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pallas-cumsum"),   # its own launch
     (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/diagonal-cumsum/chunked"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/diagonal-cumsum"),
-    # the pairs across sub-blocks and the inverse by 16 x 16 tiles: both layouts, weak, strong and unbounded
-    # gates, 4 / 2 / 1 sub-blocks a chunk, a ragged tail
+    # the pairs across sub-blocks and the inverse by 16 x 16 tiles, named (the default since run 27, so also every
+    # "parallel" row above without across-levels; with the 4 / 2 / 1 sub-blocks a chunk, unbounded gates and ragged
+    # tails there): bf16 factors, one TF32 product a step with weak gates, the chunked layout
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/across-tiles/bf16"),
     (1, 130, 1, 32, 32, 64, (-0.1, 0.0), True, "bfloat16", "parallel/across-tiles/bf16/tf32"),
     (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/across-tiles/chunked"),
-    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/across-tiles"),
-    (1, 40, 2, 16, 16, 32, (-1e3, -1e2), True, "float32", "parallel/across-tiles"),
-    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/across-tiles"),
-    # W, U, ... one program a chunk walking the slices in a loop: K == V (no branches) and K != V
-    (1, 130, 2, 64, 64, 64, (-3.0, 0.0), True, "bfloat16", "parallel/fs16/factors-loop"),
-    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/fs16/factors-loop/across-tiles"),
+    # W, U, ... one program a chunk walking 16-column slices in a loop (the default form): K == V (no branches) and
+    # K != V
+    (1, 130, 2, 64, 64, 64, (-3.0, 0.0), True, "bfloat16", "parallel/fs16"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/fs16/across-tiles"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -115,7 +115,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                factors_slice=16 if "fs16" in options else ChunkBlocks.factors_slice,
                                                across=next((a for a in ("tiles", "levels")
                                                             if "across-" + a in options), "auto"),
-                                               factors_loop="factors-loop" in options,
+                                               factors_loop="factors-programs" not in options,
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -345,6 +345,11 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
         assert levels.across == "levels" and levels.pairs_launch() == (4, 1, 32)
     assert ChunkBlocks(pairs_num_warps=2, pairs_num_stages=1, pairs_key_slice=32).resolve(
         "bfloat16").pairs_launch() == (2, 1, 32)
+    with pytest.raises(ValueError, match="across is 'auto'"):
+        ChunkBlocks().pairs_launch()
+    assert ChunkBlocks().factors_launch() == (8, 2)                             # the W, U loop's loads in 2 stages
+    assert ChunkBlocks(factors_loop=False).factors_launch() == (8, 1)           # a program a slice: num_stages
+    assert ChunkBlocks(factors_num_warps=0, factors_num_stages=3).factors_launch() == (4, 3)
     assert ChunkBlocks(pairs="joint").resolve("bfloat16").cumsum == "pallas"   # no per-token launch to write it
     assert ChunkBlocks(chunk=128).resolve("bfloat16").cumsum == "pallas"
     assert ChunkBlocks().diagonal_launch(32, tokens=True) == (2, 2)           # two heads a program, a warp each
@@ -376,7 +381,8 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
 @pytest.mark.parametrize("chunk", [64, 32])
 @pytest.mark.parametrize("form", [dict(pairs="tiles"), dict(pairs="diagonal", solve="whole"),
                                   dict(pairs="diagonal", solve="sliced"), dict(pairs="joint", solve="sliced"),
-                                  dict(solve="sliced", factors_slice=16, factors_num_warps=2),   # 2 programs
+                                  dict(solve="sliced", factors_slice=16, factors_num_warps=2,   # 2 programs
+                                       factors_loop=False),
                                   dict(pairs="diagonal", diagonal_band=False),
                                   dict(across="tiles"), dict(across="tiles", diagonal_band=False),
                                   dict(across="levels"), dict(across="levels", factors_loop=False),
@@ -452,9 +458,9 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     ("bfloat16", ChunkBlocks(qk_norm="scales-after")),
     ("float32", ChunkBlocks(qk_norm="scales-after", layout="chunked")),
     ("bfloat16", ChunkBlocks(qk_norm="scales", solve="whole")),    # the whole solve reads q, k normalised by XLA
-    ("bfloat16", ChunkBlocks(across="tiles")),
-    ("bfloat16", ChunkBlocks(across="tiles", qk_norm="scales")),
-    ("float32", ChunkBlocks(across="tiles", qk_norm="scales-after", layout="chunked")),
+    ("bfloat16", ChunkBlocks(across="levels")),                    # the levels launch: q, k normalised
+    ("bfloat16", ChunkBlocks(across="levels", qk_norm="scales")),  # ... or scaled at the end of its sums
+    ("float32", ChunkBlocks(across="levels", qk_norm="scales-after", layout="chunked")),
 ])
 def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     """normalize_qk=True takes q and k as they leave the conv (any scale, a zero row among them) and gives the

@@ -35,7 +35,7 @@ def _packed(rng, lengths, h, kd, vd, gates, init):
     ([5, 0, 37, 16, 1], (-1.0, 0.0), True, "float32", "parallel"),
     ([20, 44], (-1e3, -1e2), True, "bfloat16", "parallel"),
     ([17, 3, 30], (-1.0, 0.0), True, "bfloat16", "parallel/bf16"),     # bf16 factors between the passes
-    ([40, 3, 70], (-1e3, -1e2), True, "bfloat16", "parallel/bf16/64"),   # 64-token chunks: levels across sub-blocks
+    ([40, 3, 70], (-1e3, -1e2), True, "bfloat16", "parallel/bf16/64"),   # 64-token chunks: pairs across sub-blocks
 ])
 def test_varlen_equals_each_sequence_alone(rng, interpret, lengths, gates, init, dtype, intra):
     h, kd, vd = 2, 16, 16
