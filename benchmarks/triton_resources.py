@@ -43,7 +43,7 @@ def _build_cases():
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.kda import FP32_FACTORS, state_stream
+    from benchmarks.kda import FP32_FACTORS, VARIANTS, state_stream
     from pallas_kernels.kda import ChunkBlocks, kda_chunk_pallas
 
     spec = jax.ShapeDtypeStruct
@@ -51,12 +51,11 @@ def _build_cases():
     kda_args = (spec((b, t, h, kd), jnp.bfloat16),) * 3 + (spec((b, t, h, kd), jnp.float32),
                                                           spec((b, t, h), jnp.float32))
 
-    def kda(normalize_qk=False, **kw):
-        blocks = ChunkBlocks(**kw)
+    def kda(normalize_qk=False, blocks=None, **kw):
+        blocks = blocks or ChunkBlocks(**kw)
         return (jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False,
                                                                   normalize_qk=normalize_qk)), kda_args)
 
-    tiles = lambda warps, stages, columns: dict(pairs_num_warps=warps, pairs_num_stages=stages, pairs_key_slice=columns)
     factors_loop = lambda columns, warps, stages: dict(factors_loop=True, factors_slice=columns,
                                                        factors_num_warps=warps, factors_num_stages=stages)
 
@@ -117,18 +116,10 @@ def _build_cases():
         "kda-chunk-norm-in-after": kda(normalize_qk=True, qk_norm="diagonal-after"),
         "kda-chunk-norm-scales": kda(normalize_qk=True, qk_norm="scales"),   # only 1 / |q|, 1 / |k| handed on
         "kda-chunk-norm-scales-after": kda(normalize_qk=True, qk_norm="scales-after"),
-        # the pairs across sub-blocks and the inverse by 16 x 16 tiles at (warps, stages, key columns a step), pinned
-        # (the default since KDA run 27: 1, 3, 16)
-        "kda-chunk-across-tiles": kda(across="tiles", **tiles(4, 1, 32)),
-        "kda-chunk-across-tiles-w2": kda(across="tiles", **tiles(2, 1, 32)),
-        "kda-chunk-across-tiles-w1": kda(across="tiles", **tiles(1, 1, 32)),
-        "kda-chunk-across-tiles-ks64": kda(across="tiles", **tiles(4, 1, 64)),
-        "kda-chunk-across-tiles-ks16": kda(across="tiles", **tiles(4, 1, 16)),
-        "kda-chunk-across-tiles-ks16-w2": kda(across="tiles", **tiles(2, 1, 16)),
-        "kda-chunk-across-tiles-w1-stages2": kda(across="tiles", **tiles(1, 2, 32)),
-        "kda-chunk-across-tiles-w1-stages3": kda(across="tiles", **tiles(1, 3, 32)),
-        "kda-chunk-across-tiles-w2-stages2": kda(across="tiles", **tiles(2, 2, 32)),
-        "kda-chunk-across-tiles-w1-ks16-stages3": kda(across="tiles", **tiles(1, 3, 16)),
+        # the pairs across sub-blocks and the inverse by 16 x 16 tiles, at the settings of kda.py's variants of that name
+        # (kda-chunk-across-tiles-ks16-pw1-ps3: the default since KDA run 27)
+        **{"kda-chunk-" + name.removeprefix("default/").replace("/", "-"): kda(blocks=VARIANTS[name])
+           for name in VARIANTS if name.startswith("default/across-tiles")},
         "kda-chunk-stages2": kda(num_stages=2),
         "kda-chunk-norm-in-dw1": kda(normalize_qk=True, diagonal_num_warps=1),   # per-token launch: 2 heads, 1 warp
         "kda-chunk-norm-in-dh4-dw1": kda(normalize_qk=True, diagonal_heads=4, diagonal_num_warps=1),
