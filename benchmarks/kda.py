@@ -143,10 +143,12 @@ VARIANTS = {
         across="tiles", pairs_num_warps=1, pairs_num_stages=3, factors_loop=True, factors_slice=32,
         factors_num_warps=4, factors_num_stages=3),
     # per-token launch with fewer warps than heads (more elements a thread, fewer shuffles a step; prepared after
-    # run 27: its loop is 266 PTX lines a warp at 1 warp for 2 heads against 2 x 185 at 2 warps)
+    # run 27: its loop is 217 PTX instructions a step at 1 warp for 2 heads against 2 x 133 at 2 warps)
     "default/dw1": ChunkBlocks(diagonal_num_warps=1),
     "default/dh4/dw1": ChunkBlocks(diagonal_heads=4, diagonal_num_warps=1),
     "default/dh4/dw2": ChunkBlocks(diagonal_heads=4, diagonal_num_warps=2),
+    "default/exp2": ChunkBlocks(diagonal_exp2=True),      # ... its walk's exponentials as 2^x (also prepared)
+    "default/exp2/dw1": ChunkBlocks(diagonal_exp2=True, diagonal_num_warps=1),
     "default/across-levels": ChunkBlocks(across="levels"),   # the levels and the [C, C] doubling (before run 27)
     "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128),   # run 24's defaults
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4),  # run 20's

@@ -116,7 +116,7 @@ def _build_cases():
         "kda-chunk-norm-in-after": kda(normalize_qk=True, qk_norm="diagonal-after"),
         "kda-chunk-norm-scales": kda(normalize_qk=True, qk_norm="scales"),   # only 1 / |q|, 1 / |k| handed on
         "kda-chunk-norm-scales-after": kda(normalize_qk=True, qk_norm="scales-after"),
-        # the pairs across sub-blocks and the inverse by 16 x 16 tiles, at the settings of kda.py's variants of that name
+        # the pairs across sub-blocks and the inverse by 16 x 16 tiles, at the settings of kda.py's variants so named
         # (kda-chunk-across-tiles-ks16-pw1-ps3: the default since KDA run 27)
         **{"kda-chunk-" + name.removeprefix("default/").replace("/", "-"): kda(blocks=VARIANTS[name])
            for name in VARIANTS if name.startswith("default/across-tiles")},
@@ -124,6 +124,8 @@ def _build_cases():
         "kda-chunk-norm-in-dw1": kda(normalize_qk=True, diagonal_num_warps=1),   # per-token launch: 2 heads, 1 warp
         "kda-chunk-norm-in-dh4-dw1": kda(normalize_qk=True, diagonal_heads=4, diagonal_num_warps=1),
         "kda-chunk-norm-in-dh4-dw2": kda(normalize_qk=True, diagonal_heads=4, diagonal_num_warps=2),
+        "kda-chunk-norm-in-exp2": kda(normalize_qk=True, diagonal_exp2=True),   # the walk's exponentials as 2^x
+        "kda-chunk-norm-in-exp2-dw1": kda(normalize_qk=True, diagonal_exp2=True, diagonal_num_warps=1),
         # W, U, ... one program a chunk walking (columns, warps, stages) slices in a loop (the default: 64, 8, 2)
         "kda-chunk-factors-loop32-s2": kda(**factors_loop(32, 4, 2)),
         "kda-chunk-factors-loop32-s3": kda(**factors_loop(32, 4, 3)),

@@ -295,7 +295,8 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
             akk_d, aqk_d, *rest = diagonal_pairs(qc, kc, gc, scale=scale, tokens=tokens, heads=per,
                                                  num_warps=warps, interpret=interpret, cumsum=lc is None,
                                                  band=blocks.diagonal_band,
-                                                 normalize=blocks.qk_norm if normalize else None)
+                                                 normalize=blocks.qk_norm if normalize else None,
+                                                 exp2=blocks.diagonal_exp2)
             if normalize and blocks.hands_on_norms:
                 norms = tuple(rest[-2:])
             elif normalize:
@@ -453,6 +454,8 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.qk_norm.endswith("-after") and not blocks.diagonal_band:
         raise ValueError(f"{name}: qk_norm={blocks.qk_norm!r} scales the per-token launch's band: it needs "
                          f"diagonal_band=True")
+    if type(blocks.diagonal_exp2) is not bool:
+        raise ValueError(f"{name}: diagonal_exp2 must be True or False, got {blocks.diagonal_exp2!r}")
     if type(blocks.diagonal_band) is not bool:
         raise ValueError(f"{name}: diagonal_band must be True or False, got {blocks.diagonal_band!r}")
     if type(blocks.diagonal_heads) is not int or blocks.diagonal_heads not in (0, 1, 2, 4, 8):

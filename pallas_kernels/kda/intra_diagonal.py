@@ -30,12 +30,15 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels.kda.gate import l2_inverse_norm
 from pallas_kernels.kda.intra_parallel import SUB
 
+LOG2_E = 1.4426950408889634
+
 # `ChunkBlocks.qk_norm`'s forms that normalise q and k inside this launch
 IN_LAUNCH_NORMS = ("diagonal", "diagonal-bf16", "diagonal-after", "scales", "scales-after")
 
 
 def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scale: float, chunk: int, band: bool,
-                          cumsum: bool, normalize: bool, scale_after: bool = False, scales: bool = False):
+                          cumsum: bool, normalize: bool, scale_after: bool = False, scales: bool = False,
+                          exp2: bool = False):
     """Program (row, head block, token t) over `heads` heads: q [heads, K] (token t), k and g
     [SUB, heads, K] (t's sub-block, g the log decay) -> row t of each head's A_kk and A_qk, fp32: with `band`
     [heads, SUB], the SUB entries of t's diagonal block (j <= t, zeros after t), else [heads, C] with zeros
@@ -44,7 +47,9 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
     and L2-normalised here) t's q and k normalised, [heads, K] each (in those refs' dtype), or with `scales`
     their inverse norms 1 / |q_t| and 1 / |k_t|, [heads] each. `scale_after` (with `normalize` and `band`): the
     walk takes the sub-block's k rows as they are and the band is scaled by their 1 / |k_j| at the end, all SUB
-    of them from one load of the block, instead of a norm a step."""
+    of them from one load of the block, instead of a norm a step. `exp2`: the walk carries its decay in base-2
+    units (each g_j times log2 e) and takes 2^x, one hardware instruction, where e^x is a longer sequence (the
+    cumsum written back in natural units)."""
     f32 = jnp.float32
     walk_unit = (lambda x: x * l2_inverse_norm(x)) if normalize and not scale_after else (lambda x: x)
     t = pl.program_id(2)
@@ -63,13 +68,14 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
     def step(i, carry):
         akk, aqk, decay = carry          # decay: G_t - G_j for j = r - i, [heads, K], <= 0
         j = r - i
-        kd = walk_unit(k_ref[j].astype(f32)) * jnp.exp(decay)
+        kd = walk_unit(k_ref[j].astype(f32)) * (jnp.exp2(decay) if exp2 else jnp.exp(decay))
         at = cols == first + j
         return (jnp.where(at, jnp.sum(k_r * kd, axis=1, keepdims=True), akk),
                 jnp.where(at, jnp.sum(q * kd, axis=1, keepdims=True), aqk),
-                decay + g_ref[j].astype(f32))
+                decay + g_ref[j].astype(f32) * base)
 
     zeros = jnp.zeros((q.shape[0], cols.shape[1]), f32)
+    base = LOG2_E if exp2 else 1.0       # the units of the carried decay
     akk, aqk, local = jax.lax.fori_loop(0, r + 1, step, (zeros, zeros, jnp.zeros_like(q)))
     if scale_after:    # column j of the band times 1 / |k_j| (rows past t are zeros either way)
         block = k_ref[...].astype(f32)                                            # [SUB, heads, K]
@@ -78,11 +84,11 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
     akk_ref[...] = akk
     aqk_ref[...] = aqk
     if cumsum:
-        out_refs[0][...] = local
+        out_refs[0][...] = local * (1.0 / base) if exp2 else local
 
 
 def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_warps: int, interpret: bool,
-                   cumsum: bool = False, band: bool = False, normalize: str | None = None):
+                   cumsum: bool = False, band: bool = False, normalize: str | None = None, exp2: bool = False):
     """The diagonal blocks of every chunk: q, k [B, H, N, C, K] (with `tokens`: [B, N, C, H, K]), g the
     log decay in the same layout, fp32 -> [A_kk, A_qk] fp32, [B, H, N, C, C] zero outside the diagonal
     16 x 16 blocks, or with `band` only those blocks, [B, H, N, C, SUB] (row r's entry j of its sub-block at
@@ -91,7 +97,8 @@ def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_wa
     of `ChunkBlocks.qk_norm`'s in-launch forms, IN_LAUNCH_NORMS; the "-after" forms `band` only) q and k
     normalised, fp32 (bf16 for "diagonal-bf16") in their own layout, or for the "scales" forms 1 / |q| and
     1 / |k|, fp32 in beta's layout ([B, N, C, H] with `tokens`, else [B, H, N, C]). `heads` per program (H a
-    multiple of it; the tokens layout only, else 1)."""
+    multiple of it; the tokens layout only, else 1). exp2: the walk's exponentials as 2^x
+    (`ChunkBlocks.diagonal_exp2`)."""
     if normalize is not None and normalize not in IN_LAUNCH_NORMS:
         raise ValueError(f"diagonal_pairs: normalize must be None or one of {IN_LAUNCH_NORMS}, got {normalize!r}")
     scale_after = normalize is not None and normalize.endswith("-after")
@@ -133,7 +140,8 @@ def diagonal_pairs(qc, kc, gc, *, scale: float, tokens: bool, heads: int, num_wa
         out_shapes += [jax.ShapeDtypeStruct(ins[0].shape, dtype)] * 2
     outs = list(pl.pallas_call(
         lambda *refs: diagonal_pairs_kernel(*refs, scale=scale, chunk=c, band=band, cumsum=cumsum,
-                                            normalize=normalize is not None, scale_after=scale_after, scales=scales),
+                                            normalize=normalize is not None, scale_after=scale_after, scales=scales,
+                                            exp2=exp2),
         grid=(b, h // heads, n * c), in_specs=[row, block, block], out_specs=out_specs, out_shape=out_shapes,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
         name="kda_chunk_diagonal")(*ins))

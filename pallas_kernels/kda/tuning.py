@@ -120,6 +120,9 @@ class ChunkBlocks:
                                  # also wherever the per-token launch does not run). H200, device time (KDA run 22):
                                  # per-token launch 299 -> 385 us against XLA's norm 97 at H = 32, 872 -> 1,125
                                  # against 292 at H = 96 (sums 1,232 -> 1,219 and 3,717 -> 3,679 us)
+    diagonal_exp2: bool = False  # ... carries its decay in base-2 units and takes 2^x (one ex2.approx) instead of
+                                 # e^x (a longer sequence): its loop 133 -> 91 PTX instructions a step (sm_90a,
+                                 # 2 heads at 2 warps); prepared after KDA run 27, not yet timed
     diagonal_band: bool = True   # ... writes only the diagonal blocks, [C, 16] a chunk, for the pairs launch to
                                  # expand (else whole [C, C] rows, three quarters zeros)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)

@@ -85,6 +85,10 @@ def _l2(x):
     # W, U, ... one program a chunk walking 16-column slices in a loop (the default form): K == V (no branches) and
     # K != V
     (1, 130, 2, 64, 64, 64, (-3.0, 0.0), True, "bfloat16", "parallel/fs16"),
+    # the per-token walk's exponentials as 2^x: weak and unbounded gates, both layouts, the cumsum it writes
+    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/exp2/bf16"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/exp2/chunked"),
+    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/exp2"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/fs16/across-tiles"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
@@ -116,6 +120,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                across=next((a for a in ("tiles", "levels")
                                                             if "across-" + a in options), "auto"),
                                                factors_loop="factors-programs" not in options,
+                                               diagonal_exp2="exp2" in options,
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -318,6 +323,7 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(across="blocks"), "across must be 'auto', 'levels' or 'tiles'"),
     (ChunkBlocks(pairs_key_slice=24), "pairs_key_slice must be 0"),
     (ChunkBlocks(factors_loop=1), "factors_loop must be True or False"),
+    (ChunkBlocks(diagonal_exp2=1), "diagonal_exp2 must be True or False"),
     (ChunkBlocks(pairs_num_stages=-1), "pairs_num_stages must be 0"),
     (ChunkBlocks(factors_num_stages=2.0), "factors_num_stages must be 0"),
     (ChunkBlocks(across="tiles", solve="whole"), "across='tiles' follows the per-token launch"),
@@ -413,7 +419,8 @@ def test_pair_and_solve_forms_equal_joint_pairs(rng, interpret, chunk, form):
 def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     """The per-token launch's running sum, read at its end, is the decay summed inside each 16-row
     sub-block (`local_cumsum`, a forward cumulative sum), in both layouts; its diagonal blocks are the
-    same with and without that output, and with two heads a program as with one."""
+    same with and without that output, with two heads a program as with one, and with the walk's decay carried
+    in base-2 units (to fp32 rounding)."""
     from pallas_kernels.kda.chunk import to_chunk_rows, to_chunks
     from pallas_kernels.kda.intra_diagonal import diagonal_pairs
     from pallas_kernels.kda.intra_parallel import local_cumsum
@@ -421,12 +428,14 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     q, k = (jnp.asarray(_l2(rng.standard_normal((b, t, h, kd))), jnp.float32) for _ in range(2))
     g = jnp.asarray(rng.uniform(*gates, (b, t, h, kd)), jnp.float32)
     expected = local_cumsum(to_chunks(g, c))
-    run = lambda split, tokens, cumsum, heads=1, band=False: diagonal_pairs(
+    run = lambda split, tokens, cumsum, heads=1, band=False, exp2=False: diagonal_pairs(
         *(split(x, c) for x in (q, k, g)), scale=0.5, tokens=tokens, heads=heads, num_warps=heads,
-        interpret=interpret, cumsum=cumsum, band=band)
+        interpret=interpret, cumsum=cumsum, band=band, exp2=exp2)
     one_head = run(to_chunks, False, True)
     for got, want in zip(run(to_chunk_rows, True, True, heads=2), one_head):   # two heads a program, tokens layout
         assert_close("two heads a program", got, want, dtype=kernel_dtype("float32", interpret))
+    for got, want in zip(run(to_chunks, False, True, exp2=True), one_head):   # the walk's decay in base-2 units
+        assert_close("2^x walk", got, want, dtype=kernel_dtype("float32", interpret))
     for split, tokens in ((to_chunks, False), (to_chunk_rows, True)):
         akk, aqk, local = run(split, tokens, True)
         assert_close("local cumsum", local, expected, dtype=kernel_dtype("float32", interpret))
