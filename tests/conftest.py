@@ -8,6 +8,7 @@ the same files run both ways (`K3JAX_TEST_DEVICE=gpu pytest tests/pallas_kernels
 from __future__ import annotations
 
 import fcntl
+import gc
 import hashlib
 import os
 import shutil
@@ -45,6 +46,17 @@ def oracle_python() -> Path:
         raise RuntimeError(f"the oracle venv is missing ({python}); create it with `make oracle-venv` "
                            "(the README's test command does this)")
     return python
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """After each test, drop JAX's in-memory caches of compiled programs, so XLA unmaps their code. Without it a
+    worker process that runs hundreds of tests keeps every program: 57 of the KDA kernel tests leave 19,680
+    memory mappings, and past the kernel's limit (vm.max_map_count, 65,530 here) XLA's CPU compiler aborted or
+    segfaulted mid-run. Programs that took >= 0.5 s to compile come back from the on-disk cache."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
