@@ -219,7 +219,6 @@ class Job:
         self.model_name = os.path.basename(os.path.normpath(args.model))
         self.stop = threading.Event()
         self.start = time.perf_counter()
-        self._step_guard = contextlib.nullcontext()    # replicas' engine steps concurrent (see _run_replicas)
 
     def run(self) -> int:
         args = self.args
@@ -298,10 +297,6 @@ class Job:
                 if len(engines) <= 1:
                     results = [self._run_replica(r, e, progress) for r, e in engines.items()]
                 else:
-                    # XLA's CPU compiler has aborted the process when two replica threads compiled at once (the
-                    # engine compiles on a step's first use of a shape): on CPU the replicas' steps take turns
-                    if jax.default_backend() == "cpu":
-                        self._step_guard = threading.Lock()
                     with concurrent.futures.ThreadPoolExecutor(len(engines)) as pool:
                         futures = [pool.submit(self._run_replica_or_stop, r, e, progress) for r, e in engines.items()]
                         results = [f.result() for f in futures]
@@ -373,9 +368,7 @@ class Job:
                         finish(request, error_record(request, str(e)))
             if not engine.has_work():
                 break
-            with self._step_guard:
-                updates = engine.step()
-            for update in updates:
+            for update in engine.step():
                 new = sum(len(t) for t in update.new_tokens.values())
                 counts.tokens += new
                 progress.update(0, new)

@@ -108,36 +108,6 @@ def test_results_equal_static_generation_and_bad_lines_become_records(tmp_path, 
     assert out.read_bytes() == before and "already complete" in capsys.readouterr().err
 
 
-def test_replica_steps_take_turns_on_cpu(tmp_path, small, monkeypatch, capsys):
-    """On the CPU backend two replica threads never run engine steps (where XLA compiles) at the same time: XLA's CPU
-    compiler has aborted the process when two threads compiled at once. Every request still finishes."""
-    import threading
-    import time
-
-    from k3jax.engine import Engine
-    inside, most, seen, lock = [0], [0], set(), threading.Lock()
-    step = Engine.step
-
-    def counted(self):
-        with lock:
-            inside[0] += 1
-            most[0] = max(most[0], inside[0])
-            seen.add(threading.get_ident())
-        time.sleep(0.005)       # long enough for another replica's step to start, were it allowed to
-        try:
-            return step(self)
-        finally:
-            with lock:
-                inside[0] -= 1
-
-    monkeypatch.setattr(Engine, "step", counted)
-    lines = [{"id": f"r{i}", "prompt": [3 + i, 40], "max_tokens": 3, "ignore_eos": True} for i in range(8)]
-    rc, out = run(tmp_path, lines, model=small, mesh="data=2")
-    assert rc == 0, capsys.readouterr().err
-    assert len(seen) == 2 and most[0] == 1                   # two replica threads, one step at a time
-    assert sorted(r["custom_id"] for r in records(out)) == sorted(x["id"] for x in lines)
-
-
 def test_interrupted_runs_resume_to_the_same_output(tmp_path, small, monkeypatch, capsys):
     lines = [line for line in LINES if line != "" and not isinstance(line, str)]
     rc, clean = run(tmp_path, lines, output="clean.jsonl", model=small)
