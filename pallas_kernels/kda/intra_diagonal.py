@@ -65,6 +65,8 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
     q = q * scale
     cols = jnp.arange(SUB if band else chunk, dtype=jnp.int32)[None, :]
 
+    base = LOG2_E if exp2 else 1.0       # the units of the carried decay
+
     def step(i, carry):
         akk, aqk, decay = carry          # decay: G_t - G_j for j = r - i, [heads, K], <= 0
         j = r - i
@@ -75,7 +77,6 @@ def diagonal_pairs_kernel(q_ref, k_ref, g_ref, akk_ref, aqk_ref, *out_refs, scal
                 decay + g_ref[j].astype(f32) * base)
 
     zeros = jnp.zeros((q.shape[0], cols.shape[1]), f32)
-    base = LOG2_E if exp2 else 1.0       # the units of the carried decay
     akk, aqk, local = jax.lax.fori_loop(0, r + 1, step, (zeros, zeros, jnp.zeros_like(q)))
     if scale_after:    # column j of the band times 1 / |k_j| (rows past t are zeros either way)
         block = k_ref[...].astype(f32)                                            # [SUB, heads, K]
