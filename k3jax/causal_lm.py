@@ -45,7 +45,9 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What a load consumed: tensors used, tensors deliberately skipped (vision tower, ...), bytes read."""
+    """What a load consumed: tensors used, tensors deliberately skipped (vision tower, ...), bytes read
+    by this process (a Hugging Face checkpoint: tensor bytes; a converted one: file bytes as stored,
+    compressed, metadata included)."""
 
     tensors: int
     skipped: int

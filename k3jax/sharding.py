@@ -111,6 +111,11 @@ def logical_spec(axes, shape=None, mesh: Mesh | None = None, *, sizes=None) -> P
     return P(*out)
 
 
+def split_dims(axes) -> tuple[int, ...]:
+    """The dimensions of a parameter with logical `axes` that some mesh axis can split."""
+    return tuple(i for i, name in enumerate(axes) if name is not None and LOGICAL_RULES.get(name) is not None)
+
+
 def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
     """NamedSharding per parameter from its `logical_axes` metadata."""
     def one(var):

@@ -31,14 +31,15 @@ from flax import nnx
 
 from k3jax.checkpoint.integrity import NonFiniteError, array_digest, combined_digest
 from k3jax.checkpoint.name_map import mtp_embedding_name
-from k3jax.checkpoint.orbax_format import (FORMAT, PARAMS_DIR, ArrayWriter, chunk_shape, param_name, write_manifest,
-                                           write_orbax_metadata)
+from k3jax.checkpoint.orbax_format import (FORMAT, PARAMS_DIR, READ_PIECES, ArrayWriter, chunk_shape, param_name,
+                                           write_manifest, write_orbax_metadata)
 from k3jax.checkpoint.plan import plan_tensors, progress_bar, read_param_slice, stored_nbytes, with_packed_experts
 from k3jax.checkpoint.safetensors_io import FLOAT_DTYPES, CheckpointError, SafetensorsCheckpoint, open_regular
 from k3jax.checkpoint.verify import verify_checkpoint
 from k3jax.checkpoint.workdir import WorkDir
 from k3jax.hf_config import from_hf_config
 from k3jax.model import abstract_model
+from k3jax.sharding import split_dims
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +93,9 @@ def _identity(source: _Source, pdtype: np.dtype, tensors: int, packed_experts: b
     of the source (per shard: name, size, mtime_ns and the SHA-256 of its header)."""
     shards = [{"file": os.path.relpath(s.file, source.path), "size": s.size, "mtime_ns": s.mtime_ns,
                "header_sha256": s.header_sha256} for s in source.ckpt.shards]
-    return {"format": FORMAT, "source": os.path.abspath(source.path), "dtype": str(pdtype), "tensors": tensors,
-            "packed_experts": packed_experts, "config_sha256": source.config_sha256, "shards": shards}
+    return {"format": FORMAT, "read_pieces": READ_PIECES, "source": os.path.abspath(source.path),
+            "dtype": str(pdtype), "tensors": tensors, "packed_experts": packed_experts,
+            "config_sha256": source.config_sha256, "shards": shards}
 
 
 def _param_dtype(choice: str, ckpt: SafetensorsCheckpoint):
@@ -105,10 +107,12 @@ def _param_dtype(choice: str, ckpt: SafetensorsCheckpoint):
     return np.dtype(floats[0]) if floats else np.dtype(ml_dtypes.bfloat16)
 
 
-def _abstract_params(cfg, dtype) -> dict[tuple, tuple[tuple, np.dtype]]:
-    """Parameter path -> (shape, dtype) of the model `cfg` builds in `dtype`."""
-    return {p: (tuple(v.get_value().shape), np.dtype(v.get_value().dtype))
-            for p, v in nnx.to_flat_state(nnx.state(abstract_model(cfg, dtype)))}
+def _abstract_params(cfg, dtype) -> tuple[dict[tuple, tuple[tuple, np.dtype]], dict[tuple, tuple[int, ...]]]:
+    """Parameter path -> (shape, dtype) of the model `cfg` builds in `dtype`, and path -> the
+    dimensions a mesh can split (k3jax.sharding.split_dims)."""
+    flat = list(nnx.to_flat_state(nnx.state(abstract_model(cfg, dtype))))
+    params = {p: (tuple(v.get_value().shape), np.dtype(v.get_value().dtype)) for p, v in flat}
+    return params, {p: split_dims(v.get_metadata().get("logical_axes", ())) for p, v in flat}
 
 
 def _run_all(run, tasks: list, workers: int) -> None:
@@ -155,7 +159,7 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     if packed_experts:
         cfg = with_packed_experts(cfg, src)
     pdtype = _param_dtype(dtype, ckpt)
-    params = _abstract_params(cfg, pdtype)
+    params, splits = _abstract_params(cfg, pdtype)
     plan, skipped = plan_tensors(cfg, ckpt, {p: s for p, (s, _) in params.items()})
 
     work = WorkDir(dst)
@@ -170,7 +174,7 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     resumed = len(done)
     start = time.perf_counter()
     try:
-        total = _convert_tensors(ckpt, plan, params, work, done, workers, progress)
+        total = _convert_tensors(ckpt, plan, params, splits, work, done, workers, progress)
         _write_metadata(work.path, source, plan, params, done, own_embedding, pdtype, skipped, packed_experts)
     except NonFiniteError:  # the source cannot be converted: nothing is kept
         work.remove()
@@ -194,12 +198,12 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
                          seconds=time.perf_counter() - start, resumed=resumed)
 
 
-def _convert_tensors(ckpt, plan, params, work: WorkDir, done: dict, workers: int, progress) -> int:
+def _convert_tensors(ckpt, plan, params, splits, work: WorkDir, done: dict, workers: int, progress) -> int:
     """Reads, checks, transforms and writes every tensor `done` lacks; journals each. Returns the bytes read."""
     journal = work.journal()
     lock = threading.Lock()
     writers = {p: ArrayWriter(os.path.join(work.path, PARAMS_DIR), p, shape, dt,
-                              stacked=plan[p][0][1].expert is not None)
+                              stacked=plan[p][0][1].expert is not None, split=splits[p])
                for p, (shape, dt) in params.items()}
     tasks = [(p, name, rule) for p in params for name, rule in plan[p] if name not in done]
     nbytes = lambda name, rule: stored_nbytes(ckpt, name, rule)

@@ -23,7 +23,8 @@ from flax import nnx
 from k3jax.causal_lm import CausalLM, LoadReport, resolve_dtype
 from k3jax.checkpoint.integrity import expert_label, nonfinite, raise_nonfinite
 from k3jax.checkpoint.name_map import mtp_embedding_name
-from k3jax.checkpoint.orbax_format import is_k3jax_checkpoint, param_name, read_manifest, restore_params
+from k3jax.checkpoint.orbax_format import (file_bytes_read, is_k3jax_checkpoint, param_name, read_manifest,
+                                           restore_params)
 from k3jax.checkpoint.plan import (listing, plan_tensors, progress_bar, read_param_slice, stored_nbytes,
                                    with_packed_experts)
 from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
@@ -127,29 +128,32 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
     plan, skipped = plan_tensors(cfg, ckpt, shapes)
     shardings = dict(nnx.to_flat_state(param_shardings(state, mesh))) if mesh is not None else None
 
-    # Stacked expert tensors are read only for the experts this process's devices hold.
-    wanted = {}
+    # Over several processes each reads only what its devices hold: stacked experts by expert, other
+    # parameters split over the mesh (tensor parallel) by the box of their local shards.
+    wanted, boxes = {}, {}
     for p, entries in plan.items():
-        keep = None if mesh is None or entries[0][1].expert is None else local_rows(shardings[p], shapes[p])
+        stacked = entries[0][1].expert is not None
+        keep = None if mesh is None or not stacked else local_rows(shardings[p], shapes[p])
         wanted[p] = [(n, r) for n, r in entries if keep is None or r.expert in keep]
-    bar = progress_bar(sum(stored_nbytes(ckpt, n, r) for entries in wanted.values() for n, r in entries), "loading",
-                       progress, min_bytes=1 << 28)
-    loaded, read = [], 0
+        boxes[p] = None if mesh is None or stacked else local_box(shardings[p], shapes[p])
+    bar = progress_bar(sum(stored_nbytes(ckpt, n, r, shapes[p], boxes[p]) for p, entries in wanted.items()
+                           for n, r in entries), "loading", progress, min_bytes=1 << 28)
+    loaded = []
     for p, var in flat:
         np_dtype = np.dtype(var.get_value().dtype)
         entries = wanted[p]
+        before = ckpt.bytes_read
         if plan[p][0][1].expert is None:
             (name, rule), = entries
-            value = read_param_slice(ckpt, name, rule, shapes[p]).astype(np_dtype)
-            value = jax.device_put(value, shardings[p]) if mesh is not None else jnp.asarray(value)
+            value = read_param_slice(ckpt, name, rule, shapes[p], boxes[p]).astype(np_dtype)
+            value = jnp.asarray(value) if mesh is None else place_box(value, boxes[p], shapes[p], shardings[p])
         else:
             experts = {rule.expert: read_param_slice(ckpt, name, rule, shapes[p][1:]).astype(np_dtype)
                        for name, rule in entries}
             value = stack_experts(experts, shapes[p], np_dtype, None if mesh is None else shardings[p])
-        step = sum(stored_nbytes(ckpt, n, r) for n, r in entries)
-        read += step
-        bar.update(step)
+        bar.update(ckpt.bytes_read - before)
         loaded.append((p, var.replace(value)))
+    read = ckpt.bytes_read
     bar.close()
     if _check_finite:
         _check_hf_finite(ckpt, plan, {p: v.get_value() for p, v in loaded})
@@ -165,6 +169,27 @@ def local_rows(sharding, shape: tuple) -> set[int]:
     for index in sharding.addressable_devices_indices_map(shape).values():
         rows.update(range(*index[0].indices(shape[0])))
     return rows
+
+
+def local_box(sharding, shape: tuple) -> tuple[slice, ...] | None:
+    """The smallest box (a slice per axis) holding every shard of `shape` this process's devices
+    hold under `sharding`; None when that is the whole array."""
+    indices = [tuple(i.indices(n)[:2] for i, n in zip(index, shape))
+               for index in sharding.addressable_devices_indices_map(shape).values()]
+    box = tuple((min(ix[a][0] for ix in indices), max(ix[a][1] for ix in indices)) for a in range(len(shape)))
+    return None if box == tuple((0, n) for n in shape) else tuple(slice(*b) for b in box)
+
+
+def place_box(value: np.ndarray, box: tuple[slice, ...] | None, shape: tuple, sharding) -> jax.Array:
+    """The global array of `shape` in `sharding` from `value`, this process's `box` of it (None: all)."""
+    if box is None:
+        return jax.device_put(value, sharding)
+    starts = [b.start for b in box]
+
+    def shard(index):
+        return value[tuple(slice(i.indices(n)[0] - s, i.indices(n)[1] - s) for i, n, s in zip(index, shape, starts))]
+
+    return jax.make_array_from_callback(shape, sharding, shard)
 
 
 def stack_experts(experts: dict[int, np.ndarray], shape: tuple, dtype, sharding) -> jax.Array:
@@ -212,12 +237,14 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: boo
     if expected != stored:
         diff = sorted(n for n in set(expected) | set(stored) if expected.get(n) != stored.get(n))
         raise CheckpointError(f"{path}: parameters do not match the config: {listing(diff)}")
+    before = file_bytes_read()
     values = restore_params(path, state, shardings)
+    read = file_bytes_read() - before
     if check_finite:
         stacked = {p for p in values if manifest["params"][param_name(p)]["stacked"]}
         bad = nonfinite(values, stacked)
         raise_nonfinite(f"checkpoint {path}", [param_name(p) + expert_label(e) for p, e in bad.items()])
     loaded = [(p, var.replace(values[p])) for p, var in nnx.to_flat_state(state)]
-    report = LoadReport(tensors=len(loaded), skipped=int(manifest.get("skipped_tensors", 0)), bytes_read=0)
+    report = LoadReport(tensors=len(loaded), skipped=int(manifest.get("skipped_tensors", 0)), bytes_read=read)
     logger.info("restored %s: %d parameters (k3jax checkpoint)", path, report.tensors)
     return CausalLM(nnx.merge(graphdef, nnx.from_flat_state(loaded)), mesh=mesh, load_report=report)

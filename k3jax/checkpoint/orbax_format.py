@@ -9,15 +9,18 @@ slice, plus a manifest.
 Orbax's own savers need each array whole in memory; a K3 layer's stacked experts are 20 GB, so
 the arrays are written here with tensorstore in exactly the layout Orbax writes (zarr3,
 sharding_indexed + zstd chunks, `_METADATA`, `array_metadatas`, `_CHECKPOINT_METADATA`), one chunk
-per expert, and Orbax restores them, directly into any sharding. Every chunk ends in a crc32c of
-its compressed bytes (zarr v3's crc32c codec), which tensorstore checks on every read, so a
-damaged array fails its restore instead of loading garbage (format 2; format 1 had none).
+per expert, and Orbax restores them, directly into any sharding. Inside each array's file the
+dimensions a mesh can split (tensor parallel) are stored in up to 16 inner chunks, so a process
+restoring a tensor-parallel slice reads that slice's chunks, not the whole array. Every chunk ends
+in a crc32c of its compressed bytes (zarr v3's crc32c codec), which tensorstore checks on every
+read, so a damaged array fails its restore instead of loading garbage (format 2; format 1 had none).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import time
@@ -47,12 +50,12 @@ def param_name(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
-def _zarr_metadata(shape, dtype: np.dtype, chunk) -> dict:
+def _zarr_metadata(shape, dtype: np.dtype, chunk, inner) -> dict:
     return {
         "chunk_grid": {"configuration": {"chunk_shape": list(chunk)}, "name": "regular"},
         "chunk_key_encoding": {"name": "default"},
         "codecs": [{"configuration": {
-            "chunk_shape": list(chunk),
+            "chunk_shape": list(inner),
             "codecs": [{"configuration": {"endian": "little"}, "name": "bytes"},
                        {"configuration": {"checksum": False, "level": 3}, "name": "zstd"},
                        {"name": "crc32c"}],
@@ -64,19 +67,36 @@ def _zarr_metadata(shape, dtype: np.dtype, chunk) -> dict:
 
 
 def chunk_shape(shape: tuple, stacked: bool) -> tuple:
-    """One chunk per expert for stacked expert weights, one chunk for everything else."""
+    """One chunk (file) per expert for stacked expert weights, one chunk for everything else."""
     return (1,) + tuple(shape[1:]) if stacked else tuple(shape)
 
 
-class ArrayWriter:
-    """Creates (or reopens, when resuming) one parameter's zarr3 array and writes slices of it."""
+READ_PIECES = 16   # a power of two: a tensor-parallel degree dividing it reads exactly its own bytes
 
-    def __init__(self, params_dir: str, path: tuple, shape: tuple, dtype: np.dtype, stacked: bool):
+
+def read_chunk_shape(shape: tuple, stacked: bool, split: tuple[int, ...] = ()) -> tuple:
+    """The unit a read fetches (zarr3's inner chunk inside each file): the file's chunk with each
+    dimension in `split` (dimensions a mesh can split, other than the expert axis) cut into the
+    most pieces, up to READ_PIECES, a power of two that divides it."""
+    inner = list(chunk_shape(shape, stacked))
+    for d in split:
+        if not (stacked and d == 0):
+            inner[d] //= math.gcd(shape[d], READ_PIECES)
+    return tuple(inner)
+
+
+class ArrayWriter:
+    """Creates (or reopens, when resuming) one parameter's zarr3 array and writes slices of it.
+    split: the dimensions a mesh can split (k3jax.sharding.split_dims), stored as read pieces."""
+
+    def __init__(self, params_dir: str, path: tuple, shape: tuple, dtype: np.dtype, stacked: bool,
+                 split: tuple[int, ...] = ()):
         self.name = param_name(path)
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.chunk = chunk_shape(shape, stacked)
+        inner = read_chunk_shape(shape, stacked, split)
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(params_dir, self.name)},
-                "metadata": _zarr_metadata(self.shape, self.dtype, self.chunk),
+                "metadata": _zarr_metadata(self.shape, self.dtype, self.chunk, inner),
                 "store_data_equal_to_fill_value": True}  # as Orbax writes: every chunk exists on disk
         self.array = ts.open(spec, create=True, open=True).result()
 
@@ -194,6 +214,13 @@ def array_error(path, error: BaseException, names) -> CheckpointError:
     found = [m for m in _ARRAY_DIR.findall(text) if m in names]
     what = f"parameter {found[0]}" if found else "a parameter"
     return CheckpointError(f"checkpoint {os.fspath(path)}: {what} {read_failure(error)}")
+
+
+def file_bytes_read() -> int:
+    """Bytes tensorstore's file driver has read in this process so far (its own metric: array
+    metadata, chunk indices and chunks, as stored)."""
+    found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return sum(v["value"] for metric in found for v in metric["values"])
 
 
 def restore_params(path, abstract_params, shardings):

@@ -5,6 +5,7 @@ from it: shared by direct loading (k3jax.checkpoint.loader) and conversion (.con
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections import defaultdict
 
@@ -83,19 +84,35 @@ def with_packed_experts(cfg: ModelConfig, path) -> ModelConfig:
     return cfg.replace(moe=dataclasses.replace(cfg.moe, packed_experts=True))
 
 
-def read_param_slice(ckpt: SafetensorsCheckpoint, name: str, rule: TensorRule, shape: tuple) -> np.ndarray:
-    """One stored tensor (or MXFP4 pair) transformed to its parameter (slice) layout."""
+def read_param_slice(ckpt: SafetensorsCheckpoint, name: str, rule: TensorRule, shape: tuple,
+                     box: tuple[slice, ...] | None = None) -> np.ndarray:
+    """One stored tensor (or MXFP4 pair) transformed to its parameter (slice) layout, of `shape`.
+
+    box: only this box of the result (one step-1 slice per axis), reading only the stored bytes
+    that make it up where the tensor's hook can say which (everything but A_log per head and
+    dequantised MXFP4, which are read whole and cut)."""
+    hook = HOOKS[rule.hook]
+    if box is not None and hook.region is not None:
+        part = tuple(len(range(*b.indices(n))) for b, n in zip(box, shape))
+        return hook.apply(ckpt.read(name, hook.region(box, ckpt.info(name).shape)), part)
     if rule.hook == "mxfp4_packed":
         try:
-            return dequantize_mxfp4(ckpt.read(name), ckpt.read(rule.partner)).T
+            value = dequantize_mxfp4(ckpt.read(name), ckpt.read(rule.partner)).T
         except ValueError as e:
             raise CheckpointError(f"{ckpt.info(name).file}: tensor '{name}': {e}") from None
-    return HOOKS[rule.hook].apply(ckpt.read(name), shape)
+    else:
+        value = hook.apply(ckpt.read(name), shape)
+    return value if box is None else value[box]
 
 
-def stored_nbytes(ckpt: SafetensorsCheckpoint, name: str, rule: TensorRule) -> int:
-    """Bytes read for one planned tensor (an MXFP4 packed tensor together with its scales)."""
-    return ckpt.info(name).nbytes + (ckpt.info(rule.partner).nbytes if rule.partner else 0)
+def stored_nbytes(ckpt: SafetensorsCheckpoint, name: str, rule: TensorRule, shape: tuple | None = None,
+                  box: tuple[slice, ...] | None = None) -> int:
+    """Bytes read for one planned tensor (an MXFP4 packed tensor together with its scales), or for
+    the `box` of its parameter `shape` (read_param_slice)."""
+    info = ckpt.info(name)
+    if box is not None and HOOKS[rule.hook].region is not None:
+        return math.prod(len(range(*b.indices(n))) for b, n in zip(box, shape)) * info.dtype.itemsize
+    return info.nbytes + (ckpt.info(rule.partner).nbytes if rule.partner else 0)
 
 
 def progress_bar(total_bytes: int, desc: str, show: bool | None, *, min_bytes: int = 0):

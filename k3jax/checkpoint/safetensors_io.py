@@ -8,11 +8,13 @@ tensor data is read one tensor at a time on request.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
 import stat
 import struct
+import threading
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -131,6 +133,29 @@ def read_shard(file: str) -> tuple[ShardInfo, dict[str, TensorInfo]]:
     return shard, tensors
 
 
+def _box(info: TensorInfo, region) -> list[tuple[int, int]]:
+    """`region` (None: the whole tensor) as [(start, stop)] per axis; ValueError unless it is one
+    step-1 slice per axis."""
+    if region is None:
+        return [(0, n) for n in info.shape]
+    if len(region) != len(info.shape) or any(not isinstance(r, slice) or r.step not in (None, 1) for r in region):
+        raise ValueError(f"tensor {info.name!r} {list(info.shape)}: region {region} is not one step-1 slice per axis")
+    box = [r.indices(n)[:2] for r, n in zip(region, info.shape)]
+    return [(start, max(start, stop)) for start, stop in box]
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fills `view` from `fd` at `offset` (one read can return less, at most about 2 GB on Linux);
+    returns the bytes read, short only at the end of the file."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
 def read_header(file: str) -> dict[str, TensorInfo]:
     """The tensors of one safetensors file, from its validated header."""
     return read_shard(file)[1]
@@ -198,6 +223,8 @@ class SafetensorsCheckpoint:
                     raise CheckpointError(f"{info.file}: tensor {name!r} is not listed for this file in {INDEX_NAME}")
                 self.tensors[name] = info
         self.shards: tuple[ShardInfo, ...] = tuple(shards)
+        self.bytes_read = 0   # tensor bytes read so far by `read` (from any thread)
+        self._count_lock = threading.Lock()
         if weight_map is not None:
             absent = sorted(set(weight_map) - set(self.tensors))
             if absent:
@@ -210,16 +237,33 @@ class SafetensorsCheckpoint:
     def info(self, name: str) -> TensorInfo:
         return self.tensors[name]
 
-    def read(self, name: str) -> np.ndarray:
-        """Reads one tensor from disk as a numpy array of its stored dtype and shape."""
+    def read(self, name: str, region: tuple[slice, ...] | None = None) -> np.ndarray:
+        """Reads one tensor, or the box `region` of it (one step-1 slice per axis), from disk as a
+        numpy array of its stored dtype. Only the box's bytes are read: one read per contiguous run
+        (a row of the box where it splits the last axes, one read when it splits only the first).
+        Every byte read is added to `bytes_read`."""
         info = self.tensors[name]
+        box = _box(info, region)
+        out_shape = tuple(stop - start for start, stop in box)
+        if 0 in out_shape:
+            return np.empty(out_shape, info.dtype)
+        # Runs: the last axis the box cuts, with every axis after it whole.
+        cut = max((i for i, (start, stop) in enumerate(box) if (start, stop) != (0, info.shape[i])), default=-1)
+        run_bytes = math.prod(out_shape[max(cut, 0):]) * info.dtype.itemsize
+        strides = [math.prod(info.shape[i + 1:]) * info.dtype.itemsize for i in range(len(info.shape))]
+        lead = [range(start, stop) for start, stop in box[:max(cut, 0)]]
+        base = info.start + (box[cut][0] * strides[cut] if cut >= 0 else 0)
+        out = bytearray(math.prod(out_shape) * info.dtype.itemsize)
         f, _ = open_regular(info.file)
         with f:
-            f.seek(info.start)
-            buf = f.read(info.nbytes)
-        if len(buf) != info.nbytes:
-            raise CheckpointError(f"{info.file}: truncated while reading tensor {name!r}")
-        return np.frombuffer(buf, dtype=info.dtype).reshape(info.shape)
+            for n, index in enumerate(itertools.product(*lead)):
+                offset = base + sum(i * s for i, s in zip(index, strides))
+                got = _pread_into(f.fileno(), memoryview(out)[n * run_bytes:(n + 1) * run_bytes], offset)
+                if got != run_bytes:
+                    raise CheckpointError(f"{info.file}: truncated while reading tensor {name!r}")
+                with self._count_lock:
+                    self.bytes_read += got
+        return np.frombuffer(out, dtype=info.dtype).reshape(out_shape)
 
     @property
     def total_bytes(self) -> int:

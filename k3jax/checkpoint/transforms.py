@@ -24,6 +24,22 @@ class Hook:
     invert: Callable[[np.ndarray], np.ndarray]   # parameter -> stored tensor
     stored: str = "float"                        # "float" or "uint8" (MXFP4 parts)
     note: str = ""
+    # (box of the parameter, stored shape) -> the box of the stored tensor that `apply` turns into it;
+    # None: the hook needs the whole stored tensor.
+    region: Callable[[tuple, tuple], tuple] | None = None
+
+
+def _same_box(box, stored):
+    return tuple(box)
+
+
+def _reversed_box(box, stored):
+    return tuple(box)[::-1]
+
+
+def _conv_box(box, stored):  # param [W, C] box -> stored [C, 1, W] or [C, W] box
+    w, c = box
+    return (c, slice(None), w) if len(stored) == 3 else (c, w)
 
 
 def _exact(expected):
@@ -49,20 +65,21 @@ def _mxfp4_scale_shape(shape):
 
 
 HOOKS = {
-    "copy": Hook("copy", tuple, _exact(tuple), lambda a, s: a, lambda p: p),
+    "copy": Hook("copy", tuple, _exact(tuple), lambda a, s: a, lambda p: p, region=_same_box),
     "transpose": Hook("transpose", lambda s: tuple(s[::-1]), _exact(lambda s: tuple(s[::-1])),
-                      lambda a, s: a.T, lambda p: p.T),
+                      lambda a, s: a.T, lambda p: p.T, region=_reversed_box),
     "conv": Hook("conv", lambda s: (s[1], 1, s[0]), _conv_accepts, lambda a, s: a.reshape(s[1], s[0]).T,
-                 lambda p: p.T[:, None, :]),
+                 lambda p: p.T[:, None, :], region=_conv_box),
     "a_log_per_head": Hook("a_log_per_head", lambda s: (1, 1, s[0], 1), _a_log_head_accepts,
                            lambda a, s: a.reshape(-1)[:s[0]], lambda p: p.reshape(1, 1, -1, 1),
                            note="or longer (per_head A_log policy uses the first H entries)"),
     "a_log_per_channel": Hook("a_log_per_channel", tuple, _exact(tuple), lambda a, s: a.reshape(s),
-                              lambda p: p, note="(per_channel A_log policy: one entry per key channel)"),
+                              lambda p: p, note="(per_channel A_log policy: one entry per key channel)",
+                              region=_same_box),
     # MXFP4 experts kept packed: codes [out, in/2] and scales [out, in/32] become their own parameters
     # [in/2, out] and [in/32, out], each a plain transpose of bytes.
     "transpose_uint8": Hook("transpose_uint8", lambda s: tuple(s[::-1]), _exact(lambda s: tuple(s[::-1])),
-                            lambda a, s: a.T, lambda p: p.T, "uint8"),
+                            lambda a, s: a.T, lambda p: p.T, "uint8", region=_reversed_box),
     # MXFP4 experts dequantised at load: the packed codes carry the transform; the scales are read alongside them.
     "mxfp4_packed": Hook("mxfp4_packed", _mxfp4_packed_shape, _exact(_mxfp4_packed_shape), None, None, "uint8"),
     "mxfp4_scale": Hook("mxfp4_scale", _mxfp4_scale_shape, _exact(_mxfp4_scale_shape), None, None, "uint8"),

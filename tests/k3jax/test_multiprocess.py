@@ -1,9 +1,11 @@
 """Two jax.distributed processes on 127.0.0.1: a sharded forward equals one process, and loading a
-checkpoint onto an expert-parallel mesh reads each routed expert in exactly one process."""
+checkpoint (Hugging Face or converted) onto an expert- or tensor-parallel mesh reads in each process
+only what its devices hold."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -11,11 +13,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from flax import nnx
 from tolerances import assert_close
 
 import k3jax
+from k3jax.checkpoint.convert import convert
+from k3jax.checkpoint.plan import plan_tensors
 from k3jax.checkpoint.safetensors_io import SafetensorsCheckpoint
 from k3jax.checkpoint.writer import save_checkpoint
+from k3jax.model import abstract_model
+from k3jax.sharding import MeshSpec, logical_spec
 
 WORKERS = Path(__file__).resolve().parent.parent / "workers"
 WORKER = WORKERS / "multiprocess_worker.py"
@@ -54,20 +61,100 @@ def test_two_process_sharded_forward(tmp_path):
     assert_close("two processes vs one", np.load(out), single)
 
 
-def test_each_process_reads_only_its_experts(tmp_path):
-    """A Hugging Face checkpoint loaded onto expert=4 over two processes (2 devices each): each routed
-    expert tensor is read by exactly one process (the one whose devices hold it), everything else by
-    both; the loaded model's logits equal a one-process load of the same files."""
-    model = k3jax.CausalLM.random(k3jax.tiny_kimi_linear(num_experts=16), seed=21)
-    save_checkpoint(model, tmp_path / "ck", shards=2)
-    run_two(WORKERS / "multiprocess_load_worker.py", str(tmp_path / "ck"), str(tmp_path))
-    reads = [json.loads((tmp_path / f"read_{i}.json").read_text())["bytes_read"] for i in range(2)]
-    ckpt = SafetensorsCheckpoint(tmp_path / "ck")
+def _process_box(axes, shape, mesh: MeshSpec, process: int) -> tuple[tuple[int, int], ...]:
+    """The part of a parameter process `process` of two holds when each mesh axis of 4 devices puts
+    two on each process: half of every dimension that axis splits, whole otherwise."""
+    spec = logical_spec(axes, shape, sizes={"data": mesh.data, "expert": mesh.expert, "tensor": mesh.tensor})
+    return tuple((process * n // 2, (process + 1) * n // 2) if axis is not None else (0, n)
+                 for axis, n in zip(spec, shape))
+
+
+def _abstract_params(cfg) -> dict[str, tuple[tuple, tuple]]:
+    """Parameter name -> (logical axes, shape) of the model `cfg` builds."""
+    return {".".join(str(k) for k in p): (tuple(v.get_metadata()["logical_axes"]), tuple(v.get_value().shape))
+            for p, v in nnx.to_flat_state(nnx.state(abstract_model(cfg, "float32")))}
+
+
+def _expected_hf_reads(ckpt: SafetensorsCheckpoint, cfg, mesh: MeshSpec, process: int) -> int:
+    """Tensor bytes a process reads when it reads only the box of each parameter it holds."""
+    params = _abstract_params(cfg)
+    shapes = {tuple(name.split(".")): shape for name, (_, shape) in params.items()}
+    plan, _ = plan_tensors(cfg, ckpt, {tuple(int(k) if k.isdigit() else k for k in p): s for p, s in shapes.items()})
+    total = 0
+    for path, entries in plan.items():
+        axes, shape = params[".".join(str(k) for k in path)]
+        box = _process_box(axes, shape, mesh, process)
+        for name, rule in entries:
+            if rule.expert is not None:     # one expert of a stacked parameter: all of it or none
+                total += ckpt.info(name).nbytes if box[0][0] <= rule.expert < box[0][1] else 0
+            else:
+                total += ckpt.info(name).nbytes * math.prod(b - a for a, b in box) // math.prod(shape)
+    return total
+
+
+def _expected_converted_reads(path: Path, cfg, mesh: MeshSpec, process: int) -> tuple[int, int]:
+    """File bytes tensorstore reads for a process that reads only the inner chunks of the boxes it
+    holds: every array's zarr.json; per chunk file, the whole file when every inner chunk in it is
+    wanted, else its index (at the end: an offset and a length a chunk, then a crc32c) and the
+    wanted chunks. Returns (those bytes, the index bytes of the files read in part): each of the
+    process's two devices reads its own shard, and both may fetch an index before either caches it."""
+    total = indices = 0
+    for name, (axes, shape) in _abstract_params(cfg).items():
+        array = path / "params" / name
+        meta = json.loads((array / "zarr.json").read_text())
+        total += (array / "zarr.json").stat().st_size
+        outer = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+        box = _process_box(axes, shape, mesh, process)
+        grid = [o // i for o, i in zip(outer, inner)]
+        for file_index in np.ndindex(*[n // o for n, o in zip(shape, outer)]):
+            data = (array / "c" / "/".join(map(str, file_index))).read_bytes()
+            index = np.frombuffer(data[-(16 * math.prod(grid) + 4):-4], "<u8").reshape(*grid, 2)
+            wanted = [j for j in np.ndindex(*grid)
+                      if all(a < (f * o + (k + 1) * i) and f * o + k * i < b
+                             for (a, b), f, o, k, i in zip(box, file_index, outer, j, inner))]
+            if len(wanted) == math.prod(grid):
+                total += len(data)
+            elif wanted:
+                total += 16 * math.prod(grid) + 4 + sum(int(index[j][1]) for j in wanted)
+                indices += 16 * math.prod(grid) + 4
+    return total, indices
+
+
+def test_each_process_reads_only_what_it_holds(tmp_path):
+    """A Hugging Face checkpoint and its conversion, each loaded over two processes (2 devices each)
+    onto expert=4 and tensor=4: every process reads only the experts its devices hold and, of a
+    parameter split over tensor, only its half; the converted checkpoint's inner chunks likewise.
+    The bytes each process read equal the sums above: the loader's count of tensor bytes exactly,
+    tensorstore's own count of file bytes up to indices fetched twice. Each load's logits equal a
+    one-process load."""
+    cfg = k3jax.tiny_kimi_linear(num_experts=16)
+    model = k3jax.CausalLM.random(cfg, seed=21)
+    save_checkpoint(model, tmp_path / "hf", shards=2)
+    convert(tmp_path / "hf", tmp_path / "cv", dtype="float32")
+    meshes = {"expert": MeshSpec(expert=4), "tensor": MeshSpec(tensor=4)}
+    jobs = [f"{kind}_{m}={tmp_path / kind}@{m}=4" for kind in ("hf", "cv") for m in meshes]
+    run_two(WORKERS / "multiprocess_load_worker.py", str(tmp_path), *jobs)
+    read = lambda label, i: json.loads((tmp_path / f"read_{label}_{i}.json").read_text())["bytes_read"]
+
+    ckpt = SafetensorsCheckpoint(tmp_path / "hf")
     expert = sum(ckpt.info(n).nbytes for n in ckpt.names() if ".experts." in n)
     total = sum(ckpt.info(n).nbytes for n in ckpt.names())
     assert expert > total / 2                                   # experts: most of the bytes, as in real models
-    assert reads[0] == reads[1] == total - expert / 2, (reads, total, expert)
-    single = k3jax.load(tmp_path / "ck", dtype="float32")
+    assert read("hf_expert", 0) == read("hf_expert", 1) == total - expert / 2
+    for m, spec in meshes.items():
+        for i in range(2):
+            assert read(f"hf_{m}", i) == _expected_hf_reads(ckpt, cfg, spec, i), (m, i)
+            want, indices = _expected_converted_reads(tmp_path / "cv", cfg, spec, i)
+            assert want <= read(f"cv_{m}", i) <= want + indices, (m, i, want, indices)
+    # tensor-parallel halves are a real share of the bytes, in both formats
+    whole, _ = _expected_converted_reads(tmp_path / "cv", cfg, MeshSpec(data=4), 0)   # every byte of every array
+    for i in range(2):
+        assert read("hf_tensor", i) < 0.9 * total and read("cv_tensor", i) < 0.9 * whole, (i, total, whole)
+
+    single = k3jax.load(tmp_path / "hf", dtype="float32")
     assert single.load_report.bytes_read == total
     ids = np.random.default_rng(0).integers(3, 512, (4, 10))
-    assert_close("two-process load vs one", np.load(tmp_path / "logits.npy"), single.logits(ids))
+    want = single.logits(ids)
+    for label in (f"{kind}_{m}" for kind in ("hf", "cv") for m in meshes):
+        assert_close(f"two-process load {label} vs one", np.load(tmp_path / f"logits_{label}.npy"), want)

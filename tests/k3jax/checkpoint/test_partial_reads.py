@@ -1,0 +1,112 @@
+"""Reading a box of a stored tensor: the safetensors reader fetches only the box's bytes, each
+transform maps a parameter box to the stored box it comes from, and converted checkpoints store
+the dimensions a mesh can split in read pieces. Checked against reading everything and cutting."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from k3jax.checkpoint.mxfp4 import quantize_mxfp4
+from k3jax.checkpoint.name_map import TensorRule
+from k3jax.checkpoint.orbax_format import READ_PIECES, read_chunk_shape
+from k3jax.checkpoint.plan import read_param_slice, stored_nbytes
+from k3jax.checkpoint.safetensors_io import SafetensorsCheckpoint, write_safetensors
+from k3jax.checkpoint.transforms import HOOKS
+
+
+def _random_box(rng, shape) -> tuple[slice, ...]:
+    box = []
+    for n in shape:
+        a = int(rng.integers(0, n))
+        box.append(slice(a, int(rng.integers(a + 1, n + 1))))
+    return tuple(box)
+
+
+@pytest.fixture
+def stored(tmp_path):
+    rng = np.random.default_rng(7)
+    tensors = {"vec": rng.standard_normal(37).astype(np.float32),
+               "mat": rng.standard_normal((23, 41)).astype(ml_dtypes.bfloat16),
+               "cube": rng.standard_normal((5, 6, 7)).astype(np.float32),
+               "bytes": rng.integers(0, 256, (9, 10, 11), dtype=np.uint8)}
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    return SafetensorsCheckpoint(tmp_path), tensors
+
+
+def test_a_box_reads_only_its_bytes(stored):
+    ckpt, tensors = stored
+    rng = np.random.default_rng(1)
+    for name, value in tensors.items():
+        for _ in range(12):
+            box = _random_box(rng, value.shape)
+            before = ckpt.bytes_read
+            got = ckpt.read(name, box)
+            np.testing.assert_array_equal(got, value[box])
+            assert got.dtype == value.dtype
+            assert ckpt.bytes_read - before == value[box].nbytes, (name, box)
+    before = ckpt.bytes_read
+    np.testing.assert_array_equal(ckpt.read("cube"), tensors["cube"])
+    assert ckpt.bytes_read - before == tensors["cube"].nbytes
+
+
+def test_edge_boxes(stored):
+    ckpt, tensors = stored
+    cube = tensors["cube"]
+    for box in [(slice(None),) * 3, (slice(2, 3), slice(None), slice(None)), (slice(0, 5), slice(1, 2), slice(6, 7)),
+                (slice(-2, None), slice(None, -1), slice(3, 1)), (slice(4, 9), slice(0, 6), slice(0, 7))]:
+        np.testing.assert_array_equal(ckpt.read("cube", box), cube[box])
+
+
+@pytest.mark.parametrize("region", [(slice(0, 2),), (slice(0, 2), slice(None), slice(0, 4, 2)),
+                                    (0, slice(None), slice(None))])
+def test_a_region_that_is_not_a_box_is_refused(stored, region):
+    ckpt, _ = stored
+    with pytest.raises(ValueError, match="not one step-1 slice per axis"):
+        ckpt.read("cube", region)
+
+
+def _hook_cases(rng):
+    """(hook, stored tensor(s), parameter shape): every hook the name map uses for parameters a
+    mesh can split, and two that read whole."""
+    w = rng.standard_normal((12, 20)).astype(np.float32)
+    conv = rng.standard_normal((16, 1, 4)).astype(np.float32)
+    packed, scale = quantize_mxfp4(rng.standard_normal((8, 64)).astype(np.float32))
+    return [("copy", {"t": w}, (12, 20)),
+            ("transpose", {"t": w}, (20, 12)),
+            ("conv", {"t": conv}, (4, 16)),
+            ("conv", {"t": conv[:, 0]}, (4, 16)),
+            ("a_log_per_channel", {"t": w}, (12, 20)),
+            ("transpose_uint8", {"t": packed}, (32, 8)),
+            ("a_log_per_head", {"t": w[:1, :6].reshape(1, 1, 6, 1)}, (6,)),
+            ("mxfp4_packed", {"t": packed, "s": scale}, (64, 8))]
+
+
+def test_each_hook_reads_the_box_of_its_parameter(tmp_path):
+    rng = np.random.default_rng(3)
+    for case, (hook, tensors, shape) in enumerate(_hook_cases(rng)):
+        directory = tmp_path / str(case)
+        directory.mkdir()
+        write_safetensors(directory / "model.safetensors", tensors)
+        ckpt = SafetensorsCheckpoint(directory)
+        rule = TensorRule(path=("p",), hook=hook, partner="s" if "s" in tensors else None)
+        whole = read_param_slice(ckpt, "t", rule, shape)
+        assert whole.shape == shape
+        for _ in range(6):
+            box = _random_box(rng, shape)
+            before = ckpt.bytes_read
+            got = read_param_slice(ckpt, "t", rule, shape, box)
+            np.testing.assert_array_equal(got, whole[box], err_msg=f"{hook} {box}")
+            assert ckpt.bytes_read - before == stored_nbytes(ckpt, "t", rule, shape, box), (hook, box)
+            if HOOKS[hook].region is not None:
+                assert ckpt.bytes_read - before == whole[box].size * ckpt.info("t").dtype.itemsize
+
+
+def test_read_pieces_of_split_dimensions():
+    assert read_chunk_shape((512, 64), stacked=False, split=(0,)) == (512 // READ_PIECES, 64)
+    assert read_chunk_shape((64, 96), stacked=False, split=(1,)) == (64, 6)               # 96: 16 pieces
+    assert read_chunk_shape((64, 6), stacked=False, split=(1,)) == (64, 3)                # 6: 2 pieces
+    assert read_chunk_shape((64, 7), stacked=False, split=(1,)) == (64, 7)                # odd: whole
+    assert read_chunk_shape((64, 48), stacked=False) == (64, 48)                          # nothing split
+    assert read_chunk_shape((16, 64, 32), stacked=True, split=(0,)) == (1, 64, 32)        # one expert a file
