@@ -47,7 +47,7 @@ def resolve_dtype(dtype) -> jnp.dtype:
 class LoadReport:
     """What a load consumed: tensors used, tensors deliberately skipped (vision tower, ...), bytes read
     by this process (a Hugging Face checkpoint: tensor bytes; a converted one: file bytes as stored,
-    compressed, metadata included)."""
+    compressed, metadata included, counted by tensorstore for the whole process during the restore)."""
 
     tensors: int
     skipped: int

@@ -32,7 +32,7 @@ from flax import nnx
 from k3jax.checkpoint.integrity import NonFiniteError, array_digest, combined_digest
 from k3jax.checkpoint.name_map import mtp_embedding_name
 from k3jax.checkpoint.orbax_format import (FORMAT, PARAMS_DIR, READ_PIECES, ArrayWriter, chunk_shape, param_name,
-                                           write_manifest, write_orbax_metadata)
+                                           read_chunk_shape, write_manifest, write_orbax_metadata)
 from k3jax.checkpoint.plan import plan_tensors, progress_bar, read_param_slice, stored_nbytes, with_packed_experts
 from k3jax.checkpoint.safetensors_io import FLOAT_DTYPES, CheckpointError, SafetensorsCheckpoint, open_regular
 from k3jax.checkpoint.verify import verify_checkpoint
@@ -88,14 +88,25 @@ def _read_source(src: str) -> _Source:
     return _Source(src, config, hashlib.sha256(raw).hexdigest(), SafetensorsCheckpoint(src))
 
 
-def _identity(source: _Source, pdtype: np.dtype, tensors: int, packed_experts: bool) -> dict:
-    """What a resumed run must share with the interrupted one: format, options, and a fingerprint
-    of the source (per shard: name, size, mtime_ns and the SHA-256 of its header)."""
+def _identity(source: _Source, pdtype: np.dtype, tensors: int, packed_experts: bool, layout: dict) -> dict:
+    """What a resumed run must share with the interrupted one: format, options, the arrays' chunk
+    layout, and a fingerprint of the source (per shard: name, size, mtime_ns and the SHA-256 of its
+    header)."""
     shards = [{"file": os.path.relpath(s.file, source.path), "size": s.size, "mtime_ns": s.mtime_ns,
                "header_sha256": s.header_sha256} for s in source.ckpt.shards]
-    return {"format": FORMAT, "read_pieces": READ_PIECES, "source": os.path.abspath(source.path),
-            "dtype": str(pdtype), "tensors": tensors, "packed_experts": packed_experts,
-            "config_sha256": source.config_sha256, "shards": shards}
+    chunks = hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
+    return {"format": FORMAT, "source": os.path.abspath(source.path), "dtype": str(pdtype), "tensors": tensors,
+            "packed_experts": packed_experts, "chunks_sha256": chunks, "config_sha256": source.config_sha256,
+            "shards": shards}
+
+
+def _chunk_layout(plan, params, splits) -> dict[str, list]:
+    """Parameter name -> [file chunk shape, read chunk shape] of the array `convert` writes for it."""
+    layout = {}
+    for p, (shape, _) in params.items():
+        stacked = plan[p][0][1].expert is not None
+        layout[param_name(p)] = [list(chunk_shape(shape, stacked)), list(read_chunk_shape(shape, stacked, splits[p]))]
+    return layout
 
 
 def _param_dtype(choice: str, ckpt: SafetensorsCheckpoint):
@@ -161,13 +172,15 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     pdtype = _param_dtype(dtype, ckpt)
     params, splits = _abstract_params(cfg, pdtype)
     plan, skipped = plan_tensors(cfg, ckpt, {p: s for p, (s, _) in params.items()})
+    layout = _chunk_layout(plan, params, splits)
 
     work = WorkDir(dst)
     work.acquire()
     try:
         if os.path.lexists(dst):  # committed by the run that held the lock before us
             raise FileExistsError(f"{dst} already exists; remove it or choose another destination")
-        done = work.resume(_identity(source, pdtype, sum(len(v) for v in plan.values()), packed_experts), restart)
+        done = work.resume(_identity(source, pdtype, sum(len(v) for v in plan.values()), packed_experts, layout),
+                           restart)
     except BaseException:
         work.remove() if work.created else work.release()  # a refused resume keeps everything
         raise
@@ -245,7 +258,7 @@ def _write_metadata(work: str, source: _Source, plan, params, done: dict, own_em
                                           "sha256": combined_digest([done[n] for n, _ in entries]),
                                           "stacked": entries[0][1].expert is not None}
     write_manifest(work, {"format": FORMAT, "hf_config": source.raw_config, "mtp_own_embedding": own_embedding,
-                          "packed_experts": packed_experts,
+                          "packed_experts": packed_experts, "read_pieces": READ_PIECES,
                           "dtype": pdtype.name, "skipped_tensors": skipped, "source": os.path.abspath(source.path),
                           "params": manifest_params})
     write_orbax_metadata(os.path.join(work, PARAMS_DIR),

@@ -173,9 +173,12 @@ def local_rows(sharding, shape: tuple) -> set[int]:
 
 def local_box(sharding, shape: tuple) -> tuple[slice, ...] | None:
     """The smallest box (a slice per axis) holding every shard of `shape` this process's devices
-    hold under `sharding`; None when that is the whole array."""
+    hold under `sharding` (exactly those shards under `make_mesh`'s process-major device order);
+    None when that is the whole array."""
     indices = [tuple(i.indices(n)[:2] for i, n in zip(index, shape))
                for index in sharding.addressable_devices_indices_map(shape).values()]
+    if not indices:   # a mesh without this process's devices: nothing to read
+        return tuple(slice(0, 0) for _ in shape)
     box = tuple((min(ix[a][0] for ix in indices), max(ix[a][1] for ix in indices)) for a in range(len(shape)))
     return None if box == tuple((0, n) for n in shape) else tuple(slice(*b) for b in box)
 
@@ -220,6 +223,9 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: boo
     manifest = read_manifest(path)
     cfg = from_hf_config(manifest["hf_config"]).with_impls(**impls)
     cfg = cfg.replace(mtp_own_embedding=bool(manifest.get("mtp_own_embedding", False)))
+    if mesh is not None and jax.process_count() > 1 and "read_pieces" not in manifest:
+        logger.warning("%s was converted before arrays were stored in read pieces: every process reads whole "
+                       "tensor-parallel arrays (convert it again to read only each process's share)", path)
     if manifest.get("packed_experts", False):   # what the checkpoint holds: MXFP4 experts, kept packed
         cfg = with_packed_experts(cfg, path)
     if a_log_policy is not None and cfg.kda is not None and a_log_policy != cfg.kda.a_log_policy:

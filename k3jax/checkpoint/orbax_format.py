@@ -218,7 +218,8 @@ def array_error(path, error: BaseException, names) -> CheckpointError:
 
 def file_bytes_read() -> int:
     """Bytes tensorstore's file driver has read in this process so far (its own metric: array
-    metadata, chunk indices and chunks, as stored)."""
+    metadata, chunk indices and chunks, as stored; every thread's reads, so a difference around
+    one restore also counts any other tensorstore file reads running at the same time)."""
     found = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
     return sum(v["value"] for metric in found for v in metric["values"])
 

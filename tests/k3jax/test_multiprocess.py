@@ -4,6 +4,7 @@ only what its devices hold."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from checkpoints import snap_experts_to_mxfp4
 from flax import nnx
 from tolerances import assert_close
 
@@ -121,40 +123,51 @@ def _expected_converted_reads(path: Path, cfg, mesh: MeshSpec, process: int) -> 
     return total, indices
 
 
+def _ids(cfg) -> np.ndarray:
+    return np.random.default_rng(0).integers(3, min(512, cfg.vocab_size), (4, 10))   # as the worker draws them
+
+
 def test_each_process_reads_only_what_it_holds(tmp_path):
-    """A Hugging Face checkpoint and its conversion, each loaded over two processes (2 devices each)
-    onto expert=4 and tensor=4: every process reads only the experts its devices hold and, of a
-    parameter split over tensor, only its half; the converted checkpoint's inner chunks likewise.
-    The bytes each process read equal the sums above: the loader's count of tensor bytes exactly,
-    tensorstore's own count of file bytes up to indices fetched twice. Each load's logits equal a
-    one-process load."""
-    cfg = k3jax.tiny_kimi_linear(num_experts=16)
-    model = k3jax.CausalLM.random(cfg, seed=21)
-    save_checkpoint(model, tmp_path / "hf", shards=2)
-    convert(tmp_path / "hf", tmp_path / "cv", dtype="float32")
+    """Checkpoints of both families (Kimi-Linear in fp32; K3 with MXFP4 experts, kept packed) and
+    their conversions, each loaded over two processes (2 devices each) onto expert=4 and tensor=4:
+    every process reads only the experts its devices hold and, of a parameter split over tensor,
+    only its half; the converted checkpoints' inner chunks likewise. The bytes each process read
+    equal the sums above: the loader's count of tensor bytes exactly, tensorstore's own count of
+    file bytes up to indices fetched twice. Each load's logits equal a one-process load."""
+    k3 = dataclasses.replace(k3jax.tiny_k3(num_layers=4, attn_res_block_size=2), quantization="mxfp4")
+    models = {"kl": k3jax.CausalLM.random(k3jax.tiny_kimi_linear(num_experts=16), seed=21),
+              "k3": snap_experts_to_mxfp4(k3jax.CausalLM.random(k3, seed=5))}
     meshes = {"expert": MeshSpec(expert=4), "tensor": MeshSpec(tensor=4)}
-    jobs = [f"{kind}_{m}={tmp_path / kind}@{m}=4" for kind in ("hf", "cv") for m in meshes]
+    jobs = []
+    for name, model in models.items():
+        save_checkpoint(model, tmp_path / f"{name}_hf", shards=2)
+        convert(tmp_path / f"{name}_hf", tmp_path / f"{name}_cv", dtype="float32")
+        packed = "@packed" if name == "k3" else ""
+        jobs += [f"{name}_{kind}_{m}={tmp_path / f'{name}_{kind}'}@{m}=4{packed}"
+                 for kind in ("hf", "cv") for m in meshes]
     run_two(WORKERS / "multiprocess_load_worker.py", str(tmp_path), *jobs)
     read = lambda label, i: json.loads((tmp_path / f"read_{label}_{i}.json").read_text())["bytes_read"]
 
-    ckpt = SafetensorsCheckpoint(tmp_path / "hf")
+    ckpt = SafetensorsCheckpoint(tmp_path / "kl_hf")
     expert = sum(ckpt.info(n).nbytes for n in ckpt.names() if ".experts." in n)
     total = sum(ckpt.info(n).nbytes for n in ckpt.names())
     assert expert > total / 2                                   # experts: most of the bytes, as in real models
-    assert read("hf_expert", 0) == read("hf_expert", 1) == total - expert / 2
-    for m, spec in meshes.items():
+    assert read("kl_hf_expert", 0) == read("kl_hf_expert", 1) == total - expert / 2
+    for name in models:
+        single = k3jax.load(tmp_path / f"{name}_hf", dtype="float32", packed_experts=name == "k3")
+        cfg, ckpt = single.config, SafetensorsCheckpoint(tmp_path / f"{name}_hf")
+        total = sum(ckpt.info(n).nbytes for n in ckpt.names())
+        assert single.load_report.bytes_read == total
+        for m, spec in meshes.items():
+            for i in range(2):
+                assert read(f"{name}_hf_{m}", i) == _expected_hf_reads(ckpt, cfg, spec, i), (name, m, i)
+                want, indices = _expected_converted_reads(tmp_path / f"{name}_cv", cfg, spec, i)
+                assert want <= read(f"{name}_cv_{m}", i) <= want + indices, (name, m, i, want, indices)
+        # tensor-parallel halves are a real share of the bytes, in both formats
+        whole, _ = _expected_converted_reads(tmp_path / f"{name}_cv", cfg, MeshSpec(data=4), 0)   # every byte
         for i in range(2):
-            assert read(f"hf_{m}", i) == _expected_hf_reads(ckpt, cfg, spec, i), (m, i)
-            want, indices = _expected_converted_reads(tmp_path / "cv", cfg, spec, i)
-            assert want <= read(f"cv_{m}", i) <= want + indices, (m, i, want, indices)
-    # tensor-parallel halves are a real share of the bytes, in both formats
-    whole, _ = _expected_converted_reads(tmp_path / "cv", cfg, MeshSpec(data=4), 0)   # every byte of every array
-    for i in range(2):
-        assert read("hf_tensor", i) < 0.9 * total and read("cv_tensor", i) < 0.9 * whole, (i, total, whole)
-
-    single = k3jax.load(tmp_path / "hf", dtype="float32")
-    assert single.load_report.bytes_read == total
-    ids = np.random.default_rng(0).integers(3, 512, (4, 10))
-    want = single.logits(ids)
-    for label in (f"{kind}_{m}" for kind in ("hf", "cv") for m in meshes):
-        assert_close(f"two-process load {label} vs one", np.load(tmp_path / f"logits_{label}.npy"), want)
+            assert read(f"{name}_hf_tensor", i) < 0.9 * total, (name, i, total)
+            assert read(f"{name}_cv_tensor", i) < 0.9 * whole, (name, i, whole)
+        want = single.logits(_ids(cfg))
+        for label in (f"{name}_{kind}_{m}" for kind in ("hf", "cv") for m in meshes):
+            assert_close(f"two-process load {label} vs one", np.load(tmp_path / f"logits_{label}.npy"), want)

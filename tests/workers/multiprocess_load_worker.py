@@ -1,10 +1,12 @@
 """One process of the two-process loading tests: 2 CPU devices each, 4 in all.
 
-    python tests/workers/multiprocess_load_worker.py PROCESS_ID PORT OUT_DIR LABEL=CHECKPOINT@MESH ...
+    python tests/workers/multiprocess_load_worker.py PROCESS_ID PORT OUT_DIR \
+        LABEL=CHECKPOINT@MESH[@packed] ...
 
-Loads each checkpoint (Hugging Face or converted) onto its mesh ('expert=4', 'tensor=4', ...) in
-turn and writes, under OUT_DIR, the bytes this process read for it (`read_LABEL_PROCESS.json`) and,
-from process 0, the logits of a fixed batch (`logits_LABEL.npy`).
+Loads each checkpoint (Hugging Face or converted; `@packed`: MXFP4 experts kept packed) onto its
+mesh ('expert=4', 'tensor=4', ...) in turn and writes, under OUT_DIR, the bytes this process read
+for it (`read_LABEL_PROCESS.json`) and, from process 0, the logits of a fixed batch
+(`logits_LABEL.npy`).
 """
 
 import json
@@ -25,11 +27,11 @@ from jax.experimental import multihost_utils  # noqa: E402
 import k3jax  # noqa: E402
 from k3jax.sharding import MeshSpec, make_mesh  # noqa: E402
 
-ids = np.random.default_rng(0).integers(3, 512, (4, 10))
 for job in jobs:
     label, rest = job.split("=", 1)
-    checkpoint, mesh = rest.rsplit("@", 1)
-    model = k3jax.load(checkpoint, mesh=make_mesh(MeshSpec.parse(mesh)), dtype="float32")
+    checkpoint, mesh, *packed = rest.rsplit("@", 2) if rest.endswith("@packed") else rest.rsplit("@", 1)
+    model = k3jax.load(checkpoint, mesh=make_mesh(MeshSpec.parse(mesh)), dtype="float32", packed_experts=bool(packed))
+    ids = np.random.default_rng(0).integers(3, min(512, model.config.vocab_size), (4, 10))
     with open(os.path.join(out_dir, f"read_{label}_{process_id}.json"), "w") as f:
         json.dump({"bytes_read": model.load_report.bytes_read, "tensors": model.load_report.tensors}, f)
     logits = multihost_utils.process_allgather(model.logits(ids), tiled=True)

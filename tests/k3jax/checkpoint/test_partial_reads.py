@@ -4,6 +4,8 @@ the dimensions a mesh can split in read pieces. Checked against reading everythi
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -110,3 +112,24 @@ def test_read_pieces_of_split_dimensions():
     assert read_chunk_shape((64, 7), stacked=False, split=(1,)) == (64, 7)                # odd: whole
     assert read_chunk_shape((64, 48), stacked=False) == (64, 48)                          # nothing split
     assert read_chunk_shape((16, 64, 32), stacked=True, split=(0,)) == (1, 64, 32)        # one expert a file
+
+
+def test_one_read_per_contiguous_run_and_short_reads_are_continued(stored, monkeypatch):
+    """A box cut on the last axis is one read per row of it, one cut only on the first axis is one
+    read; reads the kernel returns short (over 2 GB on Linux) are continued."""
+    ckpt, tensors = stored
+    calls = []
+    real = os.preadv
+
+    def short_preadv(fd, buffers, offset):
+        (view,) = buffers
+        calls.append(len(view))
+        return real(fd, [view[:100]], offset)     # at most 100 bytes a call
+
+    monkeypatch.setattr(os, "preadv", short_preadv)
+    box = (slice(1, 4), slice(2, 5), slice(3, 7))    # 3 x 3 runs of 4 values
+    np.testing.assert_array_equal(ckpt.read("cube", box), tensors["cube"][box])
+    assert len(calls) == 9
+    calls.clear()
+    np.testing.assert_array_equal(ckpt.read("cube", (slice(1, 4), slice(None), slice(None))), tensors["cube"][1:4])
+    assert calls[0] == 3 * 6 * 7 * 4 and len(calls) == -(-3 * 6 * 7 * 4 // 100)   # one run, continued
