@@ -50,6 +50,9 @@ COPIED_FILES = ("config.json", "generation_config.json", "tiktoken.model", "toke
 
 @dataclass
 class ConvertReport:
+    """tensors written in all (resumed ones included), source tensors skipped, bytes read from the
+    source by this run (a resumed run reads only what was left), its seconds, tensors reused."""
+
     tensors: int
     skipped: int
     bytes_read: int
@@ -187,7 +190,7 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     resumed = len(done)
     start = time.perf_counter()
     try:
-        total = _convert_tensors(ckpt, plan, params, splits, work, done, workers, progress)
+        read = _convert_tensors(ckpt, plan, params, splits, work, done, workers, progress)
         _write_metadata(work.path, source, plan, params, done, own_embedding, pdtype, skipped, packed_experts)
     except NonFiniteError:  # the source cannot be converted: nothing is kept
         work.remove()
@@ -205,20 +208,22 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
             work.release()
             raise
     work.commit()
-    logger.info("converted %s -> %s: %d tensors (%.1f MB), %d reused from an interrupted run", src, dst, len(done),
-                total / 1e6, resumed)
-    return ConvertReport(tensors=len(done), skipped=skipped, bytes_read=total,
+    logger.info("converted %s -> %s: %d tensors (%.1f MB read), %d reused from an interrupted run", src, dst,
+                len(done), read / 1e6, resumed)
+    return ConvertReport(tensors=len(done), skipped=skipped, bytes_read=read,
                          seconds=time.perf_counter() - start, resumed=resumed)
 
 
 def _convert_tensors(ckpt, plan, params, splits, work: WorkDir, done: dict, workers: int, progress) -> int:
-    """Reads, checks, transforms and writes every tensor `done` lacks; journals each. Returns the bytes read."""
+    """Reads, checks, transforms and writes every tensor `done` lacks; journals each. Returns the
+    bytes this call read from the source."""
     journal = work.journal()
     lock = threading.Lock()
     writers = {p: ArrayWriter(os.path.join(work.path, PARAMS_DIR), p, shape, dt,
                               stacked=plan[p][0][1].expert is not None, split=splits[p])
                for p, (shape, dt) in params.items()}
     tasks = [(p, name, rule) for p in params for name, rule in plan[p] if name not in done]
+    before = ckpt.bytes_read
     nbytes = lambda name, rule: stored_nbytes(ckpt, name, rule)
     total = sum(nbytes(n, r) for p in params for n, r in plan[p])
     bar = progress_bar(total, "converting", progress)
@@ -245,7 +250,7 @@ def _convert_tensors(ckpt, plan, params, splits, work: WorkDir, done: dict, work
     finally:
         journal.close()
         bar.close()
-    return total
+    return ckpt.bytes_read - before
 
 
 def _write_metadata(work: str, source: _Source, plan, params, done: dict, own_embedding: bool, pdtype,

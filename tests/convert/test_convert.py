@@ -32,6 +32,7 @@ def test_kimi_linear_converted_equals_direct_load(oracle_dir, tmp_path, dtype):
     src = oracle_dir / "hf" / "kl_mla_first"
     report = convert(src, tmp_path / "out", dtype=dtype, verify=True)
     assert report.tensors == len(SafetensorsCheckpoint(src).names()) and report.skipped == 0
+    assert report.bytes_read == SafetensorsCheckpoint(src).total_bytes
     ids = np.load(src / "reference.npz")["input_ids"]
     direct, converted = k3jax.load(src, dtype=dtype), k3jax.load(tmp_path / "out", dtype=dtype)
     np.testing.assert_array_equal(np.asarray(converted.logits(ids)), np.asarray(direct.logits(ids)))

@@ -21,7 +21,7 @@ import k3jax
 from k3jax.checkpoint import convert as convert_module
 from k3jax.checkpoint.convert import convert, main
 from k3jax.checkpoint.orbax_format import MANIFEST
-from k3jax.checkpoint.safetensors_io import CheckpointError
+from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from k3jax.checkpoint.verify import verify_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,6 +133,8 @@ def test_resume_of_the_same_source_and_options_reuses_the_work(src, tmp_path, mo
     _interrupted_conversion(monkeypatch, src, dst, after=20, dtype="float32", workers=2)
     report = convert(src, dst, dtype="float32")
     assert report.resumed >= 20 and not _partial(dst).exists()
+    ckpt = SafetensorsCheckpoint(src)
+    assert 0 < report.bytes_read < ckpt.total_bytes   # only what the interrupted run left
     verify_checkpoint(dst, src)
 
 
