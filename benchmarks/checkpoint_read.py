@@ -68,7 +68,8 @@ def stored_shapes(cfg) -> dict[str, tuple]:
 
 def write_source(path: str, cfg, seed: int = 0) -> int:
     """Writes `cfg` as a sharded bf16 safetensors checkpoint of random weights; returns its bytes.
-    Tensors are slices of one random pool at random offsets: cheap to make, incompressible."""
+    Tensors are slices of one random pool at random offsets (or the pool repeated, for a tensor
+    larger than it): cheap to make, incompressible."""
     rng = np.random.default_rng(seed)
     pool = (0.02 * rng.standard_normal(1 << 25, dtype=np.float32)).astype(ml_dtypes.bfloat16)
     os.makedirs(path)
@@ -84,8 +85,11 @@ def write_source(path: str, cfg, seed: int = 0) -> int:
 
     for name, shape in stored_shapes(cfg).items():
         n = int(np.prod(shape))
-        start = int(rng.integers(0, pool.size - n + 1))
-        shard[name] = pool[start:start + n].reshape(shape)
+        if n <= pool.size:
+            start = int(rng.integers(0, pool.size - n + 1))
+            shard[name] = pool[start:start + n].reshape(shape)
+        else:   # larger than the pool (a real vocabulary's embedding): the pool repeated
+            shard[name] = np.resize(pool, n).reshape(shape)
         total += n * 2
         if sum(t.nbytes for t in shard.values()) >= SHARD_BYTES:
             flush()

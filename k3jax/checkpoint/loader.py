@@ -184,10 +184,10 @@ def local_box(sharding, shape: tuple) -> tuple[slice, ...] | None:
 
 
 def place_box(value: np.ndarray, box: tuple[slice, ...] | None, shape: tuple, sharding) -> jax.Array:
-    """The global array of `shape` in `sharding` from `value`, this process's `box` of it (None: all)."""
-    if box is None:
-        return jax.device_put(value, sharding)
-    starts = [b.start for b in box]
+    """The global array of `shape` in `sharding` from `value`, this process's `box` of it (None: all).
+    Each local device takes its shard from `value`: over two processes `jax.device_put` of whole
+    replicated arrays made a 3.3 GB load take 37 s instead of 7 s (benchmarks/multiprocess_read.py)."""
+    starts = [0] * len(shape) if box is None else [b.start for b in box]
 
     def shard(index):
         return value[tuple(slice(i.indices(n)[0] - s, i.indices(n)[1] - s) for i, n, s in zip(index, shape, starts))]
