@@ -17,9 +17,11 @@
     python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
+    python benchmarks/plot.py load-processes  # two-process loads: bytes and seconds per process, per mesh (CPU)
     python benchmarks/plot.py all
 
-Inputs are the JSON records under benchmarks/results/h200/; the PNGs are written beside RESULTS.md.
+Inputs are the JSON records under benchmarks/results/h200/ (results/cpu/ for load-processes); the PNGs are
+written beside RESULTS.md.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import matplotlib.ticker  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 H200 = os.path.join(HERE, "results", "h200")
+CPU = os.path.join(HERE, "results", "cpu")
 
 
 def _save(fig, path: str) -> str:
@@ -549,13 +552,36 @@ def plot_server_load(path: str, record: dict | None = None) -> str:
     return _save(fig, path)
 
 
+def plot_load_processes(out: str) -> str:
+    """benchmarks/multiprocess_read.py: per format, each mesh's share of the checkpoint one process read
+    (left) and its load time (right), process 0 (both processes read the same amount here)."""
+    with open(os.path.join(CPU, "multiprocess_read.json")) as f:
+        rows = json.load(f)["rows"]
+    meshes = list(dict.fromkeys(r["mesh"] for r in rows))
+    formats = list(dict.fromkeys(r["format"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    width = 0.8 / len(formats)
+    for ax, key, label in ((axes[0], "share_p0", "share of the checkpoint read by a process"),
+                           (axes[1], "seconds_p0", "load time of a process (s)")):
+        for i, fmt in enumerate(formats):
+            values = [next(r[key] for r in rows if r["format"] == fmt and r["mesh"] == m) for m in meshes]
+            ax.bar([j + i * width for j in range(len(meshes))], values, width, label=fmt)
+        ax.set_xticks([j + width * (len(formats) - 1) / 2 for j in range(len(meshes))], meshes)
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_ylim(0, 1.05)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Kimi-Linear-48B's first 4 layers, 32 experts, bf16: two processes, one CPU device each", fontsize=10)
+    return _save(fig, os.path.join(out, "load_processes.png"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
-                                      "mla-merge", "mxfp4",
+                                      "mla-merge", "mxfp4", "load-processes",
                                       "server", "all"])
     ap.add_argument("--out", default=HERE)
     args = ap.parse_args(argv)
@@ -566,7 +592,7 @@ def main(argv=None) -> int:
                      ("kda-tile-solve", plot_kda_tile_solve),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
-                     ("mxfp4", plot_mxfp4)):
+                     ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
         if args.which in (name, "all"):
             print("wrote", fn(args.out))
     if args.which == "server" or (args.which == "all" and os.path.exists(os.path.join(H200, SERVER_LOAD))):
