@@ -65,7 +65,8 @@ def two_process_load(checkpoint: str, mesh: str, tmp: str) -> list[dict]:
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     logs = [p.communicate(timeout=1800)[0] for p in procs]
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"a load process failed ({checkpoint} @ {mesh}):\n" + "\n---\n".join(log[-2000:] for log in logs))
+        tails = "\n---\n".join(log[-2000:] for log in logs)
+        raise RuntimeError(f"a load process failed ({checkpoint} @ {mesh}):\n{tails}")
     return [json.load(open(o)) for o in outs]
 
 
