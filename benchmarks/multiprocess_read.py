@@ -2,7 +2,7 @@
 it takes: both formats (Hugging Face safetensors and converted), onto data=2 (every process holds
 everything), expert=2 and tensor=2 meshes of one CPU device per process.
 
-    python benchmarks/multiprocess_read.py                  # about 3.4 GB of bf16 (CPU, a few minutes)
+    python benchmarks/multiprocess_read.py                  # about 3.3 GB of bf16 (CPU, a few minutes)
     python benchmarks/multiprocess_read.py --experts 8      # smaller
 
 The model is Kimi-Linear-48B's first four layers (3 KDA + 1 MLA, layer 0 dense) at its real widths,
@@ -63,11 +63,19 @@ def two_process_load(checkpoint: str, mesh: str, tmp: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(i), str(port), checkpoint, mesh, outs[i]],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = [p.communicate(timeout=1800)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=1800)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     if any(p.returncode for p in procs):
         tails = "\n---\n".join(log[-2000:] for log in logs)
         raise RuntimeError(f"a load process failed ({checkpoint} @ {mesh}):\n{tails}")
-    return [json.load(open(o)) for o in outs]
+    reads = []
+    for out in outs:
+        with open(out) as f:
+            reads.append(json.load(f))
+    return reads
 
 
 def config(experts: int):

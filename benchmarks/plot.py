@@ -556,7 +556,8 @@ def plot_load_processes(out: str) -> str:
     """benchmarks/multiprocess_read.py: per format, each mesh's share of the checkpoint one process read
     (left) and its load time (right), process 0 (both processes read the same amount here)."""
     with open(os.path.join(CPU, "multiprocess_read.json")) as f:
-        rows = json.load(f)["rows"]
+        record = json.load(f)
+    rows = record["rows"]
     meshes = list(dict.fromkeys(r["mesh"] for r in rows))
     formats = list(dict.fromkeys(r["format"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -571,7 +572,8 @@ def plot_load_processes(out: str) -> str:
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].set_ylim(0, 1.05)
     axes[0].legend(fontsize=8)
-    fig.suptitle("Kimi-Linear-48B's first 4 layers, 32 experts, bf16: two processes, one CPU device each", fontsize=10)
+    fig.suptitle(f"Kimi-Linear-48B's first 4 layers, {record['experts']} experts, bf16: two processes, one CPU device "
+                 "each", fontsize=10)
     return _save(fig, os.path.join(out, "load_processes.png"))
 
 

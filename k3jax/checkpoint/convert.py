@@ -31,8 +31,8 @@ from flax import nnx
 
 from k3jax.checkpoint.integrity import NonFiniteError, array_digest, combined_digest
 from k3jax.checkpoint.name_map import mtp_embedding_name
-from k3jax.checkpoint.orbax_format import (FORMAT, PARAMS_DIR, READ_PIECES, ArrayWriter, chunk_shape, param_name,
-                                           read_chunk_shape, write_manifest, write_orbax_metadata)
+from k3jax.checkpoint.orbax_format import (FORMAT, PARAMS_DIR, READ_PIECES, ArrayWriter, array_layout, chunk_shape,
+                                           param_name, write_manifest, write_orbax_metadata)
 from k3jax.checkpoint.plan import plan_tensors, progress_bar, read_param_slice, stored_nbytes, with_packed_experts
 from k3jax.checkpoint.safetensors_io import FLOAT_DTYPES, CheckpointError, SafetensorsCheckpoint, open_regular
 from k3jax.checkpoint.verify import verify_checkpoint
@@ -107,8 +107,7 @@ def _chunk_layout(plan, params, splits) -> dict[str, list]:
     """Parameter name -> [file chunk shape, read chunk shape] of the array `convert` writes for it."""
     layout = {}
     for p, (shape, _) in params.items():
-        stacked = plan[p][0][1].expert is not None
-        layout[param_name(p)] = [list(chunk_shape(shape, stacked)), list(read_chunk_shape(shape, stacked, splits[p]))]
+        layout[param_name(p)] = [list(c) for c in array_layout(shape, plan[p][0][1].expert is not None, splits[p])]
     return layout
 
 
@@ -305,6 +304,6 @@ def main(argv=None, prog: str = "convert") -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     resumed = f", {report.resumed} reused from an interrupted run" if report.resumed else ""
-    print(f"converted {report.tensors} tensors ({report.bytes_read / 1e6:.1f} MB, {report.skipped} skipped{resumed}) "
+    print(f"converted {report.tensors} tensors ({report.bytes_read / 1e6:.1f} MB read, {report.skipped} skipped{resumed}) "
           f"in {report.seconds:.1f} s ({report.mb_per_s:.0f} MB/s) -> {args.dst}" + (" (verified)" if args.verify else ""))
     return 0

@@ -71,6 +71,21 @@ def checkpoint_dtype(path: str | os.PathLike) -> str:
     return found if found in _AUTO_DTYPES else "float32"
 
 
+def _refuse_a_mesh_without_this_process(mesh) -> None:
+    """A ValueError when `mesh` holds none of this process's devices (such a process has nothing to load)."""
+    if mesh is not None and not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
+        raise ValueError(f"the mesh holds none of process {jax.process_index()}'s devices; only the processes "
+                         f"whose devices it holds load onto it")
+
+
+def _warn_of_whole_reads(path, manifest: dict, mesh) -> None:
+    """A warning when a converted checkpoint written before read pieces loads onto a mesh spanning
+    several processes (each then reads tensor-parallel arrays whole)."""
+    if mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1 and "read_pieces" not in manifest:
+        logger.warning("%s was converted before arrays were stored in read pieces: every process reads whole "
+                       "tensor-parallel arrays (convert it again to read only each process's share)", path)
+
+
 def _refuse_what_cannot_fit(cfg, dtype, mesh) -> None:
     """Before any tensor is read: a ValueError with the numbers when the weights alone exceed one
     device of the mesh (or the default device); nothing is checked where the memory is unknown."""
@@ -102,8 +117,10 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
 
     Raises CheckpointError (one line naming the file, tensor or parameter) for anything the
     checkpoint holds that does not match the config, cannot be read, fails a checksum, or is not
-    finite; ConfigError for a bad config.
+    finite; ConfigError for a bad config; ValueError for a mesh whose weights cannot fit its devices
+    or that holds none of this process's devices.
     """
+    _refuse_a_mesh_without_this_process(mesh)
     auto = isinstance(dtype, str) and dtype == "auto"
     dt = None if auto else resolve_dtype(dtype)
     if is_k3jax_checkpoint(path):
@@ -173,20 +190,19 @@ def local_rows(sharding, shape: tuple) -> set[int]:
 
 def local_box(sharding, shape: tuple) -> tuple[slice, ...] | None:
     """The smallest box (a slice per axis) holding every shard of `shape` this process's devices
-    hold under `sharding` (exactly those shards under `make_mesh`'s process-major device order);
-    None when that is the whole array."""
+    hold under `sharding` (typically exactly those shards: with `make_mesh`'s process-major device
+    order, when a process's devices fill the mesh's trailing axes); None when that is the whole array."""
     indices = [tuple(i.indices(n)[:2] for i, n in zip(index, shape))
                for index in sharding.addressable_devices_indices_map(shape).values()]
-    if not indices:   # a mesh without this process's devices: nothing to read
-        return tuple(slice(0, 0) for _ in shape)
     box = tuple((min(ix[a][0] for ix in indices), max(ix[a][1] for ix in indices)) for a in range(len(shape)))
     return None if box == tuple((0, n) for n in shape) else tuple(slice(*b) for b in box)
 
 
 def place_box(value: np.ndarray, box: tuple[slice, ...] | None, shape: tuple, sharding) -> jax.Array:
     """The global array of `shape` in `sharding` from `value`, this process's `box` of it (None: all).
-    Each local device takes its shard from `value`: over two processes `jax.device_put` of whole
-    replicated arrays made a 3.3 GB load take 37 s instead of 7 s (benchmarks/multiprocess_read.py)."""
+    Each local device takes its shard from `value`. (`jax.device_put` of a host array onto a sharding
+    spanning several processes first asserts that every process holds the same value, gathering it
+    across processes: a 3.3 GB load over two took 37 s instead of 8 s, benchmarks/RESULTS.md.)"""
     starts = [0] * len(shape) if box is None else [b.start for b in box]
 
     def shard(index):
@@ -223,9 +239,7 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: boo
     manifest = read_manifest(path)
     cfg = from_hf_config(manifest["hf_config"]).with_impls(**impls)
     cfg = cfg.replace(mtp_own_embedding=bool(manifest.get("mtp_own_embedding", False)))
-    if mesh is not None and jax.process_count() > 1 and "read_pieces" not in manifest:
-        logger.warning("%s was converted before arrays were stored in read pieces: every process reads whole "
-                       "tensor-parallel arrays (convert it again to read only each process's share)", path)
+    _warn_of_whole_reads(path, manifest, mesh)
     if manifest.get("packed_experts", False):   # what the checkpoint holds: MXFP4 experts, kept packed
         cfg = with_packed_experts(cfg, path)
     if a_log_policy is not None and cfg.kda is not None and a_log_policy != cfg.kda.a_log_policy:

@@ -85,6 +85,11 @@ def read_chunk_shape(shape: tuple, stacked: bool, split: tuple[int, ...] = ()) -
     return tuple(inner)
 
 
+def array_layout(shape: tuple, stacked: bool, split: tuple[int, ...] = ()) -> tuple[tuple, tuple]:
+    """(file chunk shape, read chunk shape) of the array `ArrayWriter` writes for a parameter."""
+    return chunk_shape(shape, stacked), read_chunk_shape(shape, stacked, split)
+
+
 class ArrayWriter:
     """Creates (or reopens, when resuming) one parameter's zarr3 array and writes slices of it.
     split: the dimensions a mesh can split (k3jax.sharding.split_dims), stored as read pieces."""
@@ -93,8 +98,7 @@ class ArrayWriter:
                  split: tuple[int, ...] = ()):
         self.name = param_name(path)
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.chunk = chunk_shape(shape, stacked)
-        inner = read_chunk_shape(shape, stacked, split)
+        self.chunk, inner = array_layout(self.shape, stacked, split)
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(params_dir, self.name)},
                 "metadata": _zarr_metadata(self.shape, self.dtype, self.chunk, inner),
                 "store_data_equal_to_fill_value": True}  # as Orbax writes: every chunk exists on disk

@@ -58,6 +58,8 @@ def _differences(old: dict, new: dict) -> str:
             changed += sorted(str(f) for f in set(before) | set(after) if before.get(f) != after.get(f))
         elif key == "config_sha256":
             changed.append("config.json")
+        elif key == "chunks_sha256":
+            parts.append("the arrays' chunk layout differs (written by another k3jax version)")
         else:
             parts.append(f"{key} was {old.get(key)!r}, now {new.get(key)!r}")
     return "; ".join(([f"source changed since: {', '.join(changed)}"] if changed else []) + parts)

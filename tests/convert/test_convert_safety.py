@@ -19,6 +19,7 @@ from checkpoints import big_kimi_linear_checkpoint, chunk_files, flip_byte, rewr
 
 import k3jax
 from k3jax.checkpoint import convert as convert_module
+from k3jax.checkpoint import orbax_format
 from k3jax.checkpoint.convert import convert, main
 from k3jax.checkpoint.orbax_format import MANIFEST
 from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
@@ -131,10 +132,25 @@ def test_resume_refuses_other_options_and_a_changed_source_then_restart_starts_o
 def test_resume_of_the_same_source_and_options_reuses_the_work(src, tmp_path, monkeypatch):
     dst = tmp_path / "dst"
     _interrupted_conversion(monkeypatch, src, dst, after=20, dtype="float32", workers=2)
+    journal = (_partial(dst) / "progress.jsonl").read_text().splitlines()
+    journalled = [json.loads(line).get("tensor") for line in journal]
     report = convert(src, dst, dtype="float32")
     assert report.resumed >= 20 and not _partial(dst).exists()
-    ckpt = SafetensorsCheckpoint(src)
-    assert 0 < report.bytes_read < ckpt.total_bytes   # only what the interrupted run left
+    ckpt = SafetensorsCheckpoint(src)   # only what the interrupted run left is read
+    assert report.bytes_read == ckpt.total_bytes - sum(ckpt.info(n).nbytes for n in journalled if n)
+    verify_checkpoint(dst, src)
+
+
+def test_resume_refuses_another_chunk_layout(src, tmp_path, capsys, monkeypatch):
+    """A conversion interrupted under one array layout (read pieces) is not resumed under another."""
+    dst = tmp_path / "dst"
+    _interrupted_conversion(monkeypatch, src, dst, after=20, dtype="float32")
+    monkeypatch.setattr(orbax_format, "READ_PIECES", 4)
+    code, err = _run(capsys, src, dst, "--dtype", "float32")
+    assert code == 1 and "chunk layout differs" in err and "--restart" in err
+    monkeypatch.undo()
+    report = convert(src, dst, dtype="float32")
+    assert report.resumed >= 20
     verify_checkpoint(dst, src)
 
 

@@ -1,21 +1,30 @@
 """Reading a box of a stored tensor: the safetensors reader fetches only the box's bytes, each
 transform maps a parameter box to the stored box it comes from, and converted checkpoints store
-the dimensions a mesh can split in read pieces. Checked against reading everything and cutting."""
+the dimensions a mesh can split in read pieces. Checked against reading everything and cutting.
+Also what a load over several processes checks first (the two-process loads themselves are in
+tests/k3jax/test_multiprocess.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
+from types import SimpleNamespace
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
+import k3jax
+from k3jax.checkpoint import loader
+from k3jax.checkpoint.convert import convert
 from k3jax.checkpoint.mxfp4 import quantize_mxfp4
 from k3jax.checkpoint.name_map import TensorRule
-from k3jax.checkpoint.orbax_format import READ_PIECES, read_chunk_shape
+from k3jax.checkpoint.orbax_format import READ_PIECES, read_chunk_shape, read_manifest
 from k3jax.checkpoint.plan import read_param_slice, stored_nbytes
 from k3jax.checkpoint.safetensors_io import SafetensorsCheckpoint, write_safetensors
 from k3jax.checkpoint.transforms import HOOKS
+from k3jax.sharding import MeshSpec, make_mesh
 
 
 def _random_box(rng, shape) -> tuple[slice, ...]:
@@ -133,3 +142,31 @@ def test_one_read_per_contiguous_run_and_short_reads_are_continued(stored, monke
     calls.clear()
     np.testing.assert_array_equal(ckpt.read("cube", (slice(1, 4), slice(None), slice(None))), tensors["cube"][1:4])
     assert calls[0] == 3 * 6 * 7 * 4 and len(calls) == -(-3 * 6 * 7 * 4 // 100)   # one run, continued
+
+
+@pytest.fixture
+def converted(oracle_dir, tmp_path):
+    convert(oracle_dir / "hf" / "kl_alt", tmp_path / "cv", dtype="float32")
+    return tmp_path / "cv"
+
+
+def test_a_conversion_without_read_pieces_warns_when_a_mesh_spans_processes(converted, caplog):
+    manifest = read_manifest(converted)
+    assert manifest["read_pieces"] == READ_PIECES
+    two_processes = SimpleNamespace(devices=np.array([SimpleNamespace(process_index=i) for i in (0, 1)]))
+    one_process = make_mesh(MeshSpec(tensor=2), jax.devices()[:2])
+    old = {k: v for k, v in manifest.items() if k != "read_pieces"}      # as an older k3jax wrote it
+    with caplog.at_level(logging.WARNING, logger="k3jax.checkpoint.loader"):
+        for m, mesh in ((manifest, two_processes), (old, one_process), (old, None)):
+            loader._warn_of_whole_reads(converted, m, mesh)
+        assert not caplog.records
+        loader._warn_of_whole_reads(converted, old, two_processes)
+    assert any("before arrays were stored in read pieces" in r.getMessage() for r in caplog.records)
+
+
+def test_a_mesh_without_this_process_is_refused(converted, oracle_dir, monkeypatch):
+    mesh = make_mesh(MeshSpec(tensor=2), jax.devices()[:2])   # process 0's devices
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    for path in (converted, oracle_dir / "hf" / "kl_alt"):
+        with pytest.raises(ValueError, match="the mesh holds none of process 1's devices"):
+            k3jax.load(path, mesh=mesh)
