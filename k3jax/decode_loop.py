@@ -240,16 +240,17 @@ class HostCarry:
     step: int
     tokens: np.ndarray | None
 
-    def tokens_of(self, carry) -> np.ndarray:
+    def tokens_of(self, carry, placement) -> np.ndarray:
         """The token buffer [B, N]: the view's copy, or read from `carry.tokens` (kept for later calls)."""
         if self.tokens is None:
-            self.tokens = np.asarray(jax.device_get(carry.tokens))
+            self.tokens = placement.to_host(carry.tokens)
         return self.tokens
 
 
-def read_host_view(view) -> HostCarry:
-    """One transfer of `host_view`'s array -> HostCarry."""
-    v = np.array(view)
+def read_host_view(view, placement) -> HostCarry:
+    """One transfer of `host_view`'s array -> HostCarry (gathered from every process whose devices
+    hold rows of it: `Placement.to_host`)."""
+    v = np.array(placement.to_host(view))
     return HostCarry(count=v[:, 0], finish=v[:, 1], done=v[:, 2].astype(bool), step=int(v[0, 3]),
                      tokens=v[:, 4:] if v.shape[1] > 4 else None)
 

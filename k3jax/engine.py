@@ -32,7 +32,7 @@ from k3jax.errors import ConfigError, require_positive
 from k3jax.generate import PROMPT_BUCKETS
 from k3jax.outputs import CompletionOutput, GenerationResult
 from k3jax.requests import (Row, check_sampling, completion_output, default_sampling, encode_prompt, expand_rows,
-                            match_stop, sampler_values, stop_id_matrix)
+                            match_stop, sampler_values, stop_id_matrix, with_agreed_seeds)
 from k3jax.sampling import MAX_LOGPROBS, SamplingParams
 from k3jax.stop_strings import StopMatch
 
@@ -152,7 +152,7 @@ class Engine:
         if sp.n > self.config.max_slots:
             raise ValueError(f"n={sp.n} exceeds the engine's {self.config.max_slots} slots")
         self._requests[request_id] = _Request(ids, sp)
-        self._waiting.extend(expand_rows(request_id, ids, sp))
+        self._waiting.extend(with_agreed_seeds(expand_rows(request_id, ids, sp), self.model.placement))
 
     def abort(self, request_id: str) -> GenerationResult | None:
         """Drops a request (waiting or running); returns what it had generated, or None if unknown."""
@@ -232,10 +232,10 @@ class Engine:
         filters = any(slot.row.sampling.filters for slot in self._slots if slot is not None)
         self._carry, view = self._chunk(self._param_leaves, carry, inputs, np.int32(steps), filters=filters,
                                         pad_id=self.pad_id, unroll=self._unroll, inner=self.model.config.loop_inner)
-        host = read_host_view(view)     # one transfer
-        tokens = host.tokens_of(self._carry)
+        host = read_host_view(view, self.model.placement)     # one transfer
+        tokens = host.tokens_of(self._carry, self.model.placement)
         count, finish = host.count, host.finish
-        lp = None if self._carry.logprobs is None else jax.device_get(self._carry.logprobs)
+        lp = None if self._carry.logprobs is None else self.model.placement.to_host(self._carry.logprobs)
         return self._collect(tokens, count, finish, lp)
 
     def _collect(self, tokens, count, finish, lp) -> list[EngineUpdate]:

@@ -31,7 +31,8 @@ from k3jax.memory_plan import check_generation_fits, device_capacity, mesh_spec_
 from k3jax.outputs import (CompletionOutput, GenerationOutput, GenerationResult, GenerationTimings, SpeculativeStats,
                            StreamChunk)
 from k3jax.requests import (Row, check_sampling, completion_output, default_sampling, encode_prompt, expand_rows,
-                            is_message_list, logprob_slots, match_stop, sampler_values, stop_id_matrix)
+                            is_message_list, logprob_slots, match_stop, sampler_values, stop_id_matrix,
+                            with_agreed_seeds)
 from k3jax.sampling import SamplingParams
 from k3jax.speculative import SpeculativeConfig
 from k3jax.speculative.loop import init_spec_loop, spec_decode_chunk
@@ -198,6 +199,7 @@ class Generator:
                 raise ValueError(f"prompt {i} of {len(ids)} tokens plus max_tokens {sp.max_tokens} exceeds "
                                  f"the context limit {limit}")
         rows = [row for i, (ids, sp) in enumerate(zip(encoded, params)) for row in expand_rows(i, ids, sp)]
+        rows = with_agreed_seeds(rows, self.model.placement)
         n = len(rows)
         batch = _pow2(n)
         width = _bucket(max(len(e) for e in encoded), PROMPT_BUCKETS, "prompt length")
@@ -252,20 +254,21 @@ class Generator:
 
         # Without stop strings or a stream the host has nothing to do with the first token before the
         # loop runs, so the first chunk (up to step 1's chunk limit) can start while it is read back.
+        # Not when the model spans processes: reading rows back may then be a collective, kept on this thread.
         overlap = (speculative is None and self.model.config.loop_start == "overlap" and adapter is None
-                   and not any(row_stops) and longest > FIRST_STEP)
+                   and not any(row_stops) and longest > FIRST_STEP and not self.model.placement.spans_processes)
         t0 = time.perf_counter()
         source = first_read = None
         if speculative is None:
             carry, view = self._prefill_plain(**run)
             if overlap:     # a helper thread reads the first token (and times it) while the chunk starts here
                 view.copy_to_host_async()
-                first_read = _Background(lambda: (read_host_view(view), time.perf_counter()))
-            else:
-                host = read_host_view(view)       # the time to first token ends with the first token on the host
+                first_read = _Background(lambda: (read_host_view(view, self.model.placement), time.perf_counter()))
+            else:   # the time to first token ends with the first token on the host
+                host = read_host_view(view, self.model.placement)
         else:
             carry, source = self._prefill_speculative(speculative, width=width, **run)
-            host = read_host_view(_host_view(carry))
+            host = read_host_view(_host_view(carry), self.model.placement)
         t1 = time.perf_counter()        # every row's first token is on the host (with overlap: see below)
         matches: dict[int, StopMatch] = {}
         with self.model.placement.context(), _sigint_as_flag() as interrupted:
@@ -277,7 +280,7 @@ class Generator:
                 first, t1 = first_read.result()
                 if first.step != FIRST_STEP:
                     raise RuntimeError(f"the first token's step is {first.step}, expected {FIRST_STEP}")
-                host = read_host_view(view)
+                host = read_host_view(view, self.model.placement)
             step = host.step
             done = bool(host.done.all()) or step >= longest
             if done and (any(row_stops) or adapter is not None):    # e.g. max_tokens=1: no chunk runs
@@ -290,17 +293,17 @@ class Generator:
                     carry, view = self.compiled_spec_chunk(self.model.params, carry=carry, inputs=inputs,
                                                            step_limit=np.int32(limit_step), source=source,
                                                            filters=filters)
-                host = read_host_view(view)       # one transfer per chunk
+                host = read_host_view(view, self.model.placement)       # one transfer per chunk
                 if any(row_stops) or adapter is not None:
                     carry = self._match_stops(carry, host, rows, matches, adapter)
                 step = host.step
                 done = bool(host.done.all()) or step >= longest
-        tokens = host.tokens_of(carry)
+        tokens = host.tokens_of(carry, self.model.placement)
         count, finish, row_done = host.count, host.finish, host.done
         if adapter is not None:
             adapter.update(tokens, count, row_done, matches, final=True)
         t2 = time.perf_counter()
-        logprob_arrays = None if carry.logprobs is None else jax.device_get(carry.logprobs)
+        logprob_arrays = None if carry.logprobs is None else self.model.placement.to_host(carry.logprobs)
 
         completions: list[list[CompletionOutput]] = [[] for _ in prompts]
         for r, row in enumerate(rows):
@@ -351,9 +354,8 @@ class Generator:
         carry.count.block_until_ready()
         return carry, source
 
-    @staticmethod
-    def _spec_stats(spec: SpeculativeConfig, carry, n: int) -> SpeculativeStats:
-        steps, accepted_at = jax.device_get((carry.stats.steps, carry.stats.accepted_at))
+    def _spec_stats(self, spec: SpeculativeConfig, carry, n: int) -> SpeculativeStats:
+        steps, accepted_at = self.model.placement.to_host((carry.stats.steps, carry.stats.accepted_at))
         total = int(steps[:n].sum())
         per_position = accepted_at[:n].sum(axis=0)
         return SpeculativeStats(method=spec.method, num_draft_tokens=spec.num_draft_tokens, steps=total,
@@ -364,7 +366,7 @@ class Generator:
                      adapter: StreamAdapter | None) -> LoopState:
         """Between chunks: finds stop strings in the running rows (ending those rows on the device and
         in `host`) and streams what is new."""
-        tokens, count, done = host.tokens_of(carry), host.count, host.done
+        tokens, count, done = host.tokens_of(carry, self.model.placement), host.count, host.done
         ended = []
         for r, row in enumerate(rows):
             if row.sampling.stop and r not in matches and count[r]:

@@ -4,6 +4,7 @@ sampling arrays, and the CompletionOutput of a finished row."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,6 +108,16 @@ class Row:
 def expand_rows(index, prompt_ids: list[int], sp: SamplingParams) -> list[Row]:
     """The n rows of one request (completion c seeded with seed + c, or freshly)."""
     return [Row(index, c, tuple(prompt_ids), sp, sp.row_seed(c)) for c in range(sp.n)]
+
+
+def with_agreed_seeds(rows: list[Row], placement) -> list[Row]:
+    """`rows` with the seeds drawn fresh (SamplingParams.seed None) taken from process 0 when the
+    model spans several processes, which run one program in lockstep and so must sample alike
+    (a collective then: every process adds the same rows together)."""
+    if not placement.spans_processes or all(r.sampling.seed is not None for r in rows):
+        return rows
+    seeds = placement.from_process_0(np.array([r.seed for r in rows], np.uint32))
+    return [dataclasses.replace(r, seed=int(s)) for r, s in zip(rows, seeds)]
 
 
 def sampler_values(rows: list[Row | None], vocab: int) -> SamplerInputs:

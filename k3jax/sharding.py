@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -140,6 +141,29 @@ class Placement:
     def context(self):
         """The context the model's compiled functions run under (the mesh, when there is one)."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    @property
+    def spans_processes(self) -> bool:
+        """Whether the mesh holds devices of several `jax.distributed` processes."""
+        return self.mesh is not None and len({d.process_index for d in self.mesh.devices.flat}) > 1
+
+    def from_process_0(self, values: np.ndarray) -> np.ndarray:
+        """`values` as process 0 holds them, on every process (a collective: every process of the job
+        calls it together); unchanged unless the mesh spans processes."""
+        if not self.spans_processes:
+            return values
+        return np.asarray(multihost_utils.broadcast_one_to_all(values)).astype(values.dtype)
+
+    def to_host(self, tree):
+        """numpy copies of the arrays in `tree`. An array whose rows lie on several processes' devices
+        is gathered from all of them (a collective: every process of the job calls it together)."""
+        def one(x):
+            if not isinstance(x, jax.Array) or x.is_fully_addressable:
+                return np.asarray(jax.device_get(x))
+            if x.is_fully_replicated:
+                return np.asarray(x.addressable_data(0))
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return jax.tree.map(one, tree)
 
     def put_rows(self, array) -> jax.Array:
         """A host array [B, ...] on the device(s), rows over the data axis when sharded."""

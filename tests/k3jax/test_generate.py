@@ -158,11 +158,11 @@ def test_overlapped_first_chunk_equals_serial(model, rng, monkeypatch):
         dispatched.set()
         return chunk(*args, **kwargs)
 
-    def held_read(view):
+    def held_read(view, placement):
         if threading.current_thread().name == "k3jax-first-token":
             assert dispatched.wait(60), "the first token was read before the first chunk was called"
             log.append(("first read", threading.current_thread().name))
-        return read(view)
+        return read(view, placement)
 
     overlap.compiled_chunk = spy
     monkeypatch.setattr(generate_module, "read_host_view", held_read)

@@ -55,12 +55,22 @@ def run_two(worker: Path, *args: str) -> None:
     assert all(p.returncode == 0 for p in procs), "\n---\n".join(log[-3000:] for log in logs)
 
 
-def test_two_process_sharded_forward(tmp_path):
+def test_two_process_sharded_forward_and_generate(tmp_path):
+    """Logits over two processes equal one process's; `generate` and the `Engine` run in lockstep on
+    both: greedy tokens equal one process's, and sampled completions without a seed agree across the
+    processes (each would draw its own fresh seeds; process 0's are used)."""
     out = tmp_path / "logits.npy"
     run_two(WORKER, str(out))
     ids = np.random.default_rng(0).integers(3, 512, (4, 10))
-    single = k3jax.CausalLM.random(k3jax.tiny_kimi_linear(), seed=13).logits(ids)
-    assert_close("two processes vs one", np.load(out), single)
+    model = k3jax.CausalLM.random(k3jax.tiny_kimi_linear(), seed=13)
+    assert_close("two processes vs one", np.load(out), model.logits(ids))
+    runs = [json.loads(Path(f"{out}.generate_{i}.json").read_text()) for i in range(2)]
+    greedy = k3jax.generate(model, ids[:, :6].tolist(), k3jax.SamplingParams(max_tokens=5))
+    assert runs[0]["greedy"] == runs[1]["greedy"] == [r.token_ids for r in greedy]
+    assert runs[0]["sampled"] == runs[1]["sampled"]
+    assert all(len(c) == 5 for r in runs[0]["sampled"] for c in r)
+    assert runs[0]["engine"] == runs[1]["engine"] and len(runs[0]["engine"]["sampled"]) == 6
+    assert runs[0]["engine"]["greedy"][:5] == greedy[0].token_ids
 
 
 def _process_box(axes, shape, mesh: MeshSpec, process: int) -> tuple[tuple[int, int], ...]:

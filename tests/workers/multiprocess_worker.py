@@ -1,8 +1,10 @@
-"""One process of the two-process test: 2 CPU devices each, 4 global, a sharded forward.
+"""One process of the two-process test: 2 CPU devices each, 4 global, a sharded forward and
+`k3jax.generate` (written per process).
 
     python tests/workers/multiprocess_worker.py PROCESS_ID PORT OUT_FILE
 """
 
+import json
 import os
 import sys
 
@@ -18,6 +20,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import k3jax  # noqa: E402
+from k3jax.engine import Engine, EngineConfig  # noqa: E402
 from k3jax.sharding import MeshSpec, make_mesh  # noqa: E402
 
 assert jax.process_count() == 2 and len(jax.devices()) == 4, (jax.process_count(), jax.devices())
@@ -27,5 +30,17 @@ ids = np.random.default_rng(0).integers(3, 512, (4, 10))
 logits = multihost_utils.process_allgather(model.logits(ids), tiled=True)
 if process_id == 0:
     np.save(out_file, np.asarray(logits))
+# generate in lockstep: greedy, and sampled with seeds each process would draw itself
+greedy = k3jax.generate(model, ids[:, :6].tolist(), k3jax.SamplingParams(max_tokens=5))
+sampled = k3jax.generate(model, ids[:2, :6].tolist(), k3jax.SamplingParams(max_tokens=5, temperature=1.0, n=2))
+engine = Engine(model, EngineConfig(max_slots=4, max_len=64, chunk_steps=4))
+engine.add("greedy", ids[0, :6].tolist(), k3jax.SamplingParams(max_tokens=6))
+engine.add("sampled", ids[1, :6].tolist(), k3jax.SamplingParams(max_tokens=6, temperature=1.0))
+finished = {}
+while engine.has_work():
+    finished.update({u.request_id: u.result.token_ids for u in engine.step() if u.result is not None})
+with open(f"{out_file}.generate_{process_id}.json", "w") as f:
+    json.dump({"greedy": [r.token_ids for r in greedy],
+               "sampled": [[c.token_ids for c in r.outputs] for r in sampled], "engine": finished}, f)
 multihost_utils.sync_global_devices("done")
 jax.distributed.shutdown()
