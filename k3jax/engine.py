@@ -151,8 +151,9 @@ class Engine:
                              f"max_len {self.config.max_len}")
         if sp.n > self.config.max_slots:
             raise ValueError(f"n={sp.n} exceeds the engine's {self.config.max_slots} slots")
+        rows = with_agreed_seeds(expand_rows(request_id, ids, sp), self.model.placement)
         self._requests[request_id] = _Request(ids, sp)
-        self._waiting.extend(with_agreed_seeds(expand_rows(request_id, ids, sp), self.model.placement))
+        self._waiting.extend(rows)
 
     def abort(self, request_id: str) -> GenerationResult | None:
         """Drops a request (waiting or running); returns what it had generated, or None if unknown."""

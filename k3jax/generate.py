@@ -126,7 +126,9 @@ def _spec_chunk_with_view(graphdef, params, **kwargs):
 
 class Generator:
     """Generation for one model and its tokenizer. Immutable: it holds only the compiled decode
-    chunk, so calls never share per-call state (streams, buffers) and may run from several threads."""
+    chunk, so calls never share per-call state (streams, buffers) and may run from several threads,
+    except for a model spanning several processes, whose calls every process makes in the same order
+    from one thread (README, "Sharding and expert parallelism")."""
 
     def __init__(self, model: CausalLM, tokenizer=None):
         self.model = model
@@ -228,7 +230,7 @@ class Generator:
         # Every row needs at most `limit` slots (checked above); the bucketed width is left padding.
         max_len = min(width + steps, limit)
         model = self.model
-        device = jax.devices()[0] if model.mesh is None else model.mesh.devices.flat[0]
+        device = jax.devices()[0] if model.mesh is None else model.mesh.local_devices[0]
         # Prompts are prefilled in chunks (CausalLM.prefill_into), except for drafters that read the
         # hidden state of every prompt position (MTP): one call.
         one_call = speculative is not None and speculative.method == "mtp"

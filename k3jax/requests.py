@@ -111,12 +111,17 @@ def expand_rows(index, prompt_ids: list[int], sp: SamplingParams) -> list[Row]:
 
 
 def with_agreed_seeds(rows: list[Row], placement) -> list[Row]:
-    """`rows` with the seeds drawn fresh (SamplingParams.seed None) taken from process 0 when the
-    model spans several processes, which run one program in lockstep and so must sample alike
-    (a collective then: every process adds the same rows together)."""
-    if not placement.spans_processes or all(r.sampling.seed is not None for r in rows):
+    """`rows` with the seeds drawn fresh (SamplingParams.seed None) made the same on every process
+    when the model spans several, which run one program in lockstep and so must sample alike: a
+    greedy row's seed (unused) becomes 0, a sampled row's is the first process's (a collective among
+    the mesh's processes, reached only when a fresh seed is sampled with)."""
+    fresh = [r.sampling.seed is None for r in rows]
+    if not placement.spans_processes or not any(fresh):
         return rows
-    seeds = placement.from_process_0(np.array([r.seed for r in rows], np.uint32))
+    rows = [dataclasses.replace(r, seed=0) if f and r.sampling.temperature == 0 else r for r, f in zip(rows, fresh)]
+    if not any(f and r.sampling.temperature > 0 for r, f in zip(rows, fresh)):
+        return rows
+    seeds = placement.from_first_process(np.array([r.seed for r in rows], np.uint32))
     return [dataclasses.replace(r, seed=int(s)) for r, s in zip(rows, seeds)]
 
 

@@ -147,23 +147,32 @@ class Placement:
         """Whether the mesh holds devices of several `jax.distributed` processes."""
         return self.mesh is not None and len({d.process_index for d in self.mesh.devices.flat}) > 1
 
-    def from_process_0(self, values: np.ndarray) -> np.ndarray:
-        """`values` as process 0 holds them, on every process (a collective: every process of the job
-        calls it together); unchanged unless the mesh spans processes."""
+    def from_first_process(self, values: np.ndarray) -> np.ndarray:
+        """`values` as the process holding the mesh's first device has them, on every process of the
+        mesh (a collective among those processes); unchanged unless the mesh spans processes."""
         if not self.spans_processes:
             return values
-        return np.asarray(multihost_utils.broadcast_one_to_all(values)).astype(values.dtype)
+        spread = NamedSharding(self.mesh, P(self.mesh.axis_names))    # row i on the mesh's device i
+        each = jax.make_array_from_callback((self.mesh.size,) + values.shape, spread, lambda index: values[None])
+        first = jax.jit(lambda a: a[0], out_shardings=NamedSharding(self.mesh, P()))(each)
+        return np.asarray(first.addressable_data(0)).astype(values.dtype)
 
     def to_host(self, tree):
-        """numpy copies of the arrays in `tree`. An array whose rows lie on several processes' devices
-        is gathered from all of them (a collective: every process of the job calls it together)."""
-        def one(x):
-            if not isinstance(x, jax.Array) or x.is_fully_addressable:
-                return np.asarray(jax.device_get(x))
-            if x.is_fully_replicated:
-                return np.asarray(x.addressable_data(0))
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return jax.tree.map(one, tree)
+        """Host (numpy) values of the arrays in `tree`, read-only. An array whose shards lie on several
+        processes' devices and differ is gathered from them (a collective among the mesh's processes);
+        the host copies of the others all start before any is waited for."""
+        leaves, treedef = jax.tree.flatten(tree)
+        local = [not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves]
+        fetched = iter(jax.device_get([x for x, ok in zip(leaves, local) if ok]))
+        out = []
+        for x, ok in zip(leaves, local):
+            if ok:
+                out.append(np.asarray(next(fetched)))
+            elif x.is_fully_replicated:
+                out.append(np.asarray(x.addressable_data(0)))
+            else:
+                out.append(np.asarray(multihost_utils.process_allgather(x, tiled=True)))
+        return jax.tree.unflatten(treedef, out)
 
     def put_rows(self, array) -> jax.Array:
         """A host array [B, ...] on the device(s), rows over the data axis when sharded."""

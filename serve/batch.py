@@ -412,10 +412,10 @@ class Job:
 def fetchable_outputs(engine: Engine, mesh) -> None:
     """Makes a decode chunk's outputs readable on every process of a replica that spans several.
 
-    Workaround for the engine: `Engine._decode` reads each chunk's tokens with `jax.device_get`,
-    which needs arrays whose every shard this process holds; across processes XLA may leave them
-    sharded. The engine's compiled chunk is wrapped so that its host view, tokens, counts, finish
-    codes (and log probabilities) come back replicated over the replica's mesh.
+    The engine reads arrays spread over processes by gathering them (`Placement.to_host`), one
+    collective per array. The engine's compiled chunk is wrapped here so that its host view, tokens,
+    counts, finish codes (and log probabilities) come back replicated over the replica's mesh from
+    the chunk's own program instead, and every process reads its local copy.
     """
     chunk = engine._chunk
     replicate = jax.jit(lambda *xs: xs, out_shardings=NamedSharding(mesh, P()))

@@ -67,10 +67,15 @@ def test_two_process_sharded_forward_and_generate(tmp_path):
     runs = [json.loads(Path(f"{out}.generate_{i}.json").read_text()) for i in range(2)]
     greedy = k3jax.generate(model, ids[:, :6].tolist(), k3jax.SamplingParams(max_tokens=5))
     assert runs[0]["greedy"] == runs[1]["greedy"] == [r.token_ids for r in greedy]
-    assert runs[0]["sampled"] == runs[1]["sampled"]
-    assert all(len(c) == 5 for r in runs[0]["sampled"] for c in r)
-    assert runs[0]["engine"] == runs[1]["engine"] and len(runs[0]["engine"]["sampled"]) == 6
-    assert runs[0]["engine"]["greedy"][:5] == greedy[0].token_ids
+    # the greedy call's 4 rows drew 1000..1003 on process 0 (2000.. on process 1), the sampled call's
+    # 1004..1007: as seeded explicitly here
+    seeded = [k3jax.SamplingParams(max_tokens=5, temperature=1.0, n=2, seed=1004 + 2 * i) for i in range(2)]
+    want = k3jax.generate(model, ids[:2, :6].tolist(), seeded)
+    assert runs[0]["sampled"] == runs[1]["sampled"] == [[c.token_ids for c in r.outputs] for r in want]
+    engine = runs[0]["engine"]
+    assert engine == runs[1]["engine"] and sorted(engine) == ["greedy0", "greedy2", "sampled1", "sampled3"]
+    assert engine["greedy0"][:5] == greedy[0].token_ids and engine["greedy2"][:5] == greedy[2].token_ids
+    assert all(len(t) == 6 for t in engine.values())
 
 
 def _process_box(axes, shape, mesh: MeshSpec, process: int) -> tuple[tuple[int, int], ...]:

@@ -6,6 +6,7 @@
 
 import json
 import os
+import secrets
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -30,12 +31,16 @@ ids = np.random.default_rng(0).integers(3, 512, (4, 10))
 logits = multihost_utils.process_allgather(model.logits(ids), tiled=True)
 if process_id == 0:
     np.save(out_file, np.asarray(logits))
-# generate in lockstep: greedy, and sampled with seeds each process would draw itself
+# generate in lockstep: greedy, and sampled with seeds each process draws itself (here 1000 + k on
+# process 0, 2000 + k on process 1: the first process's are used)
+fresh = iter(range(1000 * (process_id + 1), 1000 * (process_id + 2)))
+secrets.randbits = lambda bits: next(fresh)
 greedy = k3jax.generate(model, ids[:, :6].tolist(), k3jax.SamplingParams(max_tokens=5))
 sampled = k3jax.generate(model, ids[:2, :6].tolist(), k3jax.SamplingParams(max_tokens=5, temperature=1.0, n=2))
 engine = Engine(model, EngineConfig(max_slots=4, max_len=64, chunk_steps=4))
-engine.add("greedy", ids[0, :6].tolist(), k3jax.SamplingParams(max_tokens=6))
-engine.add("sampled", ids[1, :6].tolist(), k3jax.SamplingParams(max_tokens=6, temperature=1.0))
+for r in range(4):    # slots 0-3: rows on both processes' devices (data=2)
+    engine.add(f"greedy{r}" if r % 2 == 0 else f"sampled{r}", ids[r, :6].tolist(),
+               k3jax.SamplingParams(max_tokens=6, temperature=float(r % 2)))
 finished = {}
 while engine.has_work():
     finished.update({u.request_id: u.result.token_ids for u in engine.step() if u.result is not None})
