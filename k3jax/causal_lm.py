@@ -248,7 +248,7 @@ class CausalLM:
             raise ValueError(f"state holds {state.batch_size} rows but {batch} were given")
         capacity = state.capacity
         if capacity is not None:
-            used = np.asarray(state.lengths)
+            used = self.placement.to_host(state.lengths)   # gathered when rows lie on several processes
             if (used + new_tokens > capacity).any():
                 raise ValueError(f"the state's cache is full ({capacity} tokens per row); "
                                  "start from a prefill with a larger max_len")

@@ -56,14 +56,18 @@ def run_two(worker: Path, *args: str) -> None:
 
 
 def test_two_process_sharded_forward_and_generate(tmp_path):
-    """Logits over two processes equal one process's; `generate` and the `Engine` run in lockstep on
-    both: greedy tokens equal one process's, and sampled completions without a seed agree across the
-    processes (each would draw its own fresh seeds; process 0's are used)."""
+    """Logits, and a prefill then a decode step, over two processes equal one process's; `generate`
+    and the `Engine` run in lockstep on both: greedy tokens equal one process's, and sampled
+    completions without a seed agree across the processes (each would draw its own fresh seeds; the
+    first process's are used)."""
     out = tmp_path / "logits.npy"
     run_two(WORKER, str(out))
     ids = np.random.default_rng(0).integers(3, 512, (4, 10))
     model = k3jax.CausalLM.random(k3jax.tiny_kimi_linear(), seed=13)
     assert_close("two processes vs one", np.load(out), model.logits(ids))
+    _, state = model.prefill(ids[:, :9])
+    assert_close("prefill + decode step over two processes vs one", np.load(f"{out}.step.npy"),
+                 model.decode_step(state, ids[:, 9])[0])
     runs = [json.loads(Path(f"{out}.generate_{i}.json").read_text()) for i in range(2)]
     greedy = k3jax.generate(model, ids[:, :6].tolist(), k3jax.SamplingParams(max_tokens=5))
     assert runs[0]["greedy"] == runs[1]["greedy"] == [r.token_ids for r in greedy]

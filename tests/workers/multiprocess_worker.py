@@ -31,6 +31,12 @@ ids = np.random.default_rng(0).integers(3, 512, (4, 10))
 logits = multihost_utils.process_allgather(model.logits(ids), tiled=True)
 if process_id == 0:
     np.save(out_file, np.asarray(logits))
+# prefill then a decode step, the state's rows on both processes
+last, state = model.prefill(ids[:, :9])
+step, state = model.decode_step(state, ids[:, 9])
+stepped = multihost_utils.process_allgather(step, tiled=True)
+if process_id == 0:
+    np.save(f"{out_file}.step.npy", np.asarray(stepped))
 # generate in lockstep: greedy, and sampled with seeds each process draws itself (here 1000 + k on
 # process 0, 2000 + k on process 1: the first process's are used)
 fresh = iter(range(1000 * (process_id + 1), 1000 * (process_id + 2)))
