@@ -31,7 +31,7 @@ from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoi
 from k3jax.hf_config import from_hf_config, load_hf_config
 from k3jax.memory_plan import check_weights_fit, device_capacity, mesh_spec_of
 from k3jax.model import abstract_model
-from k3jax.sharding import param_shardings
+from k3jax.sharding import Placement, param_shardings
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def _refuse_a_mesh_without_this_process(mesh) -> None:
 def _warn_of_whole_reads(path, manifest: dict, mesh) -> None:
     """A warning when a converted checkpoint written before read pieces loads onto a mesh spanning
     several processes (each then reads tensor-parallel arrays whole)."""
-    if mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1 and "read_pieces" not in manifest:
+    if Placement(mesh).spans_processes and "read_pieces" not in manifest:
         logger.warning("%s was converted before arrays were stored in read pieces: every process reads whole "
                        "tensor-parallel arrays (convert it again to read only each process's share)", path)
 

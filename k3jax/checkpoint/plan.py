@@ -84,6 +84,11 @@ def with_packed_experts(cfg: ModelConfig, path) -> ModelConfig:
     return cfg.replace(moe=dataclasses.replace(cfg.moe, packed_experts=True))
 
 
+def box_shape(box: tuple[slice, ...], shape: tuple) -> tuple[int, ...]:
+    """The shape of `box` (one slice per axis) of an array of `shape`."""
+    return tuple(len(range(*b.indices(n))) for b, n in zip(box, shape))
+
+
 def read_param_slice(ckpt: SafetensorsCheckpoint, name: str, rule: TensorRule, shape: tuple,
                      box: tuple[slice, ...] | None = None) -> np.ndarray:
     """One stored tensor (or MXFP4 pair) transformed to its parameter (slice) layout, of `shape`.
@@ -93,7 +98,7 @@ def read_param_slice(ckpt: SafetensorsCheckpoint, name: str, rule: TensorRule, s
     dequantised MXFP4, which are read whole and cut)."""
     hook = HOOKS[rule.hook]
     if box is not None and hook.region is not None:
-        part = tuple(len(range(*b.indices(n))) for b, n in zip(box, shape))
+        part = box_shape(box, shape)
         return hook.apply(ckpt.read(name, hook.region(box, ckpt.info(name).shape)), part)
     if rule.hook == "mxfp4_packed":
         try:
@@ -111,7 +116,7 @@ def stored_nbytes(ckpt: SafetensorsCheckpoint, name: str, rule: TensorRule, shap
     the `box` of its parameter `shape` (read_param_slice)."""
     info = ckpt.info(name)
     if box is not None and HOOKS[rule.hook].region is not None:
-        return math.prod(len(range(*b.indices(n))) for b, n in zip(box, shape)) * info.dtype.itemsize
+        return math.prod(box_shape(box, shape)) * info.dtype.itemsize
     return info.nbytes + (ckpt.info(rule.partner).nbytes if rule.partner else 0)
 
 
