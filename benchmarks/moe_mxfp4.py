@@ -3,6 +3,8 @@
     python benchmarks/moe_mxfp4.py            # on the H200: Kimi-Linear and K3-latent expert shapes
     python benchmarks/moe_mxfp4.py --sweep    # also the packed kernels' tile settings
     python benchmarks/moe_mxfp4.py --tokamax  # also one projection against tokamax's quantized ragged_dot
+    python benchmarks/moe_mxfp4.py --hopper   # also the Mosaic GPU kernel (`moe_gmm/hopper_mxfp4.py`)
+    python benchmarks/moe_mxfp4.py --hopper-sweep   # ... over HOPPER_SWEEP's settings too
     python benchmarks/moe_mxfp4.py --small    # CPU smoke run (interpret mode)
 
 Uniform random top-k routing. Decode sizes (1, 8 tokens) run the unsorted pair kernels, larger ones
@@ -32,6 +34,8 @@ from benchmarks.common import HBM_ACHIEVABLE, chained_time, environment, table, 
 from k3jax.layers.moe_experts import sort_by_expert  # noqa: E402
 from pallas_kernels.moe_gmm import (grouped_glu_pallas, grouped_matmul_pallas, pair_glu_pallas,  # noqa: E402
                                     pair_matmul_pallas)
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, grouped_glu_hopper_mxfp4,  # noqa: E402
+                                                  grouped_matmul_hopper_mxfp4, to_columns)
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize  # noqa: E402
 from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
@@ -44,6 +48,11 @@ SWEEP = ([TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="asm", split_k=sk) for s
          + [TileBlocks(16, n, 128, w, s, e2m1="asm") for n, w, s in ((64, 4, 3), (64, 4, 5), (128, 8, 3))])
 GROUPED_SWEEP = [TileBlocks(64, 128, 128, 4, 3, e2m1=d) for d in ("table", "asm")] + [
     TileBlocks(m, n, 128, w, s, e2m1="asm") for m, n, w, s in ((128, 128, 8, 3), (64, 64, 4, 4), (64, 256, 8, 3))]
+
+# The Mosaic GPU kernel: decode and operand forms first, then tile rows, step depth and buffers.
+HOPPER_SWEEP = ([HopperMxfp4Blocks(decode=d, a_operand=a) for d in ("ptx", "exact") for a in ("registers", "smem")]
+                + [HopperMxfp4Blocks(rows=r, block_k=bk, stages=st)
+                   for r, bk, st in ((16, 256, 3), (8, 512, 2), (8, 512, 3), (8, 128, 4), (8, 256, 5))])
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:
@@ -64,6 +73,47 @@ def experts_mlp(x, weights, experts, w1, w3, w2, blocks=None):
     h = grouped_glu_pallas(x[order // k], w1, w3, sizes, blocks=blocks)
     y = grouped_matmul_pallas(h, w2, sizes, weights.reshape(-1)[order], blocks=blocks)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[order // k].add(y)
+
+
+def experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks=None):
+    """The routed-expert MLP through the Mosaic GPU kernel (`Mxfp4Columns` weights), rows sorted by expert."""
+    n, k = experts.shape
+    order, sizes, _ = sort_by_expert(experts, c1.shape[0])
+    blocks = blocks or HopperMxfp4Blocks(rows=max(8, min(64, -(-n * k // c1.shape[0]) // 8 * 8)))
+    h = grouped_glu_hopper_mxfp4(x[order // k], c1, c3, sizes, blocks=blocks)
+    y = grouped_matmul_hopper_mxfp4(h, c2, sizes, weights.reshape(-1)[order], blocks=blocks)
+    return jnp.zeros((n, x.shape[1]), jnp.float32).at[order // k].add(y)
+
+
+def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: bool, small: bool) -> list[dict]:
+    """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
+    HOPPER_SWEEP setting. A setting that fails to compile or run is recorded with its error."""
+    settings = [None] + (HOPPER_SWEEP if sweep else [])
+    if small:                        # interpret mode runs the exact decode through shared memory only
+        settings = [HopperMxfp4Blocks.for_backend(True, block_k=128)]
+    out = []
+    for blocks in settings:
+        try:
+            y = jax.jit(experts_mlp_hopper, static_argnames="blocks")(x, weights, experts, *columns, blocks=blocks)
+            t = chained_time(lambda *a, b=blocks: experts_mlp_hopper(*a, blocks=b), (x, weights, experts, *columns),
+                             reps=5 if small else 20, iters=2 if small else 10)
+        except Exception as exc:  # noqa: BLE001
+            print(f"  hopper {blocks}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            if blocks is None:
+                row["hopper_ms"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+            out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks),
+                        "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            continue
+        a, b = np.asarray(y, np.float64), np.asarray(reference, np.float64)
+        err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+        pct = nbytes / t / HBM_ACHIEVABLE * 100
+        if blocks is None or small:
+            row.update(hopper_ms=t * 1e3, **{"hopper_pct_4.3TB_s": pct}, hopper_err_vs_bf16=err,
+                       hopper_vs_mxfp4=row["mxfp4_ms"] / (t * 1e3))
+        print(f"  hopper {blocks}: {t * 1e3:.4f} ms, {pct:.1f}%, err {err:.2e}", flush=True)
+        out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks), "ms": t * 1e3,
+                    "pct_4.3TB_s": pct, "err_vs_bf16": err})
+    return out
 
 
 def tokamax_projection():
@@ -128,14 +178,18 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time the packed kernels over SWEEP tile settings")
     ap.add_argument("--sweep-tokens", nargs="*", type=int, default=[1, 8])
     ap.add_argument("--tokamax", action="store_true", help="also one projection against tokamax (quantized)")
+    ap.add_argument("--hopper", action="store_true", help="also the Mosaic GPU kernel")
+    ap.add_argument("--hopper-sweep", action="store_true", help="also the Mosaic GPU kernel over HOPPER_SWEEP")
     args = ap.parse_args(argv)
-    models = {"tiny": (8, 64, 32, 2)} if args.small else {m: MODELS[m] for m in (args.models or MODELS)}
+    args.hopper = args.hopper or args.hopper_sweep
+    models = {"tiny": (8, 128, 128, 2)} if args.small else {m: MODELS[m] for m in (args.models or MODELS)}
     token_counts = args.tokens or ([1, 16] if args.small else [1, 8, 64, 256, 4096])
-    rows, sweep_rows, tokamax_rows = [], [], []
+    rows, sweep_rows, tokamax_rows, hopper_rows = [], [], [], []
     for model, (e, d, f, k) in models.items():
         rng = np.random.default_rng(e)
         q1, q3, q2 = packed(rng, e, d, f), packed(rng, e, d, f), packed(rng, e, f, d)
         b1, b3, b2 = (dequantize(w) for w in (q1, q3, q2))
+        columns = tuple(to_columns(w) for w in (q1, q3, q2)) if args.hopper else None
         for tokens in token_counts:
             experts = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)]), jnp.int32)
             x = jax.random.normal(jax.random.key(tokens), (tokens, d), jnp.bfloat16)
@@ -154,6 +208,9 @@ def main(argv=None) -> int:
             a, b = (np.asarray(out[n], np.float64) for n in ("mxfp4", "bf16"))
             row["speedup"] = row["bf16_ms"] / row["mxfp4_ms"]
             row["err_vs_bf16"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+            if args.hopper:
+                hopper_rows += time_hopper(row, x, weights, experts, columns, 3 * touched * d * f * (0.5 + 1 / 32),
+                                           out["bf16"], args.hopper_sweep, args.small)
             if args.sweep and tokens in args.sweep_tokens:
                 best = None
                 for blocks in (SWEEP if tokens <= 8 else GROUPED_SWEEP):
@@ -174,10 +231,13 @@ def main(argv=None) -> int:
         if args.tokamax and not args.small:
             tokamax_rows += compare_tokamax(model, e, d, f, k, token_counts, rng)
     record = {"benchmark": "moe_mxfp4", "env": environment(), "rows": rows, "sweep": sweep_rows,
-              "tokamax": tokamax_rows}
+              "tokamax": tokamax_rows, "hopper": hopper_rows}
     path = write("moe_mxfp4" + ("_small" if args.small else ""), record)
     print(table(rows, ["model", "tokens", "experts_touched", "bf16_ms", "mxfp4_ms", "speedup", "bf16_pct_4.3TB_s",
                        "mxfp4_pct_4.3TB_s", "err_vs_bf16"]))
+    if args.hopper:
+        print(table(rows, ["model", "tokens", "mxfp4_ms", "hopper_ms", "hopper_vs_mxfp4", "mxfp4_pct_4.3TB_s",
+                           "hopper_pct_4.3TB_s", "hopper_err_vs_bf16"]))
     if tokamax_rows:
         print(table(tokamax_rows, ["model", "tokens", "rows", "experts_touched", "ours_ms", "ours_pct", "tokamax_ms",
                                    "tokamax_pct", "tokamax_err"]))

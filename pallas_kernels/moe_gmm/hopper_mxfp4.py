@@ -1,0 +1,353 @@
+"""Grouped matmul on packed MXFP4 weights for Hopper, in Pallas Mosaic GPU (warpgroup MMA, TMA).
+
+The decode-sized case of the routed experts: few rows per expert, so the weights are the bytes to
+move and the rows are few. The product is taken transposed ("swap AB"): a program holds 64 output
+columns of one expert as the M side of a warpgroup MMA (the weights, decoded in registers) and its
+tile of up to `rows` token rows as the N side (the activations, from shared memory):
+
+    out[t, n] = sum_k x[t, k] W[k, n]   computed as   acc[n, t] = W^T[n, :] @ x^T[:, t]
+
+Each step TMA-copies the packed codes of 64 columns x `block_k` inputs ([64, block_k/2] bytes, the
+checkpoint's own out x in/2 orientation), their E8M0 scales ([block_k/32, 64]) and the tile's
+activations into a ring of `stages` buffers. One scale group (32 inputs = 16 packed bytes per column)
+at a time, the low nibbles (inputs 0, 2, ..) and the high nibbles (inputs 1, 3, ..) become two bf16
+[64, 16] operands, each times its group's power-of-two scale (exact), and meet the even and odd
+activations in two MMAs: the nibbles are never interleaved, so no register moves between lanes.
+
+Decodes (`HopperMxfp4Blocks.decode`):
+* "exact": integer ops on each code, the magnitude built as an integer (0, 1, 2, 3, 4, 6, 8, 12 halves)
+  and converted: runs everywhere, also in Mosaic GPU's interpret mode on the CPU;
+* "ptx": nine PTX instructions per four codes (two byte tables read by `prmt`, the signs placed by
+  `lop3`) on the registers the codes are loaded in; compiled only.
+A operand (`HopperMxfp4Blocks.a_operand`): "registers" feeds the decoded weights to the MMA from
+registers; "smem" stores them to shared memory first (the form Mosaic GPU's interpret mode runs).
+
+The programs write fp32 products per tile ([tiles, N, rows]); XLA gathers each row from its tile
+(and applies the gated activation for the GLU). Twin: `reference.grouped_matmul_reference` on the
+dequantised weights (`mxfp4.dequantize`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._util import default_interpret
+from pallas_kernels.moe_gmm.activation import GluSpec, glu
+from pallas_kernels.moe_gmm.mxfp4 import GROUP, Mxfp4Weight
+from pallas_kernels.moe_gmm.mxfp4 import validate as validate_mxfp4
+from pallas_kernels.moe_gmm.schedule import tile_schedule
+
+COLUMNS = 64                      # output columns per program: the M side of one warpgroup MMA
+PER_GROUP = GROUP // 2            # packed bytes of one scale group along a column
+DECODES = ("exact", "ptx")
+A_OPERANDS = ("registers", "smem")
+
+
+class Mxfp4Columns(NamedTuple):
+    """MXFP4 expert weights W [G, K, N] (used as x @ W[g]) stored column-major for this kernel:
+      packed uint8 [G, N, K/2]: column n's inputs 2j (low nibble) and 2j + 1 (high nibble) in byte j,
+                                as the checkpoint stores each expert (`weight_packed` [out, in/2]);
+      scale  uint8 [G, K/32, N]: E8M0 per 32 inputs, as `mxfp4.Mxfp4Weight.scale`."""
+
+    packed: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The logical [G, K, N]."""
+        g, n, half = self.packed.shape
+        return g, 2 * half, n
+
+
+def to_columns(w: Mxfp4Weight) -> Mxfp4Columns:
+    """`mxfp4.Mxfp4Weight` ([G, K/2, N] codes) -> the column-major codes this kernel streams."""
+    validate_mxfp4(w)
+    return Mxfp4Columns(jnp.swapaxes(w.packed, 1, 2), w.scale)
+
+
+def from_checkpoint_columns(packed_gnk, scale_gnk) -> Mxfp4Columns:
+    """Stacked checkpoint tensors (packed [G, N, K/2], scale [G, N, K/32]) -> Mxfp4Columns: the codes
+    keep their stored orientation; only the small scale array is transposed."""
+    return _validated(Mxfp4Columns(packed_gnk, jnp.swapaxes(scale_gnk, 1, 2)))
+
+
+def _validated(w: Mxfp4Columns) -> Mxfp4Columns:
+    g, k, n = w.shape
+    if w.packed.dtype != jnp.uint8 or w.scale.dtype != jnp.uint8:
+        raise ValueError(f"MXFP4 columns: packed and scale must be uint8, got {w.packed.dtype} and {w.scale.dtype}")
+    if w.packed.ndim != 3 or k % GROUP or w.scale.shape != (g, k // GROUP, n):
+        raise ValueError(f"MXFP4 columns: packed [G, N, K/2] with K a multiple of {GROUP} and scale [G, K/32, N]; "
+                         f"got {w.packed.shape} and {w.scale.shape}")
+    return w
+
+
+@dataclass(frozen=True)
+class HopperMxfp4Blocks:
+    """Launch settings: token rows per tile (the MMA's N side: a multiple of 8, at most 256), inputs
+    per pipeline step (`block_k`, a multiple of 128 dividing K), buffers in flight, the decode and
+    where the MMA reads the decoded weights from (module docstring). `for_backend` picks what runs."""
+
+    rows: int = 8
+    block_k: int = 256
+    stages: int = 3
+    decode: str = "ptx"
+    a_operand: str = "registers"
+
+    def __post_init__(self):
+        if self.rows % 8 or not 8 <= self.rows <= 256:
+            raise ValueError(f"HopperMxfp4Blocks: rows must be a multiple of 8 in [8, 256], got {self.rows}")
+        if self.block_k % 128 or self.block_k <= 0:
+            raise ValueError(f"HopperMxfp4Blocks: block_k must be a positive multiple of 128, got {self.block_k}")
+        if self.stages < 1:
+            raise ValueError(f"HopperMxfp4Blocks: stages must be >= 1, got {self.stages}")
+        if self.decode not in DECODES:
+            raise ValueError(f"HopperMxfp4Blocks: decode must be one of {DECODES}, got {self.decode!r}")
+        if self.a_operand not in A_OPERANDS:
+            raise ValueError(f"HopperMxfp4Blocks: a_operand must be one of {A_OPERANDS}, got {self.a_operand!r}")
+
+    @classmethod
+    def for_backend(cls, interpreted: bool, **fields) -> "HopperMxfp4Blocks":
+        """The compiled defaults, or in interpret mode (the CPU) the forms it runs: the exact decode
+        and the operand through shared memory."""
+        if interpreted:
+            fields = {"decode": "exact", "a_operand": "smem", **fields}
+        return cls(**fields)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decodes: packed codes [64, C] uint8 (WGMMA layout) -> (low nibbles, high nibbles) as bf16 [64, C]
+# ----------------------------------------------------------------------------------------------
+
+def _decode_exact(codes):
+    """E2M1 codes of both nibbles to exact bf16 with integer ops: the magnitude in halves is
+    (2 + mantissa) << (exponent - 1) for exponents >= 1 and the code itself below (0 or 1)."""
+    c = codes.astype(jnp.int32)
+
+    def one(nibble):
+        m = nibble & 7
+        halves = jnp.where(m < 2, m, (2 + (m & 1)) << jnp.maximum((m >> 1) - 1, 0))
+        half = jnp.where((nibble & 8) != 0, -0.5, 0.5)
+        return (halves.astype(jnp.float32) * half).astype(jnp.bfloat16)
+
+    return one(c & 15), one(c >> 4)
+
+
+# bf16 bits of the E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: low bytes and high bytes, each an
+# 8-entry byte table in two registers (entries 0-3, then 4-7) for `prmt`.
+_LOW_BYTES = (0xC0800000, 0xC0804000)
+_HIGH_BYTES = (0x3F3F3F00, 0x40404040)
+
+# One 16-bit chunk [byte0, byte1] of codes (byte j: low nibble input 2j, high nibble 2j + 1) -> $0 the
+# bf16 pair of the low nibbles, $1 the pair of the high nibbles. The selector's nibbles are the
+# chunk's four codes with the sign bits cleared (prmt reads 4 selector nibbles, each a byte index
+# 0-7); two table reads give the low and the high bytes of all four values, two permutes pair them;
+# the sign bits (3 and 7 of each byte) are moved to bits 15 and 31 and ORed in.
+_PTX_DECODE = f"""
+{{
+.reg .b32 sel, lo_bytes, hi_bytes, low_pair, high_pair, spread, spread_lo;
+and.b32 sel, $2, 0x7777;
+prmt.b32 lo_bytes, {_LOW_BYTES[0]:#x}, {_LOW_BYTES[1]:#x}, sel;
+prmt.b32 hi_bytes, {_HIGH_BYTES[0]:#x}, {_HIGH_BYTES[1]:#x}, sel;
+prmt.b32 low_pair, lo_bytes, hi_bytes, 0x6240;
+prmt.b32 high_pair, lo_bytes, hi_bytes, 0x7351;
+prmt.b32 spread, $2, 0, 0x1404;
+shl.b32 spread_lo, spread, 4;
+lop3.b32 $0, low_pair, spread_lo, 0x80008000, 0xF8;
+lop3.b32 $1, high_pair, spread, 0x80008000, 0xF8;
+}}
+"""
+
+
+def decode_table_bits() -> np.ndarray:
+    """The bf16 bit patterns the PTX tables hold for magnitude codes 0-7 (checked against
+    `mxfp4.E2M1` by the tests, since the PTX itself runs only on a GPU)."""
+    low = np.array(_LOW_BYTES, np.uint32).view(np.uint8)
+    high = np.array(_HIGH_BYTES, np.uint32).view(np.uint8)
+    return (high.astype(np.uint16) << 8) | low
+
+
+def _decode_ptx(codes):
+    """`_PTX_DECODE` on every register of `codes` (WGMMA layout: two bytes per register, columns 2c and
+    2c + 1 of a row); the outputs keep the registers' places, so they are in the WGMMA layout too."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm
+    from jax.experimental import mosaic as _  # noqa: F401  (registers the dialects)
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    out_type = plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, plgpu.Layout.WGMMA)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out_type, out_type))
+    def decode(_, array):
+        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        two_i32 = llvm.StructType.get_literal([i32, i32])
+        low, high = np.empty_like(array.registers), np.empty_like(array.registers)
+        for idx, reg in np.ndenumerate(array.registers):
+            chunk = arith.extui(i32, mgpu_utils.bitcast(reg, i16))
+            both = llvm.inline_asm(two_i32, [chunk], _PTX_DECODE, "=r,=r,r")
+            low[idx] = mgpu_utils.bitcast(llvm.extractvalue(i32, both, [0]), pair)
+            high[idx] = mgpu_utils.bitcast(llvm.extractvalue(i32, both, [1]), pair)
+        return (fa.FragmentedArray(_registers=low, _layout=array.layout, _is_signed=None),
+                fa.FragmentedArray(_registers=high, _layout=array.layout, _is_signed=None))
+
+    return decode(codes)
+
+
+_DECODERS = {"exact": _decode_exact, "ptx": _decode_ptx}
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------------
+
+def _kernel(sched_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks):
+    """refs: even and odd activations [tiles, rows, K/2], then per weight packed [G, N, K/2] and scale
+    [G, K/32, N]; out [weights, tiles, N, rows] fp32; scratch: the decoded operand buffer."""
+    x_refs, refs = refs[:2], refs[2:]
+    w_refs, (out_ref, o_smem, a_smem) = refs[:2 * n_weights], refs[2 * n_weights:]
+    tile, col = lax.axis_index("tile"), lax.axis_index("col")
+    group, first, last = sched_ref[0, tile], sched_ref[1, tile], sched_ref[2, tile]
+    half, groups = blocks.block_k // 2, blocks.block_k // GROUP
+    layout = plgpu.Layout.WGMMA
+    row_layout = layout.reduce(1)
+    decode = _DECODERS[blocks.decode]
+
+    def products(acc_refs):
+        def step(idx, xe_smem, xo_smem, *w_smem):
+            (kk,) = idx
+            for w, acc_ref in enumerate(acc_refs):
+                p_smem, s_smem = w_smem[2 * w], w_smem[2 * w + 1]
+                codes = plgpu.load(p_smem, layout=layout)                           # [64, bk/2] u8
+                for j in range(groups):
+                    factor = plgpu.load(s_smem.at[j], layout=row_layout)            # [64] u8 E8M0
+                    factor = lax.bitcast_convert_type(factor.astype(jnp.int16) << 7, jnp.bfloat16)
+                    factor = lax.broadcast_in_dim(factor, (COLUMNS, PER_GROUP), [0])
+                    lo, hi = decode(codes[:, PER_GROUP * j:PER_GROUP * (j + 1)])
+                    for a, x_smem in ((lo * factor, xe_smem), (hi * factor, xo_smem)):
+                        if blocks.a_operand == "smem":
+                            plgpu.wgmma_wait(0)          # the previous MMA is done reading the buffer
+                            a_smem[...] = a
+                            plgpu.commit_smem()
+                            a = a_smem
+                        plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(PER_GROUP * j, PER_GROUP)].transpose((1, 0)))
+            plgpu.wgmma_wait(0)
+
+        x_transforms = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32))
+        code_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
+        x_spec = plgpu.BlockSpec((blocks.rows, half), lambda kk: (0, kk), transforms=x_transforms)
+        w_specs = (plgpu.BlockSpec((COLUMNS, half), lambda kk: (col, kk), transforms=code_transforms),
+                   plgpu.BlockSpec((groups, COLUMNS), lambda kk: (kk, col)))
+        plgpu.emit_pipeline(step, grid=(steps,), in_specs=[x_spec, x_spec, *(w_specs * n_weights)],
+                            max_concurrent_steps=blocks.stages)(
+            *(x.at[tile] for x in x_refs), *(w.at[group] for w in w_refs))
+        return tuple(acc[...] for acc in acc_refs)
+
+    @pl.when(first < last)
+    def _():
+        accs = pl.run_scoped(lambda *accs: products(accs),
+                             *(plgpu.ACC((COLUMNS, blocks.rows), jnp.float32) for _ in range(n_weights)))
+        for w, acc in enumerate(accs):
+            o_smem.at[w][...] = acc
+        plgpu.commit_smem()
+        for w in range(n_weights):
+            plgpu.copy_smem_to_gmem(o_smem.at[w], out_ref.at[w, tile, pl.ds(col * COLUMNS, COLUMNS)])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: bool):
+    """Per row r of `lhs` (sorted by group) and each weight w: lhs[r] @ W_w[g(r)] in fp32 -> [W, M, N]."""
+    m, k = lhs.shape
+    n = weights[0].shape[2]
+    bk, tm = blocks.block_k, blocks.rows
+    sched = tile_schedule(group_sizes, m, tm)
+    tiles = sched.shape[1]
+    # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
+    # reads start on a whole tile, as the copies into the tiled shared-memory buffers need.
+    rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
+    live = rows < sched[2][:, None]
+    slabs = jnp.where(live[..., None], lhs[jnp.minimum(rows, m - 1)], 0).astype(jnp.bfloat16)
+    x_even, x_odd = slabs[..., 0::2], slabs[..., 1::2]
+    n_weights = len(weights)
+    kernel = functools.partial(_kernel, n_weights=n_weights, steps=k // bk, blocks=blocks)
+    a_transforms = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32))
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((n_weights, tiles, n, tm), jnp.float32),
+        grid=(tiles, n // COLUMNS),
+        grid_names=("tile", "col"),
+        scratch_types=[plgpu.SMEM((n_weights, COLUMNS, tm), jnp.float32),
+                       plgpu.SMEM((COLUMNS, PER_GROUP), jnp.bfloat16, transforms=a_transforms)],
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(sched, x_even, x_odd, *(part for w in weights for part in (w.packed, w.scale)))
+    # Row r of the output is column r - first of its tile's [N, rows] block.
+    tile_of = jnp.zeros((m,), jnp.int32).at[jnp.where(live, rows, m)].set(
+        jnp.broadcast_to(jnp.arange(tiles, dtype=jnp.int32)[:, None], rows.shape), mode="drop")
+    per_row = out[:, tile_of, :, jnp.clip(jnp.arange(m) - sched[1][tile_of], 0, tm - 1)]     # [M, W, N]
+    covered = jnp.arange(m) < jnp.sum(group_sizes)
+    return jnp.where(covered[None, :, None], jnp.moveaxis(per_row, 1, 0), 0.0)
+
+
+def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
+    for w in weights:
+        if not isinstance(w, Mxfp4Columns):
+            raise ValueError(f"hopper MXFP4 matmul: weights must be Mxfp4Columns (`to_columns`), "
+                             f"got {type(w).__name__}")
+        _validated(w)
+    g, k, n = weights[0].shape
+    if any(w.shape != weights[0].shape for w in weights):
+        raise ValueError(f"hopper MXFP4 matmul: gate and up weights differ: {[w.shape for w in weights]}")
+    if lhs.ndim != 2 or lhs.shape[1] != k or group_sizes.shape != (g,):
+        raise ValueError(f"hopper MXFP4 matmul: expected lhs [M, {k}] and group_sizes [{g}] for weights "
+                         f"[{g}, {k}, {n}]; got {lhs.shape} and {group_sizes.shape}")
+    if k % blocks.block_k or n % COLUMNS:
+        raise ValueError(f"hopper MXFP4 matmul: K={k} must be a multiple of block_k={blocks.block_k} and N={n} of "
+                         f"{COLUMNS}")
+
+
+def _blocks(blocks, interpret):
+    interpreted = default_interpret() if interpret is None else interpret
+    return (blocks or HopperMxfp4Blocks.for_backend(interpreted)), interpreted
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def grouped_matmul_hopper_mxfp4(lhs, rhs: Mxfp4Columns, group_sizes, row_scale=None, *,
+                                blocks: HopperMxfp4Blocks | None = None, interpret: bool | None = None):
+    """out[r] = lhs[r] @ W[g(r)] (times row_scale[r]) for rows sorted by group, W packed MXFP4.
+
+    Args:
+      lhs: [M, K] rows sorted by group (bf16; other dtypes are rounded to bf16 for the MMA).
+      rhs: Mxfp4Columns of W [G, K, N]. group_sizes: [G] int32 (sum <= M).
+      row_scale: optional [M] per-row factor; the output is then fp32.
+      blocks: launch settings (default `HopperMxfp4Blocks.for_backend`). interpret: default off the GPU.
+    Returns:
+      [M, N] in lhs's dtype (fp32 with row_scale); rows past sum(group_sizes) are zero.
+    """
+    blocks, interpreted = _blocks(blocks, interpret)
+    _check(lhs, (rhs,), group_sizes, blocks)
+    out = _products(lhs, (rhs,), group_sizes, blocks, interpreted)[0]
+    if row_scale is None:
+        return out.astype(lhs.dtype)
+    return out * row_scale.astype(jnp.float32)[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret"))
+def grouped_glu_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, group_sizes, *,
+                             spec: GluSpec = GluSpec(), blocks: HopperMxfp4Blocks | None = None,
+                             interpret: bool | None = None):
+    """act(lhs[r] @ W_gate[g(r)], lhs[r] @ W_up[g(r)]) for rows sorted by group: both products from one
+    launch (each program streams both weights' columns). Shapes as `grouped_matmul_hopper_mxfp4`;
+    -> [M, F] in lhs's dtype, rows past sum(group_sizes) zero."""
+    blocks, interpreted = _blocks(blocks, interpret)
+    _check(lhs, (w_gate, w_up), group_sizes, blocks)
+    gate, up = _products(lhs, (w_gate, w_up), group_sizes, blocks, interpreted)
+    return glu(gate, up, spec).astype(lhs.dtype)

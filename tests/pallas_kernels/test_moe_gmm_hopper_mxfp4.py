@@ -1,0 +1,229 @@
+"""The Hopper (Mosaic GPU) grouped matmul on packed MXFP4 weights against the references over the
+dequantised weights.
+
+On the CPU the kernel runs in Mosaic GPU's interpret mode in the forms it supports (the exact decode,
+the decoded weights through shared memory); every form is lowered for CUDA (the whole Pallas -> Mosaic
+GPU lowering and layout inference, no GPU needed); and the PTX decode's text is executed instruction by
+instruction by a small interpreter of the four instructions it uses, over every 16-bit chunk of codes,
+against the E2M1 table. On a GPU every form runs compiled.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import assert_close
+
+from pallas_kernels.moe_gmm import GluSpec, Mxfp4Weight, grouped_glu_reference, grouped_matmul_reference
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (_PTX_DECODE, HopperMxfp4Blocks, Mxfp4Columns, _decode_exact,
+                                                 decode_table_bits, from_checkpoint_columns,
+                                                 grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4, to_columns)
+from pallas_kernels.moe_gmm.mxfp4 import E2M1, dequantize, from_checkpoint_layout
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
+FORMS = {"ptx_registers": HopperMxfp4Blocks(), "exact_registers": HopperMxfp4Blocks(decode="exact"),
+         "ptx_smem": HopperMxfp4Blocks(a_operand="smem"),
+         "exact_smem": HopperMxfp4Blocks(decode="exact", a_operand="smem"),
+         "rows16_k128_stages2": HopperMxfp4Blocks(rows=16, block_k=128, stages=2),
+         "k512_stages4": HopperMxfp4Blocks(block_k=512, stages=4)}
+
+
+def _weight(rng, g, k, n) -> Mxfp4Weight:
+    """Every E2M1 code, scales around 2^0 (E8M0 118..134)."""
+    return Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (g, k // 2, n), dtype=np.uint8)),
+                       jnp.asarray(rng.integers(118, 135, (g, k // 32, n), dtype=np.uint8)))
+
+
+def _blocks(interpret: bool, **fields) -> HopperMxfp4Blocks:
+    return HopperMxfp4Blocks.for_backend(interpret, **fields)
+
+
+# Group sizes: an empty group, a group longer than a tile, rows past the groups (zeros).
+CASES = [([3, 0, 5, 3], 12, 8), ([0, 19, 1, 0, 4], 26, 8), ([2, 0, 0, 17], 20, 16)]
+
+
+@pytest.mark.parametrize("sizes,m,rows", CASES)
+def test_grouped_matmul_equals_the_reference(rng, interpret, sizes, m, rows):
+    g, k, n = len(sizes), 256, 128
+    w = _weight(rng, g, k, n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    scale = jnp.asarray(rng.uniform(0.1, 1.0, (m,)), jnp.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    dense = dequantize(w, jnp.float32)
+    blocks = _blocks(interpret, rows=rows, block_k=128)
+    out = grouped_matmul_hopper_mxfp4(x, to_columns(w), group_sizes, blocks=blocks, interpret=interpret)
+    assert out.dtype == jnp.bfloat16
+    assert_close("matmul", out, grouped_matmul_reference(x.astype(jnp.float32), dense, group_sizes), dtype=jnp.bfloat16)
+    scaled = grouped_matmul_hopper_mxfp4(x, to_columns(w), group_sizes, scale, blocks=blocks, interpret=interpret)
+    assert scaled.dtype == jnp.float32
+    assert_close("scaled", scaled, grouped_matmul_reference(x.astype(jnp.float32), dense, group_sizes, scale))
+    assert not np.asarray(out[sum(sizes):]).any()
+
+
+@pytest.mark.parametrize("spec", [GluSpec(), GluSpec("situ", situ_beta=4.0, situ_linear_beta=8.0)])
+def test_grouped_glu_equals_the_reference_over_several_steps(rng, interpret, spec):
+    g, k, f, m = 3, 384, 64, 10            # three 128-input steps
+    wg, wu = _weight(rng, g, k, f), _weight(rng, g, k, f)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 0.05, jnp.float32)   # fp32 activations: rounded to bf16
+    group_sizes = jnp.asarray([4, 0, 5], jnp.int32)
+    out = grouped_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group_sizes, spec=spec,
+                                   blocks=_blocks(interpret, block_k=128), interpret=interpret)
+    xb = x.astype(jnp.bfloat16).astype(jnp.float32)
+    ref = grouped_glu_reference(xb, dequantize(wg, jnp.float32), dequantize(wu, jnp.float32), group_sizes, spec=spec)
+    assert out.dtype == jnp.float32
+    assert_close("glu", out, ref, dtype=jnp.bfloat16)   # the MMA's operands are bf16
+
+
+def test_checkpoint_columns_keep_the_stored_codes(rng):
+    g, n, k = 2, 64, 128
+    packed = jnp.asarray(rng.integers(0, 256, (g, n, k // 2), dtype=np.uint8))
+    scale = jnp.asarray(rng.integers(118, 135, (g, n, k // 32), dtype=np.uint8))
+    cols = from_checkpoint_columns(packed, scale)
+    assert cols.packed is packed and cols.shape == (g, k, n)
+    same = to_columns(from_checkpoint_layout(packed, scale))
+    np.testing.assert_array_equal(np.asarray(cols.packed), np.asarray(same.packed))
+    np.testing.assert_array_equal(np.asarray(cols.scale), np.asarray(same.scale))
+
+
+def test_exact_decode_is_the_e2m1_table():
+    codes = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
+    lo, hi = _decode_exact(codes)
+    table = np.asarray(E2M1, np.float32)
+    np.testing.assert_array_equal(np.asarray(lo, np.float32), table[np.arange(256).reshape(16, 16) & 15])
+    np.testing.assert_array_equal(np.asarray(hi, np.float32), table[np.arange(256).reshape(16, 16) >> 4])
+
+
+# ------------------------------------------------------------------------------------------------
+# The PTX decode, executed on the CPU by an interpreter of the instructions it uses
+# ------------------------------------------------------------------------------------------------
+
+def _prmt(a, b, sel):
+    """PTX prmt.b32 (default mode): byte i of the result is byte (sel nibble i & 7) of {b, a}, or, when
+    the nibble's bit 3 is set, that byte's sign replicated."""
+    a, b, sel = np.broadcast_arrays(a, b, sel)
+    pool = np.stack([(a >> s) & 0xFF for s in (0, 8, 16, 24)] + [(b >> s) & 0xFF for s in (0, 8, 16, 24)])
+    out = np.zeros_like(a)
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = np.take_along_axis(pool, (nib & 7)[None], axis=0)[0]
+        byte = np.where(nib & 8, np.where(byte & 0x80, 0xFF, 0), byte)
+        out |= byte << (8 * i)
+    return out
+
+
+def _lop3(a, b, c, lut):
+    out = np.zeros_like(a)
+    for bit in range(8):
+        if lut >> bit & 1:
+            out |= (a if bit & 4 else ~a) & (b if bit & 2 else ~b) & (c if bit & 1 else ~c)
+    return out & 0xFFFFFFFF
+
+
+def _run_ptx(text: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Executes the decode's PTX (and, prmt, shl, lop3 on .b32) over uint64 arrays holding 32-bit values."""
+    regs = dict(inputs)
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else np.int64(int(tok, 0))
+
+    for line in text.strip().splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *srcs = [s.strip() for s in rest.split(",")]
+        args = [np.asarray(val(s), np.int64) for s in srcs]
+        if op == "and.b32":
+            res = args[0] & args[1]
+        elif op == "shl.b32":
+            res = (args[0] << args[1]) & 0xFFFFFFFF
+        elif op == "prmt.b32":
+            res = _prmt(args[0], args[1], args[2])
+        elif op == "lop3.b32":
+            res = _lop3(args[0], args[1], args[2], int(args[3]))
+        else:
+            raise AssertionError(f"instruction the interpreter does not know: {op}")
+        regs[dst] = np.broadcast_to(res, inputs["$2"].shape).astype(np.int64)
+    return regs
+
+
+def _bf16_bits(values) -> np.ndarray:
+    return (np.asarray(values, np.float32).view(np.uint32) >> 16).astype(np.int64)
+
+
+def test_ptx_decode_text_gives_every_code_pair_its_e2m1_value():
+    """All 65,536 chunks of two code bytes through the PTX text: output 0 holds the low nibbles' bf16
+    values (byte 0 in bits 0-15, byte 1 in 16-31), output 1 the high nibbles'."""
+    assert set(re.findall(r"^\s*([a-z0-9]+)\.", _PTX_DECODE, re.M)) <= {"and", "prmt", "shl", "lop3"}
+    chunks = np.arange(1 << 16, dtype=np.int64)
+    regs = _run_ptx(_PTX_DECODE, {"$2": chunks})
+    table = _bf16_bits(E2M1)
+    nib = [(chunks >> s) & 15 for s in (0, 4, 8, 12)]              # low0, high0, low1, high1
+    np.testing.assert_array_equal(regs["$0"], table[nib[0]] | (table[nib[2]] << 16))
+    np.testing.assert_array_equal(regs["$1"], table[nib[1]] | (table[nib[3]] << 16))
+
+
+def test_ptx_tables_hold_the_bf16_magnitudes():
+    np.testing.assert_array_equal(decode_table_bits().astype(np.int64), _bf16_bits(np.abs(E2M1[:8])))
+
+
+# ------------------------------------------------------------------------------------------------
+# Lowering (any host) and refusals
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_every_form_lowers_for_cuda_on_any_host(form):
+    blocks = FORMS[form]
+    k, n = 1024, 128
+    args = (jax.ShapeDtypeStruct((40, k), jnp.bfloat16), jax.ShapeDtypeStruct((4, n, k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((4, k // 32, n), jnp.uint8), jax.ShapeDtypeStruct((4,), jnp.int32))
+
+    def glu(x, p, s, sizes):
+        return grouped_glu_hopper_mxfp4(x, Mxfp4Columns(p, s), Mxfp4Columns(p, s), sizes, blocks=blocks,
+                                        interpret=False)
+
+    module = jax.export.export(jax.jit(glu), platforms=["cuda"])(*args).mlir_module()
+    assert "mosaic_gpu" in module
+
+
+def test_refuses_what_it_cannot_run(rng):
+    w = to_columns(_weight(rng, 2, 256, 64))
+    x = jnp.ones((4, 256), jnp.bfloat16)
+    sizes = jnp.asarray([2, 2], jnp.int32)
+    with pytest.raises(ValueError, match="block_k=512"):
+        grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(block_k=512, decode="exact",
+                                                                           a_operand="smem"))
+    with pytest.raises(ValueError, match="Mxfp4Columns"):
+        grouped_matmul_hopper_mxfp4(x, Mxfp4Weight(w.packed, w.scale), sizes)
+    with pytest.raises(ValueError, match=r"lhs \[M, 256\]"):
+        grouped_matmul_hopper_mxfp4(x[:, :128], w, sizes)
+    with pytest.raises(ValueError, match="N=32"):
+        grouped_matmul_hopper_mxfp4(x, to_columns(_weight(rng, 2, 256, 32)), sizes)
+    for bad in ({"rows": 12}, {"block_k": 96}, {"stages": 0}, {"decode": "table"}, {"a_operand": "tmem"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            HopperMxfp4Blocks(**bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# Compiled (GPU)
+# ------------------------------------------------------------------------------------------------
+
+@on_gpu
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("sizes,m", [([3, 0, 5, 3], 12), ([0, 19, 1, 0], 26), ([1] * 4, 4)])
+def test_compiled_forms_equal_the_reference(rng, form, sizes, m):
+    g, k, f = len(sizes), 1024, 192
+    wg, wu = _weight(rng, g, k, f), _weight(rng, g, k, f)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 0.05, jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    blocks = FORMS[form]
+    dg, du = dequantize(wg, jnp.float32), dequantize(wu, jnp.float32)
+    out = grouped_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group_sizes, blocks=blocks, interpret=False)
+    assert_close("glu", out, grouped_glu_reference(x.astype(jnp.float32), dg, du, group_sizes), dtype=jnp.bfloat16)
+    mm = grouped_matmul_hopper_mxfp4(x, to_columns(wg), group_sizes, blocks=blocks, interpret=False)
+    assert_close("matmul", mm, grouped_matmul_reference(x.astype(jnp.float32), dg, group_sizes), dtype=jnp.bfloat16)
