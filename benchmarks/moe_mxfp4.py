@@ -16,6 +16,10 @@ run at 1/8 of their number (112: one GPU's share under 8-way expert parallelism)
 `--tokamax` times one gate projection over sorted rows, ours (`grouped_matmul_pallas` on the packed
 weight) against tokamax's Mosaic GPU quantized ragged_dot on the same values as a qwix QArray (float4_e2m1fn
 values, bf16 per-32 scales: its sm90 kernel reads 4-bit values and scales the dequantised tile).
+
+`--hopper` times the same routed-expert MLP through the Mosaic GPU kernel on the same packed values (pairs
+up to 8 tokens, sorted rows above), beside the Pallas-Triton MXFP4 kernels of the same run
+(`hopper_vs_mxfp4` > 1: the Mosaic GPU kernel is faster); `--hopper-sweep` also over HOPPER_SWEEP.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from k3jax.layers.moe_experts import sort_by_expert  # noqa: E402
 from pallas_kernels.moe_gmm import (grouped_glu_pallas, grouped_matmul_pallas, pair_glu_pallas,  # noqa: E402
                                     pair_matmul_pallas)
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, grouped_glu_hopper_mxfp4,  # noqa: E402
-                                                  grouped_matmul_hopper_mxfp4, to_columns)
+                                                  grouped_matmul_hopper_mxfp4, pair_glu_hopper_mxfp4,
+                                                  pair_matmul_hopper_mxfp4, to_columns)
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize  # noqa: E402
 from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
@@ -76,8 +81,14 @@ def experts_mlp(x, weights, experts, w1, w3, w2, blocks=None):
 
 
 def experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks=None):
-    """The routed-expert MLP through the Mosaic GPU kernel (`Mxfp4Columns` weights), rows sorted by expert."""
+    """The routed-expert MLP through the Mosaic GPU kernel (`Mxfp4Columns` weights): unsorted pairs for a
+    few tokens, rows sorted by expert above (as `experts_mlp`)."""
     n, k = experts.shape
+    if n <= 8:
+        group, valid = experts.reshape(-1), jnp.ones((n * k,), bool)
+        h = pair_glu_hopper_mxfp4(x, c1, c3, group, valid, repeat=k, blocks=blocks)
+        y = pair_matmul_hopper_mxfp4(h, c2, group, valid, weights.reshape(-1), blocks=blocks)
+        return y.reshape(n, k, -1).sum(axis=1)
     order, sizes, _ = sort_by_expert(experts, c1.shape[0])
     blocks = blocks or HopperMxfp4Blocks(rows=max(8, min(64, -(-n * k // c1.shape[0]) // 8 * 8)))
     h = grouped_glu_hopper_mxfp4(x[order // k], c1, c3, sizes, blocks=blocks)

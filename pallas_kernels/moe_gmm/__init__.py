@@ -2,7 +2,8 @@
 
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, grouped_glu_hopper_mxfp4,
-                                                 grouped_matmul_hopper_mxfp4, to_columns)
+                                                 grouped_matmul_hopper_mxfp4, pair_glu_hopper_mxfp4,
+                                                 pair_matmul_hopper_mxfp4, to_columns)
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
 from pallas_kernels.moe_gmm.kernel import grouped_glu_pallas, grouped_matmul_pallas, pair_glu_pallas, pair_matmul_pallas
 from pallas_kernels.moe_gmm.ops import (GMM_IMPLS, GmmImpl, grouped_glu, grouped_matmul, pair_glu, pair_matmul,
@@ -22,5 +23,5 @@ __all__ = [
     "GluSpec", "glu", "tile_schedule", "max_tiles", "GmmBlocks", "TileBlocks",
     # Packed MXFP4 weights (pallas_kernels.moe_gmm.mxfp4) and the Hopper kernel on them (hopper_mxfp4)
     "Mxfp4Weight", "Mxfp4Columns", "to_columns", "HopperMxfp4Blocks", "grouped_glu_hopper_mxfp4",
-    "grouped_matmul_hopper_mxfp4",
+    "grouped_matmul_hopper_mxfp4", "pair_glu_hopper_mxfp4", "pair_matmul_hopper_mxfp4",
 ]

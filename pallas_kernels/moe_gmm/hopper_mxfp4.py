@@ -23,7 +23,9 @@ A operand (`HopperMxfp4Blocks.a_operand`): "registers" feeds the decoded weights
 registers; "smem" stores them to shared memory first (the form Mosaic GPU's interpret mode runs).
 
 The programs write fp32 products per tile ([tiles, N, rows]); XLA gathers each row from its tile
-(and applies the gated activation for the GLU). Twin: `reference.grouped_matmul_reference` on the
+(and applies the gated activation for the GLU). Rows sorted by expert (`grouped_*`) are cut into tiles
+by `schedule.tile_schedule`; unsorted token-expert pairs (`pair_*`, a few tokens: no sort) get one tile
+each, the pair's activations in its first row. Twin: `reference.grouped_matmul_reference` on the
 dequantised weights (`mxfp4.dequantize`).
 """
 
@@ -264,23 +266,16 @@ def _kernel(sched_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks):
         plgpu.wait_smem_to_gmem(0)
 
 
-def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: bool):
-    """Per row r of `lhs` (sorted by group) and each weight w: lhs[r] @ W_w[g(r)] in fp32 -> [W, M, N]."""
-    m, k = lhs.shape
+def _launch(sched, slabs, weights, blocks: HopperMxfp4Blocks, interpret: bool):
+    """The kernel over `sched` [3, T] (group, first, end row per tile; first >= end: nothing to do) with
+    each tile's activation rows `slabs` [T, rows, K] -> fp32 products [weights, T, N, rows]."""
+    tiles, tm, k = slabs.shape
     n = weights[0].shape[2]
-    bk, tm = blocks.block_k, blocks.rows
-    sched = tile_schedule(group_sizes, m, tm)
-    tiles = sched.shape[1]
-    # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
-    # reads start on a whole tile, as the copies into the tiled shared-memory buffers need.
-    rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
-    live = rows < sched[2][:, None]
-    slabs = jnp.where(live[..., None], lhs[jnp.minimum(rows, m - 1)], 0).astype(jnp.bfloat16)
-    x_even, x_odd = slabs[..., 0::2], slabs[..., 1::2]
+    slabs = slabs.astype(jnp.bfloat16)
     n_weights = len(weights)
-    kernel = functools.partial(_kernel, n_weights=n_weights, steps=k // bk, blocks=blocks)
+    kernel = functools.partial(_kernel, n_weights=n_weights, steps=k // blocks.block_k, blocks=blocks)
     a_transforms = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32))
-    out = plgpu.kernel(
+    return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((n_weights, tiles, n, tm), jnp.float32),
         grid=(tiles, n // COLUMNS),
@@ -288,13 +283,37 @@ def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: b
         scratch_types=[plgpu.SMEM((n_weights, COLUMNS, tm), jnp.float32),
                        plgpu.SMEM((COLUMNS, PER_GROUP), jnp.bfloat16, transforms=a_transforms)],
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(sched, x_even, x_odd, *(part for w in weights for part in (w.packed, w.scale)))
+    )(sched, slabs[..., 0::2], slabs[..., 1::2], *(part for w in weights for part in (w.packed, w.scale)))
+
+
+def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: bool):
+    """Per row r of `lhs` (sorted by group) and each weight w: lhs[r] @ W_w[g(r)] in fp32 -> [W, M, N]."""
+    m = lhs.shape[0]
+    tm = blocks.rows
+    sched = tile_schedule(group_sizes, m, tm)
+    tiles = sched.shape[1]
+    # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
+    # reads start on a whole tile, as the copies into the tiled shared-memory buffers need.
+    rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
+    live = rows < sched[2][:, None]
+    out = _launch(sched, jnp.where(live[..., None], lhs[jnp.minimum(rows, m - 1)], 0), weights, blocks, interpret)
     # Row r of the output is column r - first of its tile's [N, rows] block.
     tile_of = jnp.zeros((m,), jnp.int32).at[jnp.where(live, rows, m)].set(
         jnp.broadcast_to(jnp.arange(tiles, dtype=jnp.int32)[:, None], rows.shape), mode="drop")
     per_row = out[:, tile_of, :, jnp.clip(jnp.arange(m) - sched[1][tile_of], 0, tm - 1)]     # [M, W, N]
     covered = jnp.arange(m) < jnp.sum(group_sizes)
     return jnp.where(covered[None, :, None], jnp.moveaxis(per_row, 1, 0), 0.0)
+
+
+def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4Blocks, interpret: bool):
+    """Unsorted pairs, one tile each (its first row the pair's activations, the others zeros):
+    lhs[p // repeat] @ W_w[group[p]] in fp32 where valid[p], else 0 -> [W, P, N]."""
+    pairs = group.shape[0]
+    index = jnp.arange(pairs, dtype=jnp.int32)
+    sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), index, index + valid.astype(jnp.int32)])
+    slabs = jnp.zeros((pairs, blocks.rows, lhs.shape[1]), lhs.dtype).at[:, 0].set(jnp.repeat(lhs, repeat, axis=0))
+    out = _launch(sched, slabs, weights, blocks, interpret)[..., 0]
+    return jnp.where(valid[None, :, None], out, 0.0)
 
 
 def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
@@ -350,4 +369,43 @@ def grouped_glu_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, grou
     blocks, interpreted = _blocks(blocks, interpret)
     _check(lhs, (w_gate, w_up), group_sizes, blocks)
     gate, up = _products(lhs, (w_gate, w_up), group_sizes, blocks, interpreted)
+    return glu(gate, up, spec).astype(lhs.dtype)
+
+
+def _check_pairs(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4Blocks):
+    groups = weights[0].shape[0] if isinstance(weights[0], Mxfp4Columns) else 0
+    _check(lhs, weights, jnp.zeros((groups,), jnp.int32), blocks)
+    if repeat < 1 or group.ndim != 1 or group.shape != valid.shape or group.shape[0] != lhs.shape[0] * repeat:
+        raise ValueError(f"hopper MXFP4 pairs: expected group and valid [M] with M = lhs rows x repeat; got lhs "
+                         f"{lhs.shape}, group {group.shape}, valid {valid.shape}, repeat {repeat}")
+
+
+@functools.partial(jax.jit, static_argnames=("repeat", "blocks", "interpret"))
+def pair_matmul_hopper_mxfp4(lhs, rhs: Mxfp4Columns, group, valid, row_scale=None, *, repeat: int = 1,
+                             blocks: HopperMxfp4Blocks | None = None, interpret: bool | None = None):
+    """Unsorted pairs, one program per pair and column block (no sort, for a few tokens):
+    out[p] = lhs[p // repeat] @ W[group[p]] (times row_scale[p]) where valid[p], else 0.
+
+    Args:
+      lhs: [M / repeat, K]. rhs: Mxfp4Columns of W [G, K, N]. group: [M] int32 in [0, G). valid: [M] bool.
+      row_scale: optional [M]; the output is then fp32. blocks / interpret: as `grouped_matmul_hopper_mxfp4`.
+    Returns:
+      [M, N] in lhs's dtype (fp32 with row_scale).
+    """
+    blocks, interpreted = _blocks(blocks, interpret)
+    _check_pairs(lhs, (rhs,), group, valid, repeat, blocks)
+    out = _pair_products(lhs, (rhs,), group, valid, repeat, blocks, interpreted)[0]
+    if row_scale is None:
+        return out.astype(lhs.dtype)
+    return out * jnp.where(valid, row_scale.astype(jnp.float32), 0.0)[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "repeat", "blocks", "interpret"))
+def pair_glu_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, group, valid, *, spec: GluSpec = GluSpec(),
+                          repeat: int = 1, blocks: HopperMxfp4Blocks | None = None, interpret: bool | None = None):
+    """Unsorted pairs: act(x @ W_gate[group[p]], x @ W_up[group[p]]) with x = lhs[p // repeat] where valid[p],
+    else 0. Shapes as `pair_matmul_hopper_mxfp4`; -> [M, F] in lhs's dtype."""
+    blocks, interpreted = _blocks(blocks, interpret)
+    _check_pairs(lhs, (w_gate, w_up), group, valid, repeat, blocks)
+    gate, up = _pair_products(lhs, (w_gate, w_up), group, valid, repeat, blocks, interpreted)
     return glu(gate, up, spec).astype(lhs.dtype)

@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 from tolerances import assert_close
 
-from pallas_kernels.moe_gmm import GluSpec, Mxfp4Weight, grouped_glu_reference, grouped_matmul_reference
+from pallas_kernels.moe_gmm import (GluSpec, Mxfp4Weight, grouped_glu_reference, grouped_matmul_reference,
+                                    pair_glu_reference, pair_matmul_reference)
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (_PTX_DECODE, HopperMxfp4Blocks, Mxfp4Columns, _decode_exact,
                                                  decode_table_bits, from_checkpoint_columns,
-                                                 grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4, to_columns)
+                                                 grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4,
+                                                 pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4, to_columns)
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, dequantize, from_checkpoint_layout
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
@@ -76,6 +78,29 @@ def test_grouped_glu_equals_the_reference_over_several_steps(rng, interpret, spe
     ref = grouped_glu_reference(xb, dequantize(wg, jnp.float32), dequantize(wu, jnp.float32), group_sizes, spec=spec)
     assert out.dtype == jnp.float32
     assert_close("glu", out, ref, dtype=jnp.bfloat16)   # the MMA's operands are bf16
+
+
+def test_pairs_equal_the_reference(rng, interpret):
+    """Unsorted pairs (two experts per token, one pair not valid), both entry points."""
+    g, k, f, tokens, repeat = 5, 256, 64, 3, 2
+    wg, wu = _weight(rng, g, k, f), _weight(rng, g, k, f)
+    x = jnp.asarray(rng.standard_normal((tokens, k)) * 0.05, jnp.bfloat16)
+    group = jnp.asarray(rng.integers(0, g, tokens * repeat), jnp.int32)
+    valid = jnp.asarray([True, True, False, True, True, True])
+    scale = jnp.asarray(rng.uniform(0.1, 1.0, tokens * repeat), jnp.float32)
+    dg, du = dequantize(wg, jnp.float32), dequantize(wu, jnp.float32)
+    blocks = _blocks(interpret, block_k=128)
+    h = pair_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group, valid, repeat=repeat, blocks=blocks,
+                              interpret=interpret)
+    xf = x.astype(jnp.float32)
+    assert_close("pair glu", h, pair_glu_reference(xf, dg, du, group, valid, repeat=repeat), dtype=jnp.bfloat16)
+    y = pair_matmul_hopper_mxfp4(x, to_columns(wg), group, valid, scale, repeat=repeat, blocks=blocks,
+                                 interpret=interpret)
+    assert_close("pair matmul", y, pair_matmul_reference(xf, dg, group, valid, scale, repeat=repeat),
+                 dtype=jnp.bfloat16)
+    assert not np.asarray(y[2]).any() and not np.asarray(h[2]).any()
+    with pytest.raises(ValueError, match="repeat"):
+        pair_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group, valid, repeat=3, blocks=blocks)
 
 
 def test_checkpoint_columns_keep_the_stored_codes(rng):
@@ -190,6 +215,13 @@ def test_every_form_lowers_for_cuda_on_any_host(form):
     module = jax.export.export(jax.jit(glu), platforms=["cuda"])(*args).mlir_module()
     assert "mosaic_gpu" in module
 
+    def pairs(x, p, s, group):
+        return pair_glu_hopper_mxfp4(x, Mxfp4Columns(p, s), Mxfp4Columns(p, s), group, group >= 0, repeat=2,
+                                     blocks=blocks, interpret=False)
+
+    pair_args = (jax.ShapeDtypeStruct((3, k), jnp.bfloat16), *args[1:3], jax.ShapeDtypeStruct((6,), jnp.int32))
+    assert "mosaic_gpu" in jax.export.export(jax.jit(pairs), platforms=["cuda"])(*pair_args).mlir_module()
+
 
 def test_refuses_what_it_cannot_run(rng):
     w = to_columns(_weight(rng, 2, 256, 64))
@@ -227,3 +259,18 @@ def test_compiled_forms_equal_the_reference(rng, form, sizes, m):
     assert_close("glu", out, grouped_glu_reference(x.astype(jnp.float32), dg, du, group_sizes), dtype=jnp.bfloat16)
     mm = grouped_matmul_hopper_mxfp4(x, to_columns(wg), group_sizes, blocks=blocks, interpret=False)
     assert_close("matmul", mm, grouped_matmul_reference(x.astype(jnp.float32), dg, group_sizes), dtype=jnp.bfloat16)
+
+
+@on_gpu
+@pytest.mark.parametrize("form", ["ptx_registers", "exact_smem"])
+def test_compiled_pairs_equal_the_reference(rng, form):
+    g, k, f, tokens, repeat = 8, 1024, 128, 4, 4
+    wg, wu = _weight(rng, g, k, f), _weight(rng, g, k, f)
+    x = jnp.asarray(rng.standard_normal((tokens, k)) * 0.05, jnp.bfloat16)
+    group = jnp.asarray(rng.integers(0, g, tokens * repeat), jnp.int32)
+    valid = jnp.asarray(rng.uniform(size=tokens * repeat) < 0.8)
+    dg, du = dequantize(wg, jnp.float32), dequantize(wu, jnp.float32)
+    h = pair_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group, valid, repeat=repeat, blocks=FORMS[form],
+                              interpret=False)
+    ref = pair_glu_reference(x.astype(jnp.float32), dg, du, group, valid, repeat=repeat)
+    assert_close("pair glu", h, ref, dtype=jnp.bfloat16)
