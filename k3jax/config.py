@@ -43,6 +43,11 @@ KDA_STATE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 # ("auto": `DecodeBlocks.value_blocks_for`; "1": one program per head, the output norm fused).
 KDA_DECODE_SPLITS: tuple[str, ...] = ("auto", "1", "2", "4", "8")
 EP_DISPATCHES: tuple[str, ...] = ("gather", "ragged")
+# How packed (MXFP4) routed experts lie on the device (MoEConfig.packed_layout): "rows" = codes
+# [E, in/2, out] (the Pallas-Triton kernels, pallas_kernels.moe_gmm.mxfp4.Mxfp4Weight); "columns" =
+# codes [E, out, in/2] as the checkpoint stores each expert (the Mosaic GPU kernel,
+# pallas_kernels.moe_gmm.hopper_mxfp4.Mxfp4Columns). Scales are [E, in/32, out] in both.
+PACKED_LAYOUTS: tuple[str, ...] = ("rows", "columns")
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,7 @@ class MoEConfig:
     # inputs, a quarter of bf16's bytes) and decoded inside the expert kernels; False = dequantised
     # to the model dtype at load time. Only from an MXFP4 checkpoint (`k3jax.load(.., packed_experts=True)`).
     packed_experts: bool = False
+    packed_layout: str = "rows"    # PACKED_LAYOUTS: the packed experts' device layout, hence their kernel
 
     def __post_init__(self):
         require_positive(self.num_experts, "num_experts")
@@ -231,6 +237,7 @@ class MoEConfig:
                  f"expected 'sigmoid' or 'softmax', got {self.score_function!r}")
         require_choice(self.impl, EXPERT_IMPLS, "moe.impl")
         require_choice(self.ep_dispatch, EP_DISPATCHES, "moe.ep_dispatch")
+        require_choice(self.packed_layout, PACKED_LAYOUTS, "moe.packed_layout")
         if self.packed_experts:
             require(self.expert_input_size % 32 == 0 and self.expert_intermediate_size % 32 == 0, "packed_experts",
                     f"MXFP4 needs expert widths that are multiples of 32, got {self.expert_input_size} and "
@@ -412,6 +419,7 @@ IMPL_OPTIONS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "router": ("moe", "router_impl", ROUTER_IMPLS),
     "shared": ("moe", "shared_impl", SHARED_IMPLS),
     "ep_dispatch": ("moe", "ep_dispatch", EP_DISPATCHES),
+    "expert_layout": ("moe", "packed_layout", PACKED_LAYOUTS),
     "attn_res": ("attn_res", "impl", ATTN_RES_IMPLS),
     "linear": (None, "linear_impl", SKINNY_IMPLS),
     "norm": (None, "norm_impl", NORM_IMPLS),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import concurrent.futures
+import dataclasses
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ from k3jax.checkpoint.plan import plan_tensors, progress_bar, read_param_slice, 
 from k3jax.checkpoint.safetensors_io import FLOAT_DTYPES, CheckpointError, SafetensorsCheckpoint, open_regular
 from k3jax.checkpoint.verify import verify_checkpoint
 from k3jax.checkpoint.workdir import WorkDir
+from k3jax.config import PACKED_LAYOUTS
 from k3jax.hf_config import from_hf_config
 from k3jax.model import abstract_model
 from k3jax.sharding import split_dims
@@ -145,11 +147,15 @@ def _run_all(run, tasks: list, workers: int) -> None:
 
 
 def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool = False,
-            progress: bool | None = None, restart: bool = False, packed_experts: bool | None = None) -> ConvertReport:
+            progress: bool | None = None, restart: bool = False, packed_experts: bool | None = None,
+            expert_layout: str = "rows") -> ConvertReport:
     """Converts the Hugging Face directory `src` into the k3jax checkpoint `dst` (must not exist).
 
     MXFP4 routed experts are written packed (uint8 codes and scales, loaded as `packed_experts`)
     unless `packed_experts=False` dequantises them to `dtype`; None = packed when the source is MXFP4.
+    `expert_layout` (k3jax.config.PACKED_LAYOUTS) is the packed codes' device layout, fixed by the
+    conversion: "rows" for the Pallas-Triton expert kernels, "columns" (the stored orientation, copied
+    as it is) for the Mosaic GPU kernel.
 
     An interrupted run of the same source and options resumes from `dst.partial`; one of another
     source or other options is refused unless `restart` discards it. Raises CheckpointError (one
@@ -169,8 +175,15 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     cfg = cfg.replace(mtp_own_embedding=own_embedding)
     if packed_experts is None:
         packed_experts = cfg.quantization == "mxfp4" and cfg.moe is not None
+    if expert_layout not in PACKED_LAYOUTS:
+        raise ValueError(f"--expert-layout must be one of {PACKED_LAYOUTS}, got {expert_layout!r}")
     if packed_experts:
         cfg = with_packed_experts(cfg, src)
+        cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, packed_layout=expert_layout))
+    elif expert_layout != "rows":
+        raise ValueError(f"--expert-layout {expert_layout} needs packed experts: an MXFP4 source converted "
+                         "without --dequantize-experts")
+    layout_key = {"packed_layout": expert_layout} if expert_layout != "rows" else {}
     pdtype = _param_dtype(dtype, ckpt)
     params, splits = _abstract_params(cfg, pdtype)
     plan, skipped = plan_tensors(cfg, ckpt, {p: s for p, (s, _) in params.items()})
@@ -181,8 +194,8 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     try:
         if os.path.lexists(dst):  # committed by the run that held the lock before us
             raise FileExistsError(f"{dst} already exists; remove it or choose another destination")
-        done = work.resume(_identity(source, pdtype, sum(len(v) for v in plan.values()), packed_experts, layout),
-                           restart)
+        done = work.resume({**_identity(source, pdtype, sum(len(v) for v in plan.values()), packed_experts, layout),
+                            **layout_key}, restart)
     except BaseException:
         work.remove() if work.created else work.release()  # a refused resume keeps everything
         raise
@@ -190,7 +203,8 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     start = time.perf_counter()
     try:
         read = _convert_tensors(ckpt, plan, params, splits, work, done, workers, progress)
-        _write_metadata(work.path, source, plan, params, done, own_embedding, pdtype, skipped, packed_experts)
+        _write_metadata(work.path, source, plan, params, done, own_embedding, pdtype, skipped, packed_experts,
+                        layout_key)
     except NonFiniteError:  # the source cannot be converted: nothing is kept
         work.remove()
         raise
@@ -253,8 +267,9 @@ def _convert_tensors(ckpt, plan, params, splits, work: WorkDir, done: dict, work
 
 
 def _write_metadata(work: str, source: _Source, plan, params, done: dict, own_embedding: bool, pdtype,
-                    skipped: int, packed_experts: bool) -> None:
-    """The manifest, Orbax's metadata files and the copied config / tokenizer files."""
+                    skipped: int, packed_experts: bool, layout_key: dict) -> None:
+    """The manifest, Orbax's metadata files and the copied config / tokenizer files. `layout_key`:
+    {"packed_layout": ...} when the packed experts are not in the default "rows" layout."""
     manifest_params = {}
     for p, (shape, dt) in params.items():
         entries = sorted(plan[p], key=lambda e: -1 if e[1].expert is None else e[1].expert)
@@ -262,7 +277,7 @@ def _write_metadata(work: str, source: _Source, plan, params, done: dict, own_em
                                           "sha256": combined_digest([done[n] for n, _ in entries]),
                                           "stacked": entries[0][1].expert is not None}
     write_manifest(work, {"format": FORMAT, "hf_config": source.raw_config, "mtp_own_embedding": own_embedding,
-                          "packed_experts": packed_experts, "read_pieces": READ_PIECES,
+                          "packed_experts": packed_experts, **layout_key, "read_pieces": READ_PIECES,
                           "dtype": pdtype.name, "skipped_tensors": skipped, "source": os.path.abspath(source.path),
                           "params": manifest_params})
     write_orbax_metadata(os.path.join(work, PARAMS_DIR),
@@ -295,11 +310,15 @@ def main(argv=None, prog: str = "convert") -> int:
     ap.add_argument("--dequantize-experts", action="store_true",
                     help="write MXFP4 routed experts dequantised to --dtype (default: kept packed, a quarter of "
                          "bf16's bytes, decoded inside the expert kernels)")
+    ap.add_argument("--expert-layout", choices=PACKED_LAYOUTS, default="rows",
+                    help="device layout of packed experts: rows (the Pallas-Triton kernels) or columns (the "
+                         "checkpoint's own orientation, for the Mosaic GPU kernel); fixed by the conversion")
     args = ap.parse_args(argv)
     try:
         report = convert(args.src, args.dst, dtype=args.dtype, workers=args.workers, verify=args.verify,
                          progress=False if args.quiet else None, restart=args.restart,
-                         packed_experts=False if args.dequantize_experts else None)
+                         packed_experts=False if args.dequantize_experts else None,
+                         expert_layout=args.expert_layout)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1

@@ -242,6 +242,11 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: boo
     _warn_of_whole_reads(path, manifest, mesh)
     if manifest.get("packed_experts", False):   # what the checkpoint holds: MXFP4 experts, kept packed
         cfg = with_packed_experts(cfg, path)
+        layout = manifest.get("packed_layout", "rows")
+        if impls.get("expert_layout") not in (None, layout):
+            raise CheckpointError(f"{path}: converted with expert_layout={layout!r}; convert again with "
+                                  f"--expert-layout {impls['expert_layout']} to use it")
+        cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, packed_layout=layout))
     if a_log_policy is not None and cfg.kda is not None and a_log_policy != cfg.kda.a_log_policy:
         raise CheckpointError(f"{path}: converted with a_log_policy={cfg.kda.a_log_policy!r}; convert again to "
                               f"use {a_log_policy!r}")

@@ -138,7 +138,8 @@ def _add_block(rules: dict, cfg: ModelConfig, prefix: str, root: tuple, mixer: s
             name = f"{prefix}block_sparse_moe.experts.{e}.{stored}."
             path = root + ("block_sparse_moe", "experts", param)
             if cfg.quantization == "mxfp4" and cfg.moe.packed_experts:     # kept packed: two parameters
-                rules[name + "weight_packed"] = TensorRule(path[:-1] + (param + "_packed",), "transpose_uint8", e)
+                codes = "copy_uint8" if cfg.moe.packed_layout == "columns" else "transpose_uint8"
+                rules[name + "weight_packed"] = TensorRule(path[:-1] + (param + "_packed",), codes, e)
                 rules[name + "weight_scale"] = TensorRule(path[:-1] + (param + "_scale",), "transpose_uint8", e)
             elif cfg.quantization == "mxfp4":
                 rules[name + "weight_packed"] = TensorRule(path, "mxfp4_packed", e, partner=name + "weight_scale")

@@ -80,6 +80,8 @@ HOOKS = {
     # [in/2, out] and [in/32, out], each a plain transpose of bytes.
     "transpose_uint8": Hook("transpose_uint8", lambda s: tuple(s[::-1]), _exact(lambda s: tuple(s[::-1])),
                             lambda a, s: a.T, lambda p: p.T, "uint8", region=_reversed_box),
+    # ... or the codes kept in the stored [out, in/2] orientation ("columns" layout: a plain copy of bytes).
+    "copy_uint8": Hook("copy_uint8", tuple, _exact(tuple), lambda a, s: a, lambda p: p, "uint8", region=_same_box),
     # MXFP4 experts dequantised at load: the packed codes carry the transform; the scales are read alongside them.
     "mxfp4_packed": Hook("mxfp4_packed", _mxfp4_packed_shape, _exact(_mxfp4_packed_shape), None, None, "uint8"),
     "mxfp4_scale": Hook("mxfp4_scale", _mxfp4_scale_shape, _exact(_mxfp4_scale_shape), None, None, "uint8"),

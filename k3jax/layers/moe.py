@@ -23,6 +23,7 @@ from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import normal, param, random_bytes, zeros
 from k3jax.layers.residual import SplitSum
 from pallas_kernels.moe_gmm.mxfp4 import GROUP as MXFP4_GROUP
+from pallas_kernels.moe_gmm.hopper_mxfp4 import Mxfp4Columns
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
 from pallas_kernels.router import RouterSpec, route_topk
 from pallas_kernels.skinny import SkinnyImpl
@@ -128,12 +129,15 @@ class Experts(nnx.Module):
     """Stacked routed expert weights: w1/w3 [E, D, F] (gate/up), w2 [E, F, D] (down).
 
     With `cfg.packed_experts` each is kept as MXFP4 (`pallas_kernels.moe_gmm.mxfp4`): w1_packed
-    uint8 [E, D/2, F] and w1_scale uint8 [E, D/32, F], likewise w3 and w2 ([E, F/2, D], [E, F/32, D]).
+    uint8 [E, D/2, F] and w1_scale uint8 [E, D/32, F], likewise w3 and w2 ([E, F/2, D], [E, F/32, D]);
+    with `cfg.packed_layout` "columns" the codes keep the checkpoint's orientation, w1_packed [E, F, D/2]
+    and w2_packed [E, D, F/2] (`pallas_kernels.moe_gmm.hopper_mxfp4.Mxfp4Columns`).
     Random packed weights draw every code with scales near 2^-6 (weights of about 0.02)."""
 
     def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
         e, d, f = cfg.num_experts, cfg.expert_input_size, cfg.expert_intermediate_size
         self.packed = cfg.packed_experts
+        self.columns = cfg.packed_experts and cfg.packed_layout == "columns"
         shapes = {"w1": ((e, d, f), ("experts", "embed", "expert_mlp")),
                   "w3": ((e, d, f), ("experts", "embed", "expert_mlp")),
                   "w2": ((e, f, d), ("experts", "expert_mlp", "embed"))}
@@ -141,15 +145,17 @@ class Experts(nnx.Module):
             if not self.packed:
                 setattr(self, name, param(rngs, (g, k, n), dtype, normal(), axes))
                 continue
-            setattr(self, name + "_packed", param(rngs, (g, k // 2, n), jnp.uint8, random_bytes(0, 256), axes))
+            codes, code_axes = ((g, n, k // 2), (axes[0], axes[2], axes[1])) if self.columns else ((g, k // 2, n), axes)
+            setattr(self, name + "_packed", param(rngs, codes, jnp.uint8, random_bytes(0, 256), code_axes))
             setattr(self, name + "_scale", param(rngs, (g, k // MXFP4_GROUP, n), jnp.uint8, random_bytes(118, 123),
                                                  axes))
 
     def weights(self) -> tuple:
-        """(w1, w3, w2): arrays, or `Mxfp4Weight`s when packed."""
+        """(w1, w3, w2): arrays, or `Mxfp4Weight`s (`Mxfp4Columns` in the "columns" layout) when packed."""
         if not self.packed:
             return self.w1[...], self.w3[...], self.w2[...]
-        return tuple(Mxfp4Weight(getattr(self, n + "_packed")[...], getattr(self, n + "_scale")[...])
+        kind = Mxfp4Columns if self.columns else Mxfp4Weight
+        return tuple(kind(getattr(self, n + "_packed")[...], getattr(self, n + "_scale")[...])
                      for n in ("w1", "w3", "w2"))
 
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from k3jax.layers.activation import Activation, gated_activation
 from pallas_kernels.moe_gmm import GmmImpl, grouped_glu, grouped_matmul, pair_glu, pair_matmul, resolve_gmm_impl
+from pallas_kernels.moe_gmm.hopper_mxfp4 import Mxfp4Columns, to_rows
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight, dequantize
 
 # "dense": every expert on every token (the reference); "ragged": pairs sorted by expert, grouped
@@ -124,13 +125,15 @@ def experts_gather(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
     return jnp.einsum("nx,nxd->nd", jnp.where(inside, weights_NX, 0.0), y, precision=_HIGHEST)
 
 
-def resolve_expert_impl(impl: ExpertImpl, tokens: int, weight_sides: tuple[int, int], gmm: GmmImpl = "auto") -> str:
-    """The path `local_experts` takes for `tokens` tokens on experts with [K, N] weight sides:
-    "auto" picks the kernel's pairs up to PAIRS_MAX_TOKENS tokens and ragged beyond (the kernel
-    reads touched experts only), without the kernel gather for few tokens."""
+def resolve_expert_impl(impl: ExpertImpl, tokens: int, weight_sides: tuple[int, int], gmm: GmmImpl = "auto",
+                        columns: bool = False) -> str:
+    """The path `local_experts` takes for `tokens` tokens on experts with [K, N] weight sides
+    (`columns`: packed as `Mxfp4Columns`): "auto" picks the kernel's pairs up to PAIRS_MAX_TOKENS
+    tokens and ragged beyond (the kernel reads touched experts only), without the kernel gather for
+    few tokens."""
     if impl != "auto":
         return impl
-    if resolve_gmm_impl(gmm, *weight_sides) == "pallas":
+    if resolve_gmm_impl(gmm, *weight_sides, columns=columns) == "pallas":
         return "pairs" if tokens <= PAIRS_MAX_TOKENS else "ragged"
     return "gather" if tokens <= GATHER_MAX_TOKENS else "ragged"
 
@@ -144,15 +147,16 @@ def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF
     Args:
       impl: one of EXPERT_IMPLS. x_ND: expert inputs. weights_NX / experts_NX: the router's
         choice (fp32 weights, global expert ids). w1_EDF / w3_EDF (gate / up), w2_EFD (down): this
-        shard's experts, arrays or packed `Mxfp4Weight`s (the kernels decode them; "gather" and
-        "dense" dequantise first). gmm: the grouped-matmul implementation of "ragged" and "pairs".
+        shard's experts, arrays or packed `Mxfp4Weight`s / `Mxfp4Columns` (the kernels decode them;
+        "gather" and "dense" dequantise first). gmm: the grouped-matmul implementation of "ragged" and "pairs".
         expert_offset: the global id of this shard's first expert; None when every expert is local.
         shared: (gate, up, down) of always-active experts folded into the "pairs" path
           (`experts_pairs`); other paths refuse it. shared_chosen: the choices already list them.
     """
-    impl = resolve_expert_impl(impl, x_ND.shape[0], w1_EDF.shape[1:], gmm)
-    if impl in ("gather", "dense") and isinstance(w1_EDF, Mxfp4Weight):   # the references take arrays
-        w1_EDF, w3_EDF, w2_EFD = (dequantize(w, x_ND.dtype) for w in (w1_EDF, w3_EDF, w2_EFD))
+    impl = resolve_expert_impl(impl, x_ND.shape[0], w1_EDF.shape[1:], gmm, isinstance(w1_EDF, Mxfp4Columns))
+    if impl in ("gather", "dense") and isinstance(w1_EDF, (Mxfp4Weight, Mxfp4Columns)):   # the references take arrays
+        w1_EDF, w3_EDF, w2_EFD = (dequantize(to_rows(w) if isinstance(w, Mxfp4Columns) else w, x_ND.dtype)
+                                  for w in (w1_EDF, w3_EDF, w2_EFD))
     args = (x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
     if impl == "ragged":
         return experts_ragged(*args, gmm=gmm, expert_offset=expert_offset)

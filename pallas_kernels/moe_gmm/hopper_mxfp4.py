@@ -69,11 +69,25 @@ class Mxfp4Columns(NamedTuple):
         g, n, half = self.packed.shape
         return g, 2 * half, n
 
+    @property
+    def ndim(self) -> int:
+        return 3
+
 
 def to_columns(w: Mxfp4Weight) -> Mxfp4Columns:
     """`mxfp4.Mxfp4Weight` ([G, K/2, N] codes) -> the column-major codes this kernel streams."""
     validate_mxfp4(w)
     return Mxfp4Columns(jnp.swapaxes(w.packed, 1, 2), w.scale)
+
+
+def to_rows(w: Mxfp4Columns) -> Mxfp4Weight:
+    """The inverse of `to_columns`: the [G, K/2, N] codes the other kernels and `mxfp4.dequantize` take."""
+    return Mxfp4Weight(jnp.swapaxes(_validated(w).packed, 1, 2), w.scale)
+
+
+def hopper_takes(k_dim: int, n_dim: int) -> bool:
+    """Whether the kernel runs a [K, N] weight: K a multiple of 128 (whole pipeline steps) and N of 64."""
+    return k_dim % 128 == 0 and n_dim % COLUMNS == 0
 
 
 def from_checkpoint_columns(packed_gnk, scale_gnk) -> Mxfp4Columns:
@@ -117,11 +131,13 @@ class HopperMxfp4Blocks:
             raise ValueError(f"HopperMxfp4Blocks: a_operand must be one of {A_OPERANDS}, got {self.a_operand!r}")
 
     @classmethod
-    def for_backend(cls, interpreted: bool, **fields) -> "HopperMxfp4Blocks":
+    def for_backend(cls, interpreted: bool, k_dim: int | None = None, **fields) -> "HopperMxfp4Blocks":
         """The compiled defaults, or in interpret mode (the CPU) the forms it runs: the exact decode
-        and the operand through shared memory."""
+        and the operand through shared memory. With `k_dim`, the deepest default step that divides it."""
         if interpreted:
             fields = {"decode": "exact", "a_operand": "smem", **fields}
+        if k_dim is not None and "block_k" not in fields and k_dim % cls.block_k:
+            fields["block_k"] = 128
         return cls(**fields)
 
 
@@ -333,9 +349,9 @@ def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
                          f"{COLUMNS}")
 
 
-def _blocks(blocks, interpret):
+def _blocks(blocks, interpret, k_dim: int):
     interpreted = default_interpret() if interpret is None else interpret
-    return (blocks or HopperMxfp4Blocks.for_backend(interpreted)), interpreted
+    return (blocks or HopperMxfp4Blocks.for_backend(interpreted, k_dim)), interpreted
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
@@ -351,7 +367,7 @@ def grouped_matmul_hopper_mxfp4(lhs, rhs: Mxfp4Columns, group_sizes, row_scale=N
     Returns:
       [M, N] in lhs's dtype (fp32 with row_scale); rows past sum(group_sizes) are zero.
     """
-    blocks, interpreted = _blocks(blocks, interpret)
+    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1])
     _check(lhs, (rhs,), group_sizes, blocks)
     out = _products(lhs, (rhs,), group_sizes, blocks, interpreted)[0]
     if row_scale is None:
@@ -366,7 +382,7 @@ def grouped_glu_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, grou
     """act(lhs[r] @ W_gate[g(r)], lhs[r] @ W_up[g(r)]) for rows sorted by group: both products from one
     launch (each program streams both weights' columns). Shapes as `grouped_matmul_hopper_mxfp4`;
     -> [M, F] in lhs's dtype, rows past sum(group_sizes) zero."""
-    blocks, interpreted = _blocks(blocks, interpret)
+    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1])
     _check(lhs, (w_gate, w_up), group_sizes, blocks)
     gate, up = _products(lhs, (w_gate, w_up), group_sizes, blocks, interpreted)
     return glu(gate, up, spec).astype(lhs.dtype)
@@ -392,7 +408,7 @@ def pair_matmul_hopper_mxfp4(lhs, rhs: Mxfp4Columns, group, valid, row_scale=Non
     Returns:
       [M, N] in lhs's dtype (fp32 with row_scale).
     """
-    blocks, interpreted = _blocks(blocks, interpret)
+    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1])
     _check_pairs(lhs, (rhs,), group, valid, repeat, blocks)
     out = _pair_products(lhs, (rhs,), group, valid, repeat, blocks, interpreted)[0]
     if row_scale is None:
@@ -405,7 +421,7 @@ def pair_glu_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, group, 
                           repeat: int = 1, blocks: HopperMxfp4Blocks | None = None, interpret: bool | None = None):
     """Unsorted pairs: act(x @ W_gate[group[p]], x @ W_up[group[p]]) with x = lhs[p // repeat] where valid[p],
     else 0. Shapes as `pair_matmul_hopper_mxfp4`; -> [M, F] in lhs's dtype."""
-    blocks, interpreted = _blocks(blocks, interpret)
+    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1])
     _check_pairs(lhs, (w_gate, w_up), group, valid, repeat, blocks)
     gate, up = _pair_products(lhs, (w_gate, w_up), group, valid, repeat, blocks, interpreted)
     return glu(gate, up, spec).astype(lhs.dtype)

@@ -8,7 +8,10 @@ impl "pallas": the row-tiled kernel (`kernel.py`): touched groups only, one weig
 impl "mgpu": JAX's Hopper Mosaic GPU kernel `ragged_dot_mgpu` (GPU-interpret mode on the CPU).
 impl "auto": "pallas" on a GPU backend, "xla" elsewhere.
 Rows past sum(group_sizes) are zero in all of them. Weights may be `Mxfp4Weight` (packed MXFP4): the
-Pallas kernels decode them in registers; the other implementations dequantise them first.
+Pallas kernels decode them in registers; the other implementations dequantise them first. Weights given
+as `hopper_mxfp4.Mxfp4Columns` (the checkpoint's column-major codes) take the Mosaic GPU kernel
+(`hopper_mxfp4.py`) as their "pallas" implementation ("auto" where it fits their sides); the others
+dequantise them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from pallas_kernels.moe_gmm.kernel import (grouped_glu_pallas, grouped_matmul_pa
                                            pair_matmul_pallas)
 from pallas_kernels.moe_gmm.reference import (grouped_glu_reference, grouped_matmul_reference, pair_glu_reference,
                                               pair_matmul_reference)
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (Mxfp4Columns, grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4,
+                                                 hopper_takes, pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4,
+                                                 to_rows)
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight, dequantize
 from pallas_kernels.moe_gmm.tuning import GmmBlocks
 
@@ -34,11 +40,12 @@ GmmImpl = Literal["auto", "xla", "pallas", "mgpu"]
 GMM_IMPLS: tuple[str, ...] = get_args(GmmImpl)
 
 
-def resolve_gmm_impl(impl: GmmImpl, k_dim: int | None = None, n_dim: int | None = None) -> str:
+def resolve_gmm_impl(impl: GmmImpl, k_dim: int | None = None, n_dim: int | None = None, columns: bool = False) -> str:
     """"auto" -> "pallas" on a GPU backend when the weight's sides [K, N] (if given) tile, else "xla";
-    other names unchanged."""
+    other names unchanged. `columns`: the weights are `Mxfp4Columns` (their kernel's own tiling)."""
     if impl == "auto":
-        fits = k_dim is None or n_dim is None or tiles_by_16(k_dim, n_dim)
+        takes = hopper_takes if columns else tiles_by_16
+        fits = k_dim is None or n_dim is None or takes(k_dim, n_dim)
         return "pallas" if jax.default_backend() == "gpu" and fits else "xla"
     if impl not in GMM_IMPLS:
         raise ValueError(f"grouped_matmul: unknown impl {impl!r}; expected one of {GMM_IMPLS}")
@@ -61,7 +68,13 @@ def _mgpu(lhs, rhs, group_sizes, blocks: GmmBlocks):
 
 def _dense(w, dtype):
     """A weight as an array: MXFP4 dequantised to `dtype` (the non-kernel paths), else as is."""
+    if isinstance(w, Mxfp4Columns):
+        w = to_rows(w)
     return dequantize(w, dtype) if isinstance(w, Mxfp4Weight) else w
+
+
+def _impl(impl: GmmImpl, w) -> str:
+    return resolve_gmm_impl(impl, *w.shape[1:], columns=isinstance(w, Mxfp4Columns))
 
 
 def _check(lhs, rhs, group_sizes) -> None:
@@ -83,7 +96,9 @@ def grouped_matmul(lhs, rhs, group_sizes, row_scale=None, *, impl: GmmImpl = "au
       [M, N] in lhs's dtype (fp32 with row_scale).
     """
     _check(lhs, rhs, group_sizes)
-    impl = resolve_gmm_impl(impl, *rhs.shape[1:])
+    impl = _impl(impl, rhs)
+    if impl == "pallas" and isinstance(rhs, Mxfp4Columns):
+        return grouped_matmul_hopper_mxfp4(lhs, rhs, group_sizes, row_scale)
     if impl == "pallas":
         return grouped_matmul_pallas(lhs, rhs, group_sizes, row_scale)
     rhs = _dense(rhs, lhs.dtype)
@@ -96,7 +111,9 @@ def grouped_glu(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), im
     """act(lhs[r] @ w_gate[g(r)], lhs[r] @ w_up[g(r)]) for rows sorted by group: the gated first
     half of an expert MLP. Shapes as `grouped_matmul` with w_gate, w_up [G, K, F]; -> [M, F]."""
     _check(lhs, w_gate, group_sizes)
-    impl = resolve_gmm_impl(impl, *w_gate.shape[1:])
+    impl = _impl(impl, w_gate)
+    if impl == "pallas" and isinstance(w_gate, Mxfp4Columns):
+        return grouped_glu_hopper_mxfp4(lhs, w_gate, w_up, group_sizes, spec=spec)
     if impl == "pallas":
         return grouped_glu_pallas(lhs, w_gate, w_up, group_sizes, spec=spec)
     w_gate, w_up = _dense(w_gate, lhs.dtype), _dense(w_up, lhs.dtype)
@@ -105,17 +122,20 @@ def grouped_glu(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), im
     return glu(_mgpu(lhs, w_gate, group_sizes, blocks), _mgpu(lhs, w_up, group_sizes, blocks), spec)
 
 
-def _pair_impl(impl: GmmImpl, k_dim: int, n_dim: int) -> str:
+def _pair_impl(impl: GmmImpl, w) -> str:
     """The per-row paths exist as the Pallas kernel and the gather reference ("mgpu" takes the latter)."""
-    return "pallas" if resolve_gmm_impl(impl, k_dim, n_dim) == "pallas" else "xla"
+    return "pallas" if _impl(impl, w) == "pallas" else "xla"
 
 
 def pair_matmul(lhs, rhs, group, valid, row_scale=None, *, repeat: int = 1, extra=None, impl: GmmImpl = "auto"):
     """Unsorted pairs, each with its own group: out[r] = lhs[r // repeat] @ rhs[group[r]] (* row_scale[r])
     where valid[r], else 0. lhs [M / repeat, K], rhs [G, K, N], group [M] int32, valid [M] bool -> [M, N].
     extra: optional [S, K, N] bf16 weights of groups G .. G + S - 1 (the shared experts)."""
-    if _pair_impl(impl, *rhs.shape[1:]) == "pallas":
-        return pair_matmul_pallas(lhs, rhs, group, valid, row_scale, repeat=repeat, extra=extra)
+    if _pair_impl(impl, rhs) == "pallas":
+        if not isinstance(rhs, Mxfp4Columns):
+            return pair_matmul_pallas(lhs, rhs, group, valid, row_scale, repeat=repeat, extra=extra)
+        if extra is None:        # the Mosaic GPU kernel takes no extra groups: those run the reference
+            return pair_matmul_hopper_mxfp4(lhs, rhs, group, valid, row_scale, repeat=repeat)
     return pair_matmul_reference(lhs, _dense(rhs, lhs.dtype), group, valid, row_scale, repeat=repeat, extra=extra)
 
 
@@ -123,7 +143,10 @@ def pair_glu(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), repe
              impl: GmmImpl = "auto"):
     """Unsorted pairs: act(x @ w_gate[group[r]], x @ w_up[group[r]]) with x = lhs[r // repeat] where
     valid[r], else 0. extra: optional (gate, up) [S, K, F] bf16 weights of groups G .. G + S - 1."""
-    if _pair_impl(impl, *w_gate.shape[1:]) == "pallas":
-        return pair_glu_pallas(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat, extra=extra)
+    if _pair_impl(impl, w_gate) == "pallas":
+        if not isinstance(w_gate, Mxfp4Columns):
+            return pair_glu_pallas(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat, extra=extra)
+        if extra is None:
+            return pair_glu_hopper_mxfp4(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat)
     return pair_glu_reference(lhs, _dense(w_gate, lhs.dtype), _dense(w_up, lhs.dtype), group, valid, spec=spec,
                               repeat=repeat, extra=extra)

@@ -14,6 +14,7 @@ from checkpoints import snap_experts_to_mxfp4
 from tolerances import assert_close
 
 import k3jax
+from k3jax.checkpoint.convert import convert
 from k3jax.checkpoint.safetensors_io import CheckpointError
 from k3jax.checkpoint.writer import save_checkpoint
 from k3jax.config import tiny_k3
@@ -50,6 +51,55 @@ def test_packed_load_equals_the_dequantising_load(mxfp4_dir, rng, impls):
     assert experts.w2_scale[...].shape == (cfg.num_experts, cfg.expert_intermediate_size // 32, cfg.expert_input_size)
     ids = _ids(packed.config, rng)
     assert_close(f"logits {impls}", packed.logits(ids), dense.logits(ids), dtype="float32")
+
+
+def test_columns_layout_keeps_the_stored_codes_and_the_same_model(mxfp4_dir, rng):
+    """expert_layout="columns": the codes as the checkpoint stores each expert ([out, in/2], copied),
+    the scales as in "rows"; the same logits as the "rows" load, on one device and over experts."""
+    rows = k3jax.load(mxfp4_dir, dtype="float32", packed_experts=True)
+    cols = k3jax.load(mxfp4_dir, dtype="float32", packed_experts=True, expert_layout="columns")
+    cfg = cols.config.moe
+    assert cfg.packed_layout == "columns"
+    e, d, f = cfg.num_experts, cfg.expert_input_size, cfg.expert_intermediate_size
+    experts, row_experts = _moe_layer(cols).block_sparse_moe.experts, _moe_layer(rows).block_sparse_moe.experts
+    assert experts.w1_packed[...].shape == (e, f, d // 2) and experts.w2_packed[...].shape == (e, d, f // 2)
+    np.testing.assert_array_equal(np.asarray(experts.w2_packed[...]),
+                                  np.swapaxes(np.asarray(row_experts.w2_packed[...]), 1, 2))
+    np.testing.assert_array_equal(np.asarray(experts.w1_scale[...]), np.asarray(row_experts.w1_scale[...]))
+    ids = _ids(cols.config, rng, (4, 9))
+    expected = rows.logits(ids)
+    assert_close("columns", cols.logits(ids), expected, dtype="float32")
+    sharded = k3jax.load(mxfp4_dir, dtype="float32", packed_experts=True, expert_layout="columns",
+                         mesh=make_mesh(MeshSpec(data=2, expert=4)))
+    assert_close("columns over experts", sharded.logits(ids), expected, dtype="float32")
+
+
+def test_converted_columns_layout_loads_as_written(mxfp4_dir, tmp_path, rng):
+    convert(mxfp4_dir, tmp_path / "cols", dtype="float32", expert_layout="columns", progress=False)
+    loaded = k3jax.load(tmp_path / "cols")
+    assert loaded.config.moe.packed_experts and loaded.config.moe.packed_layout == "columns"
+    ids = _ids(loaded.config, rng)
+    assert_close("converted columns", loaded.logits(ids),
+                 k3jax.load(mxfp4_dir, dtype="float32", packed_experts=True).logits(ids), dtype="float32")
+    with pytest.raises(CheckpointError, match="converted with expert_layout='columns'"):
+        k3jax.load(tmp_path / "cols", expert_layout="rows")
+    with pytest.raises(ValueError, match="needs packed experts"):
+        convert(mxfp4_dir, tmp_path / "bad", expert_layout="columns", packed_experts=False, progress=False)
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
+
+
+def test_columns_layout_runs_the_mosaic_gpu_kernel_in_the_model(rng):
+    """Expert widths the Mosaic GPU kernel takes (multiples of 128): gmm="pallas" runs it (interpret mode
+    on the CPU) on the pairs and the sorted-rows paths, equal to the dequantising reference path."""
+    cfg = tiny_k3(num_layers=2, attn_res_block_size=2, num_mtp_layers=0)
+    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, latent_size=128, expert_intermediate_size=128,
+                                              packed_experts=True, packed_layout="columns"))
+    model = k3jax.CausalLM.random(cfg, seed=2, dtype="bfloat16")
+    ids = _ids(cfg, rng, (2, 5))
+    expected = model.with_impls(gmm="xla").logits(ids)
+    for moe in ("pairs", "ragged"):
+        assert_close(f"kernel {moe}", model.with_impls(gmm="pallas", moe=moe).logits(ids), expected,
+                     dtype="bfloat16")
 
 
 def test_packed_experts_sharded_over_experts_equal_one_device(mxfp4_dir, rng):

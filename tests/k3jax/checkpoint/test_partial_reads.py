@@ -90,6 +90,7 @@ def _hook_cases(rng):
             ("conv", {"t": conv[:, 0]}, (4, 16)),
             ("a_log_per_channel", {"t": w}, (12, 20)),
             ("transpose_uint8", {"t": packed}, (32, 8)),
+            ("copy_uint8", {"t": packed}, (8, 32)),
             ("a_log_per_head", {"t": w[:1, :6].reshape(1, 1, 6, 1)}, (6,)),
             ("mxfp4_packed", {"t": packed, "s": scale}, (64, 8))]
 
