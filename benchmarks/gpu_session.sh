@@ -108,7 +108,7 @@ for step in "$@"; do
               --moe auto --batch 1 64 256 --new-tokens 32 --mesh expert=2 --ep-dispatch $d --name decode_ep2_$d 2>&1 \
               | quiet | tail -8 | tee "$W/decode_ep2_$d.log"; done ;;
     multiprocess) timeout 300 python3 benchmarks/multiprocess_gpu.py 2>&1 | quiet | tail -8 | tee "$W/multiprocess.log" ;;
-    k3-layers) OUT=$W timeout ${K3_LIMIT:-400} python3 benchmarks/k3_layers.py 2>&1 | quiet | tee "$W/k3_layers.log" ;;
+    k3-layers) OUT=$W timeout ${K3_LIMIT:-400} python3 benchmarks/k3_layers.py ${K3_ARGS:-} 2>&1 | quiet | tee "$W/k3_layers.log" ;;
     kda-varlen) K3JAX_TEST_DEVICE=gpu timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_kda_varlen.py tests/pallas_kernels/test_kda_kernels.py -k "varlen or chunk" 2>&1 \
               | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 | tee "$W/kda_varlen_tests.log"

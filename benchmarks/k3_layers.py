@@ -2,6 +2,7 @@
 
     python benchmarks/k3_layers.py             # on the H200 (bf16, MXFP4 experts kept packed)
     python benchmarks/k3_layers.py --small     # CPU smoke run: tiny-k3 shapes, interpret-mode kernels
+    python benchmarks/k3_layers.py --expert-layout columns   # packed experts for the Mosaic GPU kernel
 
 Times, with random weights at K3's published shapes (`kimi_k3()`), the model's own layer modules:
   kda   one KDA mixer (96 heads x 128, K3's bounded gate and full-rank gates), its projections included;
@@ -38,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks.common import chained_time, environment, median_time, table, write  # noqa: E402
-from k3jax.config import kimi_k3, tiny_k3  # noqa: E402
+from k3jax.config import PACKED_LAYOUTS, kimi_k3, tiny_k3  # noqa: E402
 from k3jax.layers.kda import KimiDeltaAttention  # noqa: E402
 from k3jax.layers.mla import MultiHeadLatentAttention  # noqa: E402
 from k3jax.layers.moe import MoE  # noqa: E402
@@ -54,10 +55,11 @@ def _module(cls, cfg, dtype):
     return cls(cfg, dtype=dtype, rngs=nnx.Rngs(0))
 
 
-def _local_moe(cfg, shards: int):
-    """The routed experts one of `shards` expert-parallel GPUs holds, top-k scaled alike."""
+def _local_moe(cfg, shards: int, layout: str = "rows"):
+    """The routed experts one of `shards` expert-parallel GPUs holds, top-k scaled alike, packed in
+    `layout` (k3jax.config.PACKED_LAYOUTS)."""
     moe = cfg.moe
-    return dataclasses.replace(moe, num_experts=moe.num_experts // shards, packed_experts=True,
+    return dataclasses.replace(moe, num_experts=moe.num_experts // shards, packed_experts=True, packed_layout=layout,
                                num_experts_per_token=max(1, moe.num_experts_per_token // shards),
                                num_expert_group=1, topk_group=1)
 
@@ -79,12 +81,13 @@ def _time_layer(module, x, args=(), kwargs=None, *, reps: int, iters: int) -> fl
     return t
 
 
-def measure(cfg, batches, prefill_tokens: int, context: int, dtype, reps: int, iters: int) -> list[dict]:
+def measure(cfg, batches, prefill_tokens: int, context: int, dtype, reps: int, iters: int,
+            layout: str = "rows") -> list[dict]:
     rows = []
     d = cfg.hidden_size
     kda = _module(KimiDeltaAttention, cfg.kda, dtype)
     mla = _module(MultiHeadLatentAttention, cfg.mla, dtype)
-    moes = {shards: _module(MoE, _local_moe(cfg, shards), dtype) for shards in (8, 16, 32)
+    moes = {shards: _module(MoE, _local_moe(cfg, shards, layout), dtype) for shards in (8, 16, 32)
             if cfg.moe.num_experts % shards == 0}
     x_of = lambda b, t: jax.random.normal(jax.random.key(b + t), (b, t, d), dtype)
     for b in batches:
@@ -140,8 +143,8 @@ def estimate(rows: list[dict], cfg) -> list[dict]:
             moe = n_moe * row[key] / 1e3
             moe_comm = n_moe * 2 * _collective(b * top_k * d * 2, gpus)
             step = attn + attn_comm + moe + moe_comm
-            out.append({"B": b, "GPUs": gpus, "moe_share": f"1/{shards}", "attention_ms": attn * 1e3, "attention_comm_ms": attn_comm * 1e3,
-                        "moe_ms": moe * 1e3, "all_to_all_ms": moe_comm * 1e3, "step_ms": step * 1e3,
+            out.append({"B": b, "GPUs": gpus, "moe_share": f"1/{shards}", "attention_ms": attn * 1e3,
+                        "attention_comm_ms": attn_comm * 1e3, "moe_ms": moe * 1e3, "all_to_all_ms": moe_comm * 1e3, "step_ms": step * 1e3,
                         "tok_s_per_user": 1 / step, "vs_vllm_118": 1 / step / VLLM_K3_TOK_S_PER_USER})
     return out
 
@@ -150,19 +153,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--expert-layout", choices=PACKED_LAYOUTS, default="rows",
+                    help="packed experts' layout: rows (Pallas-Triton kernels) or columns (the Mosaic GPU kernel)")
     args = ap.parse_args(argv)
     if args.small:
         cfg = tiny_k3()
         cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, num_experts=16, num_experts_per_token=4))
-        rows = measure(cfg, [1, 2], 64, 128, jnp.float32, reps=2, iters=2)
+        rows = measure(cfg, [1, 2], 64, 128, jnp.float32, reps=2, iters=2, layout=args.expert_layout)
     else:
         cfg = kimi_k3().with_impls(kda="pallas", kda_decode="pallas", mla="hopper", moe="auto")
-        rows = measure(cfg, [1, 16, 64], 8192, 4096, jnp.bfloat16, reps=20, iters=args.iters)
+        rows = measure(cfg, [1, 16, 64], 8192, 4096, jnp.bfloat16, reps=20, iters=args.iters, layout=args.expert_layout)
     est = estimate(rows, cfg)
-    record = {"benchmark": "k3_layers", "env": environment(), "rows": rows, "estimate": est,
+    record = {"benchmark": "k3_layers", "env": environment(), "expert_layout": args.expert_layout, "rows": rows,
+              "estimate": est,
               "cost_model": {"alpha_host_s": ALPHA_HOST, "alpha_net_s": ALPHA_NET, "beta_host_B_s": BETA_HOST,
                              "beta_net_B_s": BETA_NET, "gpus_per_host": GPUS_PER_HOST}}
-    path = write("k3_layers" + ("_small" if args.small else ""), record)
+    layout = "" if args.expert_layout == "rows" else "_" + args.expert_layout
+    path = write("k3_layers" + layout + ("_small" if args.small else ""), record)
     print(table(rows, list(rows[0])))
     print(table(est, list(est[0]) if est else ["B"]))
     print(f"wrote {path}")
