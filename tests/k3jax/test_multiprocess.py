@@ -28,6 +28,8 @@ from k3jax.sharding import MeshSpec, logical_spec
 
 WORKERS = Path(__file__).resolve().parent.parent / "workers"
 WORKER = WORKERS / "multiprocess_worker.py"
+sys.path.insert(0, str(WORKERS))
+from multiprocess_cases import FEATURES, streamed_tokens  # noqa: E402  (what the worker runs)
 
 
 def free_port() -> int:
@@ -59,7 +61,8 @@ def test_two_process_sharded_forward_and_generate(tmp_path):
     """Logits, and a prefill then a decode step, over two processes equal one process's; `generate`
     and the `Engine` run in lockstep on both: greedy tokens equal one process's, and sampled
     completions without a seed agree across the processes (each would draw its own fresh seeds; the
-    first process's are used)."""
+    first process's are used); logprobs, a repetition penalty, a stop id, the streamed chunks and
+    speculative decoding (prompt lookup, greedy: the plain greedy tokens) equal one process's."""
     out = tmp_path / "logits.npy"
     run_two(WORKER, str(out))
     ids = np.random.default_rng(0).integers(3, 512, (4, 10))
@@ -80,6 +83,22 @@ def test_two_process_sharded_forward_and_generate(tmp_path):
     assert engine == runs[1]["engine"] and sorted(engine) == ["greedy0", "greedy2", "sampled1", "sampled3"]
     assert engine["greedy0"][:5] == greedy[0].token_ids and engine["greedy2"][:5] == greedy[2].token_ids
     assert all(len(t) == 6 for t in engine.values())
+    # logprobs, a penalty, a stop id and streaming; speculative decoding: as on one process
+    assert runs[0]["features"] == runs[1]["features"] and runs[0]["streamed"] == runs[1]["streamed"]
+    chunks = []
+    features = k3jax.generate(model, ids[:, :6].tolist(), FEATURES, stream=chunks.append, stream_every=2)
+    assert [r["tokens"] for r in runs[0]["features"]] == [r.token_ids for r in features]
+    assert [r["finish"] for r in runs[0]["features"]] == [r.outputs[0].finish_reason for r in features]
+    assert "stop" in [r["finish"] for r in runs[0]["features"]]
+    for got, want in zip(runs[0]["features"], features):
+        steps = want.outputs[0].logprobs
+        assert [sorted(map(int, g)) for g in got["logprobs"]] == [sorted(w) for w in steps]
+        ours = [v for g in got["logprobs"] for _, v in sorted(g.items(), key=lambda item: int(item[0]))]
+        assert_close("logprobs", np.array(ours), np.array([v for w in steps for _, v in sorted(w.items())]),
+                     dtype="float32")
+    assert runs[0]["streamed"] == streamed_tokens(chunks)
+    assert runs[0]["speculative"] == runs[1]["speculative"] == [
+        r.token_ids for r in k3jax.generate(model, ids[:, :6].tolist(), k3jax.SamplingParams(max_tokens=8))]
 
 
 def _process_box(axes, shape, mesh: MeshSpec, process: int) -> tuple[tuple[int, int], ...]:

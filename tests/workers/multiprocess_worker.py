@@ -1,5 +1,6 @@
 """One process of the two-process test: 2 CPU devices each, 4 global, a sharded forward and
-`k3jax.generate` (written per process).
+`k3jax.generate` (greedy, sampled, the Engine, logprobs / penalties / stop ids / streaming,
+speculative decoding; written per process).
 
     python tests/workers/multiprocess_worker.py PROCESS_ID PORT OUT_FILE
 """
@@ -23,6 +24,9 @@ from jax.experimental import multihost_utils  # noqa: E402
 import k3jax  # noqa: E402
 from k3jax.engine import Engine, EngineConfig  # noqa: E402
 from k3jax.sharding import MeshSpec, make_mesh  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from multiprocess_cases import FEATURES, SPECULATIVE, streamed_tokens  # noqa: E402
 
 assert jax.process_count() == 2 and len(jax.devices()) == 4, (jax.process_count(), jax.devices())
 mesh = make_mesh(MeshSpec(data=2, expert=2))
@@ -50,8 +54,16 @@ for r in range(4):    # slots 0-3: rows on both processes' devices (data=2)
 finished = {}
 while engine.has_work():
     finished.update({u.request_id: u.result.token_ids for u in engine.step() if u.result is not None})
+# logprobs, a penalty, a stop id and streaming; then speculative decoding (prompt lookup)
+chunks = []
+features = k3jax.generate(model, ids[:, :6].tolist(), FEATURES, stream=lambda c: chunks.append(c), stream_every=2)
+speculative = k3jax.generate(model, ids[:, :6].tolist(), k3jax.SamplingParams(max_tokens=8), speculative=SPECULATIVE)
 with open(f"{out_file}.generate_{process_id}.json", "w") as f:
     json.dump({"greedy": [r.token_ids for r in greedy],
-               "sampled": [[c.token_ids for c in r.outputs] for r in sampled], "engine": finished}, f)
+               "sampled": [[c.token_ids for c in r.outputs] for r in sampled], "engine": finished,
+               "features": [{"tokens": r.token_ids, "finish": r.outputs[0].finish_reason,
+                             "logprobs": [{str(t): v for t, v in step.items()} for step in r.outputs[0].logprobs]}
+                            for r in features],
+               "streamed": streamed_tokens(chunks), "speculative": [r.token_ids for r in speculative]}, f)
 multihost_utils.sync_global_devices("done")
 jax.distributed.shutdown()
