@@ -162,7 +162,8 @@ def main(argv=None) -> int:
         rows = measure(cfg, [1, 2], 64, 128, jnp.float32, reps=2, iters=2, layout=args.expert_layout)
     else:
         cfg = kimi_k3().with_impls(kda="pallas", kda_decode="pallas", mla="hopper", moe="auto")
-        rows = measure(cfg, [1, 16, 64], 8192, 4096, jnp.bfloat16, reps=20, iters=args.iters, layout=args.expert_layout)
+        rows = measure(cfg, [1, 16, 64], 8192, 4096, jnp.bfloat16, reps=20, iters=args.iters,
+                       layout=args.expert_layout)
     est = estimate(rows, cfg)
     record = {"benchmark": "k3_layers", "env": environment(), "expert_layout": args.expert_layout, "rows": rows,
               "estimate": est,

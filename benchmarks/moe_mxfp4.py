@@ -90,7 +90,6 @@ def experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks=None):
         y = pair_matmul_hopper_mxfp4(h, c2, group, valid, weights.reshape(-1), blocks=blocks)
         return y.reshape(n, k, -1).sum(axis=1)
     order, sizes, _ = sort_by_expert(experts, c1.shape[0])
-    blocks = blocks or HopperMxfp4Blocks(rows=max(8, min(64, -(-n * k // c1.shape[0]) // 8 * 8)))
     h = grouped_glu_hopper_mxfp4(x[order // k], c1, c3, sizes, blocks=blocks)
     y = grouped_matmul_hopper_mxfp4(h, c2, sizes, weights.reshape(-1)[order], blocks=blocks)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[order // k].add(y)

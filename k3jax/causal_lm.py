@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.config import ModelConfig
+from k3jax.errors import ConfigError
 from k3jax.inputs import check_batch, check_token_ids
 from k3jax.memory_plan import prefill_chunk_length
 from k3jax.model import KimiForCausalLM, abstract_model
@@ -121,7 +122,13 @@ class CausalLM:
         return dict(tokenizer=self.tokenizer, load_report=self.load_report, generation_config=self.generation_config)
 
     def with_impls(self, **impls: str | None) -> "CausalLM":
-        """Same weights, other implementation choices (kda=, kda_decode=, mla=, moe=, gmm=, attn_res=)."""
+        """Same weights, other implementation choices (kda=, kda_decode=, mla=, moe=, gmm=, attn_res=).
+        expert_layout is not one: it decides the packed experts' parameters (set it when loading)."""
+        moe = self.config.moe
+        layout = impls.get("expert_layout")
+        if layout is not None and moe is not None and moe.packed_experts and layout != moe.packed_layout:
+            raise ConfigError(f"expert_layout={layout!r}: this model's packed experts lie in the "
+                              f"{moe.packed_layout!r} layout; load the checkpoint again with expert_layout={layout!r}")
         return self.with_config(self.config.with_impls(**impls))
 
     # ----- public API -----

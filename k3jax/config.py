@@ -238,6 +238,9 @@ class MoEConfig:
         require_choice(self.impl, EXPERT_IMPLS, "moe.impl")
         require_choice(self.ep_dispatch, EP_DISPATCHES, "moe.ep_dispatch")
         require_choice(self.packed_layout, PACKED_LAYOUTS, "moe.packed_layout")
+        require(self.packed_layout == "rows" or self.packed_experts, "expert_layout",
+                f"{self.packed_layout!r} is a layout of packed experts: load an MXFP4 checkpoint with "
+                "packed_experts=True (--packed-experts)")
         if self.packed_experts:
             require(self.expert_input_size % 32 == 0 and self.expert_intermediate_size % 32 == 0, "packed_experts",
                     f"MXFP4 needs expert widths that are multiples of 32, got {self.expert_input_size} and "

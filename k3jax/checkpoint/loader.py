@@ -111,7 +111,9 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
         of dequantising them to `dtype`. A converted checkpoint loads as it was written (`convert`
         keeps MXFP4 experts packed unless told to dequantise them).
       **impls: implementation choices by option name (kda=, kda_decode=, mla=, moe=, gmm=,
-        attn_res=), as in `ModelConfig.with_impls`.
+        attn_res=, ...), as in `ModelConfig.with_impls`; expert_layout= ("rows" or "columns") places
+        packed experts' codes for their kernel (a converted checkpoint keeps the layout it was
+        converted with).
       _check_finite: private, for benchmarks/checkpoint_read.py only: False skips the check that
         refuses NaN / Inf weights.
 
@@ -129,9 +131,10 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
                                   "dequantised (convert the MXFP4 source again without --dequantize-experts)")
         dt = resolve_dtype(checkpoint_dtype(path)) if auto else dt
         return _load_converted(path, dt, impls, a_log_policy, mesh, _check_finite)
-    cfg = load_hf_config(path).with_impls(**impls)   # a directory without config.json fails here first
+    cfg = load_hf_config(path)   # a directory without config.json fails here first
     if packed_experts:
         cfg = with_packed_experts(cfg, path)
+    cfg = cfg.with_impls(**impls)
     dt = resolve_dtype(checkpoint_dtype(path)) if auto else dt
     _refuse_what_cannot_fit(cfg, dt, mesh)
     if a_log_policy is not None and cfg.kda is not None:
@@ -237,7 +240,7 @@ def _check_hf_finite(ckpt: SafetensorsCheckpoint, plan: dict, values: dict) -> N
 def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: bool) -> CausalLM:
     """A k3jax (Orbax) checkpoint written by `convert`, restored with Orbax into the shardings."""
     manifest = read_manifest(path)
-    cfg = from_hf_config(manifest["hf_config"]).with_impls(**impls)
+    cfg = from_hf_config(manifest["hf_config"])
     cfg = cfg.replace(mtp_own_embedding=bool(manifest.get("mtp_own_embedding", False)))
     _warn_of_whole_reads(path, manifest, mesh)
     if manifest.get("packed_experts", False):   # what the checkpoint holds: MXFP4 experts, kept packed
@@ -247,6 +250,7 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: boo
             raise CheckpointError(f"{path}: converted with expert_layout={layout!r}; convert again with "
                                   f"--expert-layout {impls['expert_layout']} to use it")
         cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, packed_layout=layout))
+    cfg = cfg.with_impls(**impls)
     if a_log_policy is not None and cfg.kda is not None and a_log_policy != cfg.kda.a_log_policy:
         raise CheckpointError(f"{path}: converted with a_log_policy={cfg.kda.a_log_policy!r}; convert again to "
                               f"use {a_log_policy!r}")

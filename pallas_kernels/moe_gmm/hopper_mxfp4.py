@@ -31,6 +31,7 @@ dequantised weights (`mxfp4.dequantize`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -49,6 +50,8 @@ from pallas_kernels.moe_gmm.mxfp4 import validate as validate_mxfp4
 from pallas_kernels.moe_gmm.schedule import tile_schedule
 
 COLUMNS = 64                      # output columns per program: the M side of one warpgroup MMA
+_SMEM_BYTES = 227 * 1024          # shared memory one H100 / H200 block may take
+_SMEM_OVERHEAD = 2048             # barriers and the alignment of swizzled buffers
 PER_GROUP = GROUP // 2            # packed bytes of one scale group along a column
 DECODES = ("exact", "ptx")
 A_OPERANDS = ("registers", "smem")
@@ -90,6 +93,16 @@ def hopper_takes(k_dim: int, n_dim: int) -> bool:
     return k_dim % 128 == 0 and n_dim % COLUMNS == 0
 
 
+def runs_here(k_dim: int, n_dim: int) -> bool:
+    """Whether this backend runs the kernel on a [K, N] weight: the sides fit (`hopper_takes`), and the
+    GPU is a Hopper (warpgroup MMA and TMA; compute capability 9.x), or there is no GPU (interpret mode)."""
+    if not hopper_takes(k_dim, n_dim):
+        return False
+    if jax.default_backend() != "gpu":
+        return True
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
 def from_checkpoint_columns(packed_gnk, scale_gnk) -> Mxfp4Columns:
     """Stacked checkpoint tensors (packed [G, N, K/2], scale [G, N, K/32]) -> Mxfp4Columns: the codes
     keep their stored orientation; only the small scale array is transposed."""
@@ -110,7 +123,8 @@ def _validated(w: Mxfp4Columns) -> Mxfp4Columns:
 class HopperMxfp4Blocks:
     """Launch settings: token rows per tile (the MMA's N side: a multiple of 8, at most 256), inputs
     per pipeline step (`block_k`, a multiple of 128 dividing K), buffers in flight, the decode and
-    where the MMA reads the decoded weights from (module docstring). `for_backend` picks what runs."""
+    where the MMA reads the decoded weights from (module docstring). `for_backend` picks what runs;
+    `smem_bytes` must stay within one block's shared memory."""
 
     rows: int = 8
     block_k: int = 256
@@ -130,15 +144,31 @@ class HopperMxfp4Blocks:
         if self.a_operand not in A_OPERANDS:
             raise ValueError(f"HopperMxfp4Blocks: a_operand must be one of {A_OPERANDS}, got {self.a_operand!r}")
 
+    def smem_bytes(self, n_weights: int) -> int:
+        """Shared memory of one program with `n_weights` weights: per buffer in flight the tile's even and
+        odd activations (bf16) and each weight's codes and scales; the fp32 products staged for their
+        copy out; the decoded operand's buffer; barriers and alignment."""
+        per_stage = self.rows * self.block_k * 2 + n_weights * COLUMNS * (self.block_k // 2 + self.block_k // GROUP)
+        return (self.stages * per_stage + n_weights * COLUMNS * self.rows * 4 + COLUMNS * PER_GROUP * 2
+                + _SMEM_OVERHEAD)
+
     @classmethod
-    def for_backend(cls, interpreted: bool, k_dim: int | None = None, **fields) -> "HopperMxfp4Blocks":
+    def for_backend(cls, interpreted: bool, k_dim: int | None = None, rows_per_group: float = 1.0,
+                    n_weights: int = 2, **fields) -> "HopperMxfp4Blocks":
         """The compiled defaults, or in interpret mode (the CPU) the forms it runs: the exact decode
-        and the operand through shared memory. With `k_dim`, the deepest default step that divides it."""
+        and the operand through shared memory. With `k_dim`, the deepest default step that divides it.
+        Tiles take up to 64 rows as `rows_per_group` grows (prefill: fewer re-reads of each expert's
+        weights), with fewer buffers in flight where shared memory would not hold them."""
         if interpreted:
             fields = {"decode": "exact", "a_operand": "smem", **fields}
         if k_dim is not None and "block_k" not in fields and k_dim % cls.block_k:
             fields["block_k"] = 128
-        return cls(**fields)
+        if "rows" not in fields:
+            fields["rows"] = min(64, max(8, -(-int(np.ceil(rows_per_group)) // 8) * 8))
+        blocks = cls(**fields)
+        while blocks.smem_bytes(n_weights) > _SMEM_BYTES and blocks.stages > 2 and "stages" not in fields:
+            blocks = dataclasses.replace(blocks, stages=blocks.stages - 1)
+        return blocks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,11 +377,14 @@ def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
     if k % blocks.block_k or n % COLUMNS:
         raise ValueError(f"hopper MXFP4 matmul: K={k} must be a multiple of block_k={blocks.block_k} and N={n} of "
                          f"{COLUMNS}")
+    if blocks.smem_bytes(len(weights)) > _SMEM_BYTES:
+        raise ValueError(f"hopper MXFP4 matmul: {blocks} needs {blocks.smem_bytes(len(weights))} bytes of shared "
+                         f"memory for {len(weights)} weight(s); at most {_SMEM_BYTES} (fewer rows, stages or block_k)")
 
 
-def _blocks(blocks, interpret, k_dim: int):
+def _blocks(blocks, interpret, k_dim: int, rows_per_group: float = 1.0, n_weights: int = 1):
     interpreted = default_interpret() if interpret is None else interpret
-    return (blocks or HopperMxfp4Blocks.for_backend(interpreted, k_dim)), interpreted
+    return (blocks or HopperMxfp4Blocks.for_backend(interpreted, k_dim, rows_per_group, n_weights)), interpreted
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
@@ -367,7 +400,7 @@ def grouped_matmul_hopper_mxfp4(lhs, rhs: Mxfp4Columns, group_sizes, row_scale=N
     Returns:
       [M, N] in lhs's dtype (fp32 with row_scale); rows past sum(group_sizes) are zero.
     """
-    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1])
+    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1], lhs.shape[0] / rhs.shape[0], 1)
     _check(lhs, (rhs,), group_sizes, blocks)
     out = _products(lhs, (rhs,), group_sizes, blocks, interpreted)[0]
     if row_scale is None:
@@ -382,7 +415,7 @@ def grouped_glu_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, grou
     """act(lhs[r] @ W_gate[g(r)], lhs[r] @ W_up[g(r)]) for rows sorted by group: both products from one
     launch (each program streams both weights' columns). Shapes as `grouped_matmul_hopper_mxfp4`;
     -> [M, F] in lhs's dtype, rows past sum(group_sizes) zero."""
-    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1])
+    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1], lhs.shape[0] / w_gate.shape[0], 2)
     _check(lhs, (w_gate, w_up), group_sizes, blocks)
     gate, up = _products(lhs, (w_gate, w_up), group_sizes, blocks, interpreted)
     return glu(gate, up, spec).astype(lhs.dtype)
@@ -421,7 +454,7 @@ def pair_glu_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, group, 
                           repeat: int = 1, blocks: HopperMxfp4Blocks | None = None, interpret: bool | None = None):
     """Unsorted pairs: act(x @ W_gate[group[p]], x @ W_up[group[p]]) with x = lhs[p // repeat] where valid[p],
     else 0. Shapes as `pair_matmul_hopper_mxfp4`; -> [M, F] in lhs's dtype."""
-    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1])
+    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1], n_weights=2)
     _check_pairs(lhs, (w_gate, w_up), group, valid, repeat, blocks)
     gate, up = _pair_products(lhs, (w_gate, w_up), group, valid, repeat, blocks, interpreted)
     return glu(gate, up, spec).astype(lhs.dtype)

@@ -10,8 +10,8 @@ impl "auto": "pallas" on a GPU backend, "xla" elsewhere.
 Rows past sum(group_sizes) are zero in all of them. Weights may be `Mxfp4Weight` (packed MXFP4): the
 Pallas kernels decode them in registers; the other implementations dequantise them first. Weights given
 as `hopper_mxfp4.Mxfp4Columns` (the checkpoint's column-major codes) take the Mosaic GPU kernel
-(`hopper_mxfp4.py`) as their "pallas" implementation ("auto" where it fits their sides); the others
-dequantise them.
+(`hopper_mxfp4.py`) as their "pallas" implementation where it runs (a Hopper GPU or interpret mode, sides
+it tiles: `hopper_mxfp4.runs_here`); elsewhere, and in the other implementations, they are dequantised.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pallas_kernels.moe_gmm.kernel import (grouped_glu_pallas, grouped_matmul_pa
 from pallas_kernels.moe_gmm.reference import (grouped_glu_reference, grouped_matmul_reference, pair_glu_reference,
                                               pair_matmul_reference)
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (Mxfp4Columns, grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4,
-                                                 hopper_takes, pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4,
+                                                 pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4, runs_here,
                                                  to_rows)
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight, dequantize
 from pallas_kernels.moe_gmm.tuning import GmmBlocks
@@ -44,7 +44,7 @@ def resolve_gmm_impl(impl: GmmImpl, k_dim: int | None = None, n_dim: int | None 
     """"auto" -> "pallas" on a GPU backend when the weight's sides [K, N] (if given) tile, else "xla";
     other names unchanged. `columns`: the weights are `Mxfp4Columns` (their kernel's own tiling)."""
     if impl == "auto":
-        takes = hopper_takes if columns else tiles_by_16
+        takes = runs_here if columns else tiles_by_16
         fits = k_dim is None or n_dim is None or takes(k_dim, n_dim)
         return "pallas" if jax.default_backend() == "gpu" and fits else "xla"
     if impl not in GMM_IMPLS:
@@ -74,7 +74,13 @@ def _dense(w, dtype):
 
 
 def _impl(impl: GmmImpl, w) -> str:
-    return resolve_gmm_impl(impl, *w.shape[1:], columns=isinstance(w, Mxfp4Columns))
+    """The implementation that runs on weight `w`: `Mxfp4Columns` take the Mosaic GPU kernel as "pallas"
+    only where it runs (`hopper_mxfp4.runs_here`), else the dequantising reference."""
+    columns = isinstance(w, Mxfp4Columns)
+    resolved = resolve_gmm_impl(impl, *w.shape[1:], columns=columns)
+    if columns and resolved == "pallas" and not runs_here(*w.shape[1:]):
+        return "xla"
+    return resolved
 
 
 def _check(lhs, rhs, group_sizes) -> None:

@@ -88,6 +88,15 @@ def test_converted_columns_layout_loads_as_written(mxfp4_dir, tmp_path, rng):
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.partial").exists()
 
 
+def test_columns_layout_needs_packed_experts_and_is_fixed_at_load(mxfp4_dir):
+    with pytest.raises(ConfigError, match="layout of packed experts"):
+        k3jax.load(mxfp4_dir, dtype="float32", expert_layout="columns")           # dequantising load
+    packed = k3jax.load(mxfp4_dir, dtype="float32", packed_experts=True)
+    with pytest.raises(ConfigError, match="load the checkpoint again with expert_layout='columns'"):
+        packed.with_impls(expert_layout="columns")
+    assert packed.with_impls(expert_layout="rows", gmm="xla").config.moe.gmm_impl == "xla"
+
+
 def test_columns_layout_runs_the_mosaic_gpu_kernel_in_the_model(rng):
     """Expert widths the Mosaic GPU kernel takes (multiples of 128): gmm="pallas" runs it (interpret mode
     on the CPU) on the pairs and the sorted-rows paths, equal to the dequantising reference path."""
