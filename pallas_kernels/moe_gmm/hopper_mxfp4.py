@@ -25,8 +25,11 @@ registers; "smem" stores them to shared memory first (the form Mosaic GPU's inte
 The programs write fp32 products per tile ([tiles, N, rows]); XLA gathers each row from its tile
 (and applies the gated activation for the GLU). Rows sorted by expert (`grouped_*`) are cut into tiles
 by `schedule.tile_schedule`; unsorted token-expert pairs (`pair_*`, a few tokens: no sort) get one tile
-each, the pair's activations in its first row. Twin: `reference.grouped_matmul_reference` on the
-dequantised weights (`mxfp4.dequantize`).
+each, the pair's activations in its first row. Tiles hold 8 rows at decode and up to 64 as the rows
+per expert grow (`HopperMxfp4Blocks.for_backend`); in prefill every tile of an expert streams and
+decodes its weights again, so this kernel is for decode first. It runs on Hopper GPUs (and in interpret
+mode off the GPU: `runs_here`). Twin: `reference.grouped_matmul_reference` on the dequantised weights
+(`mxfp4.dequantize`).
 """
 
 from __future__ import annotations
