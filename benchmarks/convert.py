@@ -4,7 +4,7 @@
 
 Writes a Kimi-Linear-shaped checkpoint of random bf16 weights (hidden 512, 4 layers, many 512x1024
 experts; about 0.6 GB at 160 experts) with k3jax's writer, converts it in a child process per
-setting, and reports the child's peak RSS and MB/s next to the largest single tensor.
+setting, and reports the child's peak RSS, MB/s and the files it wrote next to the largest single tensor.
 """
 
 from __future__ import annotations
@@ -53,13 +53,15 @@ def main(argv=None) -> int:
                                  env={**os.environ, "PYTHONPATH": root})
             seconds = time.perf_counter() - t0
             peak = int(out.stdout.strip().splitlines()[-1]) * 1024
+            files = sum(len(names) for _, _, names in os.walk(dst))
             rows.append({"source_mb": size / 1e6, "tensors": len(ckpt.tensors), "largest_tensor_mb": largest / 1e6,
-                         "workers": workers, "peak_rss_mb": peak / 1e6, "seconds_with_startup": seconds,
+                         "workers": workers, "files": files, "peak_rss_mb": peak / 1e6, "seconds_with_startup": seconds,
                          "converter_line": out.stdout.strip().splitlines()[-2]})
             print(rows[-1], flush=True)
     record = {"benchmark": "convert", "env": environment(), "rows": rows}
     path = write("convert", record)
-    print(table(rows, ["source_mb", "tensors", "largest_tensor_mb", "workers", "peak_rss_mb", "seconds_with_startup"]))
+    print(table(rows, ["source_mb", "tensors", "largest_tensor_mb", "workers", "files", "peak_rss_mb",
+                       "seconds_with_startup"]))
     print(f"wrote {path}")
     return 0
 

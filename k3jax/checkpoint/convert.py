@@ -235,28 +235,42 @@ def _convert_tensors(ckpt, plan, params, splits, work: WorkDir, done: dict, work
     writers = {p: ArrayWriter(os.path.join(work.path, PARAMS_DIR), p, shape, dt,
                               stacked=plan[p][0][1].expert is not None, split=splits[p])
                for p, (shape, dt) in params.items()}
-    tasks = [(p, name, rule) for p in params for name, rule in plan[p] if name not in done]
+    tasks = [(p, group) for p in params for group in _file_groups(plan[p], params[p][0])
+             if any(name not in done for name, _ in group)]
     before = ckpt.bytes_read
     nbytes = lambda name, rule: stored_nbytes(ckpt, name, rule)
     total = sum(nbytes(n, r) for p in params for n, r in plan[p])
     bar = progress_bar(total, "converting", progress)
     bar.update(sum(nbytes(n, r) for p in params for n, r in plan[p] if n in done))
 
-    def run(task):
-        p, name, rule = task
+    def read(p, name, rule):
         shape, dt = params[p]
         value = read_param_slice(ckpt, name, rule, shape if rule.expert is None else shape[1:]).astype(dt)
         if not np.isfinite(value).all():
             raise NonFiniteError(f"{ckpt.info(name).file}: tensor {name!r} holds non-finite values (NaN or Inf) "
                                   f"as {dt.name}; refusing to convert it")
-        writers[p].write(rule.expert, value)
-        digest = array_digest(value)
+        return value
+
+    def run(task):
+        """One file's tensors: a parameter, or the experts one file of a stacked parameter holds
+        (`orbax_format.experts_per_file`), read, written in one write and journalled together."""
+        p, group = task
+        values = [read(p, name, rule) for name, rule in group]
+        first = group[0][1].expert
+        if first is None:
+            writers[p].write(None, values[0])
+        else:
+            writers[p].write(slice(first, first + len(group)), np.stack(values))
+        digests = [array_digest(v) for v in values]
         with lock:
-            journal.write(json.dumps({"tensor": name, "sha256": digest}) + "\n")
+            journal.write("".join(json.dumps({"tensor": name, "sha256": d}) + "\n"
+                                  for (name, _), d in zip(group, digests)))
             journal.flush()
             os.fsync(journal.fileno())
-            done[name] = digest
-            bar.update(nbytes(name, rule))
+            for (name, rule), d in zip(group, digests):
+                if name not in done:
+                    bar.update(nbytes(name, rule))
+                done[name] = d
 
     try:
         _run_all(run, tasks, workers)
@@ -264,6 +278,17 @@ def _convert_tensors(ckpt, plan, params, splits, work: WorkDir, done: dict, work
         journal.close()
         bar.close()
     return ckpt.bytes_read - before
+
+
+def _file_groups(entries, shape) -> list[list]:
+    """A parameter's plan entries [(tensor name, rule)] in the groups one file takes: the one tensor of
+    an unstacked parameter; the experts of each file of a stacked one, in expert order."""
+    if entries[0][1].expert is None:
+        return [list(entries)]
+    per = chunk_shape(shape, stacked=True)[0]
+    ordered = sorted(entries, key=lambda e: e[1].expert)
+    assert [rule.expert for _, rule in ordered] == list(range(shape[0])), "a stacked parameter lacks experts"
+    return [ordered[i:i + per] for i in range(0, len(ordered), per)]
 
 
 def _write_metadata(work: str, source: _Source, plan, params, done: dict, own_embedding: bool, pdtype,
@@ -323,6 +348,7 @@ def main(argv=None, prog: str = "convert") -> int:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
     resumed = f", {report.resumed} reused from an interrupted run" if report.resumed else ""
-    print(f"converted {report.tensors} tensors ({report.bytes_read / 1e6:.1f} MB read, {report.skipped} skipped{resumed}) "
-          f"in {report.seconds:.1f} s ({report.mb_per_s:.0f} MB/s) -> {args.dst}" + (" (verified)" if args.verify else ""))
+    print(f"converted {report.tensors} tensors ({report.bytes_read / 1e6:.1f} MB read, {report.skipped} skipped"
+          f"{resumed}) in {report.seconds:.1f} s ({report.mb_per_s:.0f} MB/s) -> {args.dst}"
+          + (" (verified)" if args.verify else ""))
     return 0

@@ -66,19 +66,33 @@ def _zarr_metadata(shape, dtype: np.dtype, chunk, inner) -> dict:
     }
 
 
+# Stacked expert weights: this many experts share a file (each its own inner chunk), so a K3 conversion
+# writes ~31K files rather than one per expert and array (~494K); a converter task reads and writes
+# one file's experts together (memory: that many expert tensors per worker).
+EXPERTS_PER_FILE = 16
+
+
+def experts_per_file(num_experts: int) -> int:
+    """The largest divisor of `num_experts` up to EXPERTS_PER_FILE: the experts one file holds."""
+    return max(d for d in range(1, min(num_experts, EXPERTS_PER_FILE) + 1) if num_experts % d == 0)
+
+
 def chunk_shape(shape: tuple, stacked: bool) -> tuple:
-    """One chunk (file) per expert for stacked expert weights, one chunk for everything else."""
-    return (1,) + tuple(shape[1:]) if stacked else tuple(shape)
+    """The chunk one file holds: `experts_per_file` experts of a stacked expert weight, or the whole
+    array."""
+    return (experts_per_file(shape[0]),) + tuple(shape[1:]) if stacked else tuple(shape)
 
 
 READ_PIECES = 16   # a power of two: a tensor-parallel degree dividing it reads exactly its own bytes
 
 
 def read_chunk_shape(shape: tuple, stacked: bool, split: tuple[int, ...] = ()) -> tuple:
-    """The unit a read fetches (zarr3's inner chunk inside each file): the file's chunk with each
-    dimension in `split` (dimensions a mesh can split, other than the expert axis) cut into the
-    most pieces, up to READ_PIECES, a power of two that divides it."""
+    """The unit a read fetches (zarr3's inner chunk inside each file): one expert of a stacked weight,
+    and each dimension in `split` (dimensions a mesh can split, other than the expert axis) cut into
+    the most pieces, up to READ_PIECES, a power of two that divides it."""
     inner = list(chunk_shape(shape, stacked))
+    if stacked:
+        inner[0] = 1
     for d in split:
         if not (stacked and d == 0):
             inner[d] //= math.gcd(shape[d], READ_PIECES)

@@ -64,7 +64,9 @@ def _read_array(ckpt, param: str) -> np.ndarray:
 def test_flipped_byte_is_refused_naming_the_parameter(ckpt, param):
     flip_byte(chunk_files(ckpt, param)[0])
     msg = _one_line_error(lambda: k3jax.load(ckpt))
-    assert f"parameter {param}" in msg and "crc32c" in msg
+    # The checksum is checked as the chunk's stream ends; a flip that breaks the zstd frame first (as in
+    # a file of several experts, whose middle can be a frame's header) is reported by zstd.
+    assert f"parameter {param}" in msg and ("crc32c" in msg or "Data corruption detected" in msg)
 
 
 def test_missing_chunk_file_is_one_line_naming_the_parameter(ckpt):

@@ -20,7 +20,8 @@ from k3jax.checkpoint import loader
 from k3jax.checkpoint.convert import convert
 from k3jax.checkpoint.mxfp4 import quantize_mxfp4
 from k3jax.checkpoint.name_map import TensorRule
-from k3jax.checkpoint.orbax_format import READ_PIECES, read_chunk_shape, read_manifest
+from k3jax.checkpoint.orbax_format import (EXPERTS_PER_FILE, READ_PIECES, chunk_shape, experts_per_file,
+                                          read_chunk_shape, read_manifest)
 from k3jax.checkpoint.plan import read_param_slice, stored_nbytes
 from k3jax.checkpoint.safetensors_io import SafetensorsCheckpoint, write_safetensors
 from k3jax.checkpoint.transforms import HOOKS
@@ -121,7 +122,17 @@ def test_read_pieces_of_split_dimensions():
     assert read_chunk_shape((64, 6), stacked=False, split=(1,)) == (64, 3)                # 6: 2 pieces
     assert read_chunk_shape((64, 7), stacked=False, split=(1,)) == (64, 7)                # odd: whole
     assert read_chunk_shape((64, 48), stacked=False) == (64, 48)                          # nothing split
-    assert read_chunk_shape((16, 64, 32), stacked=True, split=(0,)) == (1, 64, 32)        # one expert a file
+    assert read_chunk_shape((16, 64, 32), stacked=True, split=(0,)) == (1, 64, 32)        # one expert a read
+    assert read_chunk_shape((16, 64, 32), stacked=True, split=(1,)) == (1, 4, 32)
+
+
+def test_files_hold_several_experts():
+    """Stacked expert weights: up to EXPERTS_PER_FILE experts a file (a divisor of the count), one inner
+    chunk each, so reads stay per expert while a K3 conversion writes 16x fewer files."""
+    assert EXPERTS_PER_FILE == 16
+    assert [experts_per_file(e) for e in (896, 256, 112, 48, 18, 8, 7, 1)] == [16, 16, 16, 16, 9, 8, 7, 1]
+    assert chunk_shape((896, 3072, 1792), stacked=True) == (16, 3072, 1792)
+    assert chunk_shape((64, 48), stacked=False) == (64, 48)
 
 
 def test_one_read_per_contiguous_run_and_short_reads_are_continued(stored, monkeypatch):
