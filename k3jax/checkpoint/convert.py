@@ -255,13 +255,20 @@ def _convert_tensors(ckpt, plan, params, splits, work: WorkDir, done: dict, work
         """One file's tensors: a parameter, or the experts one file of a stacked parameter holds
         (`orbax_format.experts_per_file`), read, written in one write and journalled together."""
         p, group = task
-        values = [read(p, name, rule) for name, rule in group]
         first = group[0][1].expert
         if first is None:
-            writers[p].write(None, values[0])
-        else:
-            writers[p].write(slice(first, first + len(group)), np.stack(values))
-        digests = [array_digest(v) for v in values]
+            value = read(p, *group[0])
+            digests = [array_digest(value)]
+            writers[p].write(None, value)
+        else:    # each expert read straight into its place in the file's block
+            shape, dt = params[p]
+            block = np.empty((len(group),) + tuple(shape[1:]), dt)
+            digests = []
+            for i, (name, rule) in enumerate(group):
+                block[i] = read(p, name, rule)
+                digests.append(array_digest(block[i]))
+            writers[p].write(slice(first, first + len(group)), block)
+            del block
         with lock:
             journal.write("".join(json.dumps({"tensor": name, "sha256": d}) + "\n"
                                   for (name, _), d in zip(group, digests)))
