@@ -109,7 +109,8 @@ def _chunk_layout(plan, params, splits) -> dict[str, list]:
     """Parameter name -> [file chunk shape, read chunk shape] of the array `convert` writes for it."""
     layout = {}
     for p, (shape, _) in params.items():
-        layout[param_name(p)] = [list(c) for c in array_layout(shape, plan[p][0][1].expert is not None, splits[p])]
+        layout[param_name(p)] = [list(c) for c in array_layout(shape, plan[p][0][1].expert is not None, splits[p],
+                                                               np.dtype(params[p][1]).itemsize)]
     return layout
 
 
@@ -235,7 +236,7 @@ def _convert_tensors(ckpt, plan, params, splits, work: WorkDir, done: dict, work
     writers = {p: ArrayWriter(os.path.join(work.path, PARAMS_DIR), p, shape, dt,
                               stacked=plan[p][0][1].expert is not None, split=splits[p])
                for p, (shape, dt) in params.items()}
-    tasks = [(p, group) for p in params for group in _file_groups(plan[p], params[p][0])
+    tasks = [(p, group) for p in params for group in _file_groups(plan[p], *params[p])
              if any(name not in done for name, _ in group)]
     before = ckpt.bytes_read
     nbytes = lambda name, rule: stored_nbytes(ckpt, name, rule)
@@ -287,12 +288,12 @@ def _convert_tensors(ckpt, plan, params, splits, work: WorkDir, done: dict, work
     return ckpt.bytes_read - before
 
 
-def _file_groups(entries, shape) -> list[list]:
+def _file_groups(entries, shape, dtype) -> list[list]:
     """A parameter's plan entries [(tensor name, rule)] in the groups one file takes: the one tensor of
     an unstacked parameter; the experts of each file of a stacked one, in expert order."""
     if entries[0][1].expert is None:
         return [list(entries)]
-    per = chunk_shape(shape, stacked=True)[0]
+    per = chunk_shape(shape, True, np.dtype(dtype).itemsize)[0]
     ordered = sorted(entries, key=lambda e: e[1].expert)
     assert [rule.expert for _, rule in ordered] == list(range(shape[0])), "a stacked parameter lacks experts"
     return [ordered[i:i + per] for i in range(0, len(ordered), per)]
@@ -313,8 +314,9 @@ def _write_metadata(work: str, source: _Source, plan, params, done: dict, own_em
                           "dtype": pdtype.name, "skipped_tensors": skipped, "source": os.path.abspath(source.path),
                           "params": manifest_params})
     write_orbax_metadata(os.path.join(work, PARAMS_DIR),
-                         ((p, shape, chunk_shape(shape, manifest_params[param_name(p)]["stacked"]))
-                          for p, (shape, _) in params.items()))
+                         ((p, shape, chunk_shape(shape, manifest_params[param_name(p)]["stacked"],
+                                                 np.dtype(dt).itemsize))
+                          for p, (shape, dt) in params.items()))
     for name in COPIED_FILES:
         if os.path.exists(os.path.join(source.path, name)):
             shutil.copy2(os.path.join(source.path, name), os.path.join(work, name))

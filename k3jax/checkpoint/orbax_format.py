@@ -66,21 +66,26 @@ def _zarr_metadata(shape, dtype: np.dtype, chunk, inner) -> dict:
     }
 
 
-# Stacked expert weights: this many experts share a file (each its own inner chunk), so a K3 conversion
-# writes ~31K files rather than one per expert and array (~494K); a converter task reads and writes
-# one file's experts together (memory: that many expert tensors per worker).
+# Stacked expert weights: up to this many experts share a file (each its own inner chunk), within
+# FILE_BYTES a file, so a K3 conversion writes about a tenth of the files of one per expert and array
+# (~494K); a converter task reads and writes one file's experts together (its memory per worker).
 EXPERTS_PER_FILE = 16
+FILE_BYTES = 64 << 20
 
 
-def experts_per_file(num_experts: int) -> int:
-    """The largest divisor of `num_experts` up to EXPERTS_PER_FILE: the experts one file holds."""
-    return max(d for d in range(1, min(num_experts, EXPERTS_PER_FILE) + 1) if num_experts % d == 0)
+def experts_per_file(num_experts: int, expert_bytes: int = 0) -> int:
+    """The experts one file holds: the largest divisor of `num_experts` up to EXPERTS_PER_FILE whose
+    experts (`expert_bytes` each) fit FILE_BYTES; at least one."""
+    fits = lambda d: d == 1 or d * expert_bytes <= FILE_BYTES
+    return max(d for d in range(1, min(num_experts, EXPERTS_PER_FILE) + 1) if num_experts % d == 0 and fits(d))
 
 
-def chunk_shape(shape: tuple, stacked: bool) -> tuple:
-    """The chunk one file holds: `experts_per_file` experts of a stacked expert weight, or the whole
-    array."""
-    return (experts_per_file(shape[0]),) + tuple(shape[1:]) if stacked else tuple(shape)
+def chunk_shape(shape: tuple, stacked: bool, itemsize: int = 1) -> tuple:
+    """The chunk one file holds: `experts_per_file` experts of a stacked expert weight (elements of
+    `itemsize` bytes), or the whole array."""
+    if not stacked:
+        return tuple(shape)
+    return (experts_per_file(shape[0], math.prod(shape[1:]) * itemsize),) + tuple(shape[1:])
 
 
 READ_PIECES = 16   # a power of two: a tensor-parallel degree dividing it reads exactly its own bytes
@@ -99,9 +104,9 @@ def read_chunk_shape(shape: tuple, stacked: bool, split: tuple[int, ...] = ()) -
     return tuple(inner)
 
 
-def array_layout(shape: tuple, stacked: bool, split: tuple[int, ...] = ()) -> tuple[tuple, tuple]:
+def array_layout(shape: tuple, stacked: bool, split: tuple[int, ...] = (), itemsize: int = 1) -> tuple[tuple, tuple]:
     """(file chunk shape, read chunk shape) of the array `ArrayWriter` writes for a parameter."""
-    return chunk_shape(shape, stacked), read_chunk_shape(shape, stacked, split)
+    return chunk_shape(shape, stacked, itemsize), read_chunk_shape(shape, stacked, split)
 
 
 class ArrayWriter:
@@ -112,7 +117,7 @@ class ArrayWriter:
                  split: tuple[int, ...] = ()):
         self.name = param_name(path)
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.chunk, inner = array_layout(self.shape, stacked, split)
+        self.chunk, inner = array_layout(self.shape, stacked, split, self.dtype.itemsize)
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(params_dir, self.name)},
                 "metadata": _zarr_metadata(self.shape, self.dtype, self.chunk, inner),
                 "store_data_equal_to_fill_value": True}  # as Orbax writes: every chunk exists on disk

@@ -20,8 +20,8 @@ from k3jax.checkpoint import loader
 from k3jax.checkpoint.convert import convert
 from k3jax.checkpoint.mxfp4 import quantize_mxfp4
 from k3jax.checkpoint.name_map import TensorRule
-from k3jax.checkpoint.orbax_format import (EXPERTS_PER_FILE, READ_PIECES, chunk_shape, experts_per_file,
-                                          read_chunk_shape, read_manifest)
+from k3jax.checkpoint.orbax_format import (EXPERTS_PER_FILE, FILE_BYTES, READ_PIECES, chunk_shape,
+                                          experts_per_file, read_chunk_shape, read_manifest)
 from k3jax.checkpoint.plan import read_param_slice, stored_nbytes
 from k3jax.checkpoint.safetensors_io import SafetensorsCheckpoint, write_safetensors
 from k3jax.checkpoint.transforms import HOOKS
@@ -127,11 +127,14 @@ def test_read_pieces_of_split_dimensions():
 
 
 def test_files_hold_several_experts():
-    """Stacked expert weights: up to EXPERTS_PER_FILE experts a file (a divisor of the count), one inner
-    chunk each, so reads stay per expert while a K3 conversion writes 16x fewer files."""
-    assert EXPERTS_PER_FILE == 16
+    """Stacked expert weights: up to EXPERTS_PER_FILE experts a file (a divisor of the count) within
+    FILE_BYTES, one inner chunk each, so reads stay per expert while a conversion writes far fewer files."""
+    assert (EXPERTS_PER_FILE, FILE_BYTES) == (16, 64 << 20)
     assert [experts_per_file(e) for e in (896, 256, 112, 48, 18, 8, 7, 1)] == [16, 16, 16, 16, 9, 8, 7, 1]
-    assert chunk_shape((896, 3072, 1792), stacked=True) == (16, 3072, 1792)
+    assert chunk_shape((896, 3072, 1792), stacked=True) == (8, 3072, 1792)           # K3's packed codes: 5.5 MB
+    assert chunk_shape((896, 112, 3072), stacked=True) == (16, 112, 3072)            # their scales
+    assert chunk_shape((896, 3584, 3072), stacked=True, itemsize=2) == (2, 3584, 3072)   # dequantised: 22 MB
+    assert chunk_shape((4, 8192, 8192), stacked=True, itemsize=4) == (1, 8192, 8192)     # over the cap alone
     assert chunk_shape((64, 48), stacked=False) == (64, 48)
 
 
