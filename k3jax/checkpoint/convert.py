@@ -1,8 +1,9 @@
 """Hugging Face safetensors (either family) -> k3jax Orbax checkpoint, streaming and resumable.
 
 Tensors are read, transformed (the shared name map and hooks; MXFP4 experts kept packed or
-dequantised), checked to be finite and written one at a time, so peak memory is about the largest
-tensor times the number of workers, whatever the model size. Work goes to `DST.partial/`
+dequantised), checked to be finite and written one file at a time (a tensor, or the experts one file
+of a stacked weight holds: `orbax_format.experts_per_file`, at most 64 MiB), so peak memory is a few
+times the larger of the largest tensor and one expert file, per worker, whatever the model size. Work goes to `DST.partial/`
 (k3jax.checkpoint.workdir: owned, locked against a second conversion, journalled with a fingerprint
 of the source); a restarted run of the same source and options (after a crash or SIGKILL) skips what
 the journal lists, and the directory is renamed to DST only when complete and, with `verify`,
@@ -200,7 +201,9 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     except BaseException:
         work.remove() if work.created else work.release()  # a refused resume keeps everything
         raise
-    resumed = len(done)
+    # tensors reused: those of files the journal lists whole (a file's other tensors are written again)
+    resumed = sum(len(group) for p in params for group in _file_groups(plan[p], *params[p])
+                  if all(name in done for name, _ in group))
     start = time.perf_counter()
     try:
         read = _convert_tensors(ckpt, plan, params, splits, work, done, workers, progress)
@@ -229,8 +232,8 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
 
 
 def _convert_tensors(ckpt, plan, params, splits, work: WorkDir, done: dict, workers: int, progress) -> int:
-    """Reads, checks, transforms and writes every tensor `done` lacks; journals each. Returns the
-    bytes this call read from the source."""
+    """Reads, checks, transforms and writes every file holding a tensor `done` lacks (a file's experts
+    together), journalling its tensors at once. Returns the bytes this call read from the source."""
     journal = work.journal()
     lock = threading.Lock()
     writers = {p: ArrayWriter(os.path.join(work.path, PARAMS_DIR), p, shape, dt,
@@ -292,10 +295,13 @@ def _file_groups(entries, shape, dtype) -> list[list]:
     """A parameter's plan entries [(tensor name, rule)] in the groups one file takes: the one tensor of
     an unstacked parameter; the experts of each file of a stacked one, in expert order."""
     if entries[0][1].expert is None:
+        if len(entries) != 1:
+            raise RuntimeError(f"convert: {len(entries)} source tensors planned for one unstacked parameter")
         return [list(entries)]
     per = chunk_shape(shape, True, np.dtype(dtype).itemsize)[0]
     ordered = sorted(entries, key=lambda e: e[1].expert)
-    assert [rule.expert for _, rule in ordered] == list(range(shape[0])), "a stacked parameter lacks experts"
+    if [rule.expert for _, rule in ordered] != list(range(shape[0])):   # the plan lists every expert once
+        raise RuntimeError(f"convert: the plan of a stacked parameter does not hold experts 0..{shape[0] - 1}")
     return [ordered[i:i + per] for i in range(0, len(ordered), per)]
 
 

@@ -24,16 +24,27 @@ JOURNAL = "progress.jsonl"
 _MARKER_TEXT = "work directory of a running or interrupted `k3jax convert` into {}; remove it to start over\n"
 
 
-def _journal_entries(file: str):
-    """The journal's entries up to the first line cut by a kill (everything after it is redone)."""
-    with open(file, errors="replace") as f:
-        for line in f:
+def _journal_lines(file: str):
+    """(entry, byte offset of the line's end) of the journal's whole lines, up to the first line cut by
+    a kill or a full disk (everything after it is redone)."""
+    end = 0
+    with open(file, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                return
             try:
-                entry = json.loads(line)
+                entry = json.loads(raw.decode("utf-8", errors="replace"))
             except json.JSONDecodeError:
                 return
+            end += len(raw)
             if isinstance(entry, dict):
-                yield entry
+                yield entry, end
+
+
+def _journal_entries(file: str):
+    """The journal's entries up to the first line cut by a kill (everything after it is redone)."""
+    for entry, _ in _journal_lines(file):
+        yield entry
 
 
 def _has_our_journal(path: str) -> bool:
@@ -118,9 +129,9 @@ class WorkDir:
         everything, when the directory holds work of another identity and `restart` is False."""
         identity = json.loads(json.dumps(identity))  # as the journal stores it
         file = os.path.join(self.path, JOURNAL)
-        recorded, done = None, {}
+        recorded, done, good = None, {}, 0
         if os.path.isfile(file):
-            for entry in _journal_entries(file):
+            for entry, good in _journal_lines(file):
                 if "identity" in entry and recorded is None:
                     recorded = entry["identity"]
                 elif isinstance(entry.get("tensor"), str) and isinstance(entry.get("sha256"), str):
@@ -134,6 +145,8 @@ class WorkDir:
             with open(file, "w") as f:
                 f.write(json.dumps({"identity": identity}) + "\n")
             return {}
+        if os.path.getsize(file) > good:   # a cut last line: entries appended after it would be unreadable
+            os.truncate(file, good)
         return done
 
     def journal(self):

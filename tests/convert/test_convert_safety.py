@@ -135,7 +135,7 @@ def test_resume_of_the_same_source_and_options_reuses_the_work(src, tmp_path, mo
     journal = (_partial(dst) / "progress.jsonl").read_text().splitlines()
     journalled = [json.loads(line).get("tensor") for line in journal]
     report = convert(src, dst, dtype="float32")
-    assert report.resumed >= 20 and not _partial(dst).exists()
+    assert report.resumed == len([n for n in journalled if n]) > 0 and not _partial(dst).exists()
     ckpt = SafetensorsCheckpoint(src)   # only what the interrupted run left is read
     assert report.bytes_read == ckpt.total_bytes - sum(ckpt.info(n).nbytes for n in journalled if n)
     verify_checkpoint(dst, src)
@@ -150,8 +150,64 @@ def test_resume_refuses_another_chunk_layout(src, tmp_path, capsys, monkeypatch)
     assert code == 1 and "chunk layout differs" in err and "--restart" in err
     monkeypatch.undo()
     report = convert(src, dst, dtype="float32")
-    assert report.resumed >= 20
+    assert report.resumed > 0
     verify_checkpoint(dst, src)
+
+
+def _chunk_bytes(root: Path) -> dict[str, bytes]:
+    """Every array's metadata and chunk files (not Orbax's timestamped checkpoint metadata)."""
+    return {str(f.relative_to(root)): f.read_bytes() for f in sorted((root / "params").rglob("*"))
+            if f.is_file() and (f.name == "zarr.json" or "c" in f.relative_to(root).parts[2:3])}
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_resume_inside_a_file_of_experts_gives_the_same_checkpoint(src, tmp_path, monkeypatch, workers):
+    """Interrupted while a file's experts are being read, after an expert file's tensors were written
+    but only partly journalled, and with the journal's last line cut: each resume rewrites whole files
+    and ends byte for byte equal to an uninterrupted conversion, its journal readable to the end."""
+    clean = tmp_path / "clean"
+    convert(src, clean, dtype="float32", progress=False)
+    dst = tmp_path / "dst"
+    # 1. 40 reads in: the unstacked tensors and the first expert files written, the next file only
+    #    partly read (fewer tensors journalled than read)
+    _interrupted_conversion(monkeypatch, src, dst, after=40, dtype="float32", workers=workers)
+    journal = _partial(dst) / "progress.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    assert len(lines) - 1 < 40 and any(".experts." in line for line in lines)
+    # 2. the last journalled file's tensors partly listed, and a cut line after them
+    experts = [i for i, line in enumerate(lines) if ".experts." in line]
+    if experts:
+        lines = lines[:experts[-1]]
+    journal.write_text("".join(lines) + '{"tensor": "model.layers.1.block_sparse_moe.exp')
+    # 3. a resume that is interrupted again: its entries follow the last whole line (the cut one is
+    #    dropped), so a third run reads all of them
+    _interrupted_conversion(monkeypatch, src, dst, after=12, dtype="float32", workers=workers)
+    again = journal.read_text().splitlines()
+    assert len(again) > len(lines) and all(isinstance(json.loads(line), dict) for line in again)
+    report = convert(src, dst, dtype="float32", workers=workers)
+    assert report.tensors == len(SafetensorsCheckpoint(src).tensors)
+    expected = _chunk_bytes(clean)
+    assert sum("/c/" in k for k in expected) > 20 and _chunk_bytes(dst) == expected
+    verify_checkpoint(dst, src)
+
+
+def test_a_file_holds_several_experts(src, tmp_path):
+    """A stacked expert weight's zarr3 array: experts_per_file experts a file, one inner chunk each, the
+    same chunk shape in Orbax's metadata; files on disk as many as the chunk grid says."""
+    dst = tmp_path / "dst"
+    convert(src, dst, dtype="float32", progress=False)
+    manifest = json.loads((dst / MANIFEST).read_text())["params"]
+    name = next(n for n, p in manifest.items() if p["stacked"])
+    shape = manifest[name]["shape"]
+    meta = json.loads((dst / "params" / name / "zarr.json").read_text())
+    per = orbax_format.experts_per_file(shape[0], int(np.prod(shape[1:])) * 4)
+    assert 1 < per <= orbax_format.EXPERTS_PER_FILE and shape[0] % per == 0
+    assert meta["chunk_grid"]["configuration"]["chunk_shape"] == [per, *shape[1:]]
+    assert meta["codecs"][0]["configuration"]["chunk_shape"][0] == 1
+    assert len([f for f in (dst / "params" / name / "c").rglob("*") if f.is_file()]) == shape[0] // per
+    orbax_meta = json.loads((dst / "params" / "array_metadatas" / "process_0").read_text())["array_metadatas"]
+    assert next(m["array_metadata"]["chunk_shape"] for m in orbax_meta
+                if m["array_metadata"]["param_name"] == name) == [per, *shape[1:]]
 
 
 @pytest.mark.parametrize("workers", [1, 3])

@@ -60,13 +60,32 @@ def _read_array(ckpt, param: str) -> np.ndarray:
     return arr.read().result()
 
 
+def _inner_chunk(ckpt, param: str, file, k: int) -> tuple[int, int]:
+    """(offset, length) of inner chunk k in a shard file, from the index at its end (an offset and a
+    length per inner chunk, little-endian u64, then a crc32c)."""
+    meta = json.loads((ckpt / "params" / param / "zarr.json").read_text())
+    outer = meta["chunk_grid"]["configuration"]["chunk_shape"]
+    inner = meta["codecs"][0]["configuration"]["chunk_shape"]
+    n = int(np.prod([o // i for o, i in zip(outer, inner)]))
+    data = file.read_bytes()
+    index = np.frombuffer(data[-(16 * n + 4):-4], "<u8").reshape(n, 2)
+    return int(index[k][0]), int(index[k][1])
+
+
 @pytest.mark.parametrize("param", ["model.norm.weight", EXPERT_W1])
 def test_flipped_byte_is_refused_naming_the_parameter(ckpt, param):
-    flip_byte(chunk_files(ckpt, param)[0])
+    """A flip inside an inner chunk's compressed bytes fails its crc32c; one in a zstd frame's header
+    (the first bytes of an expert's chunk in a file of several) fails the decompression first: both are
+    one line naming the parameter and calling it damaged."""
+    file = chunk_files(ckpt, param)[0]
+    offset, length = _inner_chunk(ckpt, param, file, 0)
+    flip_byte(file, offset + length // 2)
     msg = _one_line_error(lambda: k3jax.load(ckpt))
-    # The checksum is checked as the chunk's stream ends; a flip that breaks the zstd frame first (as in
-    # a file of several experts, whose middle can be a frame's header) is reported by zstd.
-    assert f"parameter {param}" in msg and ("crc32c" in msg or "Data corruption detected" in msg)
+    assert f"parameter {param}" in msg and "damaged" in msg and "crc32c" in msg
+    flip_byte(file, offset + length // 2)                   # undone
+    flip_byte(file, offset + 1)                             # the frame's magic number
+    msg = _one_line_error(lambda: k3jax.load(ckpt))
+    assert f"parameter {param}" in msg and "damaged" in msg
 
 
 def test_missing_chunk_file_is_one_line_naming_the_parameter(ckpt):
