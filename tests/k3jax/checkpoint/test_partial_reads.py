@@ -130,12 +130,12 @@ def test_files_hold_several_experts():
     """Stacked expert weights: up to EXPERTS_PER_FILE experts a file (a divisor of the count) within
     FILE_BYTES, one inner chunk each, so reads stay per expert while a conversion writes far fewer files."""
     assert (EXPERTS_PER_FILE, FILE_BYTES) == (16, 64 << 20)
-    assert [experts_per_file(e) for e in (896, 256, 112, 48, 18, 8, 7, 1)] == [16, 16, 16, 16, 9, 8, 7, 1]
-    assert chunk_shape((896, 3072, 1792), stacked=True) == (8, 3072, 1792)           # K3's packed codes: 5.5 MB
-    assert chunk_shape((896, 112, 3072), stacked=True) == (16, 112, 3072)            # their scales
-    assert chunk_shape((896, 3584, 3072), stacked=True, itemsize=2) == (2, 3584, 3072)   # dequantised: 22 MB
-    assert chunk_shape((4, 8192, 8192), stacked=True, itemsize=4) == (1, 8192, 8192)     # over the cap alone
-    assert chunk_shape((64, 48), stacked=False) == (64, 48)
+    assert [experts_per_file(e, 1 << 20) for e in (896, 256, 112, 48, 18, 8, 7, 1)] == [16, 16, 16, 16, 9, 8, 7, 1]
+    assert chunk_shape((896, 3072, 1792), True, 1) == (8, 3072, 1792)           # K3's packed codes: 5.5 MB
+    assert chunk_shape((896, 112, 3072), True, 1) == (16, 112, 3072)            # their scales
+    assert chunk_shape((896, 3584, 3072), True, 2) == (2, 3584, 3072)           # dequantised bf16: 22 MB
+    assert chunk_shape((4, 8192, 8192), True, 4) == (1, 8192, 8192)             # over the cap alone
+    assert chunk_shape((64, 48), False, 4) == (64, 48)
 
 
 def test_one_read_per_contiguous_run_and_short_reads_are_continued(stored, monkeypatch):
