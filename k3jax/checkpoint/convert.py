@@ -5,9 +5,9 @@ dequantised), checked to be finite and written one file at a time (a tensor, or 
 of a stacked weight holds: `orbax_format.experts_per_file`, at most 64 MiB), so peak memory is a few
 times the larger of the largest tensor and one expert file, per worker, whatever the model size.
 Work goes to `DST.partial/` (k3jax.checkpoint.workdir: owned, locked against a second conversion,
-journalled with a fingerprint of the source); a restarted run of the same source and options (after a crash or SIGKILL) skips what
-the journal lists, and the directory is renamed to DST only when complete and, with `verify`,
-verified. Source problems (corrupt or truncated files, missing shards or tensors, wrong shapes or
+journalled with a fingerprint of the source); a restarted run of the same source and options (after
+a crash or SIGKILL) skips the files the journal lists whole, and the directory is renamed to DST only
+when complete and, with `verify`, verified. Source problems (corrupt or truncated files, missing shards or tensors, wrong shapes or
 dtypes) are found from the headers before anything is written; non-finite weights are found while
 converting and leave nothing behind.
 """
