@@ -7,9 +7,9 @@ times the larger of the largest tensor and one expert file, per worker, whatever
 Work goes to `DST.partial/` (k3jax.checkpoint.workdir: owned, locked against a second conversion,
 journalled with a fingerprint of the source); a restarted run of the same source and options (after
 a crash or SIGKILL) skips the files the journal lists whole, and the directory is renamed to DST only
-when complete and, with `verify`, verified. Source problems (corrupt or truncated files, missing shards or tensors, wrong shapes or
-dtypes) are found from the headers before anything is written; non-finite weights are found while
-converting and leave nothing behind.
+when complete and, with `verify`, verified. Source problems (corrupt or truncated files, missing
+shards or tensors, wrong shapes or dtypes) are found from the headers before anything is written;
+non-finite weights are found while converting and leave nothing behind.
 """
 
 from __future__ import annotations
