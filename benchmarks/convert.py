@@ -3,7 +3,7 @@
     python benchmarks/convert.py [--experts 160] [--workers 1 4]
 
 Writes a Kimi-Linear-shaped checkpoint of random bf16 weights (hidden 512, 4 layers, many 512x1024
-experts; about 0.6 GB at 160 experts) with k3jax's writer, converts it in a child process per
+experts; about 1.5 GB at 160 experts) with k3jax's writer, converts it in a child process per
 setting, and reports the child's peak RSS, MB/s and the files it wrote next to the largest single tensor.
 """
 

@@ -154,6 +154,18 @@ def test_resume_refuses_another_chunk_layout(src, tmp_path, capsys, monkeypatch)
     verify_checkpoint(dst, src)
 
 
+def test_resume_refuses_a_partial_written_one_expert_per_file(src, tmp_path, capsys, monkeypatch):
+    """A conversion interrupted under the former layout (a file per expert) is not resumed into files of
+    several experts."""
+    dst = tmp_path / "dst"
+    monkeypatch.setattr(orbax_format, "EXPERTS_PER_FILE", 1)
+    _interrupted_conversion(monkeypatch, src, dst, after=40, dtype="float32")
+    code, err = _run(capsys, src, dst, "--dtype", "float32")
+    assert code == 1 and "chunk layout differs" in err and "--restart" in err
+    assert _run(capsys, src, dst, "--dtype", "float32", "--restart")[0] == 0
+    verify_checkpoint(dst, src)
+
+
 def _chunk_bytes(root: Path) -> dict[str, bytes]:
     """Every array's metadata and chunk files (not Orbax's timestamped checkpoint metadata)."""
     return {str(f.relative_to(root)): f.read_bytes() for f in sorted((root / "params").rglob("*"))
