@@ -66,33 +66,31 @@ def packed(rng, e, k, n) -> Mxfp4Weight:
                        jnp.asarray(rng.integers(118, 123, (e, k // 32, n), dtype=np.uint8)))
 
 
-def experts_mlp(x, weights, experts, w1, w3, w2, blocks=None):
-    """The routed-expert MLP through the Pallas kernels: pairs for a few tokens, sorted rows above."""
+PALLAS_KERNELS = (pair_glu_pallas, pair_matmul_pallas, grouped_glu_pallas, grouped_matmul_pallas)
+HOPPER_KERNELS = (pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4, grouped_glu_hopper_mxfp4,
+                  grouped_matmul_hopper_mxfp4)
+
+
+def experts_mlp(x, weights, experts, w1, w3, w2, blocks=None, kernels=PALLAS_KERNELS):
+    """The routed-expert MLP through `kernels` (pair glu, pair matmul, grouped glu, grouped matmul: the
+    Pallas-Triton ones, or HOPPER_KERNELS on `Mxfp4Columns` weights): pairs for a few tokens, sorted rows
+    above."""
+    pair_glu, pair_matmul, grouped_glu, grouped_matmul = kernels
     n, k = experts.shape
     if n <= 8:
         group, valid = experts.reshape(-1), jnp.ones((n * k,), bool)
-        h = pair_glu_pallas(x, w1, w3, group, valid, repeat=k, blocks=blocks)
-        y = pair_matmul_pallas(h, w2, group, valid, weights.reshape(-1), blocks=blocks)
+        h = pair_glu(x, w1, w3, group, valid, repeat=k, blocks=blocks)
+        y = pair_matmul(h, w2, group, valid, weights.reshape(-1), blocks=blocks)
         return y.reshape(n, k, -1).sum(axis=1)
     order, sizes, _ = sort_by_expert(experts, w1.shape[0])
-    h = grouped_glu_pallas(x[order // k], w1, w3, sizes, blocks=blocks)
-    y = grouped_matmul_pallas(h, w2, sizes, weights.reshape(-1)[order], blocks=blocks)
+    h = grouped_glu(x[order // k], w1, w3, sizes, blocks=blocks)
+    y = grouped_matmul(h, w2, sizes, weights.reshape(-1)[order], blocks=blocks)
     return jnp.zeros((n, x.shape[1]), jnp.float32).at[order // k].add(y)
 
 
 def experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks=None):
-    """The routed-expert MLP through the Mosaic GPU kernel (`Mxfp4Columns` weights): unsorted pairs for a
-    few tokens, rows sorted by expert above (as `experts_mlp`)."""
-    n, k = experts.shape
-    if n <= 8:
-        group, valid = experts.reshape(-1), jnp.ones((n * k,), bool)
-        h = pair_glu_hopper_mxfp4(x, c1, c3, group, valid, repeat=k, blocks=blocks)
-        y = pair_matmul_hopper_mxfp4(h, c2, group, valid, weights.reshape(-1), blocks=blocks)
-        return y.reshape(n, k, -1).sum(axis=1)
-    order, sizes, _ = sort_by_expert(experts, c1.shape[0])
-    h = grouped_glu_hopper_mxfp4(x[order // k], c1, c3, sizes, blocks=blocks)
-    y = grouped_matmul_hopper_mxfp4(h, c2, sizes, weights.reshape(-1)[order], blocks=blocks)
-    return jnp.zeros((n, x.shape[1]), jnp.float32).at[order // k].add(y)
+    """`experts_mlp` through the Mosaic GPU kernel (`Mxfp4Columns` weights)."""
+    return experts_mlp(x, weights, experts, c1, c3, c2, blocks, HOPPER_KERNELS)
 
 
 def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: bool, small: bool) -> list[dict]:

@@ -202,11 +202,11 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
         work.remove() if work.created else work.release()  # a refused resume keeps everything
         raise
     # tensors reused: those of files the journal lists whole (a file's other tensors are written again)
-    resumed = sum(len(group) for p in params for group in _file_groups(plan[p], *params[p])
-                  if all(name in done for name, _ in group))
+    files = [(p, group) for p in params for group in _file_groups(plan[p], *params[p])]
+    resumed = sum(len(group) for _, group in files if all(name in done for name, _ in group))
     start = time.perf_counter()
     try:
-        read = _convert_tensors(ckpt, plan, params, splits, work, done, workers, progress)
+        read = _convert_tensors(ckpt, plan, params, splits, files, work, done, workers, progress)
         _write_metadata(work.path, source, plan, params, done, own_embedding, pdtype, skipped, packed_experts,
                         layout_key)
     except NonFiniteError:  # the source cannot be converted: nothing is kept
@@ -231,16 +231,16 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
                          seconds=time.perf_counter() - start, resumed=resumed)
 
 
-def _convert_tensors(ckpt, plan, params, splits, work: WorkDir, done: dict, workers: int, progress) -> int:
-    """Reads, checks, transforms and writes every file holding a tensor `done` lacks (a file's experts
-    together), journalling its tensors at once. Returns the bytes this call read from the source."""
+def _convert_tensors(ckpt, plan, params, splits, files, work: WorkDir, done: dict, workers: int, progress) -> int:
+    """Reads, checks, transforms and writes every file (`files`: (parameter, its tensors in the file), from
+    `_file_groups`) holding a tensor `done` lacks, journalling its tensors at once. Returns the bytes
+    this call read from the source."""
     journal = work.journal()
     lock = threading.Lock()
     writers = {p: ArrayWriter(os.path.join(work.path, PARAMS_DIR), p, shape, dt,
                               stacked=plan[p][0][1].expert is not None, split=splits[p])
                for p, (shape, dt) in params.items()}
-    tasks = [(p, group) for p in params for group in _file_groups(plan[p], *params[p])
-             if any(name not in done for name, _ in group)]
+    tasks = [(p, group) for p, group in files if any(name not in done for name, _ in group)]
     before = ckpt.bytes_read
     nbytes = lambda name, rule: stored_nbytes(ckpt, name, rule)
     total = sum(nbytes(n, r) for p in params for n, r in plan[p])

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.activation import Activation, gated_activation
-from pallas_kernels.moe_gmm import GmmImpl, grouped_glu, grouped_matmul, pair_glu, pair_matmul, resolve_gmm_impl
-from pallas_kernels.moe_gmm.hopper_mxfp4 import Mxfp4Columns, to_rows
-from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight, dequantize
+from pallas_kernels.moe_gmm import (GmmImpl, dense_weight, grouped_glu, grouped_matmul, pair_glu, pair_matmul,
+                                    resolve_gmm_impl)
+from pallas_kernels.moe_gmm.hopper_mxfp4 import Mxfp4Columns
 
 # "dense": every expert on every token (the reference); "ragged": pairs sorted by expert, grouped
 # matmuls; "pairs": token-expert pairs unsorted, one kernel tile each (no sort, schedule or scatter:
@@ -154,9 +154,8 @@ def local_experts(impl: ExpertImpl, x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF
           (`experts_pairs`); other paths refuse it. shared_chosen: the choices already list them.
     """
     impl = resolve_expert_impl(impl, x_ND.shape[0], w1_EDF.shape[1:], gmm, isinstance(w1_EDF, Mxfp4Columns))
-    if impl in ("gather", "dense") and isinstance(w1_EDF, (Mxfp4Weight, Mxfp4Columns)):   # the references take arrays
-        w1_EDF, w3_EDF, w2_EFD = (dequantize(to_rows(w) if isinstance(w, Mxfp4Columns) else w, x_ND.dtype)
-                                  for w in (w1_EDF, w3_EDF, w2_EFD))
+    if impl in ("gather", "dense"):   # the references take arrays: packed experts dequantised
+        w1_EDF, w3_EDF, w2_EFD = (dense_weight(w, x_ND.dtype) for w in (w1_EDF, w3_EDF, w2_EFD))
     args = (x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act)
     if impl == "ragged":
         return experts_ragged(*args, gmm=gmm, expert_offset=expert_offset)

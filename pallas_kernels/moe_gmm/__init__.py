@@ -6,8 +6,8 @@ from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns
                                                  pair_matmul_hopper_mxfp4, to_columns)
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
 from pallas_kernels.moe_gmm.kernel import grouped_glu_pallas, grouped_matmul_pallas, pair_glu_pallas, pair_matmul_pallas
-from pallas_kernels.moe_gmm.ops import (GMM_IMPLS, GmmImpl, grouped_glu, grouped_matmul, pair_glu, pair_matmul,
-                                       resolve_gmm_impl)
+from pallas_kernels.moe_gmm.ops import (GMM_IMPLS, GmmImpl, dense_weight, grouped_glu, grouped_matmul, pair_glu,
+                                       pair_matmul, resolve_gmm_impl)
 from pallas_kernels.moe_gmm.reference import (grouped_glu_reference, grouped_matmul_reference, pair_glu_reference,
                                               pair_matmul_reference)
 from pallas_kernels.moe_gmm.schedule import max_tiles, tile_schedule
@@ -16,6 +16,7 @@ from pallas_kernels.moe_gmm.tuning import GmmBlocks, TileBlocks
 __all__ = [
     # Ops (dispatch by implementation name)
     "grouped_matmul", "grouped_glu", "pair_matmul", "pair_glu", "GmmImpl", "GMM_IMPLS", "resolve_gmm_impl",
+    "dense_weight",
     # Implementations and references
     "grouped_matmul_pallas", "grouped_glu_pallas", "grouped_matmul_reference", "grouped_glu_reference",
     "pair_matmul_pallas", "pair_glu_pallas", "pair_matmul_reference", "pair_glu_reference",

@@ -366,6 +366,8 @@ def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4B
 
 
 def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
+    """Refuses weights, activations, group sizes (None: pairs, checked by `_check_pairs`) and settings
+    the kernel cannot take, in one line each."""
     for w in weights:
         if not isinstance(w, Mxfp4Columns):
             raise ValueError(f"hopper MXFP4 matmul: weights must be Mxfp4Columns (`to_columns`), "
@@ -374,9 +376,9 @@ def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
     g, k, n = weights[0].shape
     if any(w.shape != weights[0].shape for w in weights):
         raise ValueError(f"hopper MXFP4 matmul: gate and up weights differ: {[w.shape for w in weights]}")
-    if lhs.ndim != 2 or lhs.shape[1] != k or group_sizes.shape != (g,):
+    if lhs.ndim != 2 or lhs.shape[1] != k or (group_sizes is not None and group_sizes.shape != (g,)):
         raise ValueError(f"hopper MXFP4 matmul: expected lhs [M, {k}] and group_sizes [{g}] for weights "
-                         f"[{g}, {k}, {n}]; got {lhs.shape} and {group_sizes.shape}")
+                         f"[{g}, {k}, {n}]; got {lhs.shape} and {getattr(group_sizes, 'shape', None)}")
     if k % blocks.block_k or n % COLUMNS:
         raise ValueError(f"hopper MXFP4 matmul: K={k} must be a multiple of block_k={blocks.block_k} and N={n} of "
                          f"{COLUMNS}")
@@ -425,8 +427,7 @@ def grouped_glu_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, grou
 
 
 def _check_pairs(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4Blocks):
-    groups = weights[0].shape[0] if isinstance(weights[0], Mxfp4Columns) else 0
-    _check(lhs, weights, jnp.zeros((groups,), jnp.int32), blocks)
+    _check(lhs, weights, None, blocks)
     if repeat < 1 or group.ndim != 1 or group.shape != valid.shape or group.shape[0] != lhs.shape[0] * repeat:
         raise ValueError(f"hopper MXFP4 pairs: expected group and valid [M] with M = lhs rows x repeat; got lhs "
                          f"{lhs.shape}, group {group.shape}, valid {valid.shape}, repeat {repeat}")

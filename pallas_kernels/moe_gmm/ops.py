@@ -66,8 +66,9 @@ def _mgpu(lhs, rhs, group_sizes, blocks: GmmBlocks):
     return jnp.where(rows, out, 0)[:m].astype(lhs.dtype)  # rows past the groups are undefined in the kernel
 
 
-def _dense(w, dtype):
-    """A weight as an array: MXFP4 dequantised to `dtype` (the non-kernel paths), else as is."""
+def dense_weight(w, dtype):
+    """A weight as an array: MXFP4 (`Mxfp4Weight` or `Mxfp4Columns`) dequantised to `dtype` (the paths
+    without a kernel that decodes it), else as is."""
     if isinstance(w, Mxfp4Columns):
         w = to_rows(w)
     return dequantize(w, dtype) if isinstance(w, Mxfp4Weight) else w
@@ -107,7 +108,7 @@ def grouped_matmul(lhs, rhs, group_sizes, row_scale=None, *, impl: GmmImpl = "au
         return grouped_matmul_hopper_mxfp4(lhs, rhs, group_sizes, row_scale)
     if impl == "pallas":
         return grouped_matmul_pallas(lhs, rhs, group_sizes, row_scale)
-    rhs = _dense(rhs, lhs.dtype)
+    rhs = dense_weight(rhs, lhs.dtype)
     out = grouped_matmul_reference(lhs, rhs, group_sizes) if impl == "xla" else _mgpu(lhs, rhs, group_sizes, blocks)
     return out if row_scale is None else out.astype(jnp.float32) * row_scale.astype(jnp.float32)[:, None]
 
@@ -122,7 +123,7 @@ def grouped_glu(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), im
         return grouped_glu_hopper_mxfp4(lhs, w_gate, w_up, group_sizes, spec=spec)
     if impl == "pallas":
         return grouped_glu_pallas(lhs, w_gate, w_up, group_sizes, spec=spec)
-    w_gate, w_up = _dense(w_gate, lhs.dtype), _dense(w_up, lhs.dtype)
+    w_gate, w_up = dense_weight(w_gate, lhs.dtype), dense_weight(w_up, lhs.dtype)
     if impl == "xla":
         return grouped_glu_reference(lhs, w_gate, w_up, group_sizes, spec=spec)
     return glu(_mgpu(lhs, w_gate, group_sizes, blocks), _mgpu(lhs, w_up, group_sizes, blocks), spec)
@@ -142,7 +143,7 @@ def pair_matmul(lhs, rhs, group, valid, row_scale=None, *, repeat: int = 1, extr
             return pair_matmul_pallas(lhs, rhs, group, valid, row_scale, repeat=repeat, extra=extra)
         if extra is None:        # the Mosaic GPU kernel takes no extra groups: those run the reference
             return pair_matmul_hopper_mxfp4(lhs, rhs, group, valid, row_scale, repeat=repeat)
-    return pair_matmul_reference(lhs, _dense(rhs, lhs.dtype), group, valid, row_scale, repeat=repeat, extra=extra)
+    return pair_matmul_reference(lhs, dense_weight(rhs, lhs.dtype), group, valid, row_scale, repeat=repeat, extra=extra)
 
 
 def pair_glu(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), repeat: int = 1, extra=None,
@@ -154,5 +155,5 @@ def pair_glu(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), repe
             return pair_glu_pallas(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat, extra=extra)
         if extra is None:
             return pair_glu_hopper_mxfp4(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat)
-    return pair_glu_reference(lhs, _dense(w_gate, lhs.dtype), _dense(w_up, lhs.dtype), group, valid, spec=spec,
-                              repeat=repeat, extra=extra)
+    return pair_glu_reference(lhs, dense_weight(w_gate, lhs.dtype), dense_weight(w_up, lhs.dtype), group, valid,
+                              spec=spec, repeat=repeat, extra=extra)
