@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-scaling kda-ncu kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -28,10 +28,10 @@ for step in "$@"; do
               tests/pallas_kernels/test_moe_gmm_mxfp4.py 2>&1 | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 \
               | tee "$W/moe_mxfp4_tests.log"
           OUT=$W timeout ${MXFP4_LIMIT:-240} python3 benchmarks/moe_mxfp4.py ${MXFP4_ARGS:-} 2>&1 | quiet | tee "$W/moe_mxfp4.log" ;;
-    moe-hopper) K3JAX_TEST_DEVICE=gpu timeout ${HOPPER_TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-              tests/pallas_kernels/test_moe_gmm_hopper_mxfp4.py 2>&1 | quiet | grep -E "passed|failed|FAILED|Error" | tail -30 \
-              | tee "$W/moe_hopper_tests.log"
-          OUT=$W timeout ${HOPPER_LIMIT:-300} python3 benchmarks/moe_mxfp4.py --hopper-sweep --tokens ${HOPPER_TOKENS:-1 8 64} \
+    moe-hopper) [ "${HOPPER_TEST_LIMIT:-200}" = 0 ] || K3JAX_TEST_DEVICE=gpu timeout ${HOPPER_TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+              tests/pallas_kernels/test_moe_gmm_hopper_mxfp4.py 2>&1 | quiet | tee "$W/moe_hopper_tests_full.log" \
+              | grep -E "passed|failed|FAILED|Error" | tail -30 | tee "$W/moe_hopper_tests.log"
+          OUT=$W timeout ${HOPPER_LIMIT:-300} python3 benchmarks/moe_mxfp4.py ${HOPPER_FLAGS:---hopper-sweep} --tokens ${HOPPER_TOKENS:-1 8 64} \
               ${HOPPER_ARGS:-} 2>&1 | quiet | tee "$W/moe_hopper.log" ;;
     moe-sweep) OUT=$W timeout 300 python3 benchmarks/moe.py --models kimi-linear --sweep 2>&1 | quiet | tee "$W/moe.log" ;;
     decode) OUT=$W timeout 420 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
@@ -89,6 +89,8 @@ for step in "$@"; do
               tests/pallas_kernels/test_kda_kernels.py tests/pallas_kernels/test_kda_varlen.py -k "chunk or varlen" 2>&1 \
               | quiet | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_prefill_tests.log"
           OUT=$W timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
+              | tee "$W/kda_prefill.log" ;;
+    kda-bench) OUT=$W timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_prefill.log" ;;
     kda-scaling) OUT=$W timeout ${KDA_LIMIT:-300} python3 benchmarks/kda.py --prefill-only --heads 32 --variants default \
               --qk-dtypes raw --lengths 1024 2048 4096 8192 16384 32768 --iters 20 --name kda_prefill_lengths 2>&1 | quiet \

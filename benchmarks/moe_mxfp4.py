@@ -54,10 +54,10 @@ SWEEP = ([TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="asm", split_k=sk) for s
 GROUPED_SWEEP = [TileBlocks(64, 128, 128, 4, 3, e2m1=d) for d in ("table", "asm")] + [
     TileBlocks(m, n, 128, w, s, e2m1="asm") for m, n, w, s in ((128, 128, 8, 3), (64, 64, 4, 4), (64, 256, 8, 3))]
 
-# The Mosaic GPU kernel: decode and operand forms first, then tile rows, step depth and buffers.
-HOPPER_SWEEP = ([HopperMxfp4Blocks(decode=d, a_operand=a) for d in ("ptx", "exact") for a in ("registers", "smem")]
-                + [HopperMxfp4Blocks(rows=r, block_k=bk, stages=st)
-                   for r, bk, st in ((16, 256, 3), (8, 512, 2), (8, 512, 3), (8, 128, 4), (8, 256, 5))])
+# The Mosaic GPU kernel: K split over programs (0: auto), step depth and buffers. Hopper run 1 timed the decode and
+# operand forms (ptx / exact x registers / smem: ptx in registers fastest by 1.3-4x) and 16-row tiles (no change).
+HOPPER_SWEEP = [HopperMxfp4Blocks(block_k=bk, stages=st, splits=sp)
+                for bk, st, sp in ((256, 3, 0), (256, 3, 3), (128, 4, 1), (128, 4, 0), (256, 5, 0))]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:
@@ -95,7 +95,8 @@ def experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks=None):
 
 def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: bool, small: bool) -> list[dict]:
     """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
-    HOPPER_SWEEP setting. A setting that fails to compile or run is recorded with its error."""
+    HOPPER_SWEEP setting. A setting that fails to compile or run (K not a multiple of its block_k, say)
+    is recorded with its error."""
     settings = [None] + (HOPPER_SWEEP if sweep else [])
     if small:                        # interpret mode runs the exact decode through shared memory only
         settings = [HopperMxfp4Blocks.for_backend(True, block_k=128)]
@@ -184,7 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="*", default=None)
     ap.add_argument("--tokens", nargs="*", type=int, default=None)
     ap.add_argument("--sweep", action="store_true", help="also time the packed kernels over SWEEP tile settings")
-    ap.add_argument("--sweep-tokens", nargs="*", type=int, default=[1, 8])
+    ap.add_argument("--sweep-tokens", nargs="*", type=int, default=[1, 8],
+                    help="token counts the --sweep and --hopper-sweep settings run at")
     ap.add_argument("--tokamax", action="store_true", help="also one projection against tokamax (quantized)")
     ap.add_argument("--hopper", action="store_true", help="also the Mosaic GPU kernel")
     ap.add_argument("--hopper-sweep", action="store_true", help="also the Mosaic GPU kernel over HOPPER_SWEEP")
@@ -218,7 +220,8 @@ def main(argv=None) -> int:
             row["err_vs_bf16"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
             if args.hopper:
                 hopper_rows += time_hopper(row, x, weights, experts, columns, 3 * touched * d * f * (0.5 + 1 / 32),
-                                           out["bf16"], args.hopper_sweep, args.small)
+                                           out["bf16"], args.hopper_sweep and tokens in args.sweep_tokens,
+                                           args.small)
             if args.sweep and tokens in args.sweep_tokens:
                 best = None
                 for blocks in (SWEEP if tokens <= 8 else GROUPED_SWEEP):

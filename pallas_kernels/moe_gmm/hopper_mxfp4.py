@@ -55,6 +55,8 @@ from pallas_kernels.moe_gmm.schedule import tile_schedule
 COLUMNS = 64                      # output columns per program: the M side of one warpgroup MMA
 _SMEM_BYTES = 227 * 1024          # shared memory one H100 / H200 block may take
 _SMEM_OVERHEAD = 2048             # barriers and the alignment of swizzled buffers
+_SMS = 132                        # multiprocessors of an H100 / H200 (SXM)
+_SPLIT_TARGET = 2                 # programs per multiprocessor that `splits=0` reaches for
 PER_GROUP = GROUP // 2            # packed bytes of one scale group along a column
 DECODES = ("exact", "ptx")
 A_OPERANDS = ("registers", "smem")
@@ -126,14 +128,17 @@ def _validated(w: Mxfp4Columns) -> Mxfp4Columns:
 class HopperMxfp4Blocks:
     """Launch settings: token rows per tile (the MMA's N side: a multiple of 8, at most 256), inputs
     per pipeline step (`block_k`, a multiple of 128 dividing K), buffers in flight, the decode and
-    where the MMA reads the decoded weights from (module docstring). `for_backend` picks what runs;
-    `smem_bytes` must stay within one block's shared memory."""
+    where the MMA reads the decoded weights from (module docstring), and `splits`: programs that share
+    one tile's K steps (their fp32 partial sums added by XLA; a divisor of K / block_k), 0 = the
+    fewest that give `_SPLIT_TARGET` programs a multiprocessor (`splits_for`). `for_backend` picks what
+    runs; `smem_bytes` must stay within one block's shared memory."""
 
     rows: int = 8
     block_k: int = 256
     stages: int = 3
     decode: str = "ptx"
     a_operand: str = "registers"
+    splits: int = 1
 
     def __post_init__(self):
         if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -146,6 +151,17 @@ class HopperMxfp4Blocks:
             raise ValueError(f"HopperMxfp4Blocks: decode must be one of {DECODES}, got {self.decode!r}")
         if self.a_operand not in A_OPERANDS:
             raise ValueError(f"HopperMxfp4Blocks: a_operand must be one of {A_OPERANDS}, got {self.a_operand!r}")
+        if self.splits < 0:
+            raise ValueError(f"HopperMxfp4Blocks: splits must be >= 0 (0: auto), got {self.splits}")
+
+    def splits_for(self, programs: int, steps: int) -> int:
+        """K splits for `programs` (tiles x column blocks) over `steps` pipeline steps: the setting, or for
+        0 the smallest divisor of `steps` giving at least `_SPLIT_TARGET` programs per multiprocessor
+        (decode: few tiles, one program a multiprocessor cannot keep enough bytes in flight)."""
+        if self.splits:
+            return self.splits
+        return next(d for d in range(1, steps + 1) if steps % d == 0 and (programs * d >= _SPLIT_TARGET * _SMS
+                                                                          or d == steps))
 
     def smem_bytes(self, n_weights: int) -> int:
         """Shared memory of one program with `n_weights` weights: per buffer in flight the tile's even and
@@ -263,10 +279,12 @@ _DECODERS = {"exact": _decode_exact, "ptx": _decode_ptx}
 
 def _kernel(sched_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks):
     """refs: even and odd activations [tiles, rows, K/2], then per weight packed [G, N, K/2] and scale
-    [G, K/32, N]; out [weights, tiles, N, rows] fp32; scratch: the decoded operand buffer."""
+    [G, K/32, N]; out [weights, splits, tiles, N, rows] fp32; scratch: the decoded operand buffer.
+    `steps`: the pipeline steps of one split (its K range starts at split x steps x block_k)."""
     x_refs, refs = refs[:2], refs[2:]
     w_refs, (out_ref, o_smem, a_smem) = refs[:2 * n_weights], refs[2 * n_weights:]
-    tile, col = lax.axis_index("tile"), lax.axis_index("col")
+    tile, col, split = lax.axis_index("tile"), lax.axis_index("col"), lax.axis_index("split")
+    first_step = split * steps
     group, first, last = sched_ref[0, tile], sched_ref[1, tile], sched_ref[2, tile]
     half, groups = blocks.block_k // 2, blocks.block_k // GROUP
     layout = plgpu.Layout.WGMMA
@@ -295,9 +313,9 @@ def _kernel(sched_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks):
 
         x_transforms = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32))
         code_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
-        x_spec = plgpu.BlockSpec((blocks.rows, half), lambda kk: (0, kk), transforms=x_transforms)
-        w_specs = (plgpu.BlockSpec((COLUMNS, half), lambda kk: (col, kk), transforms=code_transforms),
-                   plgpu.BlockSpec((groups, COLUMNS), lambda kk: (kk, col)))
+        x_spec = plgpu.BlockSpec((blocks.rows, half), lambda kk: (0, first_step + kk), transforms=x_transforms)
+        w_specs = (plgpu.BlockSpec((COLUMNS, half), lambda kk: (col, first_step + kk), transforms=code_transforms),
+                   plgpu.BlockSpec((groups, COLUMNS), lambda kk: (first_step + kk, col)))
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=[x_spec, x_spec, *(w_specs * n_weights)],
                             max_concurrent_steps=blocks.stages)(
             *(x.at[tile] for x in x_refs), *(w.at[group] for w in w_refs))
@@ -311,7 +329,7 @@ def _kernel(sched_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks):
             o_smem.at[w][...] = acc
         plgpu.commit_smem()
         for w in range(n_weights):
-            plgpu.copy_smem_to_gmem(o_smem.at[w], out_ref.at[w, tile, pl.ds(col * COLUMNS, COLUMNS)])
+            plgpu.copy_smem_to_gmem(o_smem.at[w], out_ref.at[w, split, tile, pl.ds(col * COLUMNS, COLUMNS)])
         plgpu.wait_smem_to_gmem(0)
 
 
@@ -322,17 +340,23 @@ def _launch(sched, slabs, weights, blocks: HopperMxfp4Blocks, interpret: bool):
     n = weights[0].shape[2]
     slabs = slabs.astype(jnp.bfloat16)
     n_weights = len(weights)
-    kernel = functools.partial(_kernel, n_weights=n_weights, steps=k // blocks.block_k, blocks=blocks)
+    steps = k // blocks.block_k
+    splits = blocks.splits_for(tiles * (n // COLUMNS), steps)
+    if steps % splits:
+        raise ValueError(f"hopper MXFP4 matmul: splits={splits} must divide the {steps} steps of K={k} at "
+                         f"block_k={blocks.block_k}")
+    kernel = functools.partial(_kernel, n_weights=n_weights, steps=steps // splits, blocks=blocks)
     a_transforms = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32))
-    return plgpu.kernel(
+    partial = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((n_weights, tiles, n, tm), jnp.float32),
-        grid=(tiles, n // COLUMNS),
-        grid_names=("tile", "col"),
+        out_type=jax.ShapeDtypeStruct((n_weights, splits, tiles, n, tm), jnp.float32),
+        grid=(tiles, n // COLUMNS, splits),
+        grid_names=("tile", "col", "split"),
         scratch_types=[plgpu.SMEM((n_weights, COLUMNS, tm), jnp.float32),
                        plgpu.SMEM((COLUMNS, PER_GROUP), jnp.bfloat16, transforms=a_transforms)],
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(sched, slabs[..., 0::2], slabs[..., 1::2], *(part for w in weights for part in (w.packed, w.scale)))
+    return partial[:, 0] if splits == 1 else jnp.sum(partial, axis=1)
 
 
 def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: bool):

@@ -32,7 +32,8 @@ FORMS = {"ptx_registers": HopperMxfp4Blocks(), "exact_registers": HopperMxfp4Blo
          "ptx_smem": HopperMxfp4Blocks(a_operand="smem"),
          "exact_smem": HopperMxfp4Blocks(decode="exact", a_operand="smem"),
          "rows16_k128_stages2": HopperMxfp4Blocks(rows=16, block_k=128, stages=2),
-         "k512_stages4": HopperMxfp4Blocks(block_k=512, stages=4)}
+         "k512_stages4": HopperMxfp4Blocks(block_k=512, stages=4),
+         "k128_splits_auto": HopperMxfp4Blocks(block_k=128, splits=0)}
 
 
 def _weight(rng, g, k, n) -> Mxfp4Weight:
@@ -67,14 +68,16 @@ def test_grouped_matmul_equals_the_reference(rng, interpret, sizes, m, rows):
     assert not np.asarray(out[sum(sizes):]).any()
 
 
-@pytest.mark.parametrize("spec", [GluSpec(), GluSpec("situ", situ_beta=4.0, situ_linear_beta=8.0)])
-def test_grouped_glu_equals_the_reference_over_several_steps(rng, interpret, spec):
+@pytest.mark.parametrize("spec,splits", [(GluSpec(), 1), (GluSpec("situ", situ_beta=4.0, situ_linear_beta=8.0), 1),
+                                         (GluSpec(), 3)])
+def test_grouped_glu_equals_the_reference_over_several_steps(rng, interpret, spec, splits):
+    """splits=3: each program one of the three steps, their partial sums added after the launch."""
     g, k, f, m = 3, 384, 64, 10            # three 128-input steps
     wg, wu = _weight(rng, g, k, f), _weight(rng, g, k, f)
     x = jnp.asarray(rng.standard_normal((m, k)) * 0.05, jnp.float32)   # fp32 activations: rounded to bf16
     group_sizes = jnp.asarray([4, 0, 5], jnp.int32)
     out = grouped_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group_sizes, spec=spec,
-                                   blocks=_blocks(interpret, block_k=128), interpret=interpret)
+                                   blocks=_blocks(interpret, block_k=128, splits=splits), interpret=interpret)
     xb = x.astype(jnp.bfloat16).astype(jnp.float32)
     ref = grouped_glu_reference(xb, dequantize(wg, jnp.float32), dequantize(wu, jnp.float32), group_sizes, spec=spec)
     assert out.dtype == jnp.float32
@@ -91,7 +94,7 @@ def test_pairs_equal_the_reference(rng, interpret):
     valid = jnp.asarray([True, True, False, True, True, True])
     scale = jnp.asarray(rng.uniform(0.1, 1.0, tokens * repeat), jnp.float32)
     dg, du = dequantize(wg, jnp.float32), dequantize(wu, jnp.float32)
-    blocks = _blocks(interpret, block_k=128)
+    blocks = _blocks(interpret, block_k=128, splits=0)     # auto: 6 programs, so each of the 2 steps its own
     tol = kernel_dtype("float32", interpret)     # fp32 activations that are bf16 values: exact products
     h = pair_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group, valid, repeat=repeat, blocks=blocks,
                               interpret=interpret)
@@ -233,6 +236,9 @@ def test_settings_follow_the_rows_and_shared_memory():
     assert HopperMxfp4Blocks.for_backend(False, 1152).block_k == 128                  # 1152 = 9 x 128
     assert HopperMxfp4Blocks.for_backend(False, 2304).block_k == 256                  # Kimi-Linear: 9 x 256
     assert HopperMxfp4Blocks.for_backend(True).decode == "exact"
+    auto = HopperMxfp4Blocks(splits=0)      # the fewest splits giving 2 programs a multiprocessor (132)
+    assert [auto.splits_for(p, s) for p, s in ((128, 9), (288, 4), (1024, 9), (1, 9), (100, 4))] == [3, 1, 1, 9, 4]
+    assert HopperMxfp4Blocks(splits=2).splits_for(1, 9) == 2
 
 
 def test_other_sides_run_the_dequantising_reference(rng, interpret):
@@ -264,9 +270,12 @@ def test_refuses_what_it_cannot_run(rng):
         grouped_matmul_hopper_mxfp4(x[:, :128], w, sizes)
     with pytest.raises(ValueError, match="N=32"):
         grouped_matmul_hopper_mxfp4(x, to_columns(_weight(rng, 2, 256, 32)), sizes)
+    with pytest.raises(ValueError, match="splits=3 must divide the 2 steps"):
+        grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(block_k=128, splits=3, decode="exact",
+                                                                           a_operand="smem"))
     with pytest.raises(ValueError, match="shared memory"):
         grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(rows=256, block_k=256, stages=4))
-    for bad in ({"rows": 12}, {"block_k": 96}, {"stages": 0}, {"decode": "table"}, {"a_operand": "tmem"}):
+    for bad in ({"rows": 12}, {"block_k": 96}, {"stages": 0}, {"decode": "table"}, {"a_operand": "tmem"}, {"splits": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             HopperMxfp4Blocks(**bad)
 
