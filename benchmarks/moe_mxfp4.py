@@ -5,6 +5,7 @@
     python benchmarks/moe_mxfp4.py --tokamax  # also one projection against tokamax's quantized ragged_dot
     python benchmarks/moe_mxfp4.py --hopper   # also the Mosaic GPU kernel (`moe_gmm/hopper_mxfp4.py`)
     python benchmarks/moe_mxfp4.py --hopper-sweep   # ... over HOPPER_SWEEP's settings too
+    python benchmarks/moe_mxfp4.py --hopper --profile   # ... with each call's kernels from a profiler trace
     python benchmarks/moe_mxfp4.py --small    # CPU smoke run (interpret mode)
 
 Uniform random top-k routing. Decode sizes (1, 8 tokens) run the unsorted pair kernels, larger ones
@@ -35,6 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import HBM_ACHIEVABLE, chained_time, environment, table, write  # noqa: E402
+from benchmarks.kernel_profile import kernel_trace  # noqa: E402
 from k3jax.layers.moe_experts import sort_by_expert  # noqa: E402
 from pallas_kernels.moe_gmm import (grouped_glu_pallas, grouped_matmul_pallas, pair_glu_pallas,  # noqa: E402
                                     pair_matmul_pallas)
@@ -93,7 +95,15 @@ def experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks=None):
     return experts_mlp(x, weights, experts, c1, c3, c2, blocks, HOPPER_KERNELS)
 
 
-def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: bool, small: bool) -> list[dict]:
+def profile(fn, args) -> dict:
+    """The device microseconds of each kernel one call launches (the 8 longest) and the call's device span
+    (kernels plus the gaps between them); {} off a GPU."""
+    times, span = kernel_trace(fn, args, calls=10)
+    return {"span_us": round(span, 1), "kernels_us": {k: round(v, 1) for k, v in list(times.items())[:8]}} if times else {}
+
+
+def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: bool, small: bool,
+                with_profile: bool = False) -> list[dict]:
     """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
     HOPPER_SWEEP setting. A setting that fails to compile or run (K not a multiple of its block_k, say)
     is recorded with its error."""
@@ -119,6 +129,8 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
         if blocks is None or small:
             row.update(hopper_ms=t * 1e3, **{"hopper_pct_4.3TB_s": pct}, hopper_err_vs_bf16=err,
                        hopper_vs_mxfp4=row["mxfp4_ms"] / (t * 1e3))
+            if with_profile:
+                row["hopper_profile"] = profile(experts_mlp_hopper, (x, weights, experts, *columns))
         print(f"  hopper {blocks}: {t * 1e3:.4f} ms, {pct:.1f}%, err {err:.2e}", flush=True)
         out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks), "ms": t * 1e3,
                     "pct_4.3TB_s": pct, "err_vs_bf16": err})
@@ -190,6 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokamax", action="store_true", help="also one projection against tokamax (quantized)")
     ap.add_argument("--hopper", action="store_true", help="also the Mosaic GPU kernel")
     ap.add_argument("--hopper-sweep", action="store_true", help="also the Mosaic GPU kernel over HOPPER_SWEEP")
+    ap.add_argument("--profile", action="store_true",
+                    help="record the kernels of the MXFP4 (and with --hopper the Mosaic GPU) call per row")
     args = ap.parse_args(argv)
     args.hopper = args.hopper or args.hopper_sweep
     models = {"tiny": (8, 128, 128, 2)} if args.small else {m: MODELS[m] for m in (args.models or MODELS)}
@@ -217,11 +231,13 @@ def main(argv=None) -> int:
                 row[f"{name}_pct_4.3TB_s"] = nbytes / t / HBM_ACHIEVABLE * 100
             a, b = (np.asarray(out[n], np.float64) for n in ("mxfp4", "bf16"))
             row["speedup"] = row["bf16_ms"] / row["mxfp4_ms"]
+            if args.profile:
+                row["mxfp4_profile"] = profile(experts_mlp, (x, weights, experts, q1, q3, q2))
             row["err_vs_bf16"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
             if args.hopper:
                 hopper_rows += time_hopper(row, x, weights, experts, columns, 3 * touched * d * f * (0.5 + 1 / 32),
                                            out["bf16"], args.hopper_sweep and tokens in args.sweep_tokens,
-                                           args.small)
+                                           args.small, args.profile)
             if args.sweep and tokens in args.sweep_tokens:
                 best = None
                 for blocks in (SWEEP if tokens <= 8 else GROUPED_SWEEP):
