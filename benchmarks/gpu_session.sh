@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper hopper-sass moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -33,6 +33,8 @@ for step in "$@"; do
               | grep -E "passed|failed|FAILED|Error" | tail -30 | tee "$W/moe_hopper_tests.log"
           OUT=$W timeout ${HOPPER_LIMIT:-300} python3 benchmarks/moe_mxfp4.py ${HOPPER_FLAGS:---hopper-sweep} --tokens ${HOPPER_TOKENS:-1 8 64} \
               ${HOPPER_ARGS:-} 2>&1 | quiet | tee "$W/moe_hopper.log" ;;
+    hopper-sass) OUT=$W timeout ${SASS_LIMIT:-120} python3 benchmarks/hopper_mxfp4_sass.py --out "$W/sass" 2>&1 | quiet \
+              | grep -v "^    @" | tail -80 | tee "$W/hopper_sass.log" ;;
     moe-sweep) OUT=$W timeout 300 python3 benchmarks/moe.py --models kimi-linear --sweep 2>&1 | quiet | tee "$W/moe.log" ;;
     decode) OUT=$W timeout 420 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --batch 1 64 --new-tokens 32 --profile --prefill 1x8192 64x1024 --name decode_after 2>&1 \

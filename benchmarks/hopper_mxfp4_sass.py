@@ -1,0 +1,92 @@
+"""What ptxas made of the Hopper MXFP4 kernel: registers, spills, wgmma serialisation warnings, and the
+SASS instruction mix of each compiled form.
+
+    python3 benchmarks/hopper_mxfp4_sass.py [--out DIR]     # on a Hopper GPU (compiles and runs once)
+
+Each form of `HopperMxfp4Blocks` in FORMS is compiled through the pair GLU entry point at Kimi-Linear's
+expert shape (D = 2304, F = 1024, 8 pairs) with Mosaic GPU's dumps on (`MOSAIC_GPU_DUMP_PTXAS`,
+`MOSAIC_GPU_DUMP_SASS`, `MOSAIC_GPU_DUMP_TO`); the dumps land in DIR/<form>/, and DIR/sass_summary.md
+holds per form the ptxas lines and the count of each SASS opcode (the decode's PRMT / LOP3, the
+HGMMA MMAs, the HMUL2 scalings, the shared-memory loads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FORMS = {"default": {}, "smem": {"a_operand": "smem"}, "exact": {"decode": "exact"}}
+OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+KEY_OPS = ("HGMMA", "WARPGROUP", "PRMT", "LOP3", "HMUL2", "HFMA2", "LDS", "STS", "SHF", "BAR", "SYNCS", "UTMALDG")
+
+
+def compile_form(name: str, fields: dict, out_dir: str) -> None:
+    """Compiles and runs one form with the dumps sent to out_dir/name (read by the C++ compile step)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.moe_gmm.hopper_mxfp4 import HopperMxfp4Blocks, Mxfp4Columns, pair_glu_hopper_mxfp4
+
+    where = os.path.join(out_dir, name)
+    os.makedirs(where, exist_ok=True)
+    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1", MOSAIC_GPU_DUMP_PTX="1",
+                      MOSAIC_GPU_DUMP_TO=where)
+    rng = np.random.default_rng(0)
+    e, d, f, pairs = 16, 2304, 1024, 8
+
+    def weight():
+        return Mxfp4Columns(jnp.asarray(rng.integers(0, 256, (e, f, d // 2), dtype=np.uint8)),
+                            jnp.asarray(rng.integers(118, 123, (e, d // 32, f), dtype=np.uint8)))
+
+    x = jnp.asarray(rng.standard_normal((1, d)), jnp.bfloat16)
+    group = jnp.asarray(rng.choice(e, pairs, replace=False), jnp.int32)
+    out = pair_glu_hopper_mxfp4(x, weight(), weight(), group, jnp.ones((pairs,), bool), repeat=pairs,
+                                blocks=HopperMxfp4Blocks(**fields), interpret=False)
+    jax.block_until_ready(out)
+
+
+def summarise(out_dir: str) -> str:
+    lines = ["# Hopper MXFP4 kernel: ptxas and SASS", ""]
+    for name in FORMS:
+        where = os.path.join(out_dir, name)
+        files = sorted(os.listdir(where)) if os.path.isdir(where) else []
+        lines += [f"## {name} ({FORMS[name] or 'the defaults'})", "", f"files: {', '.join(files) or 'none'}", ""]
+        for fname in files:
+            text = open(os.path.join(where, fname), errors="replace").read()
+            if fname.endswith(".ptxas") or "ptxas" in fname:
+                lines += ["```", *[ln for ln in text.splitlines() if ln.strip()][:20], "```", ""]
+            if fname.endswith(".sass") or "sass" in fname:
+                counts = collections.Counter(m.group(1).split(".")[0] for m in OPCODE.finditer(text))
+                total = sum(counts.values())
+                lines += [f"SASS instructions: {total}", "", "| opcode | count |", "|---|---|"]
+                lines += [f"| {op} | {counts[op]} |" for op in KEY_OPS if counts[op]]
+                lines += ["", "most frequent: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(15)), ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/hopper_mxfp4_sass"))
+    ap.add_argument("--forms", nargs="*", default=list(FORMS), choices=list(FORMS))
+    args = ap.parse_args(argv)
+    for name in args.forms:
+        try:
+            compile_form(name, FORMS[name], args.out)
+        except Exception as exc:  # noqa: BLE001 - one form failing must not hide the others' dumps
+            print(f"{name}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    summary = summarise(args.out)
+    with open(os.path.join(args.out, "sass_summary.md"), "w") as fh:
+        fh.write(summary + "\n")
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
