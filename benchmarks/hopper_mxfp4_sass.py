@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FORMS = {"default": {}, "smem": {"a_operand": "smem"}, "exact": {"decode": "exact"}}
+FORMS = {"default": {}, "mma_step": {"mma_inputs": 0}, "smem": {"a_operand": "smem"}}
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 KEY_OPS = ("HGMMA", "WARPGROUP", "PRMT", "LOP3", "HMUL2", "HFMA2", "LDS", "STS", "SHF", "BAR", "SYNCS", "UTMALDG")
 
@@ -73,7 +73,7 @@ def summarise(out_dir: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/hopper_mxfp4_sass"))
-    ap.add_argument("--forms", nargs="*", default=list(FORMS), choices=list(FORMS))
+    ap.add_argument("--forms", nargs="*", default=["default", "mma_step"], choices=list(FORMS))
     args = ap.parse_args(argv)
     for name in args.forms:
         try:

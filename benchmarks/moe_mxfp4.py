@@ -56,10 +56,11 @@ SWEEP = ([TileBlocks(16, 64, 128, 4, 3, gemv=True, e2m1="asm", split_k=sk) for s
 GROUPED_SWEEP = [TileBlocks(64, 128, 128, 4, 3, e2m1=d) for d in ("table", "asm")] + [
     TileBlocks(m, n, 128, w, s, e2m1="asm") for m, n, w, s in ((128, 128, 8, 3), (64, 64, 4, 4), (64, 256, 8, 3))]
 
-# The Mosaic GPU kernel: K split over programs (0: auto), step depth and buffers. Hopper run 1 timed the decode and
-# operand forms (ptx / exact x registers / smem: ptx in registers fastest by 1.3-4x) and 16-row tiles (no change).
-HOPPER_SWEEP = [HopperMxfp4Blocks(block_k=bk, stages=st, splits=sp)
-                for bk, st, sp in ((256, 3, 0), (256, 3, 3), (128, 4, 1), (128, 4, 0), (256, 5, 0))]
+# The Mosaic GPU kernel: K split over programs (0: auto), inputs per MMA call (0: the whole step), step depth.
+# Hopper run 1 timed the decode and operand forms (ptx / exact x registers / smem: ptx in registers fastest by
+# 1.3-4x) and 16-row tiles (no change).
+HOPPER_SWEEP = [HopperMxfp4Blocks(block_k=bk, stages=st, splits=sp, mma_inputs=mi)
+                for bk, st, sp, mi in ((256, 3, 0, 16), (256, 3, 0, 0), (256, 3, 0, 32), (128, 4, 0, 16))]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:

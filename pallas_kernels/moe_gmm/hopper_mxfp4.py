@@ -11,8 +11,10 @@ Each step TMA-copies the packed codes of 64 columns x `block_k` inputs ([64, blo
 checkpoint's own out x in/2 orientation), their E8M0 scales ([block_k/32, 64]) and the tile's
 activations into a ring of `stages` buffers. One scale group (32 inputs = 16 packed bytes per column)
 at a time, the low nibbles (inputs 0, 2, ..) and the high nibbles (inputs 1, 3, ..) become two bf16
-[64, 16] operands, each times its group's power-of-two scale (exact), and meet the even and odd
-activations in two MMAs: the nibbles are never interleaved, so no register moves between lanes.
+[64, 16] pieces, each times its group's power-of-two scale (exact). The activations arrive with each
+group's 16 even inputs before its 16 odd ones (reordered once by XLA), so the pieces meet them in
+order and the nibbles are never interleaved: no register moves between lanes. An MMA call takes one
+piece, a group's two, or the whole step's (`HopperMxfp4Blocks.mma_inputs`).
 
 Decodes (`HopperMxfp4Blocks.decode`):
 * "exact": integer ops on each code, the magnitude built as an integer (0, 1, 2, 3, 4, 6, 8, 12 halves)
@@ -128,7 +130,9 @@ def _validated(w: Mxfp4Columns) -> Mxfp4Columns:
 class HopperMxfp4Blocks:
     """Launch settings: token rows per tile (the MMA's N side: a multiple of 8, at most 256), inputs
     per pipeline step (`block_k`, a multiple of 128 dividing K), buffers in flight, the decode and
-    where the MMA reads the decoded weights from (module docstring), and `splits`: programs that share
+    where the MMA reads the decoded weights from (module docstring), `mma_inputs`: the inputs one MMA call
+    takes (16: the low or the high nibbles of a scale group, 32: both, 0: the whole step; one fence and
+    commit a call), and `splits`: programs that share
     one tile's K steps (their fp32 partial sums added by XLA; a divisor of K / block_k), 0 = the
     fewest that give `_SPLIT_TARGET` programs a multiprocessor (`splits_for`). `for_backend` picks what
     runs; `smem_bytes` must stay within one block's shared memory."""
@@ -139,6 +143,7 @@ class HopperMxfp4Blocks:
     decode: str = "ptx"
     a_operand: str = "registers"
     splits: int = 1
+    mma_inputs: int = 16
 
     def __post_init__(self):
         if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -153,6 +158,13 @@ class HopperMxfp4Blocks:
             raise ValueError(f"HopperMxfp4Blocks: a_operand must be one of {A_OPERANDS}, got {self.a_operand!r}")
         if self.splits < 0:
             raise ValueError(f"HopperMxfp4Blocks: splits must be >= 0 (0: auto), got {self.splits}")
+        if self.mma_inputs not in (0, 16, 32):
+            raise ValueError(f"HopperMxfp4Blocks: mma_inputs must be 16, 32 or 0 (the whole step), got "
+                             f"{self.mma_inputs}")
+
+    @property
+    def inputs_per_mma(self) -> int:
+        return self.mma_inputs or self.block_k
 
     def splits_for(self, programs: int, steps: int) -> int:
         """K splits for `programs` (tiles x column blocks) over `steps` pipeline steps: the setting, or for
@@ -168,7 +180,7 @@ class HopperMxfp4Blocks:
         odd activations (bf16) and each weight's codes and scales; the fp32 products staged for their
         copy out; the decoded operand's buffer; barriers and alignment."""
         per_stage = self.rows * self.block_k * 2 + n_weights * COLUMNS * (self.block_k // 2 + self.block_k // GROUP)
-        return (self.stages * per_stage + n_weights * COLUMNS * self.rows * 4 + COLUMNS * PER_GROUP * 2
+        return (self.stages * per_stage + n_weights * COLUMNS * self.rows * 4 + COLUMNS * self.inputs_per_mma * 2
                 + _SMEM_OVERHEAD)
 
     @classmethod
@@ -277,11 +289,11 @@ _DECODERS = {"exact": _decode_exact, "ptx": _decode_ptx}
 # The kernel
 # ----------------------------------------------------------------------------------------------
 
-def _kernel(sched_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks):
-    """refs: even and odd activations [tiles, rows, K/2], then per weight packed [G, N, K/2] and scale
-    [G, K/32, N]; out [weights, splits, tiles, N, rows] fp32; scratch: the decoded operand buffer.
+def _kernel(sched_ref, x_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks):
+    """x_ref: activations [tiles, rows, K] with each scale group's 32 inputs as its 16 even then its 16 odd
+    ones (`_even_odd`); refs: per weight packed [G, N, K/2] and scale [G, K/32, N]; out [weights, splits,
+    tiles, N, rows] fp32; scratch: the products' staging buffer and the decoded operand buffer.
     `steps`: the pipeline steps of one split (its K range starts at split x steps x block_k)."""
-    x_refs, refs = refs[:2], refs[2:]
     w_refs, (out_ref, o_smem, a_smem) = refs[:2 * n_weights], refs[2 * n_weights:]
     tile, col, split = lax.axis_index("tile"), lax.axis_index("col"), lax.axis_index("split")
     first_step = split * steps
@@ -291,34 +303,42 @@ def _kernel(sched_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks):
     row_layout = layout.reduce(1)
     decode = _DECODERS[blocks.decode]
 
+    per_mma = blocks.inputs_per_mma // PER_GROUP       # [64, 16] pieces (low or high nibbles of a group) a call
+
     def products(acc_refs):
-        def step(idx, xe_smem, xo_smem, *w_smem):
+        def step(idx, x_smem, *w_smem):
             (kk,) = idx
             for w, acc_ref in enumerate(acc_refs):
                 p_smem, s_smem = w_smem[2 * w], w_smem[2 * w + 1]
                 codes = plgpu.load(p_smem, layout=layout)                           # [64, bk/2] u8
+                pieces, issued = [], 0   # piece 2j: group j's low nibbles (its even inputs), 2j + 1: its odd
                 for j in range(groups):
                     factor = plgpu.load(s_smem.at[j], layout=row_layout)            # [64] u8 E8M0
                     factor = lax.bitcast_convert_type(factor.astype(jnp.int16) << 7, jnp.bfloat16)
                     factor = lax.broadcast_in_dim(factor, (COLUMNS, PER_GROUP), [0])
                     lo, hi = decode(codes[:, PER_GROUP * j:PER_GROUP * (j + 1)])
-                    for a, x_smem in ((lo * factor, xe_smem), (hi * factor, xo_smem)):
+                    pieces += [lo * factor, hi * factor]
+                    while len(pieces) - issued >= per_mma:     # x_smem's columns 16 p .. 16 p + 15: piece p's
+                        run = pieces[issued:issued + per_mma]
+                        a = run[0] if per_mma == 1 else jnp.concatenate(run, axis=1)
                         if blocks.a_operand == "smem":
                             plgpu.wgmma_wait(0)          # the previous MMA is done reading the buffer
                             a_smem[...] = a
                             plgpu.commit_smem()
                             a = a_smem
-                        plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(PER_GROUP * j, PER_GROUP)].transpose((1, 0)))
+                        x_part = x_smem.at[:, pl.ds(PER_GROUP * issued, PER_GROUP * per_mma)]
+                        plgpu.wgmma(acc_ref, a, x_part.transpose((1, 0)))
+                        issued += per_mma
             plgpu.wgmma_wait(0)
 
         x_transforms = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32))
         code_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
-        x_spec = plgpu.BlockSpec((blocks.rows, half), lambda kk: (0, first_step + kk), transforms=x_transforms)
+        x_spec = plgpu.BlockSpec((blocks.rows, blocks.block_k), lambda kk: (0, first_step + kk),
+                                 transforms=x_transforms)
         w_specs = (plgpu.BlockSpec((COLUMNS, half), lambda kk: (col, first_step + kk), transforms=code_transforms),
                    plgpu.BlockSpec((groups, COLUMNS), lambda kk: (first_step + kk, col)))
-        plgpu.emit_pipeline(step, grid=(steps,), in_specs=[x_spec, x_spec, *(w_specs * n_weights)],
-                            max_concurrent_steps=blocks.stages)(
-            *(x.at[tile] for x in x_refs), *(w.at[group] for w in w_refs))
+        plgpu.emit_pipeline(step, grid=(steps,), in_specs=[x_spec, *(w_specs * n_weights)],
+                            max_concurrent_steps=blocks.stages)(x_ref.at[tile], *(w.at[group] for w in w_refs))
         return tuple(acc[...] for acc in acc_refs)
 
     @pl.when(first < last)
@@ -331,6 +351,13 @@ def _kernel(sched_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks):
         for w in range(n_weights):
             plgpu.copy_smem_to_gmem(o_smem.at[w], out_ref.at[w, split, tile, pl.ds(col * COLUMNS, COLUMNS)])
         plgpu.wait_smem_to_gmem(0)
+
+
+def _even_odd(x):
+    """[..., K] -> [..., K] with each scale group's 32 inputs reordered as its 16 even then its 16 odd ones,
+    the order of the decoded pieces (low nibbles = even inputs, high nibbles = odd ones)."""
+    *lead, k = x.shape
+    return x.reshape(*lead, k // GROUP, PER_GROUP, 2).swapaxes(-1, -2).reshape(*lead, k)
 
 
 def _launch(sched, slabs, weights, blocks: HopperMxfp4Blocks, interpret: bool):
@@ -353,9 +380,9 @@ def _launch(sched, slabs, weights, blocks: HopperMxfp4Blocks, interpret: bool):
         grid=(tiles, n // COLUMNS, splits),
         grid_names=("tile", "col", "split"),
         scratch_types=[plgpu.SMEM((n_weights, COLUMNS, tm), jnp.float32),
-                       plgpu.SMEM((COLUMNS, PER_GROUP), jnp.bfloat16, transforms=a_transforms)],
+                       plgpu.SMEM((COLUMNS, blocks.inputs_per_mma), jnp.bfloat16, transforms=a_transforms)],
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(sched, slabs[..., 0::2], slabs[..., 1::2], *(part for w in weights for part in (w.packed, w.scale)))
+    )(sched, _even_odd(slabs), *(part for w in weights for part in (w.packed, w.scale)))
     return partial[:, 0] if splits == 1 else jnp.sum(partial, axis=1)
 
 

@@ -33,7 +33,8 @@ FORMS = {"ptx_registers": HopperMxfp4Blocks(), "exact_registers": HopperMxfp4Blo
          "exact_smem": HopperMxfp4Blocks(decode="exact", a_operand="smem"),
          "rows16_k128_stages2": HopperMxfp4Blocks(rows=16, block_k=128, stages=2),
          "k512_stages4": HopperMxfp4Blocks(block_k=512, stages=4),
-         "k128_splits_auto": HopperMxfp4Blocks(block_k=128, splits=0)}
+         "k128_splits_auto": HopperMxfp4Blocks(block_k=128, splits=0),
+         "mma_group": HopperMxfp4Blocks(mma_inputs=32), "mma_step": HopperMxfp4Blocks(mma_inputs=0)}
 
 
 def _weight(rng, g, k, n) -> Mxfp4Weight:
@@ -68,16 +69,19 @@ def test_grouped_matmul_equals_the_reference(rng, interpret, sizes, m, rows):
     assert not np.asarray(out[sum(sizes):]).any()
 
 
-@pytest.mark.parametrize("spec,splits", [(GluSpec(), 1), (GluSpec("situ", situ_beta=4.0, situ_linear_beta=8.0), 1),
-                                         (GluSpec(), 3)])
-def test_grouped_glu_equals_the_reference_over_several_steps(rng, interpret, spec, splits):
-    """splits=3: each program one of the three steps, their partial sums added after the launch."""
+@pytest.mark.parametrize("spec,splits,mma_inputs", [
+    (GluSpec(), 1, 16), (GluSpec("situ", situ_beta=4.0, situ_linear_beta=8.0), 1, 16), (GluSpec(), 3, 16),
+    (GluSpec(), 1, 32), (GluSpec(), 1, 0)])
+def test_grouped_glu_equals_the_reference_over_several_steps(rng, interpret, spec, splits, mma_inputs):
+    """splits=3: each program one of the three steps, their partial sums added after the launch;
+    mma_inputs: a scale group's low or high nibbles an MMA, both, or the whole step."""
     g, k, f, m = 3, 384, 64, 10            # three 128-input steps
     wg, wu = _weight(rng, g, k, f), _weight(rng, g, k, f)
     x = jnp.asarray(rng.standard_normal((m, k)) * 0.05, jnp.float32)   # fp32 activations: rounded to bf16
     group_sizes = jnp.asarray([4, 0, 5], jnp.int32)
     out = grouped_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group_sizes, spec=spec,
-                                   blocks=_blocks(interpret, block_k=128, splits=splits), interpret=interpret)
+                                   blocks=_blocks(interpret, block_k=128, splits=splits, mma_inputs=mma_inputs),
+                                   interpret=interpret)
     xb = x.astype(jnp.bfloat16).astype(jnp.float32)
     ref = grouped_glu_reference(xb, dequantize(wg, jnp.float32), dequantize(wu, jnp.float32), group_sizes, spec=spec)
     assert out.dtype == jnp.float32
@@ -275,7 +279,8 @@ def test_refuses_what_it_cannot_run(rng):
                                                                            a_operand="smem"))
     with pytest.raises(ValueError, match="shared memory"):
         grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(rows=256, block_k=256, stages=4))
-    for bad in ({"rows": 12}, {"block_k": 96}, {"stages": 0}, {"decode": "table"}, {"a_operand": "tmem"}, {"splits": -1}):
+    for bad in ({"rows": 12}, {"block_k": 96}, {"stages": 0}, {"decode": "table"}, {"a_operand": "tmem"}, {"splits": -1},
+                {"mma_inputs": 64}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             HopperMxfp4Blocks(**bad)
 
