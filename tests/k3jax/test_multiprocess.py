@@ -183,6 +183,9 @@ def test_each_process_reads_only_what_it_holds(tmp_path):
         packed = "@packed" if name == "k3" else ""
         jobs += [f"{name}_{kind}_{m}={tmp_path / f'{name}_{kind}'}@{m}=4{packed}"
                  for kind in ("hf", "cv") for m in meshes]
+    # K3's packed experts also in the Mosaic GPU kernel's column layout (the checkpoint's own orientation)
+    convert(tmp_path / "k3_hf", tmp_path / "k3_cc", dtype="float32", expert_layout="columns")
+    jobs += [f"k3_cc_{m}={tmp_path / 'k3_cc'}@{m}=4@packed" for m in meshes]
     run_two(WORKERS / "multiprocess_load_worker.py", str(tmp_path), *jobs)
     read = lambda label, i: json.loads((tmp_path / f"read_{label}_{i}.json").read_text())["bytes_read"]
 
@@ -207,5 +210,12 @@ def test_each_process_reads_only_what_it_holds(tmp_path):
             assert read(f"{name}_hf_tensor", i) < 0.9 * total, (name, i, total)
             assert read(f"{name}_cv_tensor", i) < 0.9 * whole, (name, i, whole)
         want = single.logits(_ids(cfg))
-        for label in (f"{name}_{kind}_{m}" for kind in ("hf", "cv") for m in meshes):
+        kinds = ("hf", "cv", "cc") if name == "k3" else ("hf", "cv")
+        for label in (f"{name}_{kind}_{m}" for kind in kinds for m in meshes):
             assert_close(f"two-process load {label} vs one", np.load(tmp_path / f"logits_{label}.npy"), want)
+    columns = k3jax.load(tmp_path / "k3_cc", dtype="float32", packed_experts=True).config
+    assert columns.moe.packed_layout == "columns"
+    for m, spec in meshes.items():
+        for i in range(2):
+            want, indices = _expected_converted_reads(tmp_path / "k3_cc", columns, spec, i)
+            assert want <= read(f"k3_cc_{m}", i) <= want + indices, ("columns", m, i, want, indices)
