@@ -176,12 +176,12 @@ class HopperMxfp4Blocks:
                                                                           or d == steps))
 
     def smem_bytes(self, n_weights: int) -> int:
-        """Shared memory of one program with `n_weights` weights: per buffer in flight the tile's even and
-        odd activations (bf16) and each weight's codes and scales; the fp32 products staged for their
-        copy out; the decoded operand's buffer; barriers and alignment."""
+        """Shared memory of one program with `n_weights` weights: per buffer in flight the tile's
+        activations (bf16) and each weight's codes and scales; the fp32 products staged for their copy out;
+        with `a_operand="smem"` the decoded operand's buffer; barriers and alignment."""
         per_stage = self.rows * self.block_k * 2 + n_weights * COLUMNS * (self.block_k // 2 + self.block_k // GROUP)
-        return (self.stages * per_stage + n_weights * COLUMNS * self.rows * 4 + COLUMNS * self.inputs_per_mma * 2
-                + _SMEM_OVERHEAD)
+        operand = COLUMNS * self.inputs_per_mma * 2 if self.a_operand == "smem" else 0
+        return self.stages * per_stage + n_weights * COLUMNS * self.rows * 4 + operand + _SMEM_OVERHEAD
 
     @classmethod
     def for_backend(cls, interpreted: bool, k_dim: int | None = None, rows_per_group: float = 1.0,
@@ -294,7 +294,7 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks
     ones (`_even_odd`); refs: per weight packed [G, N, K/2] and scale [G, K/32, N]; out [weights, splits,
     tiles, N, rows] fp32; scratch: the products' staging buffer and the decoded operand buffer.
     `steps`: the pipeline steps of one split (its K range starts at split x steps x block_k)."""
-    w_refs, (out_ref, o_smem, a_smem) = refs[:2 * n_weights], refs[2 * n_weights:]
+    w_refs, (out_ref, o_smem, *a_smem) = refs[:2 * n_weights], refs[2 * n_weights:]
     tile, col, split = lax.axis_index("tile"), lax.axis_index("col"), lax.axis_index("split")
     first_step = split * steps
     group, first, last = sched_ref[0, tile], sched_ref[1, tile], sched_ref[2, tile]
@@ -323,9 +323,9 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks
                         a = run[0] if per_mma == 1 else jnp.concatenate(run, axis=1)
                         if blocks.a_operand == "smem":
                             plgpu.wgmma_wait(0)          # the previous MMA is done reading the buffer
-                            a_smem[...] = a
+                            a_smem[0][...] = a
                             plgpu.commit_smem()
-                            a = a_smem
+                            a = a_smem[0]
                         x_part = x_smem.at[:, pl.ds(PER_GROUP * issued, PER_GROUP * per_mma)]
                         plgpu.wgmma(acc_ref, a, x_part.transpose((1, 0)))
                         issued += per_mma
@@ -379,8 +379,9 @@ def _launch(sched, slabs, weights, blocks: HopperMxfp4Blocks, interpret: bool):
         out_type=jax.ShapeDtypeStruct((n_weights, splits, tiles, n, tm), jnp.float32),
         grid=(tiles, n // COLUMNS, splits),
         grid_names=("tile", "col", "split"),
-        scratch_types=[plgpu.SMEM((n_weights, COLUMNS, tm), jnp.float32),
-                       plgpu.SMEM((COLUMNS, blocks.inputs_per_mma), jnp.bfloat16, transforms=a_transforms)],
+        scratch_types=[plgpu.SMEM((n_weights, COLUMNS, tm), jnp.float32)]
+        + ([plgpu.SMEM((COLUMNS, blocks.inputs_per_mma), jnp.bfloat16, transforms=a_transforms)]
+           if blocks.a_operand == "smem" else []),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(sched, _even_odd(slabs), *(part for w in weights for part in (w.packed, w.scale)))
     return partial[:, 0] if splits == 1 else jnp.sum(partial, axis=1)
