@@ -51,6 +51,16 @@ def compile_form(name: str, fields: dict, out_dir: str) -> None:
     jax.block_until_ready(out)
 
 
+def prune(out_dir: str) -> None:
+    """Drops every dump but the PTX, the ptxas log and the SASS (`MOSAIC_GPU_DUMP_TO` also writes the MLIR
+    after each pass, which would swell the results archive)."""
+    for name in FORMS:
+        where = os.path.join(out_dir, name)
+        for fname in os.listdir(where) if os.path.isdir(where) else []:
+            if not fname.endswith((".ptx", ".ptxas", ".sass")):
+                os.remove(os.path.join(where, fname))
+
+
 def summarise(out_dir: str) -> str:
     lines = ["# Hopper MXFP4 kernel: ptxas and SASS", ""]
     for name in FORMS:
@@ -59,9 +69,9 @@ def summarise(out_dir: str) -> str:
         lines += [f"## {name} ({FORMS[name] or 'the defaults'})", "", f"files: {', '.join(files) or 'none'}", ""]
         for fname in files:
             text = open(os.path.join(where, fname), errors="replace").read()
-            if fname.endswith(".ptxas") or "ptxas" in fname:
+            if fname.endswith(".ptxas"):
                 lines += ["```", *[ln for ln in text.splitlines() if ln.strip()][:20], "```", ""]
-            if fname.endswith(".sass") or "sass" in fname:
+            if fname.endswith(".sass"):
                 counts = collections.Counter(m.group(1).split(".")[0] for m in OPCODE.finditer(text))
                 total = sum(counts.values())
                 lines += [f"SASS instructions: {total}", "", "| opcode | count |", "|---|---|"]
@@ -81,6 +91,7 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - one form failing must not hide the others' dumps
             print(f"{name}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     os.makedirs(args.out, exist_ok=True)
+    prune(args.out)
     summary = summarise(args.out)
     with open(os.path.join(args.out, "sass_summary.md"), "w") as fh:
         fh.write(summary + "\n")

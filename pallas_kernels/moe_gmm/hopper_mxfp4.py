@@ -24,8 +24,9 @@ Decodes (`HopperMxfp4Blocks.decode`):
 A operand (`HopperMxfp4Blocks.a_operand`): "registers" feeds the decoded weights to the MMA from
 registers; "smem" stores them to shared memory first (the form Mosaic GPU's interpret mode runs).
 
-The programs write fp32 products per tile ([tiles, N, rows]); XLA gathers each row from its tile
-(and applies the gated activation for the GLU). Rows sorted by expert (`grouped_*`) are cut into tiles
+The programs write fp32 products per tile ([splits, tiles, N, rows]: with `HopperMxfp4Blocks.splits`,
+programs that share a tile's K steps write their parts apart); XLA adds the parts, gathers each row from
+its tile (and applies the gated activation for the GLU). Rows sorted by expert (`grouped_*`) are cut into tiles
 by `schedule.tile_schedule`; unsorted token-expert pairs (`pair_*`, a few tokens: no sort) get one tile
 each, the pair's activations in its first row. Tiles hold 8 rows at decode and up to 64 as the rows
 per expert grow (`HopperMxfp4Blocks.for_backend`); in prefill every tile of an expert streams and
@@ -169,7 +170,8 @@ class HopperMxfp4Blocks:
     def splits_for(self, programs: int, steps: int) -> int:
         """K splits for `programs` (tiles x column blocks) over `steps` pipeline steps: the setting, or for
         0 the smallest divisor of `steps` giving at least `_SPLIT_TARGET` programs per multiprocessor
-        (decode: few tiles, one program a multiprocessor cannot keep enough bytes in flight)."""
+        (decode: few tiles, one program a multiprocessor cannot keep enough bytes in flight). `programs`
+        counts the launch's tiles, for sorted rows the schedule's bound with its empty tiles too."""
         if self.splits:
             return self.splits
         return next(d for d in range(1, steps + 1) if steps % d == 0 and (programs * d >= _SPLIT_TARGET * _SMS
@@ -431,9 +433,10 @@ def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
     if lhs.ndim != 2 or lhs.shape[1] != k or (group_sizes is not None and group_sizes.shape != (g,)):
         raise ValueError(f"hopper MXFP4 matmul: expected lhs [M, {k}] and group_sizes [{g}] for weights "
                          f"[{g}, {k}, {n}]; got {lhs.shape} and {getattr(group_sizes, 'shape', None)}")
-    if k % blocks.block_k or n % COLUMNS:
-        raise ValueError(f"hopper MXFP4 matmul: K={k} must be a multiple of block_k={blocks.block_k} and N={n} of "
-                         f"{COLUMNS}")
+    if k % blocks.block_k:
+        raise ValueError(f"hopper MXFP4 matmul: K={k} must be a multiple of block_k={blocks.block_k}")
+    if n % COLUMNS:
+        raise ValueError(f"hopper MXFP4 matmul: N={n} must be a multiple of {COLUMNS}")
     if blocks.smem_bytes(len(weights)) > _SMEM_BYTES:
         raise ValueError(f"hopper MXFP4 matmul: {blocks} needs {blocks.smem_bytes(len(weights))} bytes of shared "
                          f"memory for {len(weights)} weight(s); at most {_SMEM_BYTES} (fewer rows, stages or block_k)")

@@ -167,7 +167,8 @@ def _ids(cfg) -> np.ndarray:
 
 def test_each_process_reads_only_what_it_holds(tmp_path):
     """Checkpoints of both families (Kimi-Linear in fp32; K3 with MXFP4 experts, kept packed) and
-    their conversions, each loaded over two processes (2 devices each) onto expert=4 and tensor=4:
+    their conversions (K3's also in the column expert layout), each loaded over two processes (2 devices
+    each) onto expert=4 and tensor=4:
     every process reads only the experts its devices hold and, of a parameter split over tensor,
     only its half; the converted checkpoints' inner chunks likewise. The bytes each process read
     equal the sums above: the loader's count of tensor bytes exactly, tensorstore's own count of
@@ -219,3 +220,5 @@ def test_each_process_reads_only_what_it_holds(tmp_path):
         for i in range(2):
             want, indices = _expected_converted_reads(tmp_path / "k3_cc", columns, spec, i)
             assert want <= read(f"k3_cc_{m}", i) <= want + indices, ("columns", m, i, want, indices)
+    whole, _ = _expected_converted_reads(tmp_path / "k3_cc", columns, MeshSpec(data=4), 0)
+    assert all(read("k3_cc_tensor", i) < 0.9 * whole for i in range(2))      # a real share, as the row layout

@@ -34,7 +34,8 @@ FORMS = {"ptx_registers": HopperMxfp4Blocks(), "exact_registers": HopperMxfp4Blo
          "rows16_k128_stages2": HopperMxfp4Blocks(rows=16, block_k=128, stages=2),
          "k512_stages4": HopperMxfp4Blocks(block_k=512, stages=4),
          "k128_splits_auto": HopperMxfp4Blocks(block_k=128, splits=0),
-         "mma_group": HopperMxfp4Blocks(mma_inputs=32), "mma_step": HopperMxfp4Blocks(mma_inputs=0)}
+         "mma_group": HopperMxfp4Blocks(mma_inputs=32), "mma_step": HopperMxfp4Blocks(mma_inputs=0),
+         "smem_mma_step": HopperMxfp4Blocks(a_operand="smem", mma_inputs=0)}
 
 
 def _weight(rng, g, k, n) -> Mxfp4Weight:
@@ -279,8 +280,8 @@ def test_refuses_what_it_cannot_run(rng):
                                                                            a_operand="smem"))
     with pytest.raises(ValueError, match="shared memory"):
         grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(rows=256, block_k=256, stages=4))
-    for bad in ({"rows": 12}, {"block_k": 96}, {"stages": 0}, {"decode": "table"}, {"a_operand": "tmem"}, {"splits": -1},
-                {"mma_inputs": 64}):
+    for bad in ({"rows": 12}, {"block_k": 96}, {"stages": 0}, {"decode": "table"}, {"a_operand": "tmem"},
+                {"splits": -1}, {"mma_inputs": 64}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             HopperMxfp4Blocks(**bad)
 
