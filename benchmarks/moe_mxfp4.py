@@ -216,9 +216,11 @@ def main(argv=None) -> int:
     token_counts = args.tokens or ([1, 16] if args.small else [1, 8, 64, 256, 4096])
     rows, sweep_rows, tokamax_rows, hopper_rows = [], [], [], []
 
+    env = environment()
+
     def save() -> str:
         return write("moe_mxfp4" + ("_small" if args.small else ""),
-                     {"benchmark": "moe_mxfp4", "env": environment(), "rows": rows, "sweep": sweep_rows,
+                     {"benchmark": "moe_mxfp4", "env": env, "rows": rows, "sweep": sweep_rows,
                       "tokamax": tokamax_rows, "hopper": hopper_rows})
     for model, (e, d, f, k) in models.items():
         rng = np.random.default_rng(e)

@@ -386,7 +386,7 @@ def _launch(sched, slabs, weights, blocks: HopperMxfp4Blocks, interpret: bool):
            if blocks.a_operand == "smem" else []),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(sched, _even_odd(slabs), *(part for w in weights for part in (w.packed, w.scale)))
-    return partial[:, 0] if splits == 1 else jnp.sum(partial, axis=1)
+    return jnp.sum(partial, axis=1)
 
 
 def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: bool):
