@@ -16,7 +16,8 @@ from k3jax.layers.attn_res import ATTN_RES_IMPLS, AttnResImpl
 from k3jax.layers.mla_attention import (MLA_DECODE_IMPLS, MLA_MERGE_IMPLS, MLA_PREFILL_IMPLS, MLADecodeImpl,
                                         MLAPrefillImpl)
 from k3jax.layers.moe_experts import EXPERT_IMPLS, ExpertImpl
-from pallas_kernels.kda import KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl, value_blocks_fit
+from pallas_kernels.kda import (KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl, hopper_decode_runs_here,
+                                value_blocks_fit)
 from pallas_kernels.moe_gmm import GMM_IMPLS, GmmImpl
 from pallas_kernels.rms_norm import NORM_IMPLS, NormImpl
 from pallas_kernels.router import ROUTER_IMPLS, RouterImpl
@@ -84,6 +85,10 @@ class KDAConfig:
             blocks = int(self.decode_split)
             require(value_blocks_fit(self.head_dim, blocks), "kda.decode_split",
                     f"{blocks} column blocks of a {self.head_dim}-wide head are not whole blocks of >= 16 columns")
+        if self.decode_impl == "hopper":
+            require(hopper_decode_runs_here(self.head_dim, self.state_dtype), "kda.decode_impl",
+                    f"'hopper' needs state_dtype float32 and a head_dim that is a multiple of 64, got "
+                    f"{self.state_dtype} and {self.head_dim}")
         require(self.a_log_policy in A_LOG_POLICIES, "kda.a_log_policy",
                  f"expected one of {A_LOG_POLICIES}, got {self.a_log_policy!r}")
         if self.gate_lower_bound is not None:

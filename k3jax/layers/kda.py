@@ -183,8 +183,11 @@ class KimiDeltaAttention(nnx.Module):
         """[W, 3P] q | k | v conv taps side by side (the prefill conv)."""
         return jnp.concatenate([self.q_conv1d[...], self.k_conv1d[...], self.v_conv1d[...]], axis=-1)
 
-    def _decode_blocks(self) -> DecodeBlocks:
-        """The one-token kernel's launch settings: cfg.decode_split column blocks per head."""
+    def _decode_blocks(self) -> DecodeBlocks | None:
+        """The one-token kernel's launch settings: for "pallas" cfg.decode_split column blocks per head;
+        the other impls take their defaults."""
+        if self.cfg.decode_impl != "pallas":
+            return None
         split = self.cfg.decode_split
         return DecodeBlocks(value_blocks=0 if split == "auto" else int(split))
 

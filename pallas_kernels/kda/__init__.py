@@ -4,6 +4,7 @@ forms, the Pallas kernels and the one dispatch site (`ops`)."""
 from pallas_kernels.kda.chunk import kda_chunk_pallas
 from pallas_kernels.kda.chunk_xla import kda_chunk_xla
 from pallas_kernels.kda.decode import kda_decode_pallas, kda_decode_steps_pallas
+from pallas_kernels.kda.decode_hopper import HopperDecodeBlocks, hopper_decode_runs_here, kda_decode_hopper
 from pallas_kernels.kda.decode_steps import kda_decode_steps, kda_verify_outputs
 from pallas_kernels.kda.decode_xla import kda_decode_xla
 from pallas_kernels.kda.gate import forget_gate, gated_rms_norm, l2_normalize, softplus
@@ -19,10 +20,11 @@ __all__ = [
     "kda", "kda_varlen", "kda_decode", "kda_decode_steps", "kda_verify_outputs", "KDAImpl", "KDA_IMPLS",
     "KDAVarlenImpl", "KDA_VARLEN_IMPLS", "KDADecodeImpl", "KDA_DECODE_IMPLS",
     # Arguments and launch settings
-    "KDADecodeInputs", "KDADecodeWeights", "ChunkBlocks", "DecodeBlocks", "value_blocks_fit",
+    "KDADecodeInputs", "KDADecodeWeights", "ChunkBlocks", "DecodeBlocks", "HopperDecodeBlocks",
+    "value_blocks_fit", "hopper_decode_runs_here",
     # Implementations
     "kda_recurrent_reference", "kda_varlen_reference", "kda_chunk_xla", "kda_chunk_pallas", "kda_varlen_pallas", "kda_decode_xla", "kda_decode_pallas",
-    "kda_decode_steps_pallas",
+    "kda_decode_hopper", "kda_decode_steps_pallas",
     # Shared scalar math and validation
     "forget_gate", "gated_rms_norm", "l2_normalize", "softplus", "validate_inputs",
 ]

@@ -33,6 +33,27 @@ def validate_decode_inputs(inputs: KDADecodeInputs, weights: KDADecodeWeights, c
                          f"got {tuple(weights.a_log.shape)}")
 
 
+def decode_factors(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array):
+    """What the delta rule of one token takes, per (row, head): the conv window + SiLU of q, k and v
+    (rounded to the activation dtype), q and k L2-normalised (q times the scale), the decay e^g and beta.
+
+    Returns:
+      (q, k, v [B, H, K] fp32, decay [B, H, K] fp32, beta [B, H] fp32, new conv_state [B, W-1, 3, H, K])
+    """
+    x = inputs.x_qkv
+    dtype, kd = x.dtype, x.shape[-1]
+    scale = kd ** -0.5 if weights.scale is None else weights.scale
+    window = jnp.concatenate([conv_state.astype(jnp.float32), x[:, None].astype(jnp.float32)], axis=1)
+    q, k, v = (jax.nn.silu(jnp.einsum("bwhk,whk->bhk", window[:, :, i], taps.astype(jnp.float32),
+                                      precision=_HIGHEST)).astype(dtype)
+               for i, taps in enumerate(weights.conv_taps))
+    g = forget_gate(inputs.f.astype(jnp.float32) + weights.dt_bias.astype(jnp.float32),
+                    jnp.exp(weights.a_log.astype(jnp.float32)), weights.lower_bound)
+    beta = jax.nn.sigmoid(inputs.beta_logit.astype(jnp.float32))
+    new_conv = jnp.concatenate([conv_state[:, 1:], x[:, None].astype(conv_state.dtype)], axis=1)
+    return l2_normalize(q) * scale, l2_normalize(k), v.astype(jnp.float32), jnp.exp(g), beta, new_conv
+
+
 def kda_decode_xla(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array,
                    state: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One token per row through conv + SiLU, q/k L2 norm, forget gate, beta, the delta rule and
@@ -47,21 +68,11 @@ def kda_decode_xla(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_stat
       (out [B, H, K] in x_qkv's dtype, new conv_state, new state [B, H, K, V] in state's dtype)
     """
     validate_decode_inputs(inputs, weights, conv_state, state)
-    x = inputs.x_qkv
-    dtype, kd = x.dtype, x.shape[-1]
-    scale = kd ** -0.5 if weights.scale is None else weights.scale
-    window = jnp.concatenate([conv_state.astype(jnp.float32), x[:, None].astype(jnp.float32)], axis=1)
-    q, k, v = (jax.nn.silu(jnp.einsum("bwhk,whk->bhk", window[:, :, i], taps.astype(jnp.float32),
-                                      precision=_HIGHEST)).astype(dtype)
-               for i, taps in enumerate(weights.conv_taps))
-    q, k, v = l2_normalize(q) * scale, l2_normalize(k), v.astype(jnp.float32)
-    g = forget_gate(inputs.f.astype(jnp.float32) + weights.dt_bias.astype(jnp.float32),
-                    jnp.exp(weights.a_log.astype(jnp.float32)), weights.lower_bound)
-    beta = jax.nn.sigmoid(inputs.beta_logit.astype(jnp.float32))
-    s = state.astype(jnp.float32) * jnp.exp(g)[..., None]
+    dtype = inputs.x_qkv.dtype
+    q, k, v, decay, beta, new_conv = decode_factors(inputs, weights, conv_state)
+    s = state.astype(jnp.float32) * decay[..., None]
     pred = jnp.einsum("bhk,bhkv->bhv", k, s, precision=_HIGHEST)
     s = s + k[..., :, None] * (beta[..., None] * (v - pred))[..., None, :]
     o = jnp.einsum("bhk,bhkv->bhv", q, s, precision=_HIGHEST).astype(dtype)
     out = gated_rms_norm(o, inputs.z, weights.o_norm_w, weights.norm_eps).astype(dtype)
-    new_conv = jnp.concatenate([conv_state[:, 1:], x[:, None].astype(conv_state.dtype)], axis=1)
     return out, new_conv, s.astype(state.dtype)

@@ -14,6 +14,7 @@ import jax
 from pallas_kernels.kda.chunk import kda_chunk_pallas
 from pallas_kernels.kda.chunk_xla import kda_chunk_xla
 from pallas_kernels.kda.decode import kda_decode_pallas
+from pallas_kernels.kda.decode_hopper import HopperDecodeBlocks, kda_decode_hopper
 from pallas_kernels.kda.decode_xla import kda_decode_xla
 from pallas_kernels.kda.gate import l2_normalize
 from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
@@ -27,8 +28,10 @@ KDA_IMPLS: tuple[str, ...] = get_args(KDAImpl)
 # "pallas": the chunked kernels over chunk-aligned sequences; "recurrent": token loop with resets (the reference).
 KDAVarlenImpl = Literal["pallas", "recurrent"]
 KDA_VARLEN_IMPLS: tuple[str, ...] = get_args(KDAVarlenImpl)
-# "xla": the fused step in pure JAX (the kernel's twin); "pallas": one fused kernel.
-KDADecodeImpl = Literal["xla", "pallas"]
+# "xla": the fused step in pure JAX (the kernels' twin); "pallas": one fused kernel (Triton lowering); "hopper": the
+# state pass in Mosaic GPU, persistent programs with a TMA ring (`decode_hopper.py`; fp32 state, K a multiple of 64),
+# the factors before it in XLA (several tokens per call run "pallas"'s kernel: `decode_steps`).
+KDADecodeImpl = Literal["xla", "pallas", "hopper"]
 KDA_DECODE_IMPLS: tuple[str, ...] = get_args(KDADecodeImpl)
 
 
@@ -79,18 +82,28 @@ def kda_varlen(q, k, v, g, beta, cu_seqlens, *, scale=None, initial_state=None, 
 
 
 def kda_decode(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: jax.Array, state: jax.Array, *,
-               impl: KDADecodeImpl = "xla", blocks: DecodeBlocks = DecodeBlocks(), interpret: bool | None = None):
+               impl: KDADecodeImpl = "xla", blocks: DecodeBlocks | HopperDecodeBlocks | None = None,
+               interpret: bool | None = None):
     """One KDA decode step per row (conv, gates, delta rule and output norm fused).
 
     Args:
       inputs: KDADecodeInputs of this token. weights: the layer's KDADecodeWeights.
       conv_state: [B, W-1, 3, H, K]. state: [B, H, K, V] fp32.
-      impl: one of KDA_DECODE_IMPLS. blocks / interpret: kernel settings ("pallas" only).
+      impl: one of KDA_DECODE_IMPLS. blocks: launch settings of the kernel impl names (DecodeBlocks for
+        "pallas", HopperDecodeBlocks for "hopper"; None: its defaults). interpret: kernels only.
     Returns:
       (out [B, H, K], new conv_state, new state fp32)
     """
+    if impl not in KDA_DECODE_IMPLS:
+        raise ValueError(f"kda_decode: unknown impl {impl!r}; expected one of {KDA_DECODE_IMPLS}")
+    wanted = {"pallas": DecodeBlocks, "hopper": HopperDecodeBlocks}.get(impl)
+    if blocks is not None and not isinstance(blocks, wanted or ()):
+        raise TypeError(f"kda_decode: impl {impl!r} takes "
+                        f"{wanted.__name__ + ' or None' if wanted else 'no blocks'}, got {type(blocks).__name__}")
     if impl == "pallas":
-        return kda_decode_pallas(inputs, weights, conv_state, state, blocks=blocks, interpret=interpret)
-    if impl == "xla":
-        return kda_decode_xla(inputs, weights, conv_state, state)
-    raise ValueError(f"kda_decode: unknown impl {impl!r}; expected one of {KDA_DECODE_IMPLS}")
+        return kda_decode_pallas(inputs, weights, conv_state, state, blocks=blocks or DecodeBlocks(),
+                                 interpret=interpret)
+    if impl == "hopper":
+        return kda_decode_hopper(inputs, weights, conv_state, state, blocks=blocks or HopperDecodeBlocks(),
+                                 interpret=interpret)
+    return kda_decode_xla(inputs, weights, conv_state, state)

@@ -74,7 +74,7 @@ def test_short_conv_left_padding_keeps_history_adjacent(rng):
 
 
 def _kda_layer(rng_seed=0, **cfg_changes):
-    cfg = KDAConfig(hidden_size=32, num_heads=2, head_dim=8, chunk_size=8, **cfg_changes)
+    cfg = KDAConfig(**{"hidden_size": 32, "num_heads": 2, "head_dim": 8, "chunk_size": 8, **cfg_changes})
     return KimiDeltaAttention(cfg, dtype=jnp.float32, rngs=nnx.Rngs(rng_seed))
 
 
@@ -119,8 +119,11 @@ def test_kda_layer_left_padding_is_a_no_op(rng):
 
 
 
-@pytest.mark.parametrize("decode_impl", ["xla", "pallas"])
-@pytest.mark.parametrize("cfg_changes", [{}, {"gate_lower_bound": -5.0, "use_full_rank_gate": True}])
+@pytest.mark.parametrize("decode_impl,cfg_changes", [
+    ("xla", {}), ("pallas", {}), ("xla", {"gate_lower_bound": -5.0, "use_full_rank_gate": True}),
+    ("pallas", {"gate_lower_bound": -5.0, "use_full_rank_gate": True}),
+    ("hopper", {"head_dim": 64}),                  # the Mosaic GPU step takes K in multiples of 64
+    ("hopper", {"head_dim": 64, "gate_lower_bound": -5.0, "use_full_rank_gate": True})])
 def test_fused_decode_step_equals_the_sequence_path(rng, decode_impl, cfg_changes):
     """A one-token step through `kda_decode` equals the same token through the multi-token path."""
     layer = _kda_layer(**cfg_changes)

@@ -1,0 +1,101 @@
+"""The Mosaic GPU KDA decode step (`pallas_kernels/kda/decode_hopper.py`) against its XLA twin on fresh
+random inputs: interpret mode on the CPU, compiled on a Hopper GPU (`K3JAX_TEST_DEVICE=gpu`). The ring is
+exercised with more tiles per program than slots (slots reused, stores waited on before a reload), with one
+program per tile, and at both gate forms; the lowering for CUDA at the 48B shape is checked on any host."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import assert_close, kernel_dtype
+
+from pallas_kernels.kda import (DecodeBlocks, HopperDecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_decode,
+                                kda_decode_hopper, kda_decode_xla)
+
+
+def _decode_inputs(rng, b, h, kd, width=4, dtype=jnp.bfloat16, lower_bound=None, a_shape=None):
+    r = lambda *shape, dt=jnp.float32, s=1.0: jnp.asarray(s * rng.standard_normal(shape), dt)
+    inputs = KDADecodeInputs(x_qkv=r(b, 3, h, kd, dt=dtype), f=r(b, h, kd, dt=dtype), beta_logit=r(b, h, dt=dtype),
+                             z=r(b, h, kd, dt=dtype))
+    weights = KDADecodeWeights(q_conv=r(width, h, kd, s=0.5), k_conv=r(width, h, kd, s=0.5),
+                               v_conv=r(width, h, kd, s=0.5), dt_bias=r(h, kd), a_log=r(*(a_shape or (h, kd))),
+                               o_norm_w=r(kd), lower_bound=lower_bound)
+    return inputs, weights, r(b, width - 1, 3, h, kd, dt=dtype), r(b, h, kd, kd)
+
+
+@pytest.mark.parametrize("b,h,kd,a_shape,lower_bound,blocks", [
+    (5, 1, 64, None, None, HopperDecodeBlocks(stages=2, programs=1)),       # 5 tiles through 2 slots
+    (3, 3, 64, (3, 1), -5.0, HopperDecodeBlocks(stages=3, programs=2)),     # 5 and 4 tiles a program
+    (2, 2, 128, (1, 128), None, HopperDecodeBlocks()),                      # the 48B head: one program a tile
+])
+def test_decode_step_equals_the_xla_twin(rng, interpret, b, h, kd, a_shape, lower_bound, blocks):
+    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape)
+    out_r, conv_r, state_r = kda_decode_xla(inputs, weights, conv, state)
+    out, new_conv, new_state = kda_decode(inputs, weights, conv, state, impl="hopper", blocks=blocks,
+                                          interpret=interpret)
+    assert out.dtype == out_r.dtype and new_state.dtype == jnp.float32
+    assert_close("out", out, out_r, dtype="bfloat16")
+    np.testing.assert_array_equal(np.asarray(new_conv, np.float32), np.asarray(conv_r, np.float32))
+    assert_close("state", new_state, state_r, dtype=kernel_dtype("float32", interpret))
+    assert np.all(np.asarray(out, np.float32) != 0)
+
+
+def test_consecutive_steps_carry_the_state(rng, interpret):
+    """Three steps, each fed the last one's conv window and state, equal three twin steps."""
+    inputs, weights, conv, state = _decode_inputs(rng, 2, 2, 64)
+    ours = twin = (conv, state)
+    for step in range(3):
+        step_inputs = jax.tree.map(lambda x: x * (1.0 + 0.25 * step), inputs)
+        out, *ours = kda_decode_hopper(step_inputs, weights, *ours, blocks=HopperDecodeBlocks(stages=2, programs=3),
+                                       interpret=interpret)
+        out_r, *twin = kda_decode_xla(step_inputs, weights, *twin)
+        assert_close(f"out {step}", out, out_r, dtype="bfloat16")
+    assert_close("state", ours[1], twin[1], dtype=kernel_dtype("float32", interpret))
+
+
+def test_lowers_for_cuda_at_the_48b_shape_with_the_state_in_place():
+    """K = V = 128, B = 64, H = 32 lowers for CUDA on any host (Pallas -> Mosaic GPU, layout inference),
+    and the state is an aliased output (no copy of 268 MB a step)."""
+    s = jax.ShapeDtypeStruct
+    b, h, kd, width, bf, f32 = 64, 32, 128, 4, jnp.bfloat16, jnp.float32
+    inputs = KDADecodeInputs(x_qkv=s((b, 3, h, kd), bf), f=s((b, h, kd), bf), beta_logit=s((b, h), bf),
+                             z=s((b, h, kd), bf))
+    weights = KDADecodeWeights(q_conv=s((width, h, kd), f32), k_conv=s((width, h, kd), f32),
+                               v_conv=s((width, h, kd), f32), dt_bias=s((h, kd), f32), a_log=s((h, 1), f32),
+                               o_norm_w=s((kd,), f32))
+
+    def step(inputs, weights, conv, state):
+        return kda_decode_hopper(inputs, weights, conv, state, interpret=False)
+
+    exported = jax.export.export(jax.jit(step, donate_argnums=3), platforms=["cuda"])(
+        inputs, weights, s((b, width - 1, 3, h, kd), bf), s((b, h, kd, kd), f32))
+    module = exported.mlir_module()
+    assert "mosaic_gpu" in module and "tf.aliasing_output" in module
+
+
+def test_refuses_what_it_cannot_run(rng):
+    inputs, weights, conv, state = _decode_inputs(rng, 1, 2, 64)
+    with pytest.raises(ValueError, match="needs an fp32 state with K a multiple of 64, got bfloat16"):
+        kda_decode_hopper(inputs, weights, conv, state.astype(jnp.bfloat16))
+    small = _decode_inputs(rng, 1, 2, 32)
+    with pytest.raises(ValueError, match="K a multiple of 64, got float32 and K=32"):
+        kda_decode_hopper(*small)
+    big = _decode_inputs(rng, 1, 1, 256)
+    with pytest.raises(ValueError, match="stages=3 at K=V=256 need .* more than the 232448 B"):
+        kda_decode_hopper(*big)
+    for bad in (dict(stages=1), dict(stages=True), dict(programs=-1), dict(programs=2.0)):
+        with pytest.raises(ValueError, match="HopperDecodeBlocks: "):
+            HopperDecodeBlocks(**bad)
+    with pytest.raises(TypeError, match="impl 'hopper' takes HopperDecodeBlocks or None, got DecodeBlocks"):
+        kda_decode(inputs, weights, conv, state, impl="hopper", blocks=DecodeBlocks())
+    with pytest.raises(TypeError, match="impl 'xla' takes no blocks, got DecodeBlocks"):
+        kda_decode(inputs, weights, conv, state, impl="xla", blocks=DecodeBlocks())
+
+
+def test_programs_follow_the_tiles():
+    assert HopperDecodeBlocks().programs_for(32) == 32
+    assert HopperDecodeBlocks().programs_for(2048) == 132        # one a multiprocessor off the GPU's report
+    assert HopperDecodeBlocks(programs=7).programs_for(2048) == 7
+    assert HopperDecodeBlocks(programs=7).programs_for(3) == 3
