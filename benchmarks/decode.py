@@ -89,6 +89,9 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
                                                  "(k3jax.sharding.MeshSpec.parse)")
     ap.add_argument("--ep-dispatch", default=None, choices=["gather", "ragged"],
                     help="expert-parallel token dispatch (k3jax option 'ep_dispatch')")
+    ap.add_argument("--kda-decode", default=None, choices=["xla", "pallas", "hopper"],
+                    help="KDA one-token step (k3jax option 'kda_decode'; with --kernels pallas the default is pallas, "
+                         "hopper the Mosaic GPU state pass)")
     ap.add_argument("--mla", default=None, choices=["absorbed", "naive", "pallas", "hopper"],
                     help="MLA decode implementation (k3jax option 'mla'; with --kernels pallas the default is hopper, "
                          "the Mosaic GPU kernel)")
@@ -97,9 +100,10 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
 def build(args) -> k3jax.CausalLM:
     impls = {"ep_dispatch": getattr(args, "ep_dispatch", None), "mla": args.mla, "moe": args.moe, "gmm": args.gmm,
              "linear": args.linear, "mla_prefill": getattr(args, "mla_prefill", None), "norm": args.norm,
-             "shared": args.shared, "mla_absorb": args.mla_absorb}
+             "shared": args.shared, "mla_absorb": args.mla_absorb, "kda_decode": getattr(args, "kda_decode", None)}
     if args.kernels == "pallas":
-        impls.update(kda="pallas", kda_decode="pallas", mla=getattr(args, "mla", None) or "hopper")
+        impls.update(kda="pallas", kda_decode=getattr(args, "kda_decode", None) or "pallas",
+                     mla=getattr(args, "mla", None) or "hopper")
     if args.model == "kimi-linear-48b":
         jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # random weights at memory speed
         t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper hopper-sass moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu kda-varlen kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper hopper-sass moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
 W=$OUT/work; mkdir -p "$W"
@@ -118,6 +118,12 @@ for step in "$@"; do
               | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 | tee "$W/kda_varlen_tests.log"
           OUT=$W timeout ${VARLEN_LIMIT:-240} python3 benchmarks/kda_varlen.py ${VARLEN_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_varlen.log" ;;
+    kda-hopper) K3JAX_TEST_DEVICE=gpu timeout ${KDA_HOPPER_TEST_LIMIT:-120} python3 -m pytest -q -p no:cacheprovider \
+              -o addopts="" tests/pallas_kernels/test_kda_decode_hopper.py 2>&1 | quiet \
+              | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_hopper_tests.log"
+          OUT=$W timeout ${KDA_HOPPER_LIMIT:-240} python3 benchmarks/kda.py --decode-only --no-fla --warps 4 --splits 1 \
+              --batches 1 8 64 256 --ceiling --profile --iters 30 --name kda_decode_hopper ${KDA_HOPPER_ARGS:-} 2>&1 \
+              | quiet | tail -14 | tee "$W/kda_hopper.log" ;;
     kda-split) K3JAX_TEST_DEVICE=gpu timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_kda_kernels.py -k decode 2>&1 | quiet \
               | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_split_tests.log"

@@ -34,7 +34,8 @@ from jax.experimental.pallas import triton as plt  # noqa: E402
 from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, write  # noqa: E402
 from benchmarks.kernel_profile import kernel_times  # noqa: E402
 from pallas_kernels._util import default_interpret  # noqa: E402
-from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_chunk_xla,  # noqa: E402
+from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, HopperDecodeBlocks, KDADecodeInputs,  # noqa: E402
+                                KDADecodeWeights, hopper_decode_runs_here, kda_chunk_xla, kda_decode_hopper,
                                 kda_decode_pallas, kda_decode_xla, value_blocks_fit)
 from pallas_kernels.kda.chunk import chunk_inter, chunk_intra, kda_chunk_pallas, to_chunk_rows, to_chunks  # noqa: E402
 
@@ -294,8 +295,11 @@ def state_stream(decay, state, *, num_warps: int, interpret: bool | None = None)
 
 
 def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32, splits=(1,), columns=(0,),
-                ceiling=False, profile=False):
-    """splits: DecodeBlocks.value_blocks tried with each warp count (0: the auto rule); a split
+                ceiling=False, profile=False, hopper_stages=()):
+    """hopper_stages: HopperDecodeBlocks.stages of the Mosaic GPU step (`kda_decode_hopper`, labels "hopper/sN";
+    skipped where it does not run: a bf16 state, K not a multiple of 64); its time includes the XLA
+    fusion of the factors before it, its device time (profile) the kernel alone.
+    splits: DecodeBlocks.value_blocks tried with each warp count (0: the auto rule); a split
     launch's time includes the output norm that runs after it. columns: DecodeBlocks.column_block of the
     unsplit launch (0: the whole state at once). ceiling: also time the state's read and write alone
     (`state_stream` at each warp count, and XLA's elementwise scale of the whole state). profile: also the kernel's
@@ -347,13 +351,18 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         by_launch, errs, device = {}, {}, {}
         launches = [(nwarps, split, col) for nwarps in warps for split in splits
                     for col in (columns if split == 1 else (0,))]
+        steps = {}
         for nwarps, split, col in launches:
             if (split and not value_blocks_fit(kd, split)) or (col and (col >= kd or kd % col)):
                 continue                 # a column block of the whole head (or more) is the whole-state launch
             blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split, column_block=col)
             label = (f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")
                      + (f"/loop{col}" if col else ""))
-            step = lambda *args, blocks=blocks: kda_decode_pallas(*args, blocks=blocks)
+            steps[label] = lambda *args, blocks=blocks: kda_decode_pallas(*args, blocks=blocks)
+        for stages in hopper_stages if hopper_decode_runs_here(kd, state_dtype) else ():
+            blocks = HopperDecodeBlocks(stages=stages)
+            steps[f"hopper/s{stages}"] = lambda *args, blocks=blocks: kda_decode_hopper(*args, blocks=blocks)
+        for label, step in steps.items():
             ours = run(step)
             by_launch[label] = timed(ours)
             if profile and (us := device_us(step)) is not None:
@@ -418,6 +427,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="prefill: device time per kernel (ours and fla's); decode: the kernel's device time per layer")
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8, 16], help="num_warps of the decode launches")
+    ap.add_argument("--hopper-stages", nargs="*", type=int, default=[2, 3],
+                    help="stages of the Mosaic GPU decode step (kda_decode_hopper); none to skip it")
     ap.add_argument("--splits", nargs="+", type=int, default=[1, 0],
                     help="column blocks per head of the one-token kernel (DecodeBlocks.value_blocks; 0: auto)")
     ap.add_argument("--column-blocks", nargs="+", type=int, default=[0],
@@ -435,10 +446,12 @@ def main(argv=None) -> int:
                                     "partial": True})
     fla = None if (args.small or args.no_fla) else fla_functions()
     if args.small:
-        pre = prefill_rows([(1, 96, 2, 16)], None, 3, args.variants, args.profile, args.qk_dtypes, save)
-        dec = [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 32, 3, None, 3, state_dtype=sd,
+        pre = [] if args.decode_only else prefill_rows([(1, 96, 4, 16)], None, 3, args.variants, args.profile,
+                                                       args.qk_dtypes, save)     # H = 4: variants of 4 heads a program
+        dec = [] if args.prefill_only else [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 64, 3, None, 3, state_dtype=sd,
                                                                      splits=args.splits, columns=args.column_blocks,
-                                                                     ceiling=args.ceiling, profile=args.profile)]
+                                                                     ceiling=args.ceiling, profile=args.profile,
+                                                                     hopper_stages=args.hopper_stages)]
     else:
         pre = [] if args.decode_only else prefill_rows([(1, t, h, 128) for h in args.heads for t in args.lengths],
                                                        fla, args.iters, args.variants, args.profile, args.qk_dtypes,
@@ -446,7 +459,8 @@ def main(argv=None) -> int:
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps),
                                       state_dtype=sd, splits=args.splits, columns=args.column_blocks,
-                                      ceiling=args.ceiling, profile=args.profile)]
+                                      ceiling=args.ceiling, profile=args.profile,
+                                      hopper_stages=args.hopper_stages)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write(name, record)
     print(table(pre, ["B", "T", "H", "ours_ms", "fla_ms", "speedup_vs_fla", "xla_ref_ms", "err_o_vs_ref"]))

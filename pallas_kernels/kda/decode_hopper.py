@@ -70,8 +70,9 @@ class HopperDecodeBlocks:
         return min(tiles, self.programs or multiprocessor_count())
 
     def smem_bytes(self, k_dim: int, v_dim: int) -> int:
-        """Shared memory of the ring: per stage the state, the factors and the output row."""
-        return self.stages * (4 * k_dim * v_dim + 4 * FACTORS * k_dim + 2 * v_dim) + 4 * v_dim
+        """Shared memory of the ring: per stage the state, the factors and the output row (counted at 4 bytes an
+        element, fp32 outputs' size), and the norm weight."""
+        return self.stages * (4 * k_dim * v_dim + 4 * FACTORS * k_dim + 4 * v_dim) + 4 * v_dim
 
 
 def _gated_rms_norm(o, z, weight, eps: float):
