@@ -295,10 +295,11 @@ def state_stream(decay, state, *, num_warps: int, interpret: bool | None = None)
 
 
 def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32, splits=(1,), columns=(0,),
-                ceiling=False, profile=False, hopper_stages=()):
-    """hopper_stages: HopperDecodeBlocks.stages of the Mosaic GPU step (`kda_decode_hopper`, labels "hopper/sN";
-    skipped where it does not run: a bf16 state, K not a multiple of 64); its time includes the XLA
-    fusion of the factors before it, its device time (profile) the kernel alone.
+                ceiling=False, profile=False, hopper_factors=()):
+    """hopper_factors: HopperDecodeBlocks.factors forms of the Mosaic GPU step (`kda_decode_hopper`, labels
+    "hopper/<form>", the stages that fit; skipped where it does not run: a bf16 state, K not a multiple of 64);
+    with "xla" its time includes the XLA fusion of the factors before it, its device time (profile) the kernel
+    alone.
     splits: DecodeBlocks.value_blocks tried with each warp count (0: the auto rule); a split
     launch's time includes the output norm that runs after it. columns: DecodeBlocks.column_block of the
     unsplit launch (0: the whole state at once). ceiling: also time the state's read and write alone
@@ -359,9 +360,9 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             label = (f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")
                      + (f"/loop{col}" if col else ""))
             steps[label] = lambda *args, blocks=blocks: kda_decode_pallas(*args, blocks=blocks)
-        for stages in hopper_stages if hopper_decode_runs_here(kd, state_dtype) else ():
-            blocks = HopperDecodeBlocks(stages=stages)
-            steps[f"hopper/s{stages}"] = lambda *args, blocks=blocks: kda_decode_hopper(*args, blocks=blocks)
+        for form in hopper_factors if hopper_decode_runs_here(kd, state_dtype) else ():
+            blocks = HopperDecodeBlocks(factors=form)
+            steps[f"hopper/{form}"] = lambda *args, blocks=blocks: kda_decode_hopper(*args, blocks=blocks)
         for label, step in steps.items():
             ours = run(step)
             by_launch[label] = timed(ours)
@@ -427,8 +428,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="prefill: device time per kernel (ours and fla's); decode: the kernel's device time per layer")
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8, 16], help="num_warps of the decode launches")
-    ap.add_argument("--hopper-stages", nargs="*", type=int, default=[2, 3],
-                    help="stages of the Mosaic GPU decode step (kda_decode_hopper); none to skip it")
+    ap.add_argument("--hopper-factors", nargs="*", default=["kernel", "xla"], choices=["kernel", "xla"],
+                    help="forms of the Mosaic GPU decode step (kda_decode_hopper, HopperDecodeBlocks.factors); "
+                         "none to skip it")
     ap.add_argument("--splits", nargs="+", type=int, default=[1, 0],
                     help="column blocks per head of the one-token kernel (DecodeBlocks.value_blocks; 0: auto)")
     ap.add_argument("--column-blocks", nargs="+", type=int, default=[0],
@@ -451,7 +453,7 @@ def main(argv=None) -> int:
         dec = [] if args.prefill_only else [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 64, 3, None, 3, state_dtype=sd,
                                                                      splits=args.splits, columns=args.column_blocks,
                                                                      ceiling=args.ceiling, profile=args.profile,
-                                                                     hopper_stages=args.hopper_stages)]
+                                                                     hopper_factors=args.hopper_factors)]
     else:
         pre = [] if args.decode_only else prefill_rows([(1, t, h, 128) for h in args.heads for t in args.lengths],
                                                        fla, args.iters, args.variants, args.profile, args.qk_dtypes,
@@ -460,7 +462,7 @@ def main(argv=None) -> int:
                for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps),
                                       state_dtype=sd, splits=args.splits, columns=args.column_blocks,
                                       ceiling=args.ceiling, profile=args.profile,
-                                      hopper_stages=args.hopper_stages)]
+                                      hopper_factors=args.hopper_factors)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write(name, record)
     print(table(pre, ["B", "T", "H", "ours_ms", "fla_ms", "speedup_vs_fla", "xla_ref_ms", "err_o_vs_ref"]))

@@ -40,28 +40,39 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._util import default_interpret, multiprocessor_count
 from pallas_kernels.kda.decode_xla import decode_factors, validate_decode_inputs
+from pallas_kernels.kda.gate import L2_EPS, forget_gate, log1p_by_log
 from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
 
 ROWS = 64                   # state rows a step holds in registers: the warpgroup-MMA layout's row tile
 FACTORS = 6                 # rows of the per-tile factor block: q, d, d k, beta k, v, z
+FACTOR_FORMS = ("kernel", "xla")
 _SMEM_BYTES = 227 * 1024    # shared memory one H100 / H200 block may take
 _SWIZZLE = 128              # bytes: the state buffer's swizzle (fp32 tiles of 8 x 32)
+_MAX_STAGES = 3
 
 
 @dataclass(frozen=True)
 class HopperDecodeBlocks:
     """Launch settings of the Mosaic GPU decode step.
 
-    stages:   tiles in flight per program (each a [K, V] fp32 state buffer: 3 x 64 KB at K = V = 128).
+    factors:  "kernel": the conv window, SiLU, q / k norms, gate and beta inside the kernel, from the raw
+              inputs and one [3W + 2, K] block of the head's weights (one launch a step); "xla": computed by
+              XLA before the launch (`decode_xla.decode_factors`) and read as a [6, K] block a tile.
+    stages:   tiles in flight per program, each with a [K, V] fp32 state buffer; 0 = as many as fit (at most 3:
+              2 for "kernel" and 3 for "xla" at K = V = 128).
     programs: persistent programs; 0 = one per multiprocessor (at most one per tile).
     Not yet timed on a GPU: the defaults are the design's, not a sweep's."""
 
-    stages: int = 3
+    factors: str = "kernel"
+    stages: int = 0
     programs: int = 0
 
     def __post_init__(self):
-        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 2:
-            raise ValueError(f"HopperDecodeBlocks: stages must be an int >= 2, got {self.stages!r}")
+        if self.factors not in FACTOR_FORMS:
+            raise ValueError(f"HopperDecodeBlocks: factors must be one of {FACTOR_FORMS}, got {self.factors!r}")
+        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages == 1 or self.stages < 0:
+            raise ValueError(f"HopperDecodeBlocks: stages must be 0 (as many as fit) or an int >= 2, "
+                             f"got {self.stages!r}")
         if isinstance(self.programs, bool) or not isinstance(self.programs, int) or self.programs < 0:
             raise ValueError(f"HopperDecodeBlocks: programs must be an int >= 0 (0 = one per multiprocessor), "
                              f"got {self.programs!r}")
@@ -69,10 +80,26 @@ class HopperDecodeBlocks:
     def programs_for(self, tiles: int) -> int:
         return min(tiles, self.programs or multiprocessor_count())
 
-    def smem_bytes(self, k_dim: int, v_dim: int) -> int:
-        """Shared memory of the ring: per stage the state, the factors and the output row (counted at 4 bytes an
-        element, fp32 outputs' size), and the norm weight."""
-        return self.stages * (4 * k_dim * v_dim + 4 * FACTORS * k_dim + 4 * v_dim) + 4 * v_dim
+    def smem_bytes(self, k_dim: int, width: int, stages: int | None = None) -> int:
+        """Shared memory at K = V = k_dim and conv width `width` (inputs counted at 4 bytes an element): per
+        stage the state, the tile's inputs and output row (and with "kernel" the new conv window); once the
+        norm weight (and with "kernel" the factor block)."""
+        stages = stages or self.stages
+        vec = 4 * k_dim
+        if self.factors == "xla":
+            return stages * (k_dim * vec + FACTORS * vec + vec) + vec
+        per_stage = k_dim * vec + (3 + 3 * (width - 1) + (3 * width + 2) + 2 + 3 * (width - 1) + 1) * vec
+        return stages * per_stage + (FACTORS + 1) * vec
+
+    def stages_for(self, k_dim: int, width: int) -> int:
+        """`stages`, or with 0 the most (2..3) that fit the shared memory; raises when even 2 do not."""
+        stages = self.stages or max([2] + [n for n in range(2, _MAX_STAGES + 1)
+                                           if self.smem_bytes(k_dim, width, n) <= _SMEM_BYTES])
+        if self.smem_bytes(k_dim, width, stages) > _SMEM_BYTES:
+            raise ValueError(f"kda_decode_hopper: stages={stages} at K=V={k_dim} need "
+                             f"{self.smem_bytes(k_dim, width, stages)} B of shared memory, more than the "
+                             f"{_SMEM_BYTES} B a block has")
+        return stages
 
 
 def _gated_rms_norm(o, z, weight, eps: float):
@@ -82,21 +109,99 @@ def _gated_rms_norm(o, z, weight, eps: float):
     return o * inv * weight * jax.nn.sigmoid(z)
 
 
-def _kernel(f_ref, nw_ref, s_ref, out_ref, s_smem, f_smem, o_smem, nw_smem, ready, nw_ready, *,
-            tiles: int, programs: int, stages: int, norm_eps: float):
-    """f_ref [N, 6, K] fp32 factors, nw_ref [V] fp32 norm weight, s_ref [N, K, V] fp32 state (written in
-    place), out_ref [N, V] output. Scratch: the ring's state [stages, K, V], factor [stages, 6, K] and
-    output [stages, V] buffers, the norm weight [V], a barrier per slot and one for the weight."""
+def _l2_normalize(x):
+    """`gate.l2_normalize` of one [K] fp32 vector (a whole-vector sum, as above)."""
+    return x * lax.rsqrt(jnp.sum(x * x) + L2_EPS)
+
+
+def _factors(x_smem, conv_smem, w_smem, f_smem, z_smem, beta_logit, factor_ref, conv_out_ref, *, width, scale,
+             lower_bound, dtype):
+    """The per-token math of one tile inside the kernel, as `decode_xla.decode_factors` does it: x [3, K],
+    conv [W-1, 3, K] (activation dtype), w [3W + 2, K] fp32 (the q, k and v taps, then dt_bias and a =
+    exp(A_log)), f, z [K], beta_logit a scalar. Writes the factor rows (q, d, d k, beta k, v, z) to
+    factor_ref [6, K] and the new conv window to conv_out_ref [W-1, 3, K]."""
+    f32 = jnp.float32
+    acts = []
+    for i in range(3):                                  # conv + SiLU of q, k, v, rounded as the twin rounds them
+        pre = w_smem[i * width + width - 1].astype(f32) * x_smem[i].astype(f32)
+        for j in range(width - 1):
+            pre = pre + w_smem[i * width + j].astype(f32) * conv_smem[j, i].astype(f32)
+        acts.append(jax.nn.silu(pre).astype(dtype).astype(f32))
+    q, k = _l2_normalize(acts[0]) * scale, _l2_normalize(acts[1])
+    u = f_smem[...].astype(f32) + w_smem[3 * width]
+    decay = jnp.exp(forget_gate(u, w_smem[3 * width + 1], lower_bound, log1p=log1p_by_log))
+    beta = jax.nn.sigmoid(beta_logit.astype(f32))
+    for r, row in enumerate((q, decay, decay * k, beta * k, acts[2], z_smem[...].astype(f32))):
+        factor_ref[r] = row
+    for j in range(width - 2):
+        for i in range(3):
+            conv_out_ref[j, i] = conv_smem[j + 1, i]
+    for i in range(3):
+        conv_out_ref[width - 2, i] = x_smem[i]
+
+
+def _state_pass(state_halves, factor_ref, nw_ref, out_ref, *, norm_eps: float, dtype):
+    """The delta rule on one tile's state, in place: state_halves the [64, V] fp32 row blocks of its shared-memory
+    buffer, factor_ref [6, K] (q, d, d k, beta k, v, z); writes the gated, normalised output to out_ref [V]."""
+    state_layout = plgpu.Layout.WGMMA
+    row_layout, col_layout = state_layout.reduce(1), state_layout.reduce(0)
+    row = lambda r, half: plgpu.load(factor_ref.at[r, pl.ds(half * ROWS, ROWS)], layout=row_layout)
+    col = lambda r: plgpu.load(factor_ref.at[r], layout=col_layout)
+    products = None
+    for half, state in enumerate(state_halves):                     # pred = (d k)^T S
+        part = plgpu.load(state, layout=state_layout) * row(2, half)[:, None]
+        products = part if products is None else products + part  # the halves summed first: one reduction
+    u = col(4) - jnp.sum(products, axis=0)
+    products = None
+    for half, state in enumerate(state_halves):                     # S' = d S + (beta k) u^T, o = q^T S'
+        new = plgpu.load(state, layout=state_layout) * row(1, half)[:, None] + row(3, half)[:, None] * u[None, :]
+        state[...] = new
+        part = new * row(0, half)[:, None]
+        products = part if products is None else products + part
+    o = jnp.sum(products, axis=0)
+    o = o.astype(dtype).astype(jnp.float32)                         # the twin rounds o before the norm
+    out_ref[...] = _gated_rms_norm(o, col(5), plgpu.load(nw_ref, layout=col_layout), norm_eps).astype(out_ref.dtype)
+
+
+def _kernel(*refs, factors: str, tiles: int, heads: int, programs: int, stages: int, norm_eps: float,
+            factor_settings: dict):
+    """A persistent program over tiles program, program + programs, ... (tile = row * H + head).
+
+    factors "xla":    inputs f [N, 6, K] fp32, norm weight [V] fp32, state [N, K, V] (a ref, written in place);
+                      output out [N, V].
+    factors "kernel": inputs x_qkv [B, 3, H, K], weights [H, 3W + 2, K] fp32, f [B, H, K], beta_logit [B, H],
+                      z [B, H, K], norm weight [V] fp32, conv_state [B, W-1, 3, H, K] and state [N, K, V] (refs,
+                      written in place); output out [N, V].
+    Scratch: per stage the state buffer (tiled and swizzled) and the tile's input and output buffers, the factor
+    block, the norm weight, a barrier per stage and one for the norm weight.
+
+    Step i of the program: wait for tile i's inputs; ("kernel") its factors and conv window; wait until tile
+    i - 1's stores have read their buffers, then fetch tile i + stages - 1 into tile i - 1's slot; the state pass
+    in place; TMA-store the state, the output (and the conv window)."""
+    fused = factors == "kernel"
+    if fused:
+        (x_ref, w_ref, f_ref, bl_ref, z_ref, nw_ref, conv_ref, s_ref, out_ref,
+         s_smem, x_smem, c_smem, w_smem, f_smem, z_smem, c_out, o_smem, factor_smem, nw_smem, ready, nw_ready) = refs
+        ins = lambda tile: ((x_ref.at[tile // heads, :, tile % heads], x_smem),
+                            (conv_ref.at[tile // heads, :, :, tile % heads], c_smem), (w_ref.at[tile % heads], w_smem),
+                            (f_ref.at[tile // heads, tile % heads], f_smem), (z_ref.at[tile // heads, tile % heads], z_smem))
+    else:
+        f_ref, nw_ref, s_ref, out_ref, s_smem, factor_smem, o_smem, nw_smem, ready, nw_ready = refs
+        ins = lambda tile: ((f_ref.at[tile], factor_smem),)
     program = lax.axis_index("program")
     count = (tiles - program + programs - 1) // programs          # this program's tiles: program + i * programs
     k_dim = s_smem.shape[1]
-    state_layout = plgpu.Layout.WGMMA
-    row_layout, col_layout = state_layout.reduce(1), state_layout.reduce(0)
+    tile_of = lambda i: program + i * programs
 
     def fetch(i, slot):
-        tile = program + i * programs
+        tile = tile_of(i)
         plgpu.copy_gmem_to_smem(s_ref.at[tile], s_smem.at[slot], ready.at[slot])
-        plgpu.copy_gmem_to_smem(f_ref.at[tile], f_smem.at[slot], ready.at[slot])
+        for src, dst in ins(tile):
+            plgpu.copy_gmem_to_smem(src, dst.at[slot], ready.at[slot])
+
+    def beta_logit(i):                                             # a scalar read from memory, one tile ahead
+        tile = tile_of(jnp.minimum(i, count - 1))
+        return bl_ref[tile // heads, tile % heads].astype(jnp.float32)
 
     plgpu.copy_gmem_to_smem(nw_ref, nw_smem, nw_ready)
     for i in range(stages - 1):
@@ -106,44 +211,42 @@ def _kernel(f_ref, nw_ref, s_ref, out_ref, s_smem, f_smem, o_smem, nw_smem, read
 
     plgpu.barrier_wait(nw_ready)
 
-    def step(i, carry):
-        slot = lax.rem(i, stages)
+    def step(i, beta_now):
+        slot, tile = lax.rem(i, stages), tile_of(i)
         plgpu.barrier_wait(ready.at[slot])
-        factors = f_smem.at[slot]
-        row = lambda r, half: plgpu.load(factors.at[r, pl.ds(half * ROWS, ROWS)], layout=row_layout)
-        col = lambda r: plgpu.load(factors.at[r], layout=col_layout)
-        halves = [s_smem.at[slot, pl.ds(half * ROWS, ROWS)] for half in range(k_dim // ROWS)]
-
-        pred = None
-        for half, state in enumerate(halves):                       # pred = (d k)^T S
-            part = jnp.sum(plgpu.load(state, layout=state_layout) * row(2, half)[:, None], axis=0)
-            pred = part if pred is None else pred + part
-        u = col(4) - pred
-        o = None
-        for half, state in enumerate(halves):                       # S' = d S + (beta k) u^T, o = q^T S'
-            new = (plgpu.load(state, layout=state_layout) * row(1, half)[:, None]
-                   + row(3, half)[:, None] * u[None, :])
-            state[...] = new
-            part = jnp.sum(new * row(0, half)[:, None], axis=0)
-            o = part if o is None else o + part
-        o = o.astype(out_ref.dtype).astype(jnp.float32)              # the twin rounds o before the norm
-        out = _gated_rms_norm(o, col(5), plgpu.load(nw_smem, layout=col_layout), norm_eps)
-        o_smem[slot] = out.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        tile = program + i * programs
-        plgpu.copy_smem_to_gmem(s_smem.at[slot], s_ref.at[tile])
-        plgpu.copy_smem_to_gmem(o_smem.at[slot], out_ref.at[tile])
-
-        ahead = i + stages - 1                                      # goes into tile i - 1's slot
+        beta_next = None
+        if fused:
+            beta_next = beta_logit(i + 1)
+            _factors(x_smem.at[slot], c_smem.at[slot], w_smem.at[slot], f_smem.at[slot], z_smem.at[slot], beta_now,
+                     factor_smem, c_out.at[slot], dtype=out_ref.dtype, **factor_settings)
+            plgpu.commit_smem()
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)            # tile i - 1's stores have read their buffers
+        ahead = i + stages - 1                                      # into tile i - 1's slot
 
         @pl.when(ahead < count)
         def _():
-            plgpu.wait_smem_to_gmem(2, wait_read_only=True)        # tile i - 1's two stores have read it
             fetch(ahead, lax.rem(ahead, stages))
-        return carry
 
-    lax.fori_loop(0, count, step, 0)
+        halves = [s_smem.at[slot, pl.ds(half * ROWS, ROWS)] for half in range(k_dim // ROWS)]
+        _state_pass(halves, factor_smem if fused else factor_smem.at[slot], nw_smem, o_smem.at[slot],
+                    norm_eps=norm_eps, dtype=out_ref.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(s_smem.at[slot], s_ref.at[tile])
+        plgpu.copy_smem_to_gmem(o_smem.at[slot], out_ref.at[tile])
+        if fused:
+            plgpu.copy_smem_to_gmem(c_out.at[slot], conv_ref.at[tile // heads, :, :, tile % heads])
+        return beta_next if fused else beta_now
+
+    lax.fori_loop(0, count, step, beta_logit(0) if fused else jnp.float32(0))
     plgpu.wait_smem_to_gmem(0)
+
+
+def _interpret_params(interpret):
+    """interpret: False (compiled), True (Mosaic GPU's interpret mode) or its InterpretGPUParams (e.g. with the
+    race detector on)."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    return plgpu.InterpretGPUParams() if interpret else False
 
 
 def hopper_decode_runs_here(k_dim: int, state_dtype) -> bool:
@@ -159,40 +262,61 @@ def kda_decode_hopper(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
 
     Args:
       inputs: KDADecodeInputs (x_qkv [B, 3, H, K], f [B, H, K], beta_logit [B, H], z [B, H, K]).
-      weights: KDADecodeWeights of the layer. conv_state: [B, W-1, 3, H, K].
+      weights: KDADecodeWeights of the layer. conv_state: [B, W-1, 3, H, K]; with factors "kernel" updated in
+        place (donate it).
       state: [B, H, K, K] fp32, K a multiple of 64; updated in place (donate it to avoid a copy).
-      blocks: launch settings. interpret: Mosaic GPU's interpret mode (default: off the GPU).
+      blocks: launch settings. interpret: Mosaic GPU's interpret mode (default: off the GPU), or its
+        InterpretGPUParams.
     Returns:
       (out [B, H, K] in x_qkv's dtype, new conv_state, new state fp32)
     """
     validate_decode_inputs(inputs, weights, conv_state, state)
     b, _, h, kd = inputs.x_qkv.shape
+    width = weights.q_conv.shape[0]
     if not hopper_decode_runs_here(kd, state.dtype):
         raise ValueError(f"kda_decode_hopper: needs an fp32 state with K a multiple of {ROWS}, got "
                          f"{state.dtype} and K={kd}")
-    if blocks.smem_bytes(kd, kd) > _SMEM_BYTES:
-        raise ValueError(f"kda_decode_hopper: stages={blocks.stages} at K=V={kd} need "
-                         f"{blocks.smem_bytes(kd, kd)} B of shared memory, more than the {_SMEM_BYTES} B a block has")
+    stages = blocks.stages_for(kd, width)
     interpret = default_interpret() if interpret is None else interpret
-    q, k, v, decay, beta, new_conv = decode_factors(inputs, weights, conv_state)
-    factors = jnp.stack([q, decay, decay * k, beta[..., None] * k, v, inputs.z.astype(jnp.float32)], axis=2)
-    tiles = b * h
+    tiles, dtype, f32 = b * h, inputs.x_qkv.dtype, jnp.float32
     programs = blocks.programs_for(tiles)
-    dtype = inputs.x_qkv.dtype
     state_ref = jax.new_ref(state.reshape(tiles, kd, kd))
     swizzled = (plgpu.TilingTransform((8, _SWIZZLE // 4)), plgpu.SwizzleTransform(_SWIZZLE))
+    per_stage = lambda *shape, dt=f32: plgpu.SMEM((stages, *shape), dt)
+    state_buffers = plgpu.SMEM((stages, kd, kd), f32, transforms=swizzled)
+    barriers = lambda arrivals: [plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages), plgpu.Barrier()]
+    scale = kd ** -0.5 if weights.scale is None else weights.scale
+    factor_settings = {}
+    if blocks.factors == "xla":
+        q, k, v, decay, beta, new_conv = decode_factors(inputs, weights, conv_state)
+        factors = jnp.stack([q, decay, decay * k, beta[..., None] * k, v, inputs.z.astype(f32)], axis=2)
+        operands = (factors.reshape(tiles, FACTORS, kd), weights.o_norm_w.astype(f32), state_ref)
+        scratch = [state_buffers, per_stage(FACTORS, kd), per_stage(kd, dt=dtype), plgpu.SMEM((kd,), f32),
+                   *barriers(2)]
+    else:
+        a = jnp.broadcast_to(jnp.exp(weights.a_log.astype(f32)), (h, kd))
+        head_weights = jnp.concatenate([jnp.moveaxis(taps.astype(f32), 1, 0) for taps in weights.conv_taps]
+                                       + [weights.dt_bias.astype(f32)[:, None], a[:, None]], axis=1)  # [H, 3W+2, K]
+        conv_ref = jax.new_ref(conv_state)
+        operands = (inputs.x_qkv, head_weights, inputs.f, inputs.beta_logit, inputs.z, weights.o_norm_w.astype(f32),
+                    conv_ref, state_ref)
+        scratch = [state_buffers, per_stage(3, kd, dt=dtype), per_stage(width - 1, 3, kd, dt=conv_state.dtype),
+                   per_stage(3 * width + 2, kd), per_stage(kd, dt=inputs.f.dtype), per_stage(kd, dt=inputs.z.dtype),
+                   per_stage(width - 1, 3, kd, dt=conv_state.dtype), per_stage(kd, dt=dtype),
+                   plgpu.SMEM((FACTORS, kd), f32), plgpu.SMEM((kd,), f32), *barriers(6)]
+        factor_settings = dict(width=width, scale=scale, lower_bound=weights.lower_bound)
+    kernel = functools.partial(_kernel, factors=blocks.factors, tiles=tiles, heads=h, programs=programs,
+                               stages=stages, norm_eps=weights.norm_eps,
+                               factor_settings=factor_settings)
     out = plgpu.kernel(
-        functools.partial(_kernel, tiles=tiles, programs=programs, stages=blocks.stages, norm_eps=weights.norm_eps),
+        kernel,
         out_type=jax.ShapeDtypeStruct((tiles, kd), dtype),
         grid=(programs,),
         grid_names=("program",),
-        scratch_types=[plgpu.SMEM((blocks.stages, kd, kd), jnp.float32, transforms=swizzled),
-                       plgpu.SMEM((blocks.stages, FACTORS, kd), jnp.float32),
-                       plgpu.SMEM((blocks.stages, kd), dtype),
-                       plgpu.SMEM((kd,), jnp.float32),
-                       plgpu.Barrier(num_arrivals=2, num_barriers=blocks.stages),
-                       plgpu.Barrier()],
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
+        scratch_types=scratch,
+        interpret=_interpret_params(interpret),
         kernel_name="kda_decode_hopper",
-    )(factors.reshape(tiles, FACTORS, kd), weights.o_norm_w.astype(jnp.float32), state_ref)
+    )(*operands)
+    if blocks.factors == "kernel":
+        new_conv = jax.freeze(conv_ref)
     return out.reshape(b, h, kd), new_conv, jax.freeze(state_ref).reshape(b, h, kd, kd)

@@ -17,19 +17,27 @@ L2_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 
 
-def softplus(u: jax.Array) -> jax.Array:
+def log1p_by_log(x: jax.Array) -> jax.Array:
+    """log(1 + x) from `log` alone, for backends without a log1p (Mosaic GPU): log(y) x / (y - 1) with
+    y = 1 + x rounded, which cancels the rounding of y (within a few ulp of log1p), and x where y == 1."""
+    y = 1.0 + x
+    return jnp.where(y == 1.0, x, jnp.log(y) * (x / (y - 1.0)))
+
+
+def softplus(u: jax.Array, log1p=jnp.log1p) -> jax.Array:
     """log(1 + e^u), and u itself above the threshold (torch's softplus, which HF's KDA uses)."""
-    return jnp.where(u > SOFTPLUS_THRESHOLD, u, jnp.log1p(jnp.exp(jnp.minimum(u, SOFTPLUS_THRESHOLD))))
+    return jnp.where(u > SOFTPLUS_THRESHOLD, u, log1p(jnp.exp(jnp.minimum(u, SOFTPLUS_THRESHOLD))))
 
 
-def forget_gate(u: jax.Array, a: jax.Array, lower_bound: float | None) -> jax.Array:
+def forget_gate(u: jax.Array, a: jax.Array, lower_bound: float | None, log1p=jnp.log1p) -> jax.Array:
     """Log-space per-channel decay g (<= 0) from u = f + dt_bias and a = exp(A_log), fp32.
 
-    `a` broadcasts against `u` (per head [H, 1] or per channel [K]).
+    `a` broadcasts against `u` (per head [H, 1] or per channel [K]). log1p: `log1p_by_log` where the
+    backend has none.
     """
     u = u.astype(jnp.float32)
     if lower_bound is None:
-        return -a * softplus(u)
+        return -a * softplus(u, log1p)
     return lower_bound * jax.nn.sigmoid(a * u)
 
 

@@ -28,9 +28,9 @@ KDA_IMPLS: tuple[str, ...] = get_args(KDAImpl)
 # "pallas": the chunked kernels over chunk-aligned sequences; "recurrent": token loop with resets (the reference).
 KDAVarlenImpl = Literal["pallas", "recurrent"]
 KDA_VARLEN_IMPLS: tuple[str, ...] = get_args(KDAVarlenImpl)
-# "xla": the fused step in pure JAX (the kernels' twin); "pallas": one fused kernel (Triton lowering); "hopper": the
-# state pass in Mosaic GPU, persistent programs with a TMA ring (`decode_hopper.py`; fp32 state, K a multiple of 64),
-# the factors before it in XLA (several tokens per call run "pallas"'s kernel: `decode_steps`).
+# "xla": the fused step in pure JAX (the kernels' twin); "pallas": one fused kernel (Triton lowering); "hopper": one
+# fused kernel in Mosaic GPU, persistent programs streaming the states through a TMA ring (`decode_hopper.py`; fp32
+# state, K a multiple of 64; several tokens per call run "pallas"'s kernel: `decode_steps`).
 KDADecodeImpl = Literal["xla", "pallas", "hopper"]
 KDA_DECODE_IMPLS: tuple[str, ...] = get_args(KDADecodeImpl)
 
