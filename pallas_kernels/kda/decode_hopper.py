@@ -1,30 +1,31 @@
-"""The one-token KDA decode step for Hopper in Pallas Mosaic GPU: the state streamed through a TMA ring.
+"""The one-token KDA decode step for Hopper in Pallas Mosaic GPU: the states streamed through a TMA ring.
 
-At B >= 64 a decode step is the fp32 state's traffic: each (row, head) reads and writes a [K, V]
-state (64 KB at K = V = 128) and does a few multiply-adds per element. The Triton kernel
+At B >= 64 a decode step is the recurrent state's traffic: each (row, head) reads and writes a [K, V]
+state (64 KB in fp32 at K = V = 128) and does a few multiply-adds per element. The Triton kernel
 (`decode.py`) gives each (row, head) a program that loads its whole state into registers, updates it
-and stores it: the loads of one program wait for nothing else, but nothing overlaps them either, and
-the same grid with no math at all reads and writes at 65% of the bandwidth (H200, RESULTS.md, KDA
-decode runs 5-7). Here a few persistent programs (one per multiprocessor) each walk a strided share
-of the (row, head) tiles with `stages` tiles in flight:
+and stores it: nothing overlaps a program's loads, and the same grid with no math at all reads and
+writes at 65% of the bandwidth (H200, RESULTS.md, KDA decode runs 5-7). Here a few persistent programs
+(one per multiprocessor) each walk a strided share of the (row, head) tiles, tile = row * H + head,
+with `stages` tiles in flight:
 
     for tile i of this program:
-        wait for tile i's state and factors (TMA, issued `stages` - 1 tiles ahead)
-        pred = sum_k (d k)[k] S[k, :]                         two 64-row halves, read from shared memory
-        u    = v - pred
-        S'   = d S + (beta k) u^T,   o = sum_k q[k] S'[k, :]  written back in place
-        out  = w * rmsnorm(bf16(o)) * sigmoid(z)
-        TMA-store S' and out; once tile i-1's stores have read their buffers, fetch tile i + stages - 1
-        into tile i-1's slot
+        wait for tile i's state and inputs (TMA, issued `stages` - 1 tiles ahead)
+        factors: conv window + SiLU, q / k L2 norm, d = e^g, beta     ("kernel"; "xla": read, made before)
+        once tile i-1's stores have read their buffers: fetch tile i + stages - 1 into tile i-1's slot
+        pred = sum_k (d k)[k] S[k, :]                  two 64-row halves read from shared memory
+        S'   = d S + (beta k) (v - pred)^T             written back in place
+        out  = w * rmsnorm(o) * sigmoid(z),  o = sum_k q[k] S'[k, :]
+        TMA-store S', out (and the new conv window)
 
-The state is updated in place (the kernel writes through a `jax.new_ref` of it), in a shared-memory
-buffer tiled and swizzled for conflict-free [64, V] loads in the warpgroup-MMA register layout.
+The state (fp32 or bf16; the math in fp32) and the conv window are updated in place (the kernel writes
+through `jax.new_ref`s of them); the state's shared-memory buffer is tiled and swizzled for
+conflict-free [64, V] loads in the warpgroup-MMA register layout. `HopperDecodeBlocks.factors` says
+where the per-token [K] vectors come from: "kernel" computes them from the raw inputs and the head's
+weights, "xla" reads one [6, K] fp32 block a tile that XLA made before the launch with the twin's own
+`decode_xla.decode_factors` (q normalised and scaled, d, d k, beta k, v, z).
 
-The per-token factors (conv window + SiLU, q / k L2 norm, decay, beta) are [K] vectors per (row,
-head), computed by XLA before the launch exactly as the twin does (`decode_xla.decode_factors`) and
-handed over as one [6, K] fp32 block per tile: q (normalised and scaled), d = e^g, d k, beta k, v and
-z. Twin: `decode_xla.kda_decode_xla`. Runs on Hopper GPUs, and in Mosaic GPU's interpret mode on the
-CPU (the tests).
+Twin: `decode_xla.kda_decode_xla`. Runs on Hopper GPUs, and in Mosaic GPU's interpret mode on the CPU
+(the tests, also under its race detector).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ ROWS = 64                   # state rows a step holds in registers: the warpgrou
 FACTORS = 6                 # rows of the per-tile factor block: q, d, d k, beta k, v, z
 FACTOR_FORMS = ("kernel", "xla")
 _SMEM_BYTES = 227 * 1024    # shared memory one H100 / H200 block may take
-_SWIZZLE = 128              # bytes: the state buffer's swizzle (fp32 tiles of 8 x 32)
+_SWIZZLE = 128              # bytes: the state buffer's swizzle (tiles of 8 rows x 128 bytes)
+STATE_DTYPES = ("float32", "bfloat16")
 _MAX_STAGES = 3
 
 
@@ -58,8 +60,8 @@ class HopperDecodeBlocks:
     factors:  "kernel": the conv window, SiLU, q / k norms, gate and beta inside the kernel, from the raw
               inputs and one [3W + 2, K] block of the head's weights (one launch a step); "xla": computed by
               XLA before the launch (`decode_xla.decode_factors`) and read as a [6, K] block a tile.
-    stages:   tiles in flight per program, each with a [K, V] fp32 state buffer; 0 = as many as fit (at most 3:
-              2 for "kernel" and 3 for "xla" at K = V = 128).
+    stages:   tiles in flight per program, each with a [K, V] state buffer; 0 = as many as fit (at most 3; with
+              an fp32 state at K = V = 128: 2 for "kernel", 3 for "xla").
     programs: persistent programs; 0 = one per multiprocessor (at most one per tile).
     Not yet timed on a GPU: the defaults are the design's, not a sweep's."""
 
@@ -80,25 +82,25 @@ class HopperDecodeBlocks:
     def programs_for(self, tiles: int) -> int:
         return min(tiles, self.programs or multiprocessor_count())
 
-    def smem_bytes(self, k_dim: int, width: int, stages: int | None = None) -> int:
-        """Shared memory at K = V = k_dim and conv width `width` (inputs counted at 4 bytes an element): per
-        stage the state, the tile's inputs and output row (and with "kernel" the new conv window); once the
-        norm weight (and with "kernel" the factor block)."""
+    def smem_bytes(self, k_dim: int, width: int, stages: int | None = None, state_bytes: int = 4) -> int:
+        """Shared memory at K = V = k_dim, conv width `width` and a state of `state_bytes` an element (the other
+        inputs counted at 4 bytes an element): per stage the state, the tile's inputs and output row (and with
+        "kernel" the new conv window); once the norm weight (and with "kernel" the factor block)."""
         stages = stages or self.stages
-        vec = 4 * k_dim
+        vec, state = 4 * k_dim, state_bytes * k_dim * k_dim
         if self.factors == "xla":
-            return stages * (k_dim * vec + FACTORS * vec + vec) + vec
-        per_stage = k_dim * vec + (3 + 3 * (width - 1) + (3 * width + 2) + 2 + 3 * (width - 1) + 1) * vec
+            return stages * (state + FACTORS * vec + vec) + vec
+        per_stage = state + (3 + 3 * (width - 1) + (3 * width + 2) + 2 + 3 * (width - 1) + 1) * vec
         return stages * per_stage + (FACTORS + 1) * vec
 
-    def stages_for(self, k_dim: int, width: int) -> int:
+    def stages_for(self, k_dim: int, width: int, state_bytes: int = 4) -> int:
         """`stages`, or with 0 the most (2..3) that fit the shared memory; raises when even 2 do not."""
-        stages = self.stages or max([2] + [n for n in range(2, _MAX_STAGES + 1)
-                                           if self.smem_bytes(k_dim, width, n) <= _SMEM_BYTES])
-        if self.smem_bytes(k_dim, width, stages) > _SMEM_BYTES:
+        fits = lambda n: self.smem_bytes(k_dim, width, n, state_bytes) <= _SMEM_BYTES
+        stages = self.stages or max([2] + [n for n in range(2, _MAX_STAGES + 1) if fits(n)])
+        if not fits(stages):
             raise ValueError(f"kda_decode_hopper: stages={stages} at K=V={k_dim} need "
-                             f"{self.smem_bytes(k_dim, width, stages)} B of shared memory, more than the "
-                             f"{_SMEM_BYTES} B a block has")
+                             f"{self.smem_bytes(k_dim, width, stages, state_bytes)} B of shared memory, more than "
+                             f"the {_SMEM_BYTES} B a block has")
         return stages
 
 
@@ -141,21 +143,24 @@ def _factors(x_smem, conv_smem, w_smem, f_smem, z_smem, beta_logit, factor_ref, 
 
 
 def _state_pass(state_halves, factor_ref, nw_ref, out_ref, *, norm_eps: float, dtype):
-    """The delta rule on one tile's state, in place: state_halves the [64, V] fp32 row blocks of its shared-memory
-    buffer, factor_ref [6, K] (q, d, d k, beta k, v, z); writes the gated, normalised output to out_ref [V]."""
+    """The delta rule on one tile's state, in place: state_halves the [64, V] row blocks of its shared-memory
+    buffer (fp32 or bf16: the math in fp32, the new state rounded to it once, as the twin stores it), factor_ref
+    [6, K] (q, d, d k, beta k, v, z); writes the gated, normalised output to out_ref [V]."""
+    f32 = jnp.float32
     state_layout = plgpu.Layout.WGMMA
     row_layout, col_layout = state_layout.reduce(1), state_layout.reduce(0)
     row = lambda r, half: plgpu.load(factor_ref.at[r, pl.ds(half * ROWS, ROWS)], layout=row_layout)
     col = lambda r: plgpu.load(factor_ref.at[r], layout=col_layout)
     products = None
     for half, state in enumerate(state_halves):                     # pred = (d k)^T S
-        part = plgpu.load(state, layout=state_layout) * row(2, half)[:, None]
+        part = plgpu.load(state, layout=state_layout).astype(f32) * row(2, half)[:, None]
         products = part if products is None else products + part  # the halves summed first: one reduction
     u = col(4) - jnp.sum(products, axis=0)
     products = None
     for half, state in enumerate(state_halves):                     # S' = d S + (beta k) u^T, o = q^T S'
-        new = plgpu.load(state, layout=state_layout) * row(1, half)[:, None] + row(3, half)[:, None] * u[None, :]
-        state[...] = new
+        new = (plgpu.load(state, layout=state_layout).astype(f32) * row(1, half)[:, None]
+               + row(3, half)[:, None] * u[None, :])
+        state[...] = new.astype(state.dtype)
         part = new * row(0, half)[:, None]
         products = part if products is None else products + part
     o = jnp.sum(products, axis=0)
@@ -250,9 +255,9 @@ def _interpret_params(interpret):
 
 
 def hopper_decode_runs_here(k_dim: int, state_dtype) -> bool:
-    """Whether the kernel takes this shape: an fp32 state with K a multiple of 64 (the register layout's
-    row tile) and the 8 x 32 swizzle tile."""
-    return jnp.dtype(state_dtype) == jnp.float32 and k_dim % ROWS == 0
+    """Whether the kernel takes this shape: an fp32 or bf16 state with K a multiple of 64 (the register layout's
+    row tile)."""
+    return jnp.dtype(state_dtype).name in STATE_DTYPES and k_dim % ROWS == 0
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
@@ -264,26 +269,27 @@ def kda_decode_hopper(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
       inputs: KDADecodeInputs (x_qkv [B, 3, H, K], f [B, H, K], beta_logit [B, H], z [B, H, K]).
       weights: KDADecodeWeights of the layer. conv_state: [B, W-1, 3, H, K]; with factors "kernel" updated in
         place (donate it).
-      state: [B, H, K, K] fp32, K a multiple of 64; updated in place (donate it to avoid a copy).
+      state: [B, H, K, K] fp32 or bf16 (the math in fp32), K a multiple of 64; updated in place (donate it to
+        avoid a copy).
       blocks: launch settings. interpret: Mosaic GPU's interpret mode (default: off the GPU), or its
         InterpretGPUParams.
     Returns:
-      (out [B, H, K] in x_qkv's dtype, new conv_state, new state fp32)
+      (out [B, H, K] in x_qkv's dtype, new conv_state, new state in state's dtype)
     """
     validate_decode_inputs(inputs, weights, conv_state, state)
     b, _, h, kd = inputs.x_qkv.shape
     width = weights.q_conv.shape[0]
     if not hopper_decode_runs_here(kd, state.dtype):
-        raise ValueError(f"kda_decode_hopper: needs an fp32 state with K a multiple of {ROWS}, got "
+        raise ValueError(f"kda_decode_hopper: needs an fp32 or bf16 state with K a multiple of {ROWS}, got "
                          f"{state.dtype} and K={kd}")
-    stages = blocks.stages_for(kd, width)
+    stages = blocks.stages_for(kd, width, state.dtype.itemsize)
     interpret = default_interpret() if interpret is None else interpret
     tiles, dtype, f32 = b * h, inputs.x_qkv.dtype, jnp.float32
     programs = blocks.programs_for(tiles)
     state_ref = jax.new_ref(state.reshape(tiles, kd, kd))
-    swizzled = (plgpu.TilingTransform((8, _SWIZZLE // 4)), plgpu.SwizzleTransform(_SWIZZLE))
+    swizzled = (plgpu.TilingTransform((8, _SWIZZLE // state.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
     per_stage = lambda *shape, dt=f32: plgpu.SMEM((stages, *shape), dt)
-    state_buffers = plgpu.SMEM((stages, kd, kd), f32, transforms=swizzled)
+    state_buffers = plgpu.SMEM((stages, kd, kd), state.dtype, transforms=swizzled)
     barriers = lambda arrivals: [plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages), plgpu.Barrier()]
     scale = kd ** -0.5 if weights.scale is None else weights.scale
     factor_settings = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -130,8 +131,8 @@ def test_fused_decode_step_equals_the_sequence_path(rng, decode_impl, cfg_change
     x = jnp.asarray(rng.standard_normal((2, 7, 32)), jnp.float32)
     _, state = layer(x[:, :6], SeqInfo.make(jnp.ones((2, 6), bool)), _fresh_kda_state(layer, 2))
     step = _kda_layer(**cfg_changes, decode_impl=decode_impl)
-    out, st = step(x[:, 6:], SeqInfo.make(jnp.ones((2, 1), bool)), state)
-    seq = _kda_layer(**cfg_changes, impl="recurrent")
+    out, st = jax.block_until_ready(step(x[:, 6:], SeqInfo.make(jnp.ones((2, 1), bool)), state))  # interpreted
+    seq = _kda_layer(**cfg_changes, impl="recurrent")          # kernels: nothing else dispatched while they run
     # Two tokens through the sequence path: the second output is the step's output.
     ref, ref_st = seq(x[:, 5:], SeqInfo.make(jnp.ones((2, 2), bool)),
                       layer(x[:, :5], SeqInfo.make(jnp.ones((2, 5), bool)), _fresh_kda_state(layer, 2))[1])
