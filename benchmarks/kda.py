@@ -295,9 +295,10 @@ def state_stream(decay, state, *, num_warps: int, interpret: bool | None = None)
 
 
 def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32, splits=(1,), columns=(0,),
-                ceiling=False, profile=False, hopper_factors=()):
-    """hopper_factors: HopperDecodeBlocks.factors forms of the Mosaic GPU step (`kda_decode_hopper`, labels
-    "hopper/<form>", the stages that fit; skipped where it does not run: a bf16 state, K not a multiple of 64);
+                ceiling=False, profile=False, hopper_forms=()):
+    """hopper_forms: forms of the Mosaic GPU step (`kda_decode_hopper`, labels "hopper/<form>"): a
+    HopperDecodeBlocks.factors, optionally "/after" (refill="after"); the stages that fit; skipped where K is not
+    a multiple of 64;
     with "xla" its time includes the XLA fusion of the factors before it, its device time (profile) the kernel
     alone.
     splits: DecodeBlocks.value_blocks tried with each warp count (0: the auto rule); a split
@@ -360,8 +361,9 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             label = (f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")
                      + (f"/loop{col}" if col else ""))
             steps[label] = lambda *args, blocks=blocks: kda_decode_pallas(*args, blocks=blocks)
-        for form in hopper_factors if hopper_decode_runs_here(kd, state_dtype) else ():
-            blocks = HopperDecodeBlocks(factors=form)
+        for form in hopper_forms if hopper_decode_runs_here(kd, state_dtype) else ():
+            factors, _, refill = form.partition("/")
+            blocks = HopperDecodeBlocks(factors=factors, refill=refill or "before")
             steps[f"hopper/{form}"] = lambda *args, blocks=blocks: kda_decode_hopper(*args, blocks=blocks)
         for label, step in steps.items():
             ours = run(step)
@@ -428,9 +430,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="prefill: device time per kernel (ours and fla's); decode: the kernel's device time per layer")
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8, 16], help="num_warps of the decode launches")
-    ap.add_argument("--hopper-factors", nargs="*", default=["kernel", "xla"], choices=["kernel", "xla"],
-                    help="forms of the Mosaic GPU decode step (kda_decode_hopper, HopperDecodeBlocks.factors); "
-                         "none to skip it")
+    ap.add_argument("--hopper-forms", nargs="*", default=["kernel", "kernel/after", "xla"],
+                    choices=["kernel", "kernel/after", "xla", "xla/after"],
+                    help="forms of the Mosaic GPU decode step (kda_decode_hopper: HopperDecodeBlocks.factors, "
+                         "/after: refill after the state pass); none to skip it")
     ap.add_argument("--splits", nargs="+", type=int, default=[1, 0],
                     help="column blocks per head of the one-token kernel (DecodeBlocks.value_blocks; 0: auto)")
     ap.add_argument("--column-blocks", nargs="+", type=int, default=[0],
@@ -450,10 +453,11 @@ def main(argv=None) -> int:
     if args.small:
         pre = [] if args.decode_only else prefill_rows([(1, 96, 4, 16)], None, 3, args.variants, args.profile,
                                                        args.qk_dtypes, save)     # H = 4: variants of 4 heads a program
-        dec = [] if args.prefill_only else [row for sd in args.state_dtype for row in decode_rows([1, 2], 2, 64, 3, None, 3, state_dtype=sd,
-                                                                     splits=args.splits, columns=args.column_blocks,
-                                                                     ceiling=args.ceiling, profile=args.profile,
-                                                                     hopper_factors=args.hopper_factors)]
+        dec = [] if args.prefill_only else [
+            row for sd in args.state_dtype
+            for row in decode_rows([1, 2], 2, 64, 3, None, 3, state_dtype=sd, splits=args.splits,
+                                   columns=args.column_blocks, ceiling=args.ceiling, profile=args.profile,
+                                   hopper_forms=args.hopper_forms)]
     else:
         pre = [] if args.decode_only else prefill_rows([(1, t, h, 128) for h in args.heads for t in args.lengths],
                                                        fla, args.iters, args.variants, args.profile, args.qk_dtypes,
@@ -462,7 +466,7 @@ def main(argv=None) -> int:
                for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps),
                                       state_dtype=sd, splits=args.splits, columns=args.column_blocks,
                                       ceiling=args.ceiling, profile=args.profile,
-                                      hopper_factors=args.hopper_factors)]
+                                      hopper_forms=args.hopper_forms)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write(name, record)
     print(table(pre, ["B", "T", "H", "ours_ms", "fla_ms", "speedup_vs_fla", "xla_ref_ms", "err_o_vs_ref"]))

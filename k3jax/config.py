@@ -16,8 +16,8 @@ from k3jax.layers.attn_res import ATTN_RES_IMPLS, AttnResImpl
 from k3jax.layers.mla_attention import (MLA_DECODE_IMPLS, MLA_MERGE_IMPLS, MLA_PREFILL_IMPLS, MLADecodeImpl,
                                         MLAPrefillImpl)
 from k3jax.layers.moe_experts import EXPERT_IMPLS, ExpertImpl
-from pallas_kernels.kda import (KDA_DECODE_IMPLS, KDA_IMPLS, KDADecodeImpl, KDAImpl, hopper_decode_runs_here,
-                                value_blocks_fit)
+from pallas_kernels.kda import (KDA_DECODE_IMPLS, KDA_IMPLS, HopperDecodeBlocks, KDADecodeImpl, KDAImpl,
+                                hopper_decode_runs_here, value_blocks_fit)
 from pallas_kernels.moe_gmm import GMM_IMPLS, GmmImpl
 from pallas_kernels.rms_norm import NORM_IMPLS, NormImpl
 from pallas_kernels.router import ROUTER_IMPLS, RouterImpl
@@ -87,8 +87,10 @@ class KDAConfig:
                     f"{blocks} column blocks of a {self.head_dim}-wide head are not whole blocks of >= 16 columns")
         if self.decode_impl == "hopper":
             require(hopper_decode_runs_here(self.head_dim, self.state_dtype), "kda.decode_impl",
-                    f"'hopper' needs state_dtype float32 and a head_dim that is a multiple of 64, got "
-                    f"{self.state_dtype} and {self.head_dim}")
+                    f"'hopper' needs a head_dim that is a multiple of 64, got {self.head_dim}")
+            require(HopperDecodeBlocks().fits(self.head_dim, self.conv_size, {"state": self.state_dtype}),
+                    "kda.decode_impl", f"'hopper' at head_dim {self.head_dim} ({self.state_dtype} state) needs more "
+                    f"shared memory than one block has")
         require(self.a_log_policy in A_LOG_POLICIES, "kda.a_log_policy",
                  f"expected one of {A_LOG_POLICIES}, got {self.a_log_policy!r}")
         if self.gate_lower_bound is not None:

@@ -4,7 +4,8 @@ forms, the Pallas kernels and the one dispatch site (`ops`)."""
 from pallas_kernels.kda.chunk import kda_chunk_pallas
 from pallas_kernels.kda.chunk_xla import kda_chunk_xla
 from pallas_kernels.kda.decode import kda_decode_pallas, kda_decode_steps_pallas
-from pallas_kernels.kda.decode_hopper import HopperDecodeBlocks, hopper_decode_runs_here, kda_decode_hopper
+from pallas_kernels.kda.decode_hopper import (HopperDecodeBlocks, hopper_decode_runs_here,
+                                             kda_decode_hopper)
 from pallas_kernels.kda.decode_steps import kda_decode_steps, kda_verify_outputs
 from pallas_kernels.kda.decode_xla import kda_decode_xla
 from pallas_kernels.kda.gate import forget_gate, gated_rms_norm, l2_normalize, softplus

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -51,6 +52,9 @@ _SMEM_BYTES = 227 * 1024    # shared memory one H100 / H200 block may take
 _SWIZZLE = 128              # bytes: the state buffer's swizzle (tiles of 8 rows x 128 bytes)
 STATE_DTYPES = ("float32", "bfloat16")
 _MAX_STAGES = 3
+REFILLS = ("before", "after")
+_ALIGN = 1024               # Pallas Mosaic GPU aligns every scratch buffer to 1 KB
+_RESERVED = 2048 + 1024     # its cross-warp reduction scratch (CompilerParams default), and the barriers
 
 
 @dataclass(frozen=True)
@@ -60,14 +64,18 @@ class HopperDecodeBlocks:
     factors:  "kernel": the conv window, SiLU, q / k norms, gate and beta inside the kernel, from the raw
               inputs and one [3W + 2, K] block of the head's weights (one launch a step); "xla": computed by
               XLA before the launch (`decode_xla.decode_factors`) and read as a [6, K] block a tile.
-    stages:   tiles in flight per program, each with a [K, V] state buffer; 0 = as many as fit (at most 3; with
-              an fp32 state at K = V = 128: 2 for "kernel", 3 for "xla").
+    stages:   tiles in flight per program, each with a [K, V] state buffer; 0 = as many as fit (at most 3; at
+              K = V = 128 with an fp32 state: 2 for "kernel", 3 for "xla"; with a bf16 state 3 for both).
     programs: persistent programs; 0 = one per multiprocessor (at most one per tile).
+    refill:   when step i refills tile i - 1's slot (after waiting for that tile's stores to read it): "before"
+              its state pass (the load issued early, the wait right after the stores were issued) or "after" it
+              (the stores given the pass's time to drain, the load issued later).
     Not yet timed on a GPU: the defaults are the design's, not a sweep's."""
 
     factors: str = "kernel"
     stages: int = 0
     programs: int = 0
+    refill: str = "before"
 
     def __post_init__(self):
         if self.factors not in FACTOR_FORMS:
@@ -78,29 +86,43 @@ class HopperDecodeBlocks:
         if isinstance(self.programs, bool) or not isinstance(self.programs, int) or self.programs < 0:
             raise ValueError(f"HopperDecodeBlocks: programs must be an int >= 0 (0 = one per multiprocessor), "
                              f"got {self.programs!r}")
+        if self.refill not in REFILLS:
+            raise ValueError(f"HopperDecodeBlocks: refill must be one of {REFILLS}, got {self.refill!r}")
 
     def programs_for(self, tiles: int) -> int:
         return min(tiles, self.programs or multiprocessor_count())
 
-    def smem_bytes(self, k_dim: int, width: int, stages: int | None = None, state_bytes: int = 4) -> int:
-        """Shared memory at K = V = k_dim, conv width `width` and a state of `state_bytes` an element (the other
-        inputs counted at 4 bytes an element): per stage the state, the tile's inputs and output row (and with
-        "kernel" the new conv window); once the norm weight (and with "kernel" the factor block)."""
-        stages = stages or self.stages
-        vec, state = 4 * k_dim, state_bytes * k_dim * k_dim
+    def buffers(self, stages: int, k_dim: int, width: int, dtypes: dict) -> list[tuple[tuple[int, ...], object]]:
+        """The kernel's shared-memory buffers as (shape, dtype), in allocation order (the state buffer first).
+        dtypes: "state", and the inputs' "act" (x_qkv and the output), "conv", "f", "z" (default float32)."""
+        dt = lambda name: jnp.dtype(dtypes.get(name, jnp.float32))
+        f32, k, per = jnp.dtype(jnp.float32), k_dim, lambda *shape: (stages, *shape)
+        state = (per(k, k), dt("state"))
         if self.factors == "xla":
-            return stages * (state + FACTORS * vec + vec) + vec
-        per_stage = state + (3 + 3 * (width - 1) + (3 * width + 2) + 2 + 3 * (width - 1) + 1) * vec
-        return stages * per_stage + (FACTORS + 1) * vec
+            return [state, (per(FACTORS, k), f32), (per(k), dt("act")), ((k,), f32)]
+        return [state, (per(3, k), dt("act")), (per(width - 1, 3, k), dt("conv")), (per(3 * width + 2, k), f32),
+                (per(k), dt("f")), (per(k), dt("z")), (per(width - 1, 3, k), dt("conv")), (per(k), dt("act")),
+                ((FACTORS, k), f32), ((k,), f32)]
 
-    def stages_for(self, k_dim: int, width: int, state_bytes: int = 4) -> int:
+    def smem_bytes(self, stages: int, k_dim: int, width: int, dtypes: dict) -> int:
+        """Shared memory of `buffers` as Pallas Mosaic GPU allocates it (each aligned to 1 KB), with its reduction
+        scratch and the barriers."""
+        return _RESERVED + sum(-(-int(np.prod(shape)) * dtype.itemsize // _ALIGN) * _ALIGN
+                               for shape, dtype in self.buffers(stages, k_dim, width, dtypes))
+
+    def fits(self, k_dim: int, width: int, dtypes: dict) -> bool:
+        """Whether `stages` (or with 0 the fewest, 2) fit the shared memory of one block (dtypes as in `buffers`:
+        the ones not given count as fp32, an upper bound)."""
+        return self.smem_bytes(self.stages or 2, k_dim, width, dtypes) <= _SMEM_BYTES
+
+    def stages_for(self, k_dim: int, width: int, dtypes: dict) -> int:
         """`stages`, or with 0 the most (2..3) that fit the shared memory; raises when even 2 do not."""
-        fits = lambda n: self.smem_bytes(k_dim, width, n, state_bytes) <= _SMEM_BYTES
+        fits = lambda n: self.smem_bytes(n, k_dim, width, dtypes) <= _SMEM_BYTES
         stages = self.stages or max([2] + [n for n in range(2, _MAX_STAGES + 1) if fits(n)])
         if not fits(stages):
             raise ValueError(f"kda_decode_hopper: stages={stages} at K=V={k_dim} need "
-                             f"{self.smem_bytes(k_dim, width, stages, state_bytes)} B of shared memory, more than "
-                             f"the {_SMEM_BYTES} B a block has")
+                             f"{self.smem_bytes(stages, k_dim, width, dtypes)} B of shared memory, more than the "
+                             f"{_SMEM_BYTES} B a block has")
         return stages
 
 
@@ -139,7 +161,7 @@ def _factors(x_smem, conv_smem, w_smem, f_smem, z_smem, beta_logit, factor_ref, 
         for i in range(3):
             conv_out_ref[j, i] = conv_smem[j + 1, i]
     for i in range(3):
-        conv_out_ref[width - 2, i] = x_smem[i]
+        conv_out_ref[width - 2, i] = x_smem[i].astype(conv_out_ref.dtype)
 
 
 def _state_pass(state_halves, factor_ref, nw_ref, out_ref, *, norm_eps: float, dtype):
@@ -168,7 +190,7 @@ def _state_pass(state_halves, factor_ref, nw_ref, out_ref, *, norm_eps: float, d
     out_ref[...] = _gated_rms_norm(o, col(5), plgpu.load(nw_ref, layout=col_layout), norm_eps).astype(out_ref.dtype)
 
 
-def _kernel(*refs, factors: str, tiles: int, heads: int, programs: int, stages: int, norm_eps: float,
+def _kernel(*refs, factors: str, tiles: int, heads: int, programs: int, stages: int, refill: str, norm_eps: float,
             factor_settings: dict):
     """A persistent program over tiles program, program + programs, ... (tile = row * H + head).
 
@@ -177,19 +199,23 @@ def _kernel(*refs, factors: str, tiles: int, heads: int, programs: int, stages: 
     factors "kernel": inputs x_qkv [B, 3, H, K], weights [H, 3W + 2, K] fp32, f [B, H, K], beta_logit [B, H],
                       z [B, H, K], norm weight [V] fp32, conv_state [B, W-1, 3, H, K] and state [N, K, V] (refs,
                       written in place); output out [N, V].
-    Scratch: per stage the state buffer (tiled and swizzled) and the tile's input and output buffers, the factor
-    block, the norm weight, a barrier per stage and one for the norm weight.
+    Scratch (`HopperDecodeBlocks.buffers`): per stage the state buffer (tiled and swizzled) and the tile's input
+    and output buffers; the factor block (per stage with "xla", once with "kernel"), the norm weight; a barrier
+    per stage and one for the norm weight.
 
-    Step i of the program: wait for tile i's inputs; ("kernel") its factors and conv window; wait until tile
-    i - 1's stores have read their buffers, then fetch tile i + stages - 1 into tile i - 1's slot; the state pass
-    in place; TMA-store the state, the output (and the conv window)."""
+    Step i of the program: wait for tile i's inputs; ("kernel") its factors and conv window; (refill "before") wait
+    until tile i - 1's stores have read their buffers, then fetch tile i + stages - 1 into tile i - 1's slot; the
+    state pass in place; TMA-store the state, the output (and the conv window); (refill "after") the wait and the
+    fetch."""
     fused = factors == "kernel"
     if fused:
         (x_ref, w_ref, f_ref, bl_ref, z_ref, nw_ref, conv_ref, s_ref, out_ref,
          s_smem, x_smem, c_smem, w_smem, f_smem, z_smem, c_out, o_smem, factor_smem, nw_smem, ready, nw_ready) = refs
-        ins = lambda tile: ((x_ref.at[tile // heads, :, tile % heads], x_smem),
-                            (conv_ref.at[tile // heads, :, :, tile % heads], c_smem), (w_ref.at[tile % heads], w_smem),
-                            (f_ref.at[tile // heads, tile % heads], f_smem), (z_ref.at[tile // heads, tile % heads], z_smem))
+
+        def ins(tile):
+            row, head = tile // heads, tile % heads
+            return ((x_ref.at[row, :, head], x_smem), (conv_ref.at[row, :, :, head], c_smem), (w_ref.at[head], w_smem),
+                    (f_ref.at[row, head], f_smem), (z_ref.at[row, head], z_smem))
     else:
         f_ref, nw_ref, s_ref, out_ref, s_smem, factor_smem, o_smem, nw_smem, ready, nw_ready = refs
         ins = lambda tile: ((f_ref.at[tile], factor_smem),)
@@ -225,13 +251,16 @@ def _kernel(*refs, factors: str, tiles: int, heads: int, programs: int, stages: 
             _factors(x_smem.at[slot], c_smem.at[slot], w_smem.at[slot], f_smem.at[slot], z_smem.at[slot], beta_now,
                      factor_smem, c_out.at[slot], dtype=out_ref.dtype, **factor_settings)
             plgpu.commit_smem()
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)            # tile i - 1's stores have read their buffers
-        ahead = i + stages - 1                                      # into tile i - 1's slot
+        def refill_slot(pending: int):
+            ahead = i + stages - 1                                  # into tile i - 1's slot
 
-        @pl.when(ahead < count)
-        def _():
-            fetch(ahead, lax.rem(ahead, stages))
+            @pl.when(ahead < count)
+            def _():
+                plgpu.wait_smem_to_gmem(pending, wait_read_only=True)   # tile i - 1's stores have read their buffers
+                fetch(ahead, lax.rem(ahead, stages))
 
+        if refill == "before":
+            refill_slot(0)
         halves = [s_smem.at[slot, pl.ds(half * ROWS, ROWS)] for half in range(k_dim // ROWS)]
         _state_pass(halves, factor_smem if fused else factor_smem.at[slot], nw_smem, o_smem.at[slot],
                     norm_eps=norm_eps, dtype=out_ref.dtype)
@@ -240,6 +269,8 @@ def _kernel(*refs, factors: str, tiles: int, heads: int, programs: int, stages: 
         plgpu.copy_smem_to_gmem(o_smem.at[slot], out_ref.at[tile])
         if fused:
             plgpu.copy_smem_to_gmem(c_out.at[slot], conv_ref.at[tile // heads, :, :, tile % heads])
+        if refill == "after":
+            refill_slot(3 if fused else 2)                          # this tile's stores may stay in flight
         return beta_next if fused else beta_now
 
     lax.fori_loop(0, count, step, beta_logit(0) if fused else jnp.float32(0))
@@ -282,23 +313,23 @@ def kda_decode_hopper(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
     if not hopper_decode_runs_here(kd, state.dtype):
         raise ValueError(f"kda_decode_hopper: needs an fp32 or bf16 state with K a multiple of {ROWS}, got "
                          f"{state.dtype} and K={kd}")
-    stages = blocks.stages_for(kd, width, state.dtype.itemsize)
+    dtypes = dict(state=state.dtype, act=inputs.x_qkv.dtype, conv=conv_state.dtype, f=inputs.f.dtype, z=inputs.z.dtype)
+    stages = blocks.stages_for(kd, width, dtypes)
     interpret = default_interpret() if interpret is None else interpret
     tiles, dtype, f32 = b * h, inputs.x_qkv.dtype, jnp.float32
     programs = blocks.programs_for(tiles)
     state_ref = jax.new_ref(state.reshape(tiles, kd, kd))
     swizzled = (plgpu.TilingTransform((8, _SWIZZLE // state.dtype.itemsize)), plgpu.SwizzleTransform(_SWIZZLE))
-    per_stage = lambda *shape, dt=f32: plgpu.SMEM((stages, *shape), dt)
-    state_buffers = plgpu.SMEM((stages, kd, kd), state.dtype, transforms=swizzled)
-    barriers = lambda arrivals: [plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages), plgpu.Barrier()]
+    (state_shape, _), *others = blocks.buffers(stages, kd, width, dtypes)
+    scratch = [plgpu.SMEM(state_shape, state.dtype, transforms=swizzled),
+               *(plgpu.SMEM(shape, dt) for shape, dt in others),
+               plgpu.Barrier(num_arrivals=2 if blocks.factors == "xla" else 6, num_barriers=stages), plgpu.Barrier()]
     scale = kd ** -0.5 if weights.scale is None else weights.scale
     factor_settings = {}
     if blocks.factors == "xla":
         q, k, v, decay, beta, new_conv = decode_factors(inputs, weights, conv_state)
         factors = jnp.stack([q, decay, decay * k, beta[..., None] * k, v, inputs.z.astype(f32)], axis=2)
         operands = (factors.reshape(tiles, FACTORS, kd), weights.o_norm_w.astype(f32), state_ref)
-        scratch = [state_buffers, per_stage(FACTORS, kd), per_stage(kd, dt=dtype), plgpu.SMEM((kd,), f32),
-                   *barriers(2)]
     else:
         a = jnp.broadcast_to(jnp.exp(weights.a_log.astype(f32)), (h, kd))
         head_weights = jnp.concatenate([jnp.moveaxis(taps.astype(f32), 1, 0) for taps in weights.conv_taps]
@@ -306,13 +337,9 @@ def kda_decode_hopper(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
         conv_ref = jax.new_ref(conv_state)
         operands = (inputs.x_qkv, head_weights, inputs.f, inputs.beta_logit, inputs.z, weights.o_norm_w.astype(f32),
                     conv_ref, state_ref)
-        scratch = [state_buffers, per_stage(3, kd, dt=dtype), per_stage(width - 1, 3, kd, dt=conv_state.dtype),
-                   per_stage(3 * width + 2, kd), per_stage(kd, dt=inputs.f.dtype), per_stage(kd, dt=inputs.z.dtype),
-                   per_stage(width - 1, 3, kd, dt=conv_state.dtype), per_stage(kd, dt=dtype),
-                   plgpu.SMEM((FACTORS, kd), f32), plgpu.SMEM((kd,), f32), *barriers(6)]
         factor_settings = dict(width=width, scale=scale, lower_bound=weights.lower_bound)
     kernel = functools.partial(_kernel, factors=blocks.factors, tiles=tiles, heads=h, programs=programs,
-                               stages=stages, norm_eps=weights.norm_eps,
+                               stages=stages, refill=blocks.refill, norm_eps=weights.norm_eps,
                                factor_settings=factor_settings)
     out = plgpu.kernel(
         kernel,

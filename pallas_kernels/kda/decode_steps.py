@@ -3,10 +3,10 @@
 With impl "xla", `kda_decode_steps` runs the one-token step (`ops.kda_decode`) over T tokens with
 `lax.scan`, so the outputs and states are exactly those of T separate decode calls (the reference);
 with "pallas" (and "hopper", whose Mosaic GPU kernel is for one token) it is one kernel per call
-(`decode.kda_decode_steps_pallas`) that keeps each (row, head) state on chip across the T tokens. With `keep` [B], row b only
-advances its conv window and recurrent state over its first keep[b] tokens: the commit of a verify
-step replays the accepted tokens this way instead of storing a state per token (outputs past a
-row's keep are then not meaningful).
+(`decode.kda_decode_steps_pallas`) that keeps each (row, head) state on chip across the T tokens.
+With `keep` [B], row b only advances its conv window and recurrent state over its first keep[b]
+tokens: the commit of a verify step replays the accepted tokens this way instead of storing a state
+per token (outputs past a row's keep are then not meaningful).
 """
 
 from __future__ import annotations

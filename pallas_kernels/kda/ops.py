@@ -29,8 +29,8 @@ KDA_IMPLS: tuple[str, ...] = get_args(KDAImpl)
 KDAVarlenImpl = Literal["pallas", "recurrent"]
 KDA_VARLEN_IMPLS: tuple[str, ...] = get_args(KDAVarlenImpl)
 # "xla": the fused step in pure JAX (the kernels' twin); "pallas": one fused kernel (Triton lowering); "hopper": one
-# fused kernel in Mosaic GPU, persistent programs streaming the states through a TMA ring (`decode_hopper.py`; fp32
-# state, K a multiple of 64; several tokens per call run "pallas"'s kernel: `decode_steps`).
+# fused kernel in Mosaic GPU, persistent programs streaming the states through a TMA ring (`decode_hopper.py`; K a
+# multiple of 64; several tokens per call run "pallas"'s kernel: `decode_steps`).
 KDADecodeImpl = Literal["xla", "pallas", "hopper"]
 KDA_DECODE_IMPLS: tuple[str, ...] = get_args(KDADecodeImpl)
 
@@ -88,11 +88,11 @@ def kda_decode(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_state: j
 
     Args:
       inputs: KDADecodeInputs of this token. weights: the layer's KDADecodeWeights.
-      conv_state: [B, W-1, 3, H, K]. state: [B, H, K, V] fp32.
+      conv_state: [B, W-1, 3, H, K]. state: [B, H, K, V] fp32 or bf16 (the math in fp32).
       impl: one of KDA_DECODE_IMPLS. blocks: launch settings of the kernel impl names (DecodeBlocks for
         "pallas", HopperDecodeBlocks for "hopper"; None: its defaults). interpret: kernels only.
     Returns:
-      (out [B, H, K], new conv_state, new state fp32)
+      (out [B, H, K], new conv_state, new state in state's dtype)
     """
     if impl not in KDA_DECODE_IMPLS:
         raise ValueError(f"kda_decode: unknown impl {impl!r}; expected one of {KDA_DECODE_IMPLS}")

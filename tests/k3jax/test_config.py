@@ -158,6 +158,19 @@ def test_one_vocabulary_of_implementation_options():
         cfg.with_impls(mla="flash")
 
 
+@pytest.mark.parametrize("head_dim,state_dtype,problem", [
+    (32, "float32", "'hopper' needs a head_dim that is a multiple of 64, got 32"),
+    (192, "float32", r"'hopper' at head_dim 192 \(float32 state\) needs more shared memory than one block has"),
+    (256, "bfloat16", r"'hopper' at head_dim 256 \(bfloat16 state\) needs more shared memory"),
+])
+def test_the_hopper_kda_step_refuses_heads_it_cannot_run(head_dim, state_dtype, problem):
+    """The Mosaic GPU decode step is refused at config time, not at the first decode step."""
+    with pytest.raises(ConfigError, match=f"kda.decode_impl.*{problem}"):
+        KDAConfig(hidden_size=64, num_heads=2, head_dim=head_dim, decode_impl="hopper", state_dtype=state_dtype)
+    for ok in ((128, "float32"), (192, "bfloat16"), (64, "float32")):
+        assert KDAConfig(hidden_size=64, num_heads=2, head_dim=ok[0], decode_impl="hopper", state_dtype=ok[1])
+
+
 def _tiny_released(**changes) -> dict:
     raw = copy.deepcopy(RELEASED_KIMI_LINEAR)
     raw["num_hidden_layers"] = 4

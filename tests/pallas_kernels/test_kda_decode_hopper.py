@@ -1,9 +1,12 @@
 """The Mosaic GPU KDA decode step (`pallas_kernels/kda/decode_hopper.py`) against its XLA twin on fresh
-random inputs: interpret mode on the CPU, compiled on a Hopper GPU (`K3JAX_TEST_DEVICE=gpu`). The ring is
-exercised with more tiles per program than slots (slots reused, stores waited on before a reload), with one
-program per tile, at both gate forms and both factor forms ("kernel": conv and gates inside; "xla": before the
-launch), and under the interpret mode's race detector; the lowering for CUDA at the 48B shape (with the state and
-conv window aliased in place) is checked on any host.
+random inputs: interpret mode on the CPU, compiled on a Hopper GPU (`K3JAX_TEST_DEVICE=gpu`).
+
+Covered: more tiles per program than slots (slots reused after the stores' reads), one program per tile, both
+gate forms, both factor forms ("kernel": conv and gates inside; "xla": before the launch), both refill points,
+fp32 and bf16 states, fp32 activations and conv windows of 2 to 4 taps; the ring under the interpret mode's race
+detector (which treats a warpgroup as one thread and, in the "kernel" form, does not see a reload race its
+store: so the loop's synchronisation is also checked in the kernel's jaxpr); the lowering for CUDA at the 48B
+shape with the state and conv window aliased in place (any host).
 
 In interpret mode the kernel runs as host callbacks that dispatch JAX operations of their own: a test waits for its
 outputs before it dispatches anything else (an operation queued meanwhile can wait on the running kernel while the
@@ -17,32 +20,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tolerances import assert_close, kernel_dtype
+from jax.extend import core as jex_core
+from tolerances import assert_close
 
+from pallas_kernels._util import multiprocessor_count
 from pallas_kernels.kda import (DecodeBlocks, HopperDecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_decode,
                                 kda_decode_hopper, kda_decode_xla)
 
 
-def _decode_inputs(rng, b, h, kd, width=4, dtype=jnp.bfloat16, lower_bound=None, a_shape=None):
+def _decode_inputs(rng, b, h, kd, width=4, dtype=jnp.bfloat16, lower_bound=None, a_shape=None, conv_dtype=None):
     r = lambda *shape, dt=jnp.float32, s=1.0: jnp.asarray(s * rng.standard_normal(shape), dt)
     inputs = KDADecodeInputs(x_qkv=r(b, 3, h, kd, dt=dtype), f=r(b, h, kd, dt=dtype), beta_logit=r(b, h, dt=dtype),
                              z=r(b, h, kd, dt=dtype))
     weights = KDADecodeWeights(q_conv=r(width, h, kd, s=0.5), k_conv=r(width, h, kd, s=0.5),
                                v_conv=r(width, h, kd, s=0.5), dt_bias=r(h, kd), a_log=r(*(a_shape or (h, kd))),
                                o_norm_w=r(kd), lower_bound=lower_bound)
-    return inputs, weights, r(b, width - 1, 3, h, kd, dt=dtype), r(b, h, kd, kd)
+    return inputs, weights, r(b, width - 1, 3, h, kd, dt=conv_dtype or dtype), r(b, h, kd, kd)
 
 
 @pytest.mark.parametrize("factors", ["kernel", "xla"])
-@pytest.mark.parametrize("b,h,kd,a_shape,lower_bound,stages,programs,state_dtype", [
-    (5, 1, 64, None, None, 2, 1, "float32"),            # 5 tiles through 2 slots
-    (3, 3, 64, (3, 1), -5.0, 3, 2, "float32"),          # 5 and 4 tiles a program, K3's gate
-    (2, 2, 128, (1, 128), None, 0, 0, "float32"),       # the 48B head, the stages that fit, one program a tile
-    (3, 2, 128, (2, 1), None, 0, 4, "bfloat16"),        # a bf16 state (8 x 64 swizzle tiles), 3 stages
+@pytest.mark.parametrize("b,h,kd,a_shape,lower_bound,state_dtype,extra", [
+    (5, 1, 64, None, None, "float32", dict(stages=2, programs=1)),                 # 5 tiles through 2 slots
+    (3, 3, 64, (3, 1), -5.0, "float32", dict(stages=3, programs=2)),               # 5 and 4 tiles, K3's gate
+    (2, 2, 128, (1, 128), None, "float32", {}),                  # the 48B head, the stages that fit, a tile each
+    (7, 1, 128, (1, 1), None, "bfloat16", dict(programs=1)),     # a bf16 state (8 x 64 swizzle), 7 tiles, 3 slots
+    (5, 1, 64, None, -5.0, "float32", dict(stages=2, programs=1, refill="after")),
 ])
-def test_decode_step_equals_the_xla_twin(rng, interpret, factors, b, h, kd, a_shape, lower_bound, stages, programs,
-                                         state_dtype):
-    blocks = HopperDecodeBlocks(factors=factors, stages=stages, programs=programs)
+def test_decode_step_equals_the_xla_twin(rng, interpret, factors, b, h, kd, a_shape, lower_bound, state_dtype, extra):
+    blocks = HopperDecodeBlocks(factors=factors, **extra)
     inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape)
     state = state.astype(state_dtype)
     out_r, conv_r, state_r = kda_decode_xla(inputs, weights, conv, state)
@@ -51,8 +56,23 @@ def test_decode_step_equals_the_xla_twin(rng, interpret, factors, b, h, kd, a_sh
     assert out.dtype == out_r.dtype and new_state.dtype == state.dtype
     assert_close("out", out, out_r, dtype="bfloat16")
     np.testing.assert_array_equal(np.asarray(new_conv, np.float32), np.asarray(conv_r, np.float32))
-    assert_close("state", new_state, state_r, dtype=kernel_dtype(state_dtype, interpret))
+    assert_close("state", new_state, state_r, dtype=state_dtype)      # no matrix units: fp32 tolerances compiled too
     assert np.all(np.asarray(out, np.float32) != 0)
+
+
+@pytest.mark.parametrize("factors", ["kernel", "xla"])
+@pytest.mark.parametrize("width,dtype,conv_dtype", [(2, "float32", None), (3, "bfloat16", "float32")])
+def test_other_widths_and_dtypes(rng, interpret, factors, width, dtype, conv_dtype):
+    """Conv windows of 2 and 3 taps, fp32 activations, an fp32 conv window under bf16 activations (the new
+    window's token cast to it, as the twin casts it)."""
+    args = _decode_inputs(rng, 3, 2, 64, width=width, dtype=dtype, conv_dtype=conv_dtype)
+    out_r, conv_r, state_r = kda_decode_xla(*args)
+    out, new_conv, new_state = jax.block_until_ready(
+        kda_decode_hopper(*args, blocks=HopperDecodeBlocks(factors=factors, programs=2), interpret=interpret))
+    assert out.dtype == out_r.dtype and new_conv.dtype == conv_r.dtype
+    assert_close("out", out, out_r, dtype=dtype)
+    np.testing.assert_array_equal(np.asarray(new_conv), np.asarray(conv_r))
+    assert_close("state", new_state, state_r, dtype="float32")
 
 
 @pytest.mark.parametrize("factors", ["kernel", "xla"])
@@ -68,14 +88,15 @@ def test_consecutive_steps_carry_the_state(rng, interpret, factors):
         out_r, *twin = kda_decode_xla(step_inputs, weights, *twin)
         assert_close(f"out {step}", out, out_r, dtype="bfloat16")
     np.testing.assert_array_equal(np.asarray(ours[0], np.float32), np.asarray(twin[0], np.float32))
-    assert_close("state", ours[1], twin[1], dtype=kernel_dtype("float32", interpret))
+    assert_close("state", ours[1], twin[1], dtype="float32")
 
 
 @pytest.mark.parametrize("factors", ["kernel", "xla"])
 def test_the_ring_has_no_races(rng, factors):
     """Mosaic GPU's interpret mode with its happens-before race detector: five tiles through two slots, so every
-    reload follows a store from the same buffer (without the wait for the stores' reads the "xla" form's reload
-    races its store; the detector treats a warpgroup as one thread, so it says nothing within one)."""
+    reload follows a store from the same buffer. Without the wait for the stores' reads it reports the "xla"
+    form's reload racing its store; in the "kernel" form it does not see that race (a `commit_smem` between them
+    orders them in the interpreter, not on the GPU), hence the jaxpr test below."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -87,8 +108,56 @@ def test_the_ring_has_no_races(rng, factors):
     assert_close("out", out[0], kda_decode_xla(*args)[0], dtype="bfloat16")
 
 
+_SYNC = {"barrier_wait", "commit_smem", "copy_gmem_to_smem", "copy_smem_to_gmem", "wait_smem_to_gmem"}
+
+
+def _sync_skeleton(jaxpr):
+    """The loop body's synchronisation in program order: a name per copy, wait and fence; a cond as its branches."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            out.append([_sync_skeleton(branch.jaxpr) for branch in eqn.params["branches"]])
+        elif eqn.primitive.name == "wait_smem_to_gmem":
+            out.append(f"wait_stores_read(pending={eqn.params['n']})" if eqn.params["wait_read_only"] else "wait")
+        elif eqn.primitive.name in _SYNC:
+            out.append(eqn.primitive.name)
+    return out
+
+
+def _loop_body(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "while":
+            return eqn.params["body_jaxpr"].jaxpr
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = sub.jaxpr if isinstance(sub, jex_core.ClosedJaxpr) else sub
+                if isinstance(sub, jex_core.Jaxpr) and (found := _loop_body(sub)) is not None:
+                    return found
+    return None
+
+
+@pytest.mark.parametrize("refill", ["before", "after"])
 @pytest.mark.parametrize("factors", ["kernel", "xla"])
-def test_lowers_for_cuda_at_the_48b_shape_with_the_state_in_place(factors):
+def test_a_slot_is_refilled_only_after_its_stores_read_it(rng, factors, refill):
+    """The step's copies, waits and fences in program order (the kernel's jaxpr): the refill of tile i - 1's slot
+    sits behind a wait for that tile's stores to have read their buffers (with "after", this tile's stores left in
+    flight), and every TMA store behind a fence of the warpgroup's shared-memory writes."""
+    args = _decode_inputs(rng, 2, 2, 64)
+    blocks = HopperDecodeBlocks(factors=factors, refill=refill)
+    body = _loop_body(jax.make_jaxpr(lambda *a: kda_decode_hopper(*a, blocks=blocks, interpret=False))(*args).jaxpr)
+    loads, stores = (6, 3) if factors == "kernel" else (2, 2)
+    refill_cond = [[], [f"wait_stores_read(pending={0 if refill == 'before' else stores})"]
+                   + ["copy_gmem_to_smem"] * loads]
+    factor_fence = ["commit_smem"] if factors == "kernel" else []
+    store = ["commit_smem"] + ["copy_smem_to_gmem"] * stores
+    expected = (["barrier_wait"] + factor_fence
+                + ([refill_cond] + store if refill == "before" else store + [refill_cond]))
+    assert _sync_skeleton(body) == expected
+
+
+@pytest.mark.parametrize("factors", ["kernel", "xla"])
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_lowers_for_cuda_at_the_48b_shape_with_the_state_in_place(factors, state_dtype):
     """K = V = 128, B = 64, H = 32 lowers for CUDA on any host (Pallas -> Mosaic GPU, layout inference),
     and the state (with "kernel" also the conv window) is an aliased output (no copy of 268 MB a step)."""
     s = jax.ShapeDtypeStruct
@@ -104,7 +173,7 @@ def test_lowers_for_cuda_at_the_48b_shape_with_the_state_in_place(factors):
                                  interpret=False)
 
     exported = jax.export.export(jax.jit(step, donate_argnums=(2, 3)), platforms=["cuda"])(
-        inputs, weights, s((b, width - 1, 3, h, kd), bf), s((b, h, kd, kd), f32))
+        inputs, weights, s((b, width - 1, 3, h, kd), bf), s((b, h, kd, kd), jnp.dtype(state_dtype)))
     module = exported.mlir_module()
     [call] = [line for line in module.splitlines() if "mosaic_gpu" in line and "custom_call" in line]
     aliased = re.findall(r"output_operand_alias<output_tuple_indices = \[(\d+)\]", call)
@@ -122,9 +191,9 @@ def test_refuses_what_it_cannot_run(rng):
     with pytest.raises(ValueError, match="stages=2 at K=V=256 need .* more than the 232448 B"):
         kda_decode_hopper(*big)
     with pytest.raises(ValueError, match="stages=3 at K=V=128 need .* more than the 232448 B"):
-        HopperDecodeBlocks(stages=3).stages_for(128, 4)
+        HopperDecodeBlocks(stages=3).stages_for(128, 4, {})
     for bad in (dict(stages=1), dict(stages=-2), dict(stages=True), dict(programs=-1), dict(programs=2.0),
-                dict(factors="triton")):
+                dict(factors="triton"), dict(refill="never")):
         with pytest.raises(ValueError, match="HopperDecodeBlocks: "):
             HopperDecodeBlocks(**bad)
     with pytest.raises(TypeError, match="impl 'hopper' takes HopperDecodeBlocks or None, got DecodeBlocks"):
@@ -134,14 +203,20 @@ def test_refuses_what_it_cannot_run(rng):
 
 
 def test_stages_fill_the_shared_memory():
-    assert HopperDecodeBlocks().stages_for(128, 4) == 2                 # factors in the kernel: 2 x 84 KB
-    assert HopperDecodeBlocks(factors="xla").stages_for(128, 4) == 3    # 3 x 68 KB
-    assert HopperDecodeBlocks().stages_for(64, 4) == 3
-    assert HopperDecodeBlocks().stages_for(128, 4, state_bytes=2) == 3       # a bf16 state: 3 x 52 KB
+    """The count of `buffers` as Pallas Mosaic GPU allocates them (each aligned to 1 KB, its 2 KB reduction scratch
+    and the barriers' 1 KB): 176,128 B at K = V = 128, W = 4, fp32, 2 stages, "kernel", as its lowering counts
+    (without the barriers)."""
+    f32 = dict(state="float32")
+    assert HopperDecodeBlocks().smem_bytes(2, 128, 4, f32) == 176_128 + 1024
+    assert HopperDecodeBlocks().stages_for(128, 4, f32) == 2                 # factors in the kernel
+    assert HopperDecodeBlocks(factors="xla").stages_for(128, 4, f32) == 3
+    assert HopperDecodeBlocks().stages_for(64, 4, f32) == 3
+    assert HopperDecodeBlocks().stages_for(128, 4, dict(state="bfloat16")) == 3
+    assert not HopperDecodeBlocks().fits(192, 4, f32) and HopperDecodeBlocks().fits(192, 4, dict(state="bfloat16"))
 
 
 def test_programs_follow_the_tiles():
-    assert HopperDecodeBlocks().programs_for(32) == 32
-    assert HopperDecodeBlocks().programs_for(2048) == 132        # one a multiprocessor off the GPU's report
+    assert HopperDecodeBlocks().programs_for(32) == min(32, multiprocessor_count())
+    assert HopperDecodeBlocks().programs_for(4096) == multiprocessor_count()
     assert HopperDecodeBlocks(programs=7).programs_for(2048) == 7
     assert HopperDecodeBlocks(programs=7).programs_for(3) == 3
