@@ -122,8 +122,8 @@ for step in "$@"; do
               -o addopts="" tests/pallas_kernels/test_kda_decode_hopper.py 2>&1 | quiet \
               | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_hopper_tests.log"
           OUT=$W timeout ${KDA_HOPPER_LIMIT:-300} python3 benchmarks/kda.py --decode-only --no-fla --warps 4 \
-              --splits 1 --batches 64 256 1 8 --ceiling --profile --iters 30 --name kda_decode_hopper ${KDA_HOPPER_ARGS:-} 2>&1 \
-              | quiet | tail -14 | tee "$W/kda_hopper.log" ;;
+              --splits 1 --batches 64 256 1 8 --ceiling --profile --iters 30 --name kda_decode_hopper \
+              ${KDA_HOPPER_ARGS:-} 2>&1 | quiet | tail -14 | tee "$W/kda_hopper.log" ;;
     kda-split) K3JAX_TEST_DEVICE=gpu timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_kda_kernels.py -k decode 2>&1 | quiet \
               | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_split_tests.log"

@@ -38,6 +38,7 @@ from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, HopperDecodeBlocks, K
                                 KDADecodeWeights, hopper_decode_runs_here, kda_chunk_xla, kda_decode_hopper,
                                 kda_decode_pallas, kda_decode_xla, value_blocks_fit)
 from pallas_kernels.kda.chunk import chunk_inter, chunk_intra, kda_chunk_pallas, to_chunk_rows, to_chunks  # noqa: E402
+from pallas_kernels.kda.decode_hopper import KERNEL_FACTORS_K  # noqa: E402
 
 
 def rel(a, b) -> float:
@@ -298,7 +299,7 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
                 ceiling=False, profile=False, hopper_forms=()):
     """hopper_forms: forms of the Mosaic GPU step (`kda_decode_hopper`, labels "hopper/<form>"): a
     HopperDecodeBlocks.factors, optionally "/after" (refill="after"); the stages that fit; skipped where K is not
-    a multiple of 64;
+    a multiple of 64, "kernel" where K is not a multiple of 128;
     with "xla" its time includes the XLA fusion of the factors before it, its device time (profile) the kernel
     alone.
     splits: DecodeBlocks.value_blocks tried with each warp count (0: the auto rule); a split
@@ -364,6 +365,8 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         for form in hopper_forms if hopper_decode_runs_here(kd, state_dtype) else ():
             factors, _, refill = form.partition("/")
             blocks = HopperDecodeBlocks(factors=factors, refill=refill or "before")
+            if factors == "kernel" and kd % KERNEL_FACTORS_K:
+                continue                                            # the "kernel" form does not lower at this K
             steps[f"hopper/{form}"] = lambda *args, blocks=blocks: kda_decode_hopper(*args, blocks=blocks)
         for label, step in steps.items():
             ours = run(step)

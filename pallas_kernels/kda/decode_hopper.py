@@ -12,6 +12,7 @@ with `stages` tiles in flight:
         wait for tile i's state and inputs (TMA, issued `stages` - 1 tiles ahead)
         factors: conv window + SiLU, q / k L2 norm, d = e^g, beta     ("kernel"; "xla": read, made before)
         once tile i-1's stores have read their buffers: fetch tile i + stages - 1 into tile i-1's slot
+                                                        (refill "before"; "after": at the end of the step)
         pred = sum_k (d k)[k] S[k, :]                  two 64-row halves read from shared memory
         S'   = d S + (beta k) (v - pred)^T             written back in place
         out  = w * rmsnorm(o) * sigmoid(z),  o = sum_k q[k] S'[k, :]
@@ -47,7 +48,9 @@ from pallas_kernels.kda.params import KDADecodeInputs, KDADecodeWeights
 
 ROWS = 64                   # state rows a step holds in registers: the warpgroup-MMA layout's row tile
 FACTORS = 6                 # rows of the per-tile factor block: q, d, d k, beta k, v, z
-FACTOR_FORMS = ("kernel", "xla")
+FACTOR_FORMS = ("auto", "kernel", "xla")
+KERNEL_FACTORS_K = 128      # "kernel" takes K a multiple of this: at K = 64 and 192 Mosaic GPU's layout inference
+                            # finds no layouts for its [K]-vector math (it lowers at 128; "xla" at 64, 128 and 192)
 _SMEM_BYTES = 227 * 1024    # shared memory one H100 / H200 block may take
 _SWIZZLE = 128              # bytes: the state buffer's swizzle (tiles of 8 rows x 128 bytes)
 STATE_DTYPES = ("float32", "bfloat16")
@@ -62,17 +65,19 @@ class HopperDecodeBlocks:
     """Launch settings of the Mosaic GPU decode step.
 
     factors:  "kernel": the conv window, SiLU, q / k norms, gate and beta inside the kernel, from the raw
-              inputs and one [3W + 2, K] block of the head's weights (one launch a step); "xla": computed by
-              XLA before the launch (`decode_xla.decode_factors`) and read as a [6, K] block a tile.
+              inputs and one [3W + 2, K] block of the head's weights (one launch a step; K a multiple of 128);
+              "xla": computed by XLA before the launch (`decode_xla.decode_factors`) and read as a [6, K] block
+              a tile; "auto" (default): "kernel" where it takes K, else "xla".
     stages:   tiles in flight per program, each with a [K, V] state buffer; 0 = as many as fit (at most 3; at
               K = V = 128 with an fp32 state: 2 for "kernel", 3 for "xla"; with a bf16 state 3 for both).
     programs: persistent programs; 0 = one per multiprocessor (at most one per tile).
     refill:   when step i refills tile i - 1's slot (after waiting for that tile's stores to read it): "before"
               its state pass (the load issued early, the wait right after the stores were issued) or "after" it
-              (the stores given the pass's time to drain, the load issued later).
+              (the stores given the pass's time to drain, the load issued later: with 2 stages the next step then
+              waits for a load issued just before it, so "after" overlaps loads only from 3 stages on).
     Not yet timed on a GPU: the defaults are the design's, not a sweep's."""
 
-    factors: str = "kernel"
+    factors: str = "auto"
     stages: int = 0
     programs: int = 0
     refill: str = "before"
@@ -92,13 +97,22 @@ class HopperDecodeBlocks:
     def programs_for(self, tiles: int) -> int:
         return min(tiles, self.programs or multiprocessor_count())
 
+    def factors_for(self, k_dim: int) -> str:
+        """`factors` at K = k_dim ("auto" resolved); raises for "kernel" where it does not lower."""
+        if self.factors == "auto":
+            return "kernel" if k_dim % KERNEL_FACTORS_K == 0 else "xla"
+        if self.factors == "kernel" and k_dim % KERNEL_FACTORS_K:
+            raise ValueError(f"kda_decode_hopper: factors='kernel' needs K a multiple of {KERNEL_FACTORS_K} (Mosaic "
+                             f"GPU's layout inference finds no layouts at K={k_dim}); use 'xla' or 'auto'")
+        return self.factors
+
     def buffers(self, stages: int, k_dim: int, width: int, dtypes: dict) -> list[tuple[tuple[int, ...], object]]:
         """The kernel's shared-memory buffers as (shape, dtype), in allocation order (the state buffer first).
         dtypes: "state", and the inputs' "act" (x_qkv and the output), "conv", "f", "z" (default float32)."""
         dt = lambda name: jnp.dtype(dtypes.get(name, jnp.float32))
         f32, k, per = jnp.dtype(jnp.float32), k_dim, lambda *shape: (stages, *shape)
         state = (per(k, k), dt("state"))
-        if self.factors == "xla":
+        if self.factors_for(k_dim) == "xla":
             return [state, (per(FACTORS, k), f32), (per(k), dt("act")), ((k,), f32)]
         return [state, (per(3, k), dt("act")), (per(width - 1, 3, k), dt("conv")), (per(3 * width + 2, k), f32),
                 (per(k), dt("f")), (per(k), dt("z")), (per(width - 1, 3, k), dt("conv")), (per(k), dt("act")),
@@ -314,6 +328,7 @@ def kda_decode_hopper(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
         raise ValueError(f"kda_decode_hopper: needs an fp32 or bf16 state with K a multiple of {ROWS}, got "
                          f"{state.dtype} and K={kd}")
     dtypes = dict(state=state.dtype, act=inputs.x_qkv.dtype, conv=conv_state.dtype, f=inputs.f.dtype, z=inputs.z.dtype)
+    factors = blocks.factors_for(kd)
     stages = blocks.stages_for(kd, width, dtypes)
     interpret = default_interpret() if interpret is None else interpret
     tiles, dtype, f32 = b * h, inputs.x_qkv.dtype, jnp.float32
@@ -323,13 +338,13 @@ def kda_decode_hopper(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
     (state_shape, _), *others = blocks.buffers(stages, kd, width, dtypes)
     scratch = [plgpu.SMEM(state_shape, state.dtype, transforms=swizzled),
                *(plgpu.SMEM(shape, dt) for shape, dt in others),
-               plgpu.Barrier(num_arrivals=2 if blocks.factors == "xla" else 6, num_barriers=stages), plgpu.Barrier()]
+               plgpu.Barrier(num_arrivals=2 if factors == "xla" else 6, num_barriers=stages), plgpu.Barrier()]
     scale = kd ** -0.5 if weights.scale is None else weights.scale
     factor_settings = {}
-    if blocks.factors == "xla":
+    if factors == "xla":
         q, k, v, decay, beta, new_conv = decode_factors(inputs, weights, conv_state)
-        factors = jnp.stack([q, decay, decay * k, beta[..., None] * k, v, inputs.z.astype(f32)], axis=2)
-        operands = (factors.reshape(tiles, FACTORS, kd), weights.o_norm_w.astype(f32), state_ref)
+        factor_rows = jnp.stack([q, decay, decay * k, beta[..., None] * k, v, inputs.z.astype(f32)], axis=2)
+        operands = (factor_rows.reshape(tiles, FACTORS, kd), weights.o_norm_w.astype(f32), state_ref)
     else:
         a = jnp.broadcast_to(jnp.exp(weights.a_log.astype(f32)), (h, kd))
         head_weights = jnp.concatenate([jnp.moveaxis(taps.astype(f32), 1, 0) for taps in weights.conv_taps]
@@ -338,7 +353,7 @@ def kda_decode_hopper(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
         operands = (inputs.x_qkv, head_weights, inputs.f, inputs.beta_logit, inputs.z, weights.o_norm_w.astype(f32),
                     conv_ref, state_ref)
         factor_settings = dict(width=width, scale=scale, lower_bound=weights.lower_bound)
-    kernel = functools.partial(_kernel, factors=blocks.factors, tiles=tiles, heads=h, programs=programs,
+    kernel = functools.partial(_kernel, factors=factors, tiles=tiles, heads=h, programs=programs,
                                stages=stages, refill=blocks.refill, norm_eps=weights.norm_eps,
                                factor_settings=factor_settings)
     out = plgpu.kernel(
@@ -350,6 +365,6 @@ def kda_decode_hopper(inputs: KDADecodeInputs, weights: KDADecodeWeights, conv_s
         interpret=_interpret_params(interpret),
         kernel_name="kda_decode_hopper",
     )(*operands)
-    if blocks.factors == "kernel":
+    if factors == "kernel":
         new_conv = jax.freeze(conv_ref)
     return out.reshape(b, h, kd), new_conv, jax.freeze(state_ref).reshape(b, h, kd, kd)

@@ -123,8 +123,8 @@ def test_kda_layer_left_padding_is_a_no_op(rng):
 @pytest.mark.parametrize("decode_impl,cfg_changes", [
     ("xla", {}), ("pallas", {}), ("xla", {"gate_lower_bound": -5.0, "use_full_rank_gate": True}),
     ("pallas", {"gate_lower_bound": -5.0, "use_full_rank_gate": True}),
-    ("hopper", {"head_dim": 64}),                  # the Mosaic GPU step takes K in multiples of 64
-    ("hopper", {"head_dim": 64, "gate_lower_bound": -5.0, "use_full_rank_gate": True})])
+    ("hopper", {"head_dim": 128}),                 # the Mosaic GPU step: conv and gates inside at K = 128
+    ("hopper", {"head_dim": 64, "gate_lower_bound": -5.0, "use_full_rank_gate": True})])   # ... before it at 64
 def test_fused_decode_step_equals_the_sequence_path(rng, decode_impl, cfg_changes):
     """A one-token step through `kda_decode` equals the same token through the multi-token path."""
     layer = _kda_layer(**cfg_changes)
