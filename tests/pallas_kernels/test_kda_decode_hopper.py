@@ -22,21 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.extend import core as jex_core
+from kda_decode_inputs import decode_inputs
 from tolerances import assert_close, kernel_dtype
 
 from pallas_kernels._util import multiprocessor_count
 from pallas_kernels.kda import (DecodeBlocks, HopperDecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_decode,
                                 kda_decode_hopper, kda_decode_xla)
-
-
-def _decode_inputs(rng, b, h, kd, width=4, dtype=jnp.bfloat16, lower_bound=None, a_shape=None, conv_dtype=None):
-    r = lambda *shape, dt=jnp.float32, s=1.0: jnp.asarray(s * rng.standard_normal(shape), dt)
-    inputs = KDADecodeInputs(x_qkv=r(b, 3, h, kd, dt=dtype), f=r(b, h, kd, dt=dtype), beta_logit=r(b, h, dt=dtype),
-                             z=r(b, h, kd, dt=dtype))
-    weights = KDADecodeWeights(q_conv=r(width, h, kd, s=0.5), k_conv=r(width, h, kd, s=0.5),
-                               v_conv=r(width, h, kd, s=0.5), dt_bias=r(h, kd), a_log=r(*(a_shape or (h, kd))),
-                               o_norm_w=r(kd), lower_bound=lower_bound)
-    return inputs, weights, r(b, width - 1, 3, h, kd, dt=conv_dtype or dtype), r(b, h, kd, kd)
 
 
 @pytest.mark.parametrize("factors", ["kernel", "xla"])
@@ -50,7 +41,7 @@ def _decode_inputs(rng, b, h, kd, width=4, dtype=jnp.bfloat16, lower_bound=None,
 ])
 def test_decode_step_equals_the_xla_twin(rng, interpret, factors, b, h, kd, a_shape, lower_bound, state_dtype, extra):
     blocks = HopperDecodeBlocks(factors=factors, **extra)
-    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape)
+    inputs, weights, conv, state = decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape)
     state = state.astype(state_dtype)
     out_r, conv_r, state_r = kda_decode_xla(inputs, weights, conv, state)
     out, new_conv, new_state = jax.block_until_ready(kda_decode(inputs, weights, conv, state, impl="hopper",
@@ -68,7 +59,7 @@ def test_k64_takes_the_xla_factors(rng, interpret, b, h, extra):
     """At K = 64 "auto" runs the "xla" form (the "kernel" form does not lower there); equal to the twin."""
     blocks = HopperDecodeBlocks(**extra)
     assert blocks.factors_for(64) == "xla" and blocks.factors_for(128) == "kernel"
-    args = _decode_inputs(rng, b, h, 64, lower_bound=-5.0)
+    args = decode_inputs(rng, b, h, 64, lower_bound=-5.0)
     out_r, conv_r, state_r = kda_decode_xla(*args)
     out, new_conv, new_state = jax.block_until_ready(kda_decode_hopper(*args, blocks=blocks, interpret=interpret))
     assert_close("out", out, out_r, dtype="bfloat16")
@@ -81,7 +72,7 @@ def test_k64_takes_the_xla_factors(rng, interpret, b, h, extra):
 def test_other_widths_and_dtypes(rng, interpret, factors, width, dtype, conv_dtype):
     """Conv windows of 2 and 3 taps, fp32 activations, an fp32 conv window under bf16 activations (the new
     window's token cast to it, as the twin casts it)."""
-    args = _decode_inputs(rng, 3, 2, 128, width=width, dtype=dtype, conv_dtype=conv_dtype)
+    args = decode_inputs(rng, 3, 2, 128, width=width, dtype=dtype, conv_dtype=conv_dtype)
     out_r, conv_r, state_r = kda_decode_xla(*args)
     out, new_conv, new_state = jax.block_until_ready(
         kda_decode_hopper(*args, blocks=HopperDecodeBlocks(factors=factors, programs=2), interpret=interpret))
@@ -94,7 +85,7 @@ def test_other_widths_and_dtypes(rng, interpret, factors, width, dtype, conv_dty
 @pytest.mark.parametrize("factors", ["kernel", "xla"])
 def test_consecutive_steps_carry_the_state(rng, interpret, factors):
     """Three steps, each fed the last one's conv window and state, equal three twin steps."""
-    inputs, weights, conv, state = _decode_inputs(rng, 2, 2, 128)
+    inputs, weights, conv, state = decode_inputs(rng, 2, 2, 128)
     ours = twin = (conv, state)
     blocks = HopperDecodeBlocks(factors=factors, stages=2, programs=3)
     for step in range(3):
@@ -116,7 +107,7 @@ def test_the_ring_has_no_races(rng, factors):
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    args = _decode_inputs(rng, 5, 1, 128)
+    args = decode_inputs(rng, 5, 1, 128)
     blocks = HopperDecodeBlocks(factors=factors, stages=2, programs=1)
     out = kda_decode_hopper(*args, blocks=blocks, interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(out)
@@ -159,7 +150,7 @@ def test_a_slot_is_refilled_only_after_its_stores_read_it(rng, factors, refill):
     """The step's copies, waits and fences in program order (the kernel's jaxpr): the refill of tile i - 1's slot
     sits behind a wait for that tile's stores to have read their buffers (with "after", this tile's stores left in
     flight), and every TMA store behind a fence of the warpgroup's shared-memory writes."""
-    args = _decode_inputs(rng, 2, 2, 128)
+    args = decode_inputs(rng, 2, 2, 128)
     blocks = HopperDecodeBlocks(factors=factors, refill=refill)
     body = _loop_body(jax.make_jaxpr(lambda *a: kda_decode_hopper(*a, blocks=blocks, interpret=False))(*args).jaxpr)
     loads, stores = (6, 3) if factors == "kernel" else (2, 2)
@@ -200,13 +191,13 @@ def test_lowers_for_cuda_with_the_state_in_place(factors, kd, state_dtype):
 
 
 def test_refuses_what_it_cannot_run(rng):
-    inputs, weights, conv, state = _decode_inputs(rng, 1, 2, 64)
+    inputs, weights, conv, state = decode_inputs(rng, 1, 2, 64)
     with pytest.raises(ValueError, match="needs an fp32 or bf16 state with K a multiple of 64, got float16"):
         kda_decode_hopper(inputs, weights, conv, state.astype(jnp.float16))
-    small = _decode_inputs(rng, 1, 2, 32)
+    small = decode_inputs(rng, 1, 2, 32)
     with pytest.raises(ValueError, match="K a multiple of 64, got float32 and K=32"):
         kda_decode_hopper(*small)
-    big = _decode_inputs(rng, 1, 1, 256)
+    big = decode_inputs(rng, 1, 1, 256)
     with pytest.raises(ValueError, match="stages=2 at K=V=256 need .* more than the 232448 B"):
         kda_decode_hopper(*big)
     with pytest.raises(ValueError, match="stages=3 at K=V=128 need .* more than the 232448 B"):

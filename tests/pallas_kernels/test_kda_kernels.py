@@ -8,9 +8,10 @@ from dataclasses import replace
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kda_decode_inputs import decode_inputs
 from tolerances import TOLERANCES, assert_close, kernel_dtype
 
-from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, KDADecodeInputs, KDADecodeWeights, kda_chunk_pallas,
+from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, KDADecodeWeights, kda_chunk_pallas,
                                 kda_decode_pallas, kda_decode_xla, kda_recurrent_reference)
 from pallas_kernels.kda.tuning import ONE_WAVE_STAGES, STAGE_SHARED_BYTES
 
@@ -132,21 +133,10 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     assert np.all(np.asarray(o, np.float32) != 0) or gates[1] <= -1e2  # every element written
 
 
-def _decode_inputs(rng, b, h, kd, width=4, dtype=jnp.bfloat16, lower_bound=None, a_shape=None):
-    """a_shape: of a_log, [H, K] by default ([H, 1] per head and [1, K] per channel in the models)."""
-    r = lambda *shape, dt=jnp.float32, s=1.0: jnp.asarray(s * rng.standard_normal(shape), dt)
-    inputs = KDADecodeInputs(x_qkv=r(b, 3, h, kd, dt=dtype), f=r(b, h, kd, dt=dtype), beta_logit=r(b, h, dt=dtype),
-                             z=r(b, h, kd, dt=dtype))
-    weights = KDADecodeWeights(q_conv=r(width, h, kd, s=0.5), k_conv=r(width, h, kd, s=0.5),
-                               v_conv=r(width, h, kd, s=0.5), dt_bias=r(h, kd), a_log=r(*(a_shape or (h, kd))),
-                               o_norm_w=r(kd), lower_bound=lower_bound)
-    return inputs, weights, r(b, width - 1, 3, h, kd, dt=dtype), r(b, h, kd, kd)
-
-
 @pytest.mark.parametrize("b,h,kd,a_shape", [(1, 2, 16, None), (3, 4, 32, (4, 1)), (2, 3, 16, (1, 16))])
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_decode_kernel_matches_xla_twin(rng, interpret, b, h, kd, a_shape, lower_bound):
-    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape)
+    inputs, weights, conv, state = decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape)
     out_r, conv_r, state_r = kda_decode_xla(inputs, weights, conv, state)
     out, new_conv, new_state = kda_decode_pallas(inputs, weights, conv, state, interpret=interpret)
     assert_close("out", out, out_r, dtype="bfloat16")
@@ -160,7 +150,7 @@ def test_decode_kernel_matches_xla_twin(rng, interpret, b, h, kd, a_shape, lower
 def test_decode_split_into_column_blocks_matches_xla_twin(rng, interpret, b, h, kd, splits, a_shape, state_dtype):
     """Each head's state cut into column blocks, one program each (0: the auto rule, which splits
     2 heads in two from 2 rows x heads), the output norm after the kernel."""
-    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=-5.0 if splits == 4 else None,
+    inputs, weights, conv, state = decode_inputs(rng, b, h, kd, lower_bound=-5.0 if splits == 4 else None,
                                                   a_shape=a_shape)
     state = state.astype(state_dtype)
     blocks = DecodeBlocks(value_blocks=splits, split_from=2)
@@ -181,7 +171,7 @@ def test_decode_column_loop_matches_whole_state_kernel_and_twin(rng, interpret, 
                                                                 state_dtype, lower_bound):
     """The one-token kernel walking the state in column blocks (one program per head, the output norm
     inside) gives the whole-state kernel's outputs, conv window and state, and the XLA twin's."""
-    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape)
+    inputs, weights, conv, state = decode_inputs(rng, b, h, kd, lower_bound=lower_bound, a_shape=a_shape)
     state = state.astype(state_dtype)
     out_r, conv_r, state_r = kda_decode_xla(inputs, weights, conv, state)
     whole = kda_decode_pallas(inputs, weights, conv, state, interpret=interpret)
@@ -214,7 +204,7 @@ def test_decode_blocks_name_a_bad_split():
 def test_bf16_state_is_read_and_written_in_bf16(rng, interpret):
     """A bf16 recurrent state: the kernel and its twin keep it bf16 (the math in fp32, the new state
     rounded once), and one step from it equals the fp32 step from the same (rounded) state."""
-    inputs, weights, conv, state = _decode_inputs(rng, 2, 3, 32)
+    inputs, weights, conv, state = decode_inputs(rng, 2, 3, 32)
     state16 = state.astype(jnp.bfloat16)
     out_r, _, state_r = kda_decode_xla(inputs, weights, conv, state16)
     out, _, new_state = kda_decode_pallas(inputs, weights, conv, state16, interpret=interpret)
@@ -229,7 +219,7 @@ def test_bf16_state_is_read_and_written_in_bf16(rng, interpret):
 def test_decode_step_agrees_with_the_recurrence(rng):
     """The fused step's recurrence part is the same delta rule as the sequence reference."""
     b, h, kd = 2, 2, 16
-    inputs, weights, conv, state = _decode_inputs(rng, b, h, kd, dtype=jnp.float32)
+    inputs, weights, conv, state = decode_inputs(rng, b, h, kd, dtype=jnp.float32)
     conv = jnp.zeros_like(conv)
     identity = jnp.zeros_like(weights.q_conv).at[-1].set(1.0)  # conv = identity
     weights = KDADecodeWeights(q_conv=identity, k_conv=identity, v_conv=identity, dt_bias=weights.dt_bias,
@@ -247,7 +237,7 @@ def test_decode_step_agrees_with_the_recurrence(rng):
 
 
 def test_decode_names_the_bad_argument(rng):
-    inputs, weights, conv, state = _decode_inputs(rng, 2, 2, 16)
+    inputs, weights, conv, state = decode_inputs(rng, 2, 2, 16)
     with pytest.raises(ValueError, match=r"state must have shape \(2, 2, 16, 16\)"):
         kda_decode_xla(inputs, weights, conv, state[:, :, :8])
 
