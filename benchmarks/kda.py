@@ -151,6 +151,20 @@ VARIANTS = {
     "default/dh4/dw2": ChunkBlocks(diagonal_heads=4, diagonal_num_warps=2),
     "default/exp2": ChunkBlocks(diagonal_exp2=True),      # ... its walk's exponentials as 2^x (also prepared)
     "default/exp2/dw1": ChunkBlocks(diagonal_exp2=True, diagonal_num_warps=1),
+    # W, U, ... at 32 columns a loop step and 8 warps: 87 registers (sm_90a, q and k normalised inside), so two
+    # programs a multiprocessor where the default's 139 (64 columns, 8 warps) allows one; prepared, not yet timed
+    "default/factors-loop32/fw8/s2": ChunkBlocks(factors_loop=True, factors_slice=32, factors_num_warps=8,
+                                                 factors_num_stages=2),
+    "default/factors-loop32/fw8/s3": ChunkBlocks(factors_loop=True, factors_slice=32, factors_num_warps=8,
+                                                 factors_num_stages=3),
+    "default/exp2/dw1/factors-loop32/fw8/s3": ChunkBlocks(diagonal_exp2=True, diagonal_num_warps=1, factors_loop=True,
+                                                          factors_slice=32, factors_num_warps=8, factors_num_stages=3),
+    # q, k handed on in bf16 (as fla's norm returns them) under the tile launch: its registers 245 -> 168 at 1 warp
+    # (8 -> 12 programs a multiprocessor); "default/qk-bf16" was last timed with the levels launch (run 23)
+    "default/qk-bf16/exp2/dw1": ChunkBlocks(qk_norm="diagonal-bf16", diagonal_exp2=True, diagonal_num_warps=1),
+    "default/qk-bf16/exp2/dw1/factors-loop32/fw8/s2": ChunkBlocks(
+        qk_norm="diagonal-bf16", diagonal_exp2=True, diagonal_num_warps=1, factors_loop=True, factors_slice=32,
+        factors_num_warps=8, factors_num_stages=2),
     "default/across-levels": ChunkBlocks(across="levels"),   # the levels and the [C, C] doubling (before run 27)
     "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128),   # run 24's defaults
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4),  # run 20's

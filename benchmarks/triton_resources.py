@@ -126,6 +126,10 @@ def _build_cases():
         "kda-chunk-norm-in-dh4-dw2": kda(normalize_qk=True, diagonal_heads=4, diagonal_num_warps=2),
         "kda-chunk-norm-in-exp2": kda(normalize_qk=True, diagonal_exp2=True),   # the walk's exponentials as 2^x
         "kda-chunk-norm-in-exp2-dw1": kda(normalize_qk=True, diagonal_exp2=True, diagonal_num_warps=1),
+        # W, U, ... with q, k normalised inside: 32 columns a loop step at 8 warps (87 registers) against the
+        # default's 64 at 8 (139: one program a multiprocessor; the case kda-chunk-norm-in)
+        "kda-chunk-norm-in-factors-loop32-w8-s2": kda(normalize_qk=True, **factors_loop(32, 8, 2)),
+        "kda-chunk-norm-in-factors-loop32-w8-s3": kda(normalize_qk=True, **factors_loop(32, 8, 3)),
         # W, U, ... one program a chunk walking (columns, warps, stages) slices in a loop (the default: 64, 8, 2)
         "kda-chunk-factors-loop32-s2": kda(**factors_loop(32, 4, 2)),
         "kda-chunk-factors-loop32-s3": kda(**factors_loop(32, 4, 3)),
