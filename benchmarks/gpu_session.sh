@@ -119,7 +119,7 @@ for step in "$@"; do
           OUT=$W timeout ${VARLEN_LIMIT:-240} python3 benchmarks/kda_varlen.py ${VARLEN_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_varlen.log" ;;
     kda-hopper) K3JAX_TEST_DEVICE=gpu timeout ${KDA_HOPPER_TEST_LIMIT:-180} python3 -m pytest -q -p no:cacheprovider \
-              -o addopts="" tests/pallas_kernels/test_kda_decode_hopper.py 2>&1 | quiet \
+              -o addopts="" tests/pallas_kernels/test_kda_decode_hopper.py ${KDA_HOPPER_TEST_ARGS:-} 2>&1 | quiet \
               | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_hopper_tests.log"
           OUT=$W timeout ${KDA_HOPPER_LIMIT:-300} python3 benchmarks/kda.py --decode-only --no-fla --warps 4 \
               --splits 1 --batches 64 256 1 8 --ceiling --profile --iters 30 --name kda_decode_hopper \
