@@ -119,7 +119,9 @@ class ChunkBlocks:
                                  # or by XLA before the kernels ("xla",
                                  # also wherever the per-token launch does not run). H200, device time (KDA run 22):
                                  # per-token launch 299 -> 385 us against XLA's norm 97 at H = 32, 872 -> 1,125
-                                 # against 292 at H = 96 (sums 1,232 -> 1,219 and 3,717 -> 3,679 us)
+                                 # against 292 at H = 96 (sums 1,232 -> 1,219 and 3,717 -> 3,679 us). Registers of
+                                 # the tile pairs launch (sm_90a): 245 with "diagonal", 168 with "diagonal-bf16"
+                                 # (8 -> 12 one-warp programs a multiprocessor); bf16 untimed under that launch
     diagonal_exp2: bool = False  # ... carries its decay in base-2 units and takes 2^x (one ex2.approx) instead of
                                  # e^x (a longer sequence): its loop 133 -> 91 PTX instructions a step (sm_90a,
                                  # 2 heads at 2 warps); prepared after KDA run 27, not yet timed
@@ -148,7 +150,9 @@ class ChunkBlocks:
                                  # whose loads the compiler pipelines (factors_num_stages). H200, device time (KDA
                                  # run 26), H = 32 / 96: a program a slice at 128 columns, 8 warps 261 / 792 us; in a
                                  # loop 32 columns, 4 warps, 2 stages 237 / 702, 3 stages 226 / 678; 64 columns,
-                                 # 8 warps, 2 stages (the default) 224 / 671
+                                 # 8 warps, 2 stages (the default) 224 / 671. Registers with q, k normalised inside
+                                 # (sm_90a): 139 at 64 columns, 8 warps (one program a multiprocessor), 87 at 32
+                                 # columns, 8 warps (two); the latter untimed
     factors_num_stages: int = 0  # ... the W, U launch's num_stages (0: 2 with factors_loop, else num_stages)
     pairs_num_stages: int = 0    # the pairs launch's num_stages (0: 3 with across="tiles", whose key-slice loops'
                                  # loads are pipelined, else num_stages: the levels' nested loops are not)
