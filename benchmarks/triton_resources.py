@@ -130,6 +130,10 @@ def _build_cases():
         # default's 64 at 8 (139: one program a multiprocessor; the case kda-chunk-norm-in)
         "kda-chunk-norm-in-factors-loop32-w8-s2": kda(normalize_qk=True, **factors_loop(32, 8, 2)),
         "kda-chunk-norm-in-factors-loop32-w8-s3": kda(normalize_qk=True, **factors_loop(32, 8, 3)),
+        "kda-chunk-norm-in-bf16-factors-loop32-w8-s2": kda(normalize_qk=True, qk_norm="diagonal-bf16",
+                                                           **factors_loop(32, 8, 2)),
+        "kda-chunk-norm-in-bf16-factors-loop32-w8-s3": kda(normalize_qk=True, qk_norm="diagonal-bf16",
+                                                           **factors_loop(32, 8, 3)),
         # W, U, ... one program a chunk walking (columns, warps, stages) slices in a loop (the default: 64, 8, 2)
         "kda-chunk-factors-loop32-s2": kda(**factors_loop(32, 4, 2)),
         "kda-chunk-factors-loop32-s3": kda(**factors_loop(32, 4, 3)),
