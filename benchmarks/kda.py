@@ -82,6 +82,9 @@ FP32_FACTORS = dict(factors="float32", inverse="tf32x3", cumsum="xla")
 BF16 = dict(factors="bfloat16", inverse="tf32x3", cumsum="xla")
 # the pairs launch's (warps, stages, key columns a step), pinned: `ChunkBlocks.pairs_launch`
 TILES = lambda warps, stages, columns: dict(pairs_num_warps=warps, pairs_num_stages=stages, pairs_key_slice=columns)
+# the W, U launch as one program a chunk walking (columns, warps, stages) slices in a loop: `ChunkBlocks.factors_launch`
+LOOP = lambda columns, warps, stages: dict(factors_loop=True, factors_slice=columns, factors_num_warps=warps,
+                                           factors_num_stages=stages)
 VARIANTS = {
     "default": ChunkBlocks(),
     "joint": ChunkBlocks(pairs="joint", solve="whole"),   # the defaults before 2026-12-04 late (runs 12-18's "default")
@@ -135,15 +138,11 @@ VARIANTS = {
     "default/across-tiles/pw2/ps2": ChunkBlocks(across="tiles", **TILES(2, 2, 32)),
     "default/across-tiles/ks16/pw1/ps3": ChunkBlocks(across="tiles", **TILES(1, 3, 16)),   # the default since run 27
     # W, U, ...: one program a chunk walking slices of 32 / 64 columns in a loop whose loads are pipelined
-    "default/factors-loop32/s2": ChunkBlocks(factors_loop=True, factors_slice=32, factors_num_warps=4,
-                                             factors_num_stages=2),
-    "default/factors-loop32/s3": ChunkBlocks(factors_loop=True, factors_slice=32, factors_num_warps=4,
-                                             factors_num_stages=3),
-    "default/factors-loop64/fw8/s2": ChunkBlocks(factors_loop=True, factors_slice=64, factors_num_warps=8,
-                                                 factors_num_stages=2),
-    "default/across-tiles/pw1/ps3/factors-loop32/s3": ChunkBlocks(
-        across="tiles", pairs_num_warps=1, pairs_num_stages=3, factors_loop=True, factors_slice=32,
-        factors_num_warps=4, factors_num_stages=3),
+    "default/factors-loop32/s2": ChunkBlocks(**LOOP(32, 4, 2)),
+    "default/factors-loop32/s3": ChunkBlocks(**LOOP(32, 4, 3)),
+    "default/factors-loop64/fw8/s2": ChunkBlocks(**LOOP(64, 8, 2)),
+    "default/across-tiles/pw1/ps3/factors-loop32/s3": ChunkBlocks(across="tiles", pairs_num_warps=1,
+                                                                  pairs_num_stages=3, **LOOP(32, 4, 3)),
     # per-token launch with fewer warps than heads (more elements a thread, fewer shuffles a step; prepared after
     # run 27: its loop is 217 PTX instructions a step at 1 warp for 2 heads against 2 x 133 at 2 warps)
     "default/dw1": ChunkBlocks(diagonal_num_warps=1),
@@ -153,18 +152,14 @@ VARIANTS = {
     "default/exp2/dw1": ChunkBlocks(diagonal_exp2=True, diagonal_num_warps=1),
     # W, U, ... at 32 columns a loop step and 8 warps: 87 registers (sm_90a, q and k normalised inside), so two
     # programs a multiprocessor where the default's 139 (64 columns, 8 warps) allows one; prepared, not yet timed
-    "default/factors-loop32/fw8/s2": ChunkBlocks(factors_loop=True, factors_slice=32, factors_num_warps=8,
-                                                 factors_num_stages=2),
-    "default/factors-loop32/fw8/s3": ChunkBlocks(factors_loop=True, factors_slice=32, factors_num_warps=8,
-                                                 factors_num_stages=3),
-    "default/exp2/dw1/factors-loop32/fw8/s3": ChunkBlocks(diagonal_exp2=True, diagonal_num_warps=1, factors_loop=True,
-                                                          factors_slice=32, factors_num_warps=8, factors_num_stages=3),
+    "default/factors-loop32/fw8/s2": ChunkBlocks(**LOOP(32, 8, 2)),
+    "default/factors-loop32/fw8/s3": ChunkBlocks(**LOOP(32, 8, 3)),
+    "default/exp2/dw1/factors-loop32/fw8/s3": ChunkBlocks(diagonal_exp2=True, diagonal_num_warps=1, **LOOP(32, 8, 3)),
     # q, k handed on in bf16 (as fla's norm returns them) under the tile launch: its registers 245 -> 168 at 1 warp
     # (8 -> 12 programs a multiprocessor); "default/qk-bf16" was last timed with the levels launch (run 23)
     "default/qk-bf16/exp2/dw1": ChunkBlocks(qk_norm="diagonal-bf16", diagonal_exp2=True, diagonal_num_warps=1),
-    "default/qk-bf16/exp2/dw1/factors-loop32/fw8/s2": ChunkBlocks(
-        qk_norm="diagonal-bf16", diagonal_exp2=True, diagonal_num_warps=1, factors_loop=True, factors_slice=32,
-        factors_num_warps=8, factors_num_stages=2),
+    "default/qk-bf16/exp2/dw1/factors-loop32/fw8/s2": ChunkBlocks(qk_norm="diagonal-bf16", diagonal_exp2=True,
+                                                                  diagonal_num_warps=1, **LOOP(32, 8, 2)),
     "default/across-levels": ChunkBlocks(across="levels"),   # the levels and the [C, C] doubling (before run 27)
     "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128),   # run 24's defaults
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4),  # run 20's
