@@ -3,7 +3,7 @@
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
 #   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper hopper-sass moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.97
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.97}
 W=$OUT/work; mkdir -p "$W"
 site=/tmp/site
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -92,7 +92,7 @@ for step in "$@"; do
               | quiet | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_prefill_tests.log"
           OUT=$W timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_prefill.log" ;;
-    kda-bench) OUT=$W timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
+    kda-bench) OUT=$W XLA_PYTHON_CLIENT_MEM_FRACTION=${KDA_MEM_FRACTION:-0.5} timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_bench.log" ;;
     kda-scaling) OUT=$W timeout ${KDA_LIMIT:-300} python3 benchmarks/kda.py --prefill-only --heads 32 --variants default \
               --qk-dtypes raw --lengths 1024 2048 4096 8192 16384 32768 --iters 20 --name kda_prefill_lengths 2>&1 | quiet \

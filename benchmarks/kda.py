@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plt  # noqa: E402
 
 from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, write  # noqa: E402
-from benchmarks.kernel_profile import kernel_times  # noqa: E402
+from benchmarks.kernel_profile import kernel_times, kernel_trace  # noqa: E402
 from pallas_kernels._util import default_interpret  # noqa: E402
 from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, HopperDecodeBlocks, KDADecodeInputs,  # noqa: E402
                                 KDADecodeWeights, hopper_decode_runs_here, kda_chunk_xla, kda_decode_hopper,
@@ -85,6 +85,7 @@ TILES = lambda warps, stages, columns: dict(pairs_num_warps=warps, pairs_num_sta
 # the W, U launch as one program a chunk walking (columns, warps, stages) slices in a loop: `ChunkBlocks.factors_launch`
 LOOP = lambda columns, warps, stages: dict(factors_loop=True, factors_slice=columns, factors_num_warps=warps,
                                            factors_num_stages=stages)
+QB = dict(qk_norm="diagonal-bf16", diagonal_exp2=True)   # q, k handed on in bf16, the per-token walk in 2^x
 VARIANTS = {
     "default": ChunkBlocks(),
     "joint": ChunkBlocks(pairs="joint", solve="whole"),   # the defaults before 2026-12-04 late (runs 12-18's "default")
@@ -160,6 +161,14 @@ VARIANTS = {
     "default/qk-bf16/exp2/dw1": ChunkBlocks(qk_norm="diagonal-bf16", diagonal_exp2=True, diagonal_num_warps=1),
     "default/qk-bf16/exp2/dw1/factors-loop32/fw8/s2": ChunkBlocks(qk_norm="diagonal-bf16", diagonal_exp2=True,
                                                                   diagonal_num_warps=1, **LOOP(32, 8, 2)),
+    # around the fastest form of run 28 (H100): q, k handed on in bf16, 2^x, the per-token launch at fewer warps
+    "default/qk-bf16/exp2/dh4/dw1": ChunkBlocks(**QB, diagonal_heads=4, diagonal_num_warps=1),
+    "default/qk-bf16/exp2/dh4/dw2": ChunkBlocks(**QB, diagonal_heads=4, diagonal_num_warps=2),
+    "default/qk-bf16/exp2/dh1": ChunkBlocks(**QB, diagonal_heads=1),
+    "default/qk-bf16/exp2/dw1/inter-s2": ChunkBlocks(**QB, diagonal_num_warps=1, inter_num_stages=2),
+    "default/qk-bf16/exp2/dw1/ps2": ChunkBlocks(**QB, diagonal_num_warps=1, across="tiles", **TILES(1, 2, 16)),
+    "default/qk-bf16/exp2/dw1/factors-loop64/fw8/s3": ChunkBlocks(**QB, diagonal_num_warps=1, **LOOP(64, 8, 3)),
+    "run27": ChunkBlocks(qk_norm="diagonal", diagonal_exp2=False, diagonal_num_warps=0),   # run 27's defaults
     "default/across-levels": ChunkBlocks(across="levels"),   # the levels and the [C, C] doubling (before run 27)
     "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128),   # run 24's defaults
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4),  # run 20's
@@ -247,9 +256,10 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
             t_inter, _ = median_time(lambda: inter(*factors, s0), iters=iters)
             variants[name] = {"ms": t_v * 1e3, "intra_ms": t_intra * 1e3, "inter_ms": t_inter * 1e3,
                               "err_o": rel(o, o_ref), "err_state": rel(s, s_ref)}
-            if profile:
-                variants[name]["kernel_us"] = {k_: round(v_, 1) for k_, v_ in
-                                               kernel_times(ours, (q, k, v, g, beta, s0), calls=10).items()}
+            if profile:     # span: first kernel's start to last one's end a call (back to back), so idle included
+                times, span = kernel_trace(ours, (q, k, v, g, beta, s0), calls=10)
+                variants[name]["kernel_us"] = {k_: round(v_, 1) for k_, v_ in times.items()}
+                variants[name]["span_us"] = round(span, 1)
             print(f"  {name}: {variants[name]}", flush=True)
             if save is not None:
                 save(rows + [{"B": b, "T": t, "H": h, "K": kd, "partial": True, "variants": variants}])

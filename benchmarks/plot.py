@@ -14,14 +14,15 @@
     python benchmarks/plot.py kda-diagonal # device time per kernel: diagonal blocks per token, joint, fla (run 19)
     python benchmarks/plot.py kda-band     # by kernel: the band, the cumsum inside, wide factors (run 21)
     python benchmarks/plot.py kda-tile-solve  # by kernel: 16 x 16 tiles across sub-blocks, W, U in a loop (run 27)
+    python benchmarks/plot.py kda-handoff     # by kernel: q, k handed on in bf16, 2^x, one warp (run 28, H100)
     python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
     python benchmarks/plot.py load-processes  # two-process loads: bytes and seconds per process, per mesh (CPU)
     python benchmarks/plot.py all
 
-Inputs are the JSON records under benchmarks/results/h200/ (results/cpu/ for load-processes); the PNGs are
-written beside RESULTS.md.
+Inputs are the JSON records under benchmarks/results/h200/ (h100/ for kda-handoff, cpu/ for load-processes); the
+PNGs are written beside RESULTS.md.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import matplotlib.ticker  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 H200 = os.path.join(HERE, "results", "h200")
+H100 = os.path.join(HERE, "results", "h100")
 CPU = os.path.join(HERE, "results", "cpu")
 
 
@@ -49,8 +51,8 @@ def _save(fig, path: str) -> str:
     return path
 
 
-def _load(name: str) -> dict:
-    with open(os.path.join(H200, name)) as f:
+def _load(name: str, folder: str = H200) -> dict:
+    with open(os.path.join(folder, name)) as f:
         return json.load(f)
 
 
@@ -437,20 +439,20 @@ KDA_DIAGONAL_PARTS = [   # (label, our kernels, fla's kernels): substrings of th
 
 
 def plot_kda_diagonal(out: str, records=KDA_DIAGONAL, variants=None, png: str = "kda_diagonal.png",
-                      run: str = "KDA run 19") -> str:
+                      run: str = "KDA run 19", folder: str = H200, device: str = "H200") -> str:
     """KDA chunked prefill at T = 8192, H = 32 and 96: device time per kernel of each variant in `records`
     (those named in `variants`, as {name: label}; None: all) and of fla's chunk_kda, from profiled runs (run 19:
     the diagonal blocks per token and the sliced solve against the joint launch)."""
     bars = []
     for name in records:
-        shape = _load(name)["prefill"][0]
+        shape = _load(name, folder)["prefill"][0]
         bars += [(f"H = {shape['H']}, {n if variants is None else variants[n]}", v["kernel_us"])
                  for n, v in shape["variants"].items() if variants is None or n in variants]
         bars.append((f"H = {shape['H']}, fla chunk_kda", shape["fla_kernel_us"]))
     fig, ax = plt.subplots(figsize=(9.5, 4.8))
     _kernel_bars(ax, bars, KDA_DIAGONAL_PARTS, "other (fills)")
     ax.set_xlim(0, 1.03 * ax.get_xlim()[1])
-    ax.set_title(f"KDA prefill by kernel, B = 1, T = 8192, K = V = 128, bf16 (one H200, {run})", fontsize=9)
+    ax.set_title(f"KDA prefill by kernel, B = 1, T = 8192, K = V = 128, bf16 (one {device}, {run})", fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     return _save(fig, os.path.join(out, png))
@@ -476,6 +478,17 @@ def plot_kda_tile_solve(out: str) -> str:
     return plot_kda_diagonal(out, KDA_TILE_SOLVE, {
         "run24@norm-in": "run 24's defaults", "default/across-levels@norm-in": "levels + W, U loop",
         "default@norm-in": "default (16 x 16 tiles + W, U loop)"}, "kda_tile_solve.png", "KDA run 27")
+
+
+KDA_HANDOFF = ("kda_prefill_run28a_2140d4f.json", "kda_prefill_run28b_2140d4f_h96.json")   # KDA run 28 (H100)
+
+
+def plot_kda_handoff(out: str) -> str:
+    """Run 28 (H100): run 27's defaults against q, k handed on in bf16 with the per-token walk in 2^x at one warp
+    (the defaults since), by kernel, beside fla."""
+    return plot_kda_diagonal(out, KDA_HANDOFF, {
+        "default@norm-in": "run 27's defaults", "default/qk-bf16/exp2/dw1@norm-in": "bf16 q, k; 2^x; 1 warp"},
+        "kda_handoff.png", "KDA run 28", H100, "H100")
 
 
 KDA_LENGTHS = "kda_prefill_lengths_run22_182d874.json"         # RESULTS.md, KDA run 22: prefill over T, H = 32
@@ -580,7 +593,8 @@ def plot_load_processes(out: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
-                                      "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-scaling",
+                                      "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
+                                      "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
                                       "mla-merge", "mxfp4", "load-processes",
@@ -591,7 +605,7 @@ def main(argv=None) -> int:
                      ("prefill", plot_prefill), ("mla", plot_mla_decode), ("mla-step", plot_mla_step),
                      ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels),
                      ("kda-diagonal", plot_kda_diagonal), ("kda-band", plot_kda_band),
-                     ("kda-tile-solve", plot_kda_tile_solve),
+                     ("kda-tile-solve", plot_kda_tile_solve), ("kda-handoff", plot_kda_handoff),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):

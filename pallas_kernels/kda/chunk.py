@@ -192,7 +192,8 @@ def _inter_varlen_kernel(first_ref, last_ref, w_ref, u_ref, aqk_ref, qg_ref, kt_
 
 
 def _require_settled(name: str, blocks: ChunkBlocks) -> None:
-    if "auto" in (blocks.intra, blocks.factors, blocks.inverse, blocks.solve, blocks.cumsum, blocks.across):
+    if "auto" in (blocks.intra, blocks.factors, blocks.inverse, blocks.solve, blocks.cumsum, blocks.across,
+                  blocks.qk_norm):
         raise ValueError(f"{name}: ChunkBlocks has 'auto' fields; pass blocks.resolve(value dtype)")
 
 

@@ -67,7 +67,9 @@ class HopperDecodeBlocks:
     factors:  "kernel": the conv window, SiLU, q / k norms, gate and beta inside the kernel, from the raw
               inputs and one [3W + 2, K] block of the head's weights (one launch a step; K a multiple of 128);
               "xla": computed by XLA before the launch (`decode_xla.decode_factors`) and read as a [6, K] block
-              a tile; "auto" (default): "kernel" where it takes K, else "xla".
+              a tile (the default); "auto": "kernel" where it takes K, else "xla". H100, B = 1 / 8 / 64 / 256,
+              H = 32, fp32 state, 20 layers in one program (KDA decode run 28): "xla" 34 / 46 / 153 / 503 us a
+              layer with its fusion, "kernel" 38 / 64 / 159 / 507; the Triton step (`decode.py`) 25 / 41 / 150 / 491.
     stages:   tiles in flight per program, each with a [K, V] state buffer; 0 = as many as fit (at most 3; at
               K = V = 128 with an fp32 state: 2 for "kernel", 3 for "xla"; with a bf16 state 3 for both).
     programs: persistent programs; 0 = one per multiprocessor (at most one per tile).
@@ -75,9 +77,10 @@ class HopperDecodeBlocks:
               its state pass (the load issued early, the wait right after the stores were issued) or "after" it
               (the stores given the pass's time to drain, the load issued later: with 2 stages the next step then
               waits for a load issued just before it, so "after" overlaps loads only from 3 stages on).
-    Not yet timed on a GPU: the defaults are the design's, not a sweep's."""
+    The stages and refill defaults are the design's ("kernel" with refill "after" in run 28: slower at B = 1,
+    64 and 256)."""
 
-    factors: str = "auto"
+    factors: str = "xla"
     stages: int = 0
     programs: int = 0
     refill: str = "before"

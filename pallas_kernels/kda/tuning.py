@@ -69,9 +69,10 @@ PARALLEL_MAX_CHUNK = 64   # the "parallel" form's doubling inverse of a 128-row 
 @dataclass(frozen=True)
 class ChunkBlocks:
     """Forms and launch settings of the chunked prefill. "auto" fields are settled per call by
-    `resolve` (from the chunk and the inputs' dtype). H200, B = 1, T = 8192, K = V = 128, bf16, q and k normalised
-    inside (benchmarks/RESULTS.md, KDA run 27): these defaults 1.507 / 3.853 ms at H = 32 / 96 against fla's 1.381 /
-    3.118 in the same run (device time 1,168 / 3,478 us against 1,062 / 2,942); run 24's defaults 1,217 / 3,662 us
+    `resolve` (from the chunk and the inputs' dtype). B = 1, T = 8192, K = V = 128, bf16, q and k normalised inside
+    (benchmarks/RESULTS.md): H100 (KDA run 28): these defaults 1.467 / 3.729 ms at H = 32 / 96 against fla's 1.786 /
+    3.695 in the same runs; run 27's defaults 1.667 / 4.248. H200 (run 27): run 27's defaults 1.507 / 3.853 ms
+    against fla's 1.381 / 3.118 (device time 1,168 / 3,478 us against 1,062 / 2,942); run 24's defaults 1,217 / 3,662 us
     in that run; run 19's 1,366 / 4,148 us (run 21); the joint pairs launch with the one-launch solve 1.866 / 5.067
     ms (run 19); the blocked form with fp32 factors 4.67 ms at H = 32 (run 5)."""
 
@@ -106,10 +107,13 @@ class ChunkBlocks:
     diagonal_heads: int = 0  # pairs="diagonal": heads per program of the per-token launch (1, 2, 4 or 8) where the
                              # call takes the tokens layout, else 1; 0 (auto): 2 where H is even
                              # (H200, H = 32: 1 / 2 / 4 heads 310 / 288 / 285 us)
-    diagonal_num_warps: int = 0  # ... and its warps (0: one per head; a program holds [heads, K] rows)
-    qk_norm: str = "diagonal"    # `kda_chunk_pallas(normalize_qk=True)`: q and k L2-normalised inside the per-token
+    diagonal_num_warps: int = 1  # ... and its warps (0: one per head; a program holds [heads, K] rows; H100, KDA
+                                 # run 28, with 2^x and bf16 q, k: 1 warp for 2 heads, per-token launch 387 -> 321 us
+                                 # at H = 32, 1,129 -> 938 at H = 96 against run 27's defaults)
+    qk_norm: str = "auto"        # `kda_chunk_pallas(normalize_qk=True)`: q and k L2-normalised inside the per-token
                                  # launch, which writes them in fp32 ("diagonal") or bf16 ("diagonal-bf16", as fla's
-                                 # norm returns them) for the launches after it ("diagonal-after": the walk on raw
+                                 # norm returns them; auto: with bf16 values, else "diagonal")
+                                 # for the launches after it ("diagonal-after": the walk on raw
                                  # k rows, the band scaled by the sub-block's 1 / |k_j| at the end, one sum a row
                                  # instead of one a step), or writes only 1 / |q| and 1 / |k| (a
                                  # float a row) for the later launches to scale q and k by as they read them
@@ -121,10 +125,12 @@ class ChunkBlocks:
                                  # per-token launch 299 -> 385 us against XLA's norm 97 at H = 32, 872 -> 1,125
                                  # against 292 at H = 96 (sums 1,232 -> 1,219 and 3,717 -> 3,679 us). Registers of
                                  # the tile pairs launch (sm_90a): 245 with "diagonal", 168 with "diagonal-bf16"
-                                 # (8 -> 12 one-warp programs a multiprocessor); bf16 untimed under that launch
-    diagonal_exp2: bool = False  # ... carries its decay in base-2 units and takes 2^x (one ex2.approx) instead of
+                                 # (8 -> 12 one-warp programs a multiprocessor); H100, KDA run 28 (with 2^x, 1
+                                 # warp): pairs 405 -> 301 us, W, U 293 -> 263 at H = 32 (1,125 -> 853 and
+                                 # 841 -> 734 at H = 96); o within 4e-3 of the fp32 reference, as fp32 (fla: 4.5e-3)
+    diagonal_exp2: bool = True   # ... carries its decay in base-2 units and takes 2^x (one ex2.approx) instead of
                                  # e^x (a longer sequence): its loop 133 -> 91 PTX instructions a step (sm_90a,
-                                 # 2 heads at 2 warps); prepared after KDA run 27, not yet timed
+                                 # 2 heads at 2 warps); H100, KDA run 28, 1 warp: per-token launch 387 -> 340 us
     diagonal_band: bool = True   # ... writes only the diagonal blocks, [C, 16] a chunk, for the pairs launch to
                                  # expand (else whole [C, C] rows, three quarters zeros)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
@@ -204,7 +210,11 @@ class ChunkBlocks:
         across = self.across
         if across == "auto":
             across = "tiles" if intra == "parallel" and self.pairs == "diagonal" and solve == "sliced" else "levels"
-        return replace(self, intra=intra, factors=factors, inverse=inverse, solve=solve, cumsum=cumsum, across=across)
+        qk_norm = self.qk_norm
+        if qk_norm == "auto":
+            qk_norm = "diagonal-bf16" if value_dtype == "bfloat16" else "diagonal"
+        return replace(self, intra=intra, factors=factors, inverse=inverse, solve=solve, cumsum=cumsum, across=across,
+                       qk_norm=qk_norm)
 
     def pairs_launch(self) -> tuple[int, int, int]:
         """(warps, stages, key columns a loop step) of the pairs launch of these settled settings: the fields

@@ -57,8 +57,9 @@ def test_decode_step_equals_the_xla_twin(rng, interpret, factors, b, h, kd, a_sh
 @pytest.mark.parametrize("b,h,extra", [(5, 1, dict(stages=2, programs=1)), (2, 3, {})])
 def test_k64_takes_the_xla_factors(rng, interpret, b, h, extra):
     """At K = 64 "auto" runs the "xla" form (the "kernel" form does not lower there); equal to the twin."""
-    blocks = HopperDecodeBlocks(**extra)
+    blocks = HopperDecodeBlocks(factors="auto", **extra)
     assert blocks.factors_for(64) == "xla" and blocks.factors_for(128) == "kernel"
+    assert HopperDecodeBlocks().factors_for(128) == "xla"          # the default: the factors made by XLA
     args = decode_inputs(rng, b, h, 64, lower_bound=-5.0)
     out_r, conv_r, state_r = kda_decode_xla(*args)
     out, new_conv, new_state = jax.block_until_ready(kda_decode_hopper(*args, blocks=blocks, interpret=interpret))
@@ -201,7 +202,7 @@ def test_refuses_what_it_cannot_run(rng):
     with pytest.raises(ValueError, match="stages=2 at K=V=256 need .* more than the 232448 B"):
         kda_decode_hopper(*big)
     with pytest.raises(ValueError, match="stages=3 at K=V=128 need .* more than the 232448 B"):
-        HopperDecodeBlocks(stages=3).stages_for(128, 4, {})
+        HopperDecodeBlocks(factors="kernel", stages=3).stages_for(128, 4, {})
     with pytest.raises(ValueError, match="factors='kernel' needs K a multiple of 128 .* at K=64"):
         kda_decode_hopper(inputs, weights, conv, state, blocks=HopperDecodeBlocks(factors="kernel"))
     for bad in (dict(stages=1), dict(stages=-2), dict(stages=True), dict(programs=-1), dict(programs=2.0),
@@ -219,12 +220,14 @@ def test_stages_fill_the_shared_memory():
     and the barriers' 1 KB): 176,128 B at K = V = 128, W = 4, fp32, 2 stages, "kernel", as its lowering counts
     (without the barriers)."""
     f32 = dict(state="float32")
-    assert HopperDecodeBlocks().smem_bytes(2, 128, 4, f32) == 176_128 + 1024
-    assert HopperDecodeBlocks().stages_for(128, 4, f32) == 2                 # factors in the kernel
-    assert HopperDecodeBlocks(factors="xla").stages_for(128, 4, f32) == 3
-    assert HopperDecodeBlocks().stages_for(64, 4, f32) == 3
-    assert HopperDecodeBlocks().stages_for(128, 4, dict(state="bfloat16")) == 3
-    assert not HopperDecodeBlocks().fits(192, 4, f32) and HopperDecodeBlocks().fits(192, 4, dict(state="bfloat16"))
+    fused = HopperDecodeBlocks(factors="kernel")
+    assert fused.smem_bytes(2, 128, 4, f32) == 176_128 + 1024
+    assert fused.stages_for(128, 4, f32) == 2                                # factors in the kernel
+    assert HopperDecodeBlocks().stages_for(128, 4, f32) == 3                 # the default: "xla"
+    assert HopperDecodeBlocks(factors="auto").stages_for(64, 4, f32) == 3
+    assert fused.stages_for(128, 4, dict(state="bfloat16")) == 3
+    for blocks in (HopperDecodeBlocks(), HopperDecodeBlocks(factors="auto")):
+        assert not blocks.fits(192, 4, f32) and blocks.fits(192, 4, dict(state="bfloat16"))
 
 
 def test_programs_follow_the_tiles():

@@ -88,10 +88,11 @@ def _l2(x):
     # K != V
     (1, 130, 2, 64, 64, 64, (-3.0, 0.0), True, "bfloat16", "parallel/fs16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/fs16/across-tiles"),
-    # the per-token walk's exponentials as 2^x: weak and unbounded gates, both layouts, the cumsum it writes
-    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/exp2/bf16"),
-    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/exp2/chunked"),
-    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/exp2"),
+    # the per-token walk's exponentials as e^x (2^x, the default since run 28, in every row above): weak and
+    # unbounded gates, both layouts, the cumsum it writes; a warp a head (dh2)
+    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/exp-e/bf16"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/exp-e/chunked"),
+    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/exp-e/dh2"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -104,7 +105,8 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     intra, *options = intra.split("/")   # "separate": A_kk, A_qk one launch each; "tiles": by 16-row tiles;
     # "joint": every level in one launch; "diagonal" (the default): the diagonal blocks per token; "whole" /
     # "sliced": the solve's form (default: sliced where the pairs allow); "bf16": bf16 factors; "chunked": XLA's
-    # layout copies; "dh2": two heads (and warps) a program of the per-token launch (default: auto)
+    # layout copies; "dh2": two heads (and warps) a program of the per-token launch (default: auto heads, a warp);
+    # "exp-e": the per-token walk in e^x (default: 2^x)
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
@@ -117,12 +119,12 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                solve=next((p for p in ("sliced", "whole") if p in options),
                                                           "auto"),
                                                diagonal_heads=2 if "dh2" in options else 0,
-                                               diagonal_num_warps=2 if "dh2" in options else 0,
+                                               diagonal_num_warps=2 if "dh2" in options else 1,
                                                factors_slice=16 if "fs16" in options else ChunkBlocks.factors_slice,
                                                across=next((a for a in ("tiles", "levels")
                                                             if "across-" + a in options), "auto"),
                                                factors_loop="factors-programs" not in options,
-                                               diagonal_exp2="exp2" in options,
+                                               diagonal_exp2="exp-e" not in options,
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -349,14 +351,17 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
     assert ChunkBlocks(factors_num_warps=0, factors_num_stages=3).factors_launch() == (4, 3)
     assert ChunkBlocks(pairs="joint").resolve("bfloat16").cumsum == "pallas"   # no per-token launch to write it
     assert ChunkBlocks(chunk=128).resolve("bfloat16").cumsum == "pallas"
-    assert ChunkBlocks().diagonal_launch(32, tokens=True) == (2, 2)           # two heads a program, a warp each
+    assert ChunkBlocks().diagonal_launch(32, tokens=True) == (2, 1)           # two heads a program, one warp
+    assert ChunkBlocks(diagonal_num_warps=0).diagonal_launch(32, tokens=True) == (2, 2)   # ... or a warp a head
+    assert ChunkBlocks().resolve("bfloat16").qk_norm == "diagonal-bf16"   # q, k handed on in the values' dtype
+    assert ChunkBlocks().resolve("float32").qk_norm == "diagonal"
     assert ChunkBlocks().diagonal_launch(3, tokens=True) == ChunkBlocks().diagonal_launch(32, tokens=False) == (1, 1)
     assert ChunkBlocks(diagonal_heads=4, diagonal_num_warps=2).diagonal_launch(32, tokens=True) == (4, 2)
     assert ChunkBlocks(diagonal_heads=4).diagonal_launch(32, tokens=False) == (1, 1)   # chunked: a head a program
     assert ChunkBlocks(chunk=128).resolve("bfloat16").intra == "blocked"
     assert ChunkBlocks(inter="split").resolve("bfloat16").factors == "float32"
     explicit = ChunkBlocks(intra="column", factors="float32", inverse="tf32", solve="whole", cumsum="xla",
-                           across="levels")
+                           across="levels", qk_norm="diagonal")
     assert explicit.resolve("bfloat16") == explicit      # settings given are kept
 
 
@@ -451,7 +456,8 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     ("bfloat16", ChunkBlocks(diagonal_heads=1, cumsum="pallas")),
     ("bfloat16", ChunkBlocks(pairs="joint")),                      # no per-token launch: XLA's norm first
     ("bfloat16", ChunkBlocks(qk_norm="xla")),
-    ("bfloat16", ChunkBlocks(qk_norm="diagonal-bf16")),            # written for the later launches in bf16
+    ("bfloat16", ChunkBlocks(qk_norm="diagonal")),                 # written for the later launches in fp32
+    ("float32", ChunkBlocks(qk_norm="diagonal-bf16")),             # ... or in bf16 whatever the values' dtype
     ("bfloat16", ChunkBlocks(qk_norm="diagonal-after")),           # the band scaled by 1 / |k_j| at the end
     ("float32", ChunkBlocks(qk_norm="diagonal-after", layout="chunked")),
     ("bfloat16", ChunkBlocks(qk_norm="scales")),                   # only 1 / |q|, 1 / |k| handed on
@@ -492,12 +498,13 @@ def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     o, s = call(q, k, True)
     qn, kn = l2_normalize(q), l2_normalize(k)
     o2, s2 = kda_chunk_pallas(qn, kn, v, g, beta, initial_state=s0, blocks=blocks, interpret=interpret)
-    rounded = "bfloat16" if blocks.qk_norm == "diagonal-bf16" else "float32"    # q, k between the launches
+    rounded = "bfloat16" if settled.qk_norm == "diagonal-bf16" else "float32"    # q, k between the launches
     assert_close("o, normalised outside", o, o2, dtype=kernel_dtype(rounded, interpret))
     assert_close("state, normalised outside", s, s2, dtype=kernel_dtype(rounded, interpret))
     o_ref, s_ref = kda_recurrent_reference(qn, kn, v.astype(jnp.float32), g, beta, initial_state=s0)
-    assert_close("o", o, o_ref, dtype=kernel_dtype(dtype, interpret))
-    assert_close("state", s, s_ref, tol=TOLERANCES[kernel_dtype(dtype, interpret)])
+    inner = "bfloat16" if rounded == "bfloat16" else dtype
+    assert_close("o", o, o_ref, dtype=kernel_dtype(inner, interpret))
+    assert_close("state", s, s_ref, tol=TOLERANCES[kernel_dtype(inner, interpret)])
 
 
 def _launch_output_shapes(call, q, k, normalize) -> dict[str, list[tuple]]:
