@@ -92,8 +92,8 @@ for step in "$@"; do
               | quiet | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_prefill_tests.log"
           OUT=$W timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_prefill.log" ;;
-    kda-bench) OUT=$W XLA_PYTHON_CLIENT_MEM_FRACTION=${KDA_MEM_FRACTION:-0.5} timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
-              | tee "$W/kda_bench.log" ;;
+    kda-bench) OUT=$W XLA_PYTHON_CLIENT_MEM_FRACTION=${KDA_MEM_FRACTION:-0.5} timeout ${KDA_LIMIT:-420} \
+              python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet | tee "$W/kda_bench.log" ;;
     kda-scaling) OUT=$W timeout ${KDA_LIMIT:-300} python3 benchmarks/kda.py --prefill-only --heads 32 --variants default \
               --qk-dtypes raw --lengths 1024 2048 4096 8192 16384 32768 --iters 20 --name kda_prefill_lengths 2>&1 | quiet \
               | tee "$W/kda_lengths.log"

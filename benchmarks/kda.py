@@ -86,9 +86,11 @@ TILES = lambda warps, stages, columns: dict(pairs_num_warps=warps, pairs_num_sta
 LOOP = lambda columns, warps, stages: dict(factors_loop=True, factors_slice=columns, factors_num_warps=warps,
                                            factors_num_stages=stages)
 QB = dict(qk_norm="diagonal-bf16", diagonal_exp2=True)   # q, k handed on in bf16, the per-token walk in 2^x
+# the per-token launch as before KDA run 28: q, k handed on in fp32, its walk in e^x, a warp a head (at even H)
+WALK27 = dict(qk_norm="diagonal", diagonal_exp2=False, diagonal_num_warps=2)
 VARIANTS = {
     "default": ChunkBlocks(),
-    "joint": ChunkBlocks(pairs="joint", solve="whole"),   # the defaults before 2026-12-04 late (runs 12-18's "default")
+    "joint": ChunkBlocks(pairs="joint", solve="whole", **WALK27),   # the defaults before 2026-12-04 late (runs 12-18's "default")
     "default/chunked": ChunkBlocks(layout="chunked"),   # the defaults with XLA's layout copies (before 2026-12-03 late)
     "default/ks64": ChunkBlocks(key_slice=64),
     "default/w8": ChunkBlocks(num_warps=8),
@@ -161,17 +163,19 @@ VARIANTS = {
     "default/qk-bf16/exp2/dw1": ChunkBlocks(qk_norm="diagonal-bf16", diagonal_exp2=True, diagonal_num_warps=1),
     "default/qk-bf16/exp2/dw1/factors-loop32/fw8/s2": ChunkBlocks(qk_norm="diagonal-bf16", diagonal_exp2=True,
                                                                   diagonal_num_warps=1, **LOOP(32, 8, 2)),
-    # around the fastest form of run 28 (H100): q, k handed on in bf16, 2^x, the per-token launch at fewer warps
+    # around the fastest form of run 28 (H100), the defaults since: q, k handed on in bf16, 2^x, fewer warps in the
+    # per-token launch (so on bf16 values "default/qk-bf16/exp2/dw1" above, and also "default/exp2/dw1",
+    # "default/exp2", "default/dw1" and "default/qk-bf16" now equal "default": run 28's and earlier runs' names)
     "default/qk-bf16/exp2/dh4/dw1": ChunkBlocks(**QB, diagonal_heads=4, diagonal_num_warps=1),
     "default/qk-bf16/exp2/dh4/dw2": ChunkBlocks(**QB, diagonal_heads=4, diagonal_num_warps=2),
     "default/qk-bf16/exp2/dh1": ChunkBlocks(**QB, diagonal_heads=1),
     "default/qk-bf16/exp2/dw1/inter-s2": ChunkBlocks(**QB, diagonal_num_warps=1, inter_num_stages=2),
     "default/qk-bf16/exp2/dw1/ps2": ChunkBlocks(**QB, diagonal_num_warps=1, across="tiles", **TILES(1, 2, 16)),
     "default/qk-bf16/exp2/dw1/factors-loop64/fw8/s3": ChunkBlocks(**QB, diagonal_num_warps=1, **LOOP(64, 8, 3)),
-    "run27": ChunkBlocks(qk_norm="diagonal", diagonal_exp2=False, diagonal_num_warps=0),   # run 27's defaults
+    "run27": ChunkBlocks(**WALK27),   # run 27's defaults ("default" in runs 27 and 28)
     "default/across-levels": ChunkBlocks(across="levels"),   # the levels and the [C, C] doubling (before run 27)
-    "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128),   # run 24's defaults
-    "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4),  # run 20's
+    "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128, **WALK27),   # run 24's defaults
+    "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4, **WALK27),  # run 20's
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),

@@ -112,6 +112,7 @@ def _build_cases():
         "kda-chunk-dh4": kda(diagonal_heads=4),
         "kda-chunk-pallas-cumsum": kda(cumsum="pallas"),     # the local cumsum in a launch of its own
         "kda-chunk-norm-in": kda(normalize_qk=True),     # q and k L2-normalised in the per-token launch
+        "kda-chunk-norm-in-run27": kda(normalize_qk=True, blocks=VARIANTS["run27"]),   # ... as before KDA run 28
         "kda-chunk-norm-in-bf16": kda(normalize_qk=True, qk_norm="diagonal-bf16"),
         "kda-chunk-norm-in-after": kda(normalize_qk=True, qk_norm="diagonal-after"),
         "kda-chunk-norm-scales": kda(normalize_qk=True, qk_norm="scales"),   # only 1 / |q|, 1 / |k| handed on
@@ -127,7 +128,8 @@ def _build_cases():
         "kda-chunk-norm-in-exp2": kda(normalize_qk=True, diagonal_exp2=True),   # the walk's exponentials as 2^x
         "kda-chunk-norm-in-exp2-dw1": kda(normalize_qk=True, diagonal_exp2=True, diagonal_num_warps=1),
         # W, U, ... with q, k normalised inside: 32 columns a loop step at 8 warps (87 registers) against the
-        # default's 64 at 8 (139: one program a multiprocessor; the case kda-chunk-norm-in)
+        # default's 64 at 8 (139 with fp32 q, k: one program a multiprocessor; the case kda-chunk-norm-in-run27;
+        # the -bf16 cases and, since KDA run 28, kda-chunk-norm-in take bf16 q, k)
         "kda-chunk-norm-in-factors-loop32-w8-s2": kda(normalize_qk=True, **factors_loop(32, 8, 2)),
         "kda-chunk-norm-in-factors-loop32-w8-s3": kda(normalize_qk=True, **factors_loop(32, 8, 3)),
         "kda-chunk-norm-in-bf16-factors-loop32-w8-s2": kda(normalize_qk=True, qk_norm="diagonal-bf16",

@@ -434,7 +434,7 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     if blocks.pairs not in ("joint", "separate", "tiles", "diagonal"):
         raise ValueError(f"{name}: pairs must be 'joint', 'separate', 'tiles' or 'diagonal', got {blocks.pairs!r}")
     if type(blocks.diagonal_num_warps) is not int or blocks.diagonal_num_warps not in (0, 1, 2, 4, 8):
-        raise ValueError(f"{name}: diagonal_num_warps must be 0 (one per head), 1, 2, 4 or 8, "
+        raise ValueError(f"{name}: diagonal_num_warps must be 0 (auto), 1, 2, 4 or 8, "
                          f"got {blocks.diagonal_num_warps!r}")
     if blocks.solve not in ("whole", "sliced"):
         raise ValueError(f"{name}: solve must be 'whole' or 'sliced', got {blocks.solve!r}")
@@ -451,7 +451,8 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
         raise ValueError(f"{name}: solve='sliced' takes the inverse from pairs='joint' or 'diagonal', "
                          f"got pairs={blocks.pairs!r}")
     if blocks.qk_norm not in IN_LAUNCH_NORMS + ("xla",):
-        raise ValueError(f"{name}: qk_norm must be one of {IN_LAUNCH_NORMS + ('xla',)}, got {blocks.qk_norm!r}")
+        raise ValueError(f"{name}: qk_norm must be 'auto' or one of {IN_LAUNCH_NORMS + ('xla',)}, "
+                         f"got {blocks.qk_norm!r}")
     if blocks.qk_norm.endswith("-after") and not blocks.diagonal_band:
         raise ValueError(f"{name}: qk_norm={blocks.qk_norm!r} scales the per-token launch's band: it needs "
                          f"diagonal_band=True")

@@ -68,7 +68,7 @@ class HopperDecodeBlocks:
               inputs and one [3W + 2, K] block of the head's weights (one launch a step; K a multiple of 128);
               "xla": computed by XLA before the launch (`decode_xla.decode_factors`) and read as a [6, K] block
               a tile (the default); "auto": "kernel" where it takes K, else "xla". H100, B = 1 / 8 / 64 / 256,
-              H = 32, fp32 state, 20 layers in one program (KDA decode run 28): "xla" 34 / 46 / 153 / 503 us a
+              H = 32, fp32 state, 20 layers in one program (KDA run 28): "xla" 34 / 46 / 153 / 503 us a
               layer with its fusion, "kernel" 38 / 64 / 159 / 507; the Triton step (`decode.py`) 25 / 41 / 150 / 491.
     stages:   tiles in flight per program, each with a [K, V] state buffer; 0 = as many as fit (at most 3; at
               K = V = 128 with an fp32 state: 2 for "kernel", 3 for "xla"; with a bf16 state 3 for both).

@@ -107,9 +107,10 @@ class ChunkBlocks:
     diagonal_heads: int = 0  # pairs="diagonal": heads per program of the per-token launch (1, 2, 4 or 8) where the
                              # call takes the tokens layout, else 1; 0 (auto): 2 where H is even
                              # (H200, H = 32: 1 / 2 / 4 heads 310 / 288 / 285 us)
-    diagonal_num_warps: int = 1  # ... and its warps (0: one per head; a program holds [heads, K] rows; H100, KDA
-                                 # run 28, with 2^x and bf16 q, k: 1 warp for 2 heads, per-token launch 387 -> 321 us
-                                 # at H = 32, 1,129 -> 938 at H = 96 against run 27's defaults)
+    diagonal_num_warps: int = 0  # ... and its warps (a program holds [heads, K] rows; 0 (auto): one for every two
+                                 # heads, at least one; one a head before KDA run 28). H100, run 28, together with
+                                 # 2^x and bf16 q, k: per-token launch 387 -> 321 us at H = 32, 1,129 -> 938 at
+                                 # H = 96 against run 27's defaults (2 heads at 2 warps, e^x, fp32 q, k)
     qk_norm: str = "auto"        # `kda_chunk_pallas(normalize_qk=True)`: q and k L2-normalised inside the per-token
                                  # launch, which writes them in fp32 ("diagonal") or bf16 ("diagonal-bf16", as fla's
                                  # norm returns them; auto: with bf16 values, else "diagonal")
@@ -125,12 +126,14 @@ class ChunkBlocks:
                                  # per-token launch 299 -> 385 us against XLA's norm 97 at H = 32, 872 -> 1,125
                                  # against 292 at H = 96 (sums 1,232 -> 1,219 and 3,717 -> 3,679 us). Registers of
                                  # the tile pairs launch (sm_90a): 245 with "diagonal", 168 with "diagonal-bf16"
-                                 # (8 -> 12 one-warp programs a multiprocessor); H100, KDA run 28 (with 2^x, 1
-                                 # warp): pairs 405 -> 301 us, W, U 293 -> 263 at H = 32 (1,125 -> 853 and
-                                 # 841 -> 734 at H = 96); o within 4e-3 of the fp32 reference, as fp32 (fla: 4.5e-3)
+                                 # (8 -> 12 one-warp programs a multiprocessor); H100, KDA run 28, together with 2^x
+                                 # and one warp, against run 27's defaults: pairs 405 -> 301 us, W, U 293 -> 263 at
+                                 # H = 32 (1,125 -> 853 and 841 -> 734 at H = 96); o within 4e-3 of the fp32
+                                 # reference, as with fp32 q, k (fla: 4.5e-3)
     diagonal_exp2: bool = True   # ... carries its decay in base-2 units and takes 2^x (one ex2.approx) instead of
                                  # e^x (a longer sequence): its loop 133 -> 91 PTX instructions a step (sm_90a,
-                                 # 2 heads at 2 warps); H100, KDA run 28, 1 warp: per-token launch 387 -> 340 us
+                                 # 2 heads at 2 warps); H100, KDA run 28, with one warp for the two heads:
+                                 # per-token launch 387 -> 340 us at H = 32 (2^x alone untimed)
     diagonal_band: bool = True   # ... writes only the diagonal blocks, [C, 16] a chunk, for the pairs launch to
                                  # expand (else whole [C, C] rows, three quarters zeros)
     inverse: str = "auto"    # "parallel": products of the (I + L)^-1 doubling on the GPU, "tf32x3" (about fp32)
@@ -238,7 +241,7 @@ class ChunkBlocks:
         program where the call does not take the tokens layout (the chunked layout, XLA's cumsum, the split
         pass, packed sequences), whatever diagonal_heads asks."""
         per = (self.diagonal_heads or (2 if heads % 2 == 0 else 1)) if tokens else 1
-        return per, self.diagonal_num_warps or min(per, 8)
+        return per, self.diagonal_num_warps or max(1, per // 2)
 
     @property
     def normalizes_qk(self) -> bool:

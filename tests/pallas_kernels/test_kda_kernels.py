@@ -105,7 +105,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     intra, *options = intra.split("/")   # "separate": A_kk, A_qk one launch each; "tiles": by 16-row tiles;
     # "joint": every level in one launch; "diagonal" (the default): the diagonal blocks per token; "whole" /
     # "sliced": the solve's form (default: sliced where the pairs allow); "bf16": bf16 factors; "chunked": XLA's
-    # layout copies; "dh2": two heads (and warps) a program of the per-token launch (default: auto heads, a warp);
+    # layout copies; "dh2": two heads and two warps a program of the per-token launch (default: auto, one warp);
     # "exp-e": the per-token walk in e^x (default: 2^x)
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
@@ -119,7 +119,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                solve=next((p for p in ("sliced", "whole") if p in options),
                                                           "auto"),
                                                diagonal_heads=2 if "dh2" in options else 0,
-                                               diagonal_num_warps=2 if "dh2" in options else 1,
+                                               diagonal_num_warps=2 if "dh2" in options else 0,
                                                factors_slice=16 if "fs16" in options else ChunkBlocks.factors_slice,
                                                across=next((a for a in ("tiles", "levels")
                                                             if "across-" + a in options), "auto"),
@@ -352,7 +352,8 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
     assert ChunkBlocks(pairs="joint").resolve("bfloat16").cumsum == "pallas"   # no per-token launch to write it
     assert ChunkBlocks(chunk=128).resolve("bfloat16").cumsum == "pallas"
     assert ChunkBlocks().diagonal_launch(32, tokens=True) == (2, 1)           # two heads a program, one warp
-    assert ChunkBlocks(diagonal_num_warps=0).diagonal_launch(32, tokens=True) == (2, 2)   # ... or a warp a head
+    assert ChunkBlocks(diagonal_heads=4).diagonal_launch(32, tokens=True) == (4, 2)   # a warp for two heads
+    assert ChunkBlocks(diagonal_heads=1).diagonal_launch(32, tokens=True) == (1, 1)
     assert ChunkBlocks().resolve("bfloat16").qk_norm == "diagonal-bf16"   # q, k handed on in the values' dtype
     assert ChunkBlocks().resolve("float32").qk_norm == "diagonal"
     assert ChunkBlocks().diagonal_launch(3, tokens=True) == ChunkBlocks().diagonal_launch(32, tokens=False) == (1, 1)
