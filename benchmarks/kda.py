@@ -90,7 +90,8 @@ QB = dict(qk_norm="diagonal-bf16", diagonal_exp2=True)   # q, k handed on in bf1
 WALK27 = dict(qk_norm="diagonal", diagonal_exp2=False, diagonal_num_warps=2)
 VARIANTS = {
     "default": ChunkBlocks(),
-    "joint": ChunkBlocks(pairs="joint", solve="whole", **WALK27),   # the defaults before 2026-12-04 late (runs 12-18's "default")
+    # the defaults before 2026-12-04 late (runs 12-18's "default")
+    "joint": ChunkBlocks(pairs="joint", solve="whole", **WALK27),
     "default/chunked": ChunkBlocks(layout="chunked"),   # the defaults with XLA's layout copies (before 2026-12-03 late)
     "default/ks64": ChunkBlocks(key_slice=64),
     "default/w8": ChunkBlocks(num_warps=8),
@@ -160,9 +161,8 @@ VARIANTS = {
     "default/exp2/dw1/factors-loop32/fw8/s3": ChunkBlocks(diagonal_exp2=True, diagonal_num_warps=1, **LOOP(32, 8, 3)),
     # q, k handed on in bf16 (as fla's norm returns them) under the tile launch: its registers 245 -> 168 at 1 warp
     # (8 -> 12 programs a multiprocessor); "default/qk-bf16" was last timed with the levels launch (run 23)
-    "default/qk-bf16/exp2/dw1": ChunkBlocks(qk_norm="diagonal-bf16", diagonal_exp2=True, diagonal_num_warps=1),
-    "default/qk-bf16/exp2/dw1/factors-loop32/fw8/s2": ChunkBlocks(qk_norm="diagonal-bf16", diagonal_exp2=True,
-                                                                  diagonal_num_warps=1, **LOOP(32, 8, 2)),
+    "default/qk-bf16/exp2/dw1": ChunkBlocks(**QB, diagonal_num_warps=1),
+    "default/qk-bf16/exp2/dw1/factors-loop32/fw8/s2": ChunkBlocks(**QB, diagonal_num_warps=1, **LOOP(32, 8, 2)),
     # around the fastest form of run 28 (H100), the defaults since: q, k handed on in bf16, 2^x, fewer warps in the
     # per-token launch (so on bf16 values "default/qk-bf16/exp2/dw1" above, and also "default/exp2/dw1",
     # "default/exp2", "default/dw1" and "default/qk-bf16" now equal "default": run 28's and earlier runs' names)
@@ -175,7 +175,8 @@ VARIANTS = {
     "run27": ChunkBlocks(**WALK27),   # run 27's defaults ("default" in runs 27 and 28)
     "default/across-levels": ChunkBlocks(across="levels"),   # the levels and the [C, C] doubling (before run 27)
     "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128, **WALK27),   # run 24's defaults
-    "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4, **WALK27),  # run 20's
+    "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4,
+                         **WALK27),  # run 20's
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),
