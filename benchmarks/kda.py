@@ -31,8 +31,8 @@ import numpy as np  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plt  # noqa: E402
 
-from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, table, write  # noqa: E402
-from benchmarks.kernel_profile import kernel_times, kernel_trace  # noqa: E402
+from benchmarks.common import HBM_ACHIEVABLE, environment, median_time, pipelined_time, table, write  # noqa: E402
+from benchmarks.kernel_profile import call_trace, kernel_times, kernel_trace  # noqa: E402
 from pallas_kernels._util import default_interpret  # noqa: E402
 from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, HopperDecodeBlocks, KDADecodeInputs,  # noqa: E402
                                 KDADecodeWeights, hopper_decode_runs_here, kda_chunk_xla, kda_decode_hopper,
@@ -61,7 +61,10 @@ def fla_functions():
         return None
 
 
-def torch_time(torch, fn, warmup=5, iters=50) -> float:
+def torch_time(torch, fn, warmup=5, iters=50, calls=1) -> float:
+    """Median over `iters` of the seconds per call of `calls` eager calls between two CUDA events: one call (the
+    default), or several back to back, as `pipelined_time` times ours (the host's launches hidden where the device
+    is the slower side)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -69,10 +72,11 @@ def torch_time(torch, fn, warmup=5, iters=50) -> float:
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
 
 
@@ -172,11 +176,13 @@ VARIANTS = {
     "default/qk-bf16/exp2/dw1/inter-s2": ChunkBlocks(**QB, diagonal_num_warps=1, inter_num_stages=2),
     "default/qk-bf16/exp2/dw1/ps2": ChunkBlocks(**QB, diagonal_num_warps=1, across="tiles", **TILES(1, 2, 16)),
     "default/qk-bf16/exp2/dw1/factors-loop64/fw8/s3": ChunkBlocks(**QB, diagonal_num_warps=1, **LOOP(64, 8, 3)),
-    "run27": ChunkBlocks(**WALK27),   # run 27's defaults ("default" in runs 27 and 28)
+    # (since run 29 the W, U loop runs in 3 stages by default, so the last equals "default"; "run29" is the 2)
+    "run27": ChunkBlocks(**WALK27, factors_num_stages=2),   # run 27's defaults ("default" in runs 27 and 28)
+    "run29": ChunkBlocks(factors_num_stages=2),   # run 29's ("default" there): the W, U loop in 2 stages
     "default/across-levels": ChunkBlocks(across="levels"),   # the levels and the [C, C] doubling (before run 27)
     "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128, **WALK27),   # run 24's defaults
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4,
-                         **WALK27),  # run 20's
+                         factors_num_stages=2, **WALK27),  # run 20's
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),
@@ -220,12 +226,16 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
     the L2 norm (fp32, as the models passed them before normalize_qk, or rounded to bf16 as fla's norm returns
     them; the XLA reference always takes fp32), or "raw": as they leave the conv, the call normalising them
     (`normalize_qk=True`, as the models pass them now); each variant is timed with each, "<name>@qk-bf16" for
-    bf16, "<name>@norm-in" for raw. save: called with the rows so far (the shape in progress marked "partial")
-    after every variant and every shape, so a run cut short by its time limit keeps what it measured."""
+    bf16, "<name>@norm-in" for raw. Each call is timed alone (host timer around one call and its
+    synchronisation; fla: CUDA events around one call) and pipelined (`iters` calls back to back, one wait at
+    the end; fla: between two CUDA events), where the host's dispatch hides behind the device. save: called
+    with the rows so far (the shape in progress marked "partial") after every variant and every shape, so a run
+    cut short by its time limit keeps what it measured. fla's kernels are profiled after every shape's jax
+    traces (torch's profiler keeps CUPTI, and a jax trace started after it records host events only)."""
     suffix = {"float32": "", "bfloat16": "@qk-bf16", "raw": "@norm-in"}
     chosen = {(n + suffix[qd], qd): VARIANTS[n].resolve("bfloat16")
               for n in (variants or VARIANTS) for qd in qk_dtypes}   # bf16 q, k, v below
-    rows = []
+    rows, fla_profiles = [], []
     for (b, t, h, kd) in shapes:
         key = jax.random.key(h)
         ks = jax.random.split(key, 6)
@@ -248,6 +258,7 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
                 q if raw else l2_in(q), k if raw else l2_in(k), v, g, beta, initial_state=s0, blocks=blocks,
                 normalize_qk=raw))
             t_v, _ = median_time(lambda: ours(q, k, v, g, beta, s0), iters=iters)
+            t_pipe = pipelined_time(lambda: ours(q, k, v, g, beta, s0), calls=iters)
             o, s = ours(q, k, v, g, beta, s0)
             tokens = blocks.reads_tokens    # the two passes timed alone, in the layout the variant's call uses
             split = to_chunk_rows if tokens else to_chunks
@@ -259,7 +270,8 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
             inter = jax.jit(lambda *f_, blocks=blocks, tokens=tokens: chunk_inter(
                 *f_, out_dtype=v.dtype, blocks=blocks, interpret=default_interpret(), tokens=tokens))
             t_inter, _ = median_time(lambda: inter(*factors, s0), iters=iters)
-            variants[name] = {"ms": t_v * 1e3, "intra_ms": t_intra * 1e3, "inter_ms": t_inter * 1e3,
+            variants[name] = {"ms": t_v * 1e3, "pipelined_ms": t_pipe * 1e3, "intra_ms": t_intra * 1e3,
+                              "inter_ms": t_inter * 1e3,
                               "err_o": rel(o, o_ref), "err_state": rel(s, s_ref)}
             if profile:     # span: first kernel's start to last one's end a call (back to back), so idle included
                 times, span = kernel_trace(ours, (q, k, v, g, beta, s0), calls=10)
@@ -271,6 +283,7 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
         best = min(variants, key=lambda n_: variants[n_]["ms"])
         t_ours = variants[best]["ms"] / 1e3
         row = {"B": b, "T": t, "H": h, "K": kd, "ours_ms": t_ours * 1e3, "variant": best, "xla_ref_ms": t_ref * 1e3,
+               "ours_pipelined_ms": variants[best]["pipelined_ms"],
                "err_o_vs_ref": variants[best]["err_o"], "err_state_vs_ref": variants[best]["err_state"],
                "variants": variants}
         if fla is not None:
@@ -282,18 +295,24 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
                                use_qk_l2norm_in_kernel=True)
             torch.cuda.synchronize()
             row["fla_first_call_s"] = time.perf_counter() - t0
-            t_fla = torch_time(torch, lambda: chunk_kda(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
-                                                         use_qk_l2norm_in_kernel=True), iters=iters)
-            row.update(fla_ms=t_fla * 1e3, speedup_vs_fla=t_fla / t_ours,
+            fla_call = lambda: chunk_kda(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+            t_fla = torch_time(torch, fla_call, iters=iters)
+            t_fla_pipe = torch_time(torch, fla_call, iters=5, calls=iters)
+            row.update(fla_ms=t_fla * 1e3, speedup_vs_fla=t_fla / t_ours, fla_pipelined_ms=t_fla_pipe * 1e3,
+                       speedup_pipelined_vs_fla=t_fla_pipe / (row["ours_pipelined_ms"] / 1e3),
                        err_fla_vs_ref=rel(fo.float().cpu().numpy(), o_ref))
-            if profile:
-                row["fla_kernel_us"] = {k_: round(v_, 1) for k_, v_ in fla_kernel_times(
-                    torch, lambda: chunk_kda(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
-                                             use_qk_l2norm_in_kernel=True)).items()}
+            if profile:     # after every jax trace: torch's profiler keeps CUPTI, and jax's traces then fail
+                fla_profiles.append((row, torch, fla_call))
         rows.append(row)
         if save is not None:
             save(rows)
         print("prefill", {k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
+    for row, torch, fla_call in fla_profiles:
+        row["fla_kernel_us"] = {k_: round(v_, 1) for k_, v_ in fla_kernel_times(torch, fla_call).items()}
+        print(f"  fla kernels at H = {row['H']}, T = {row['T']}: {row['fla_kernel_us']}", flush=True)
+    if fla_profiles and save is not None:
+        save(rows)
     return rows
 
 
@@ -330,7 +349,11 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
     launch's time includes the output norm that runs after it. columns: DecodeBlocks.column_block of the
     unsplit launch (0: the whole state at once). ceiling: also time the state's read and write alone
     (`state_stream` at each warp count, and XLA's elementwise scale of the whole state). profile: also the kernel's
-    device time per layer from a profiler trace (`device_us_per_layer_by_launch`: free of the host timer's spread)."""
+    device time per layer from a profiler trace (`device_us_per_layer_by_launch`: free of the host timer's spread),
+    and every kernel's device time and the device span a layer over chained calls with the states donated
+    (`device_all_kernels_...`, `device_span_...`). Each launch is timed a call at a time (host timer, synchronised
+    after each 20-layer call) and pipelined (`iters` calls back to back, one wait at the end, as in a decode loop
+    that never waits on the host)."""
     rows = []
     for b in batches:
         ks = jax.random.split(jax.random.key(b), 10)
@@ -360,6 +383,21 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             times = kernel_times(run(step, donate=False), (states, x, conv, f, bl, z), calls=5)
             ours_us = [us for name, us in times.items() if name.startswith("kda_decode")]
             return sum(ours_us) / layers if ours_us else None          # None off a GPU (no device lanes)
+
+        def chained(fn):
+            """A call without arguments running `fn` on the states the previous call returned (donated)."""
+            st = [tuple(s_ + 0 for s_ in states)]
+
+            def call():
+                st[0] = fn(st[0], x, conv, f, bl, z)
+                return st[0]
+            return call
+
+        def device_all(fn):
+            """(every kernel's device us a layer, the device span a layer) over chained, donated calls: what
+            the device does between and around the decode kernels (copies, XLA fusions, idle gaps)."""
+            times, span = call_trace(chained(fn), calls=5)
+            return (sum(times.values()) / layers, span / layers) if times else (None, None)
 
         def timed(fn):
             st = tuple(s_ + 0 for s_ in states)
@@ -392,22 +430,29 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             if factors == "kernel" and kd % KERNEL_FACTORS_K:
                 continue                                            # the "kernel" form does not lower at this K
             steps[f"hopper/{form}"] = lambda *args, blocks=blocks: kda_decode_hopper(*args, blocks=blocks)
+        pipelined, device_all_layer, device_span_layer = {}, {}, {}
         for label, step in steps.items():
             ours = run(step)
             by_launch[label] = timed(ours)
+            pipelined[label] = pipelined_time(chained(ours), calls=iters) / layers * 1e6
             if profile and (us := device_us(step)) is not None:
                 device[label] = us
+                device_all_layer[label], device_span_layer[label] = device_all(ours)
             errs[label] = rel(ours(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1], s_r)
-        ceilings = {}
+        ceilings, ceilings_pipelined = {}, {}
         if ceiling:
             def stream(fn):
                 return jax.jit(lambda states, f: tuple(fn(f[i], states[i]) for i in range(layers)), donate_argnums=0)
             for nwarps in warps:
                 fn = stream(functools.partial(state_stream, num_warps=nwarps))
-                ceilings[f"pallas stream {nwarps}w"] = timed(lambda st, x_, c_, f_, b_, z_: fn(st, f_))
+                streamed = lambda st, x_, c_, f_, b_, z_, fn=fn: fn(st, f_)
+                ceilings[f"pallas stream {nwarps}w"] = timed(streamed)
+                ceilings_pipelined[f"pallas stream {nwarps}w"] = pipelined_time(chained(streamed), calls=iters)
             fn = stream(lambda d, s_: (s_.astype(jnp.float32) * jax.nn.sigmoid(d.astype(jnp.float32))[..., None]
                                        ).astype(s_.dtype))
-            ceilings["xla scale"] = timed(lambda st, x_, c_, f_, b_, z_: fn(st, f_))
+            streamed = lambda st, x_, c_, f_, b_, z_, fn=fn: fn(st, f_)
+            ceilings["xla scale"] = timed(streamed)
+            ceilings_pipelined["xla scale"] = pipelined_time(chained(streamed), calls=iters)
         best = min(by_launch, key=by_launch.get)
         t_ours = by_launch[best]
         bytes_layer = 2 * b * h * kd * kd * jnp.dtype(state_dtype).itemsize
@@ -415,13 +460,18 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         row = {"B": b, "H": h, "state": jnp.dtype(state_dtype).name, "layers": layers, "us_per_layer": per * 1e6, "launch": best,
                "TB_s": bytes_layer / per / 1e12, "pct_4.3TB_s": bytes_layer / per / HBM_ACHIEVABLE * 100,
                "xla_ref_us_per_layer": t_ref / layers * 1e6, "err_state_vs_ref": max(errs.values()),
-               "us_per_layer_by_launch": {str(k_): v_ / layers * 1e6 for k_, v_ in by_launch.items()}}
+               "us_per_layer_by_launch": {str(k_): v_ / layers * 1e6 for k_, v_ in by_launch.items()},
+               "pipelined_us_per_layer_by_launch": pipelined,
+               "pipelined_pct_4.3TB_s": bytes_layer / (pipelined[best] * 1e-6) / HBM_ACHIEVABLE * 100}
         if device:
             row["device_us_per_layer_by_launch"] = device
+            row["device_all_kernels_us_per_layer_by_launch"] = device_all_layer
+            row["device_span_us_per_layer_by_launch"] = device_span_layer
             row["device_pct_4.3TB_s_by_launch"] = {k_: bytes_layer / (v_ * 1e-6) / HBM_ACHIEVABLE * 100
                                                    for k_, v_ in device.items()}
         if ceilings:
             row["ceiling_us_per_layer"] = {k_: v_ / layers * 1e6 for k_, v_ in ceilings.items()}
+            row["ceiling_pipelined_us_per_layer"] = {k_: v_ / layers * 1e6 for k_, v_ in ceilings_pipelined.items()}
             row["ceiling_pct_4.3TB_s"] = {k_: bytes_layer / (v_ / layers) / HBM_ACHIEVABLE * 100
                                           for k_, v_ in ceilings.items()}
         if fla is not None and jnp.dtype(state_dtype) == jnp.float32:
@@ -496,7 +546,8 @@ def main(argv=None) -> int:
                                       hopper_forms=args.hopper_forms)]
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write(name, record)
-    print(table(pre, ["B", "T", "H", "ours_ms", "fla_ms", "speedup_vs_fla", "xla_ref_ms", "err_o_vs_ref"]))
+    print(table(pre, ["B", "T", "H", "ours_ms", "fla_ms", "speedup_vs_fla", "ours_pipelined_ms", "fla_pipelined_ms",
+                      "speedup_pipelined_vs_fla", "err_o_vs_ref"]))
     print(table(dec, ["B", "H", "state", "us_per_layer", "TB_s", "pct_4.3TB_s", "fla_us", "fla_TB_s", "xla_ref_us_per_layer",
                       "err_state_vs_ref"]))
     print(f"wrote {path}")

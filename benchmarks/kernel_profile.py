@@ -31,13 +31,23 @@ def kernel_trace(fn: Callable, args: tuple, *, calls: int = 20) -> tuple[dict[st
     if jax.default_backend() != "gpu":
         return {}, 0.0
     jitted = jax.jit(fn)
-    jax.block_until_ready(jitted(*args))
+    return call_trace(lambda: jitted(*args), calls=calls)
+
+
+def call_trace(call: Callable[[], object], *, calls: int = 20) -> tuple[dict[str, float], float]:
+    """`kernel_trace` of a call without arguments, which may carry its own state from call to call (donated
+    buffers chained through a closure, so no copy of them enters the trace). Warmed up once first."""
+    if jax.default_backend() != "gpu":
+        return {}, 0.0
+    jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(calls):
-                out = jitted(*args)
+                out = call()
             jax.block_until_ready(out)
-        events = device_events(latest_trace(trace_dir), None)
+        events = device_events(latest_trace(trace_dir), None, gpu_only=True)
+    if not events:
+        print("kernel_trace: the trace holds no GPU kernels (the device tracer did not start?)", flush=True)
     totals: dict[str, float] = defaultdict(float)
     for e in events:
         totals[str(e["name"])[:100]] += e["dur"]

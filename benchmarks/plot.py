@@ -15,14 +15,15 @@
     python benchmarks/plot.py kda-band     # by kernel: the band, the cumsum inside, wide factors (run 21)
     python benchmarks/plot.py kda-tile-solve  # by kernel: 16 x 16 tiles across sub-blocks, W, U in a loop (run 27)
     python benchmarks/plot.py kda-handoff     # by kernel: q, k handed on in bf16, 2^x, one warp (run 28, H100)
+    python benchmarks/plot.py kda-sweep       # by kernel: the settings around those defaults (run 29, H100)
     python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
     python benchmarks/plot.py load-processes  # two-process loads: bytes and seconds per process, per mesh (CPU)
     python benchmarks/plot.py all
 
-Inputs are the JSON records under benchmarks/results/h200/ (h100/ for kda-handoff, cpu/ for load-processes); the
-PNGs are written beside RESULTS.md.
+Inputs are the JSON records under benchmarks/results/h200/ (h100/ for kda-handoff and kda-sweep, cpu/ for
+load-processes); the PNGs are written beside RESULTS.md.
 """
 
 from __future__ import annotations
@@ -491,6 +492,28 @@ def plot_kda_handoff(out: str) -> str:
         "kda_handoff.png", "KDA run 28", H100, "H100")
 
 
+KDA_RUN29 = ("kda_prefill_run29a_8243c0c.json", "kda_prefill_run29b_8243c0c_h96_sweep.json",
+             "kda_prefill_run29c_8243c0c_h96.json")   # KDA run 29 (H100): H = 32 with fla; H = 96 sweep; H = 96 fla
+
+
+def plot_kda_sweep(out: str) -> str:
+    """Run 29 (H100): run 28's new defaults against run 27's at H = 32, and the settings around them at H = 96, by
+    kernel, beside fla's chunk_kda of the same runs (29a at H = 32, 29c at H = 96)."""
+    h32, sweep, h96 = (_load(name, H100)["prefill"] for name in KDA_RUN29)
+    short = lambda n: n.removesuffix("@norm-in").replace("default/qk-bf16/exp2/", "default/")
+    bars = [(f"H = 32, {short(n)}", v["kernel_us"]) for n, v in h32[0]["variants"].items()]
+    bars.append(("H = 32, fla chunk_kda", h32[0]["fla_kernel_us"]))
+    bars += [(f"H = 96, {short(n)}", v["kernel_us"]) for n, v in sweep[0]["variants"].items()]
+    bars.append(("H = 96, fla chunk_kda (29c)", h96[0]["fla_kernel_us"]))
+    fig, ax = plt.subplots(figsize=(9.5, 5.4))
+    _kernel_bars(ax, bars, KDA_DIAGONAL_PARTS, "other (fills)")
+    ax.set_xlim(0, 1.03 * ax.get_xlim()[1])
+    ax.set_title("KDA prefill by kernel, B = 1, T = 8192, K = V = 128, bf16 (one H100, KDA run 29)", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=2)
+    return _save(fig, os.path.join(out, "kda_sweep.png"))
+
+
 KDA_LENGTHS = "kda_prefill_lengths_run22_182d874.json"         # RESULTS.md, KDA run 22: prefill over T, H = 32
 KDA_BATCHES = "kda_decode_run8_batches_b777e8c.json"    # KDA decode run 8: one layer's step over B, H = 32
 
@@ -594,6 +617,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
+                                      "kda-sweep",
                                       "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
@@ -606,6 +630,7 @@ def main(argv=None) -> int:
                      ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels),
                      ("kda-diagonal", plot_kda_diagonal), ("kda-band", plot_kda_band),
                      ("kda-tile-solve", plot_kda_tile_solve), ("kda-handoff", plot_kda_handoff),
+                     ("kda-sweep", plot_kda_sweep),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):

@@ -75,14 +75,17 @@ def latest_trace(trace_dir: str) -> str:
     return files[-1]
 
 
-def device_events(trace_file: str, module: str | None) -> list[dict]:
+def device_events(trace_file: str, module: str | None, *, gpu_only: bool = False) -> list[dict]:
     """Device kernels of the trace (GPU lanes when there are any), of HLO modules whose name holds
-    `module` (None: every module), control-flow containers left out."""
+    `module` (None: every module), control-flow containers left out. gpu_only: [] where the trace has no GPU
+    lane (a GPU trace whose device tracer failed to start holds host events only)."""
     with gzip.open(trace_file) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
     procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = any("GPU" in name or "gpu" in name for name in procs.values())
+    if gpu_only and not gpu:
+        return []
     out = []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:

@@ -51,10 +51,11 @@ def _build_cases():
     kda_args = (spec((b, t, h, kd), jnp.bfloat16),) * 3 + (spec((b, t, h, kd), jnp.float32),
                                                           spec((b, t, h), jnp.float32))
 
-    def kda(normalize_qk=False, blocks=None, **kw):
+    def kda(normalize_qk=False, blocks=None, values=jnp.bfloat16, **kw):
         blocks = blocks or ChunkBlocks(**kw)
+        args = (spec((b, t, h, kd), values),) * 3 + kda_args[3:]
         return (jax.jit(lambda q, k, v, g, beta: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks, interpret=False,
-                                                                  normalize_qk=normalize_qk)), kda_args)
+                                                                  normalize_qk=normalize_qk)), args)
 
     factors_loop = lambda columns, warps, stages: dict(factors_loop=True, factors_slice=columns,
                                                        factors_num_warps=warps, factors_num_stages=stages)
@@ -130,6 +131,11 @@ def _build_cases():
         # W, U, ... with q, k normalised inside: 32 columns a loop step at 8 warps (87 registers) against the
         # default's 64 at 8 (139 with fp32 q, k: one program a multiprocessor; the case kda-chunk-norm-in-run27;
         # the -bf16 cases and, since KDA run 28, kda-chunk-norm-in take bf16 q, k)
+        # the W, U loop's stages at the default 64 columns, 8 warps (3 since KDA run 29), bf16 and fp32 values
+        "kda-chunk-norm-in-factors-s2": kda(normalize_qk=True, factors_num_stages=2),
+        "kda-chunk-norm-in-factors-s3": kda(normalize_qk=True, factors_num_stages=3),
+        "kda-chunk-f32-norm-in-factors-s2": kda(normalize_qk=True, values=jnp.float32, factors_num_stages=2),
+        "kda-chunk-f32-norm-in-factors-s3": kda(normalize_qk=True, values=jnp.float32, factors_num_stages=3),
         "kda-chunk-norm-in-factors-loop32-w8-s2": kda(normalize_qk=True, **factors_loop(32, 8, 2)),
         "kda-chunk-norm-in-factors-loop32-w8-s3": kda(normalize_qk=True, **factors_loop(32, 8, 3)),
         "kda-chunk-norm-in-bf16-factors-loop32-w8-s2": kda(normalize_qk=True, qk_norm="diagonal-bf16",

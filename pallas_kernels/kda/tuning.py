@@ -162,7 +162,10 @@ class ChunkBlocks:
                                  # 8 warps, 2 stages (the default) 224 / 671. Registers with q, k normalised inside
                                  # (sm_90a): 139 at 64 columns, 8 warps (one program a multiprocessor), 87 at 32
                                  # columns, 8 warps (two); the latter untimed
-    factors_num_stages: int = 0  # ... the W, U launch's num_stages (0: 2 with factors_loop, else num_stages)
+    factors_num_stages: int = 0  # ... the W, U launch's num_stages (0: 3 with factors_loop, else num_stages). H100,
+                                 # device time at H = 96 with bf16 q, k (KDA run 29, two runs): 2 stages 779 / 782
+                                 # us, 3 stages 721 / 714: 137 -> 128 registers (sm_90a) at 8 warps lets two programs
+                                 # share a multiprocessor; fp32 q, k: 175 -> 184 registers, 133 KB shared, untimed
     pairs_num_stages: int = 0    # the pairs launch's num_stages (0: 3 with across="tiles", whose key-slice loops'
                                  # loads are pipelined, else num_stages: the levels' nested loops are not)
     value_block: int = 32    # state columns per program of the sequential kernel
@@ -231,10 +234,10 @@ class ChunkBlocks:
                 self.pairs_key_slice or (16 if tiles else self.key_slice))
 
     def factors_launch(self) -> tuple[int, int]:
-        """(warps, stages) of the solve="sliced" W, U, ... launch: the fields where set, else num_warps, and 2
-        stages for its loop (factors_loop; H200, KDA run 26) or num_stages."""
+        """(warps, stages) of the solve="sliced" W, U, ... launch: the fields where set, else num_warps, and 3
+        stages for its loop (factors_loop; H100, KDA run 29) or num_stages."""
         return (self.factors_num_warps or self.num_warps,
-                self.factors_num_stages or (2 if self.factors_loop else self.num_stages))
+                self.factors_num_stages or (3 if self.factors_loop else self.num_stages))
 
     def diagonal_launch(self, heads: int, tokens: bool) -> tuple[int, int]:
         """(heads per program, warps) of pairs="diagonal"'s per-token launch over `heads` heads; one head a
