@@ -15,19 +15,22 @@ fi
 export PYTHONPATH=$PWD:$site
 export K3JAX_COMMIT=${K3JAX_COMMIT:-unknown}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$W/gpu.txt"
-# Triton's autotune results (fla's kernels pick their launch settings by timing every one on a first call, ~100 s a
-# shape) kept per GPU model between sessions: carry .triton-autotune, and the run returns $OUT/triton-autotune.
+# Triton's autotune results (fla's kernels pick their launch settings by timing every one on a first call, ~30-100 s
+# a shape), kept per GPU model from run to run: a run returns $OUT/triton-autotune-<model>.tgz; saved as
+# .triton-autotune/<model>.tgz at the repository root and brought along, it is unpacked before the steps.
 gpu_model=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -c 'A-Za-z0-9\n' '_')
+gpu_model=${gpu_model:-unknown_gpu}
 export TRITON_CACHE_DIR=/tmp/triton-cache TRITON_CACHE_AUTOTUNING=1
 mkdir -p $TRITON_CACHE_DIR
-[ -d ".triton-autotune/$gpu_model" ] && cp -r ".triton-autotune/$gpu_model/." $TRITON_CACHE_DIR/
+[ -f ".triton-autotune/$gpu_model.tgz" ] && tar xzf ".triton-autotune/$gpu_model.tgz" -C $TRITON_CACHE_DIR
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$W/gpu.txt"
 quiet() { grep -v "Triton backend is deprecated" ; }
 for step in "$@"; do
   start=$(date +%s)
   case "$step" in
-    tests) K3JAX_TEST_DEVICE=gpu XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${TESTS_LIMIT:-560} python3 -m pytest -q \
-             -p no:cacheprovider -o addopts="" -n ${TEST_WORKERS:-4} \
+    tests) workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")   # pytest-xdist there
+           K3JAX_TEST_DEVICE=gpu XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
+             timeout ${TESTS_LIMIT:-560} python3 -m pytest -q -p no:cacheprovider -o addopts="" $workers \
              tests/pallas_kernels/test_kda_kernels.py tests/pallas_kernels/test_mla_decode.py \
              tests/pallas_kernels/test_moe_gmm.py 2>&1 | quiet | tail -30 | tee "$W/tests.log" ;;
     moe) OUT=$W timeout 240 python3 benchmarks/moe.py --models kimi-linear 2>&1 | quiet | tee "$W/moe.log" ;;
@@ -125,7 +128,8 @@ for step in "$@"; do
               | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 | tee "$W/kda_varlen_tests.log"
           OUT=$W timeout ${VARLEN_LIMIT:-240} python3 benchmarks/kda_varlen.py ${VARLEN_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_varlen.log" ;;
-    kda-hopper) [ "${KDA_HOPPER_TEST_LIMIT:-180}" = 0 ] || K3JAX_TEST_DEVICE=gpu timeout ${KDA_HOPPER_TEST_LIMIT:-180} python3 -m pytest -q -p no:cacheprovider \
+    kda-hopper) [ "${KDA_HOPPER_TEST_LIMIT:-180}" = 0 ] || K3JAX_TEST_DEVICE=gpu timeout ${KDA_HOPPER_TEST_LIMIT:-180} \
+              python3 -m pytest -q -p no:cacheprovider \
               -o addopts="" tests/pallas_kernels/test_kda_decode_hopper.py ${KDA_HOPPER_TEST_ARGS:-} 2>&1 | quiet \
               | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_hopper_tests.log"
           OUT=$W timeout ${KDA_HOPPER_LIMIT:-300} python3 benchmarks/kda.py --decode-only --no-fla --warps 4 \
@@ -186,7 +190,8 @@ done
 # Keep the optimized decode HLO (which fusion is which kernel), compressed; drop the rest of the dumps.
 for f in "$W"/hlo_dump/*decode_chunk*after_optimizations.txt; do [ -f "$f" ] && gzip -c "$f" > "$W/$(basename "$f").gz"; done
 rm -rf "$W/hlo_dump" "$W/hlo_dump_prefill"
-(cd $TRITON_CACHE_DIR && find . -name '*.autotune.json' -exec install -D -m 644 {} "$OUT/triton-autotune/$gpu_model/{}" \;)
+tuned=$(cd $TRITON_CACHE_DIR && find . -name '*.autotune.json')
+[ -n "$tuned" ] && tar czf "$OUT/triton-autotune-$gpu_model.tgz" -C $TRITON_CACHE_DIR $tuned
 tar czf "$OUT/results.tgz" -C "$W" --exclude='trace_*' . 2>/dev/null
 tar czf "$OUT/traces.tgz" -C "$W" $(cd "$W" && ls -d trace_* 2>/dev/null) 2>/dev/null || true
 cat "$W/steps.txt"

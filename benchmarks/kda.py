@@ -92,6 +92,9 @@ LOOP = lambda columns, warps, stages: dict(factors_loop=True, factors_slice=colu
 QB = dict(qk_norm="diagonal-bf16", diagonal_exp2=True)   # q, k handed on in bf16, the per-token walk in 2^x
 # the per-token launch as before KDA run 28: q, k handed on in fp32, its walk in e^x, a warp a head (at even H)
 WALK27 = dict(qk_norm="diagonal", diagonal_exp2=False, diagonal_num_warps=2)
+# "default/..." names are today's defaults with the named changes, so they follow the defaults as these move (a
+# name timed in an earlier run may now resolve to other launches: since run 29 the W, U loop runs in 3 stages with
+# bf16 values); "runNN" names pin the defaults of that run.
 VARIANTS = {
     "default": ChunkBlocks(),
     # the defaults before 2026-12-04 late (runs 12-18's "default")
@@ -159,7 +162,7 @@ VARIANTS = {
     "default/exp2": ChunkBlocks(diagonal_exp2=True),      # ... its walk's exponentials as 2^x (also prepared)
     "default/exp2/dw1": ChunkBlocks(diagonal_exp2=True, diagonal_num_warps=1),
     # W, U, ... at 32 columns a loop step and 8 warps: 87 registers (sm_90a, q and k normalised inside), so two
-    # programs a multiprocessor where the default's 139 (64 columns, 8 warps) allows one; prepared, not yet timed
+    # programs a multiprocessor where 64 columns at 8 warps and 2 stages (139) allow one (timed in run 28, slower)
     "default/factors-loop32/fw8/s2": ChunkBlocks(**LOOP(32, 8, 2)),
     "default/factors-loop32/fw8/s3": ChunkBlocks(**LOOP(32, 8, 3)),
     "default/exp2/dw1/factors-loop32/fw8/s3": ChunkBlocks(diagonal_exp2=True, diagonal_num_warps=1, **LOOP(32, 8, 3)),
@@ -176,13 +179,14 @@ VARIANTS = {
     "default/qk-bf16/exp2/dw1/inter-s2": ChunkBlocks(**QB, diagonal_num_warps=1, inter_num_stages=2),
     "default/qk-bf16/exp2/dw1/ps2": ChunkBlocks(**QB, diagonal_num_warps=1, across="tiles", **TILES(1, 2, 16)),
     "default/qk-bf16/exp2/dw1/factors-loop64/fw8/s3": ChunkBlocks(**QB, diagonal_num_warps=1, **LOOP(64, 8, 3)),
-    # (since run 29 the W, U loop runs in 3 stages by default, so the last equals "default"; "run29" is the 2)
+    # (since run 29 the W, U loop runs in 3 stages by default, so the last equals "default", and "run29" the
+    # defaults before, as "default/factors-loop64/fw8/s2" now does)
     "run27": ChunkBlocks(**WALK27, factors_num_stages=2),   # run 27's defaults ("default" in runs 27 and 28)
     "run29": ChunkBlocks(factors_num_stages=2),   # run 29's ("default" there): the W, U loop in 2 stages
     "default/across-levels": ChunkBlocks(across="levels"),   # the levels and the [C, C] doubling (before run 27)
     "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128, **WALK27),   # run 24's defaults
-    "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", factors_slice=32, factors_num_warps=4,
-                         factors_num_stages=2, **WALK27),  # run 20's
+    "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", across="levels", factors_loop=False, factors_slice=32,
+                         factors_num_warps=4, **WALK27),  # run 20's: the levels, a program a 32-column slice
     "column/v64": ChunkBlocks(intra="column", value_block=64, **FP32_FACTORS),
     "blocked/v64": ChunkBlocks(intra="blocked", value_block=64, **FP32_FACTORS),
     "blocked/v32": ChunkBlocks(intra="blocked", value_block=32, **FP32_FACTORS),
@@ -220,7 +224,16 @@ def fla_kernel_times(torch, fn, calls: int = 10) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("float32",), save=None):
+def fla_profiles_now(pending) -> None:
+    """Profiles fla's kernels for each (row, torch, call) in `pending` into row["fla_kernel_us"]: after every jax
+    trace of the process (torch's profiler keeps CUPTI, and a jax trace started after it records host events
+    only), so a run cut short before this loses fla's kernel times but nothing else."""
+    for row, torch, fla_call in pending:
+        row["fla_kernel_us"] = {k_: round(v_, 1) for k_, v_ in fla_kernel_times(torch, fla_call).items()}
+        print(f"  fla kernels at H = {row['H']}, T = {row['T']}: {row['fla_kernel_us']}", flush=True)
+
+
+def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("float32",), save=None, pending=None):
     """variants: names from VARIANTS to time (None: all). profile: device time per kernel of each
     variant's call (and of fla's) from a profiler trace. qk_dtypes: q and k as our kernels get them after
     the L2 norm (fp32, as the models passed them before normalize_qk, or rounded to bf16 as fla's norm returns
@@ -230,12 +243,12 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
     synchronisation; fla: CUDA events around one call) and pipelined (`iters` calls back to back, one wait at
     the end; fla: between two CUDA events), where the host's dispatch hides behind the device. save: called
     with the rows so far (the shape in progress marked "partial") after every variant and every shape, so a run
-    cut short by its time limit keeps what it measured. fla's kernels are profiled after every shape's jax
-    traces (torch's profiler keeps CUPTI, and a jax trace started after it records host events only)."""
+    cut short by its time limit keeps what it measured. pending: a list that collects fla's kernel profiles for
+    the caller to take with `fla_profiles_now` after its last jax trace (None: taken here after the last shape)."""
     suffix = {"float32": "", "bfloat16": "@qk-bf16", "raw": "@norm-in"}
     chosen = {(n + suffix[qd], qd): VARIANTS[n].resolve("bfloat16")
               for n in (variants or VARIANTS) for qd in qk_dtypes}   # bf16 q, k, v below
-    rows, fla_profiles = [], []
+    rows, fla_profiles = [], ([] if pending is None else pending)
     for (b, t, h, kd) in shapes:
         key = jax.random.key(h)
         ks = jax.random.split(key, 6)
@@ -283,7 +296,8 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
         best = min(variants, key=lambda n_: variants[n_]["ms"])
         t_ours = variants[best]["ms"] / 1e3
         row = {"B": b, "T": t, "H": h, "K": kd, "ours_ms": t_ours * 1e3, "variant": best, "xla_ref_ms": t_ref * 1e3,
-               "ours_pipelined_ms": variants[best]["pipelined_ms"],
+               "ours_pipelined_ms": min(v_["pipelined_ms"] for v_ in variants.values()),
+               "variant_pipelined": min(variants, key=lambda n_: variants[n_]["pipelined_ms"]),
                "err_o_vs_ref": variants[best]["err_o"], "err_state_vs_ref": variants[best]["err_state"],
                "variants": variants}
         if fla is not None:
@@ -295,24 +309,23 @@ def prefill_rows(shapes, fla, iters, variants=None, profile=False, qk_dtypes=("f
                                use_qk_l2norm_in_kernel=True)
             torch.cuda.synchronize()
             row["fla_first_call_s"] = time.perf_counter() - t0
-            fla_call = lambda: chunk_kda(tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
-                                         use_qk_l2norm_in_kernel=True)
+            fla_call = functools.partial(chunk_kda, tq, tk, tv, tg, tb, initial_state=ts, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)   # this shape's tensors, bound now
             t_fla = torch_time(torch, fla_call, iters=iters)
             t_fla_pipe = torch_time(torch, fla_call, iters=5, calls=iters)
             row.update(fla_ms=t_fla * 1e3, speedup_vs_fla=t_fla / t_ours, fla_pipelined_ms=t_fla_pipe * 1e3,
                        speedup_pipelined_vs_fla=t_fla_pipe / (row["ours_pipelined_ms"] / 1e3),
                        err_fla_vs_ref=rel(fo.float().cpu().numpy(), o_ref))
-            if profile:     # after every jax trace: torch's profiler keeps CUPTI, and jax's traces then fail
+            if profile:     # after every jax trace (`fla_profiles_now`)
                 fla_profiles.append((row, torch, fla_call))
         rows.append(row)
         if save is not None:
             save(rows)
         print("prefill", {k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
-    for row, torch, fla_call in fla_profiles:
-        row["fla_kernel_us"] = {k_: round(v_, 1) for k_, v_ in fla_kernel_times(torch, fla_call).items()}
-        print(f"  fla kernels at H = {row['H']}, T = {row['T']}: {row['fla_kernel_us']}", flush=True)
-    if fla_profiles and save is not None:
-        save(rows)
+    if pending is None:
+        fla_profiles_now(fla_profiles)
+        if fla_profiles and save is not None:
+            save(rows)
     return rows
 
 
@@ -536,20 +549,22 @@ def main(argv=None) -> int:
                                    columns=args.column_blocks, ceiling=args.ceiling, profile=args.profile,
                                    hopper_forms=args.hopper_forms)]
     else:
+        pending = []       # fla's kernel profiles, taken after the decode rows' jax traces
         pre = [] if args.decode_only else prefill_rows([(1, t, h, 128) for h in args.heads for t in args.lengths],
                                                        fla, args.iters, args.variants, args.profile, args.qk_dtypes,
-                                                       save)
+                                                       save, pending)
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps),
                                       state_dtype=sd, splits=args.splits, columns=args.column_blocks,
                                       ceiling=args.ceiling, profile=args.profile,
                                       hopper_forms=args.hopper_forms)]
+        fla_profiles_now(pending)
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write(name, record)
     print(table(pre, ["B", "T", "H", "ours_ms", "fla_ms", "speedup_vs_fla", "ours_pipelined_ms", "fla_pipelined_ms",
                       "speedup_pipelined_vs_fla", "err_o_vs_ref"]))
-    print(table(dec, ["B", "H", "state", "us_per_layer", "TB_s", "pct_4.3TB_s", "fla_us", "fla_TB_s", "xla_ref_us_per_layer",
-                      "err_state_vs_ref"]))
+    print(table(dec, ["B", "H", "state", "us_per_layer", "TB_s", "pct_4.3TB_s", "pipelined_pct_4.3TB_s", "fla_us",
+                      "fla_TB_s", "xla_ref_us_per_layer", "err_state_vs_ref"]))
     print(f"wrote {path}")
     return 0
 

@@ -47,7 +47,7 @@ def call_trace(call: Callable[[], object], *, calls: int = 20) -> tuple[dict[str
             jax.block_until_ready(out)
         events = device_events(latest_trace(trace_dir), None, gpu_only=True)
     if not events:
-        print("kernel_trace: the trace holds no GPU kernels (the device tracer did not start?)", flush=True)
+        print("call_trace: the trace holds no GPU kernels (the device tracer did not start?)", flush=True)
     totals: dict[str, float] = defaultdict(float)
     for e in events:
         totals[str(e["name"])[:100]] += e["dur"]

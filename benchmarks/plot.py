@@ -500,7 +500,10 @@ def plot_kda_sweep(out: str) -> str:
     """Run 29 (H100): run 28's new defaults against run 27's at H = 32, and the settings around them at H = 96, by
     kernel, beside fla's chunk_kda of the same runs (29a at H = 32, 29c at H = 96)."""
     h32, sweep, h96 = (_load(name, H100)["prefill"] for name in KDA_RUN29)
-    short = lambda n: n.removesuffix("@norm-in").replace("default/qk-bf16/exp2/", "default/")
+    labels = {"default": "default then (W, U in 2 stages)", "run27": "run 27's defaults",
+              "default/dw1/factors-loop64/fw8/s3": "W, U in 3 stages (the default since)"}
+    short = lambda n: (lambda m: labels.get(m, m))(n.removesuffix("@norm-in").replace("default/qk-bf16/exp2/",
+                                                                                        "default/"))
     bars = [(f"H = 32, {short(n)}", v["kernel_us"]) for n, v in h32[0]["variants"].items()]
     bars.append(("H = 32, fla chunk_kda", h32[0]["fla_kernel_us"]))
     bars += [(f"H = 96, {short(n)}", v["kernel_us"]) for n, v in sweep[0]["variants"].items()]

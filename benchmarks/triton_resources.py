@@ -142,7 +142,8 @@ def _build_cases():
                                                            **factors_loop(32, 8, 2)),
         "kda-chunk-norm-in-bf16-factors-loop32-w8-s3": kda(normalize_qk=True, qk_norm="diagonal-bf16",
                                                            **factors_loop(32, 8, 3)),
-        # W, U, ... one program a chunk walking (columns, warps, stages) slices in a loop (the default: 64, 8, 2)
+        # W, U, ... one program a chunk walking (columns, warps, stages) slices in a loop (the default: 64, 8, 3 since
+        # KDA run 29 with bf16 values; 2 before)
         "kda-chunk-factors-loop32-s2": kda(**factors_loop(32, 4, 2)),
         "kda-chunk-factors-loop32-s3": kda(**factors_loop(32, 4, 3)),
         "kda-chunk-factors-loop64-s2": kda(**factors_loop(64, 4, 2)),

@@ -159,13 +159,16 @@ class ChunkBlocks:
                                  # whose loads the compiler pipelines (factors_num_stages). H200, device time (KDA
                                  # run 26), H = 32 / 96: a program a slice at 128 columns, 8 warps 261 / 792 us; in a
                                  # loop 32 columns, 4 warps, 2 stages 237 / 702, 3 stages 226 / 678; 64 columns,
-                                 # 8 warps, 2 stages (the default) 224 / 671. Registers with q, k normalised inside
-                                 # (sm_90a): 139 at 64 columns, 8 warps (one program a multiprocessor), 87 at 32
-                                 # columns, 8 warps (two); the latter untimed
-    factors_num_stages: int = 0  # ... the W, U launch's num_stages (0: 3 with factors_loop, else num_stages). H100,
-                                 # device time at H = 96 with bf16 q, k (KDA run 29, two runs): 2 stages 779 / 782
-                                 # us, 3 stages 721 / 714: 137 -> 128 registers (sm_90a) at 8 warps lets two programs
-                                 # share a multiprocessor; fp32 q, k: 175 -> 184 registers, 133 KB shared, untimed
+                                 # 8 warps, 2 stages (the default until run 29) 224 / 671. Registers with q, k
+                                 # normalised inside (sm_90a): 139 at 64 columns, 8 warps, 2 stages (one program a
+                                 # multiprocessor), 87 at 32 columns, 8 warps (two; untimed); since run 29 (bf16 q,
+                                 # k handed on, 3 stages) 128 (two)
+    factors_num_stages: int = 0  # ... the W, U launch's num_stages (0: with factors_loop 3 for bf16 factors, else
+                                 # 2; without it num_stages). H100, device time at H = 96, bf16 values (KDA run 29,
+                                 # two runs): 2 stages 779 / 782 us, 3 stages 721 / 714: 137 -> 128 registers
+                                 # (sm_90a) at 8 warps lets two programs share a multiprocessor. With fp32 values 3
+                                 # stages take 184 registers (175 at 2) and 133 KB of shared memory: still one
+                                 # program a multiprocessor, untimed, so they keep 2
     pairs_num_stages: int = 0    # the pairs launch's num_stages (0: 3 with across="tiles", whose key-slice loops'
                                  # loads are pipelined, else num_stages: the levels' nested loops are not)
     value_block: int = 32    # state columns per program of the sequential kernel
@@ -234,10 +237,14 @@ class ChunkBlocks:
                 self.pairs_key_slice or (16 if tiles else self.key_slice))
 
     def factors_launch(self) -> tuple[int, int]:
-        """(warps, stages) of the solve="sliced" W, U, ... launch: the fields where set, else num_warps, and 3
-        stages for its loop (factors_loop; H100, KDA run 29) or num_stages."""
+        """(warps, stages) of the solve="sliced" W, U, ... launch: the fields where set, else num_warps, and for
+        its loop (factors_loop) 3 stages with bf16 factors (H100, KDA run 29), else 2 (H200, KDA run 26), or
+        without the loop num_stages."""
+        if self.factors_loop and not self.factors_num_stages and self.factors == "auto":
+            raise ValueError("ChunkBlocks.factors_launch: factors is 'auto'; call it on blocks.resolve(value dtype)")
+        loop_stages = 3 if self.factors == "bfloat16" else 2
         return (self.factors_num_warps or self.num_warps,
-                self.factors_num_stages or (3 if self.factors_loop else self.num_stages))
+                self.factors_num_stages or (loop_stages if self.factors_loop else self.num_stages))
 
     def diagonal_launch(self, heads: int, tokens: bool) -> tuple[int, int]:
         """(heads per program, warps) of pairs="diagonal"'s per-token launch over `heads` heads; one head a

@@ -346,7 +346,10 @@ def test_chunk_blocks_auto_settles_by_chunk_and_dtype():
         "bfloat16").pairs_launch() == (2, 1, 32)
     with pytest.raises(ValueError, match="across is 'auto'"):
         ChunkBlocks().pairs_launch()
-    assert ChunkBlocks().factors_launch() == (8, 3)                             # the W, U loop's loads in 3 stages
+    assert ChunkBlocks().resolve("bfloat16").factors_launch() == (8, 3)         # the W, U loop's loads in 3 stages
+    assert ChunkBlocks().resolve("float32").factors_launch() == (8, 2)          # ... 2 with fp32 factors
+    with pytest.raises(ValueError, match="factors is 'auto'"):
+        ChunkBlocks().factors_launch()
     assert ChunkBlocks(factors_loop=False).factors_launch() == (8, 1)           # a program a slice: num_stages
     assert ChunkBlocks(factors_num_warps=0, factors_num_stages=3).factors_launch() == (4, 3)
     assert ChunkBlocks(pairs="joint").resolve("bfloat16").cumsum == "pallas"   # no per-token launch to write it
