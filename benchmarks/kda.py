@@ -475,7 +475,7 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
                "xla_ref_us_per_layer": t_ref / layers * 1e6, "err_state_vs_ref": max(errs.values()),
                "us_per_layer_by_launch": {str(k_): v_ / layers * 1e6 for k_, v_ in by_launch.items()},
                "pipelined_us_per_layer_by_launch": pipelined,
-               "pipelined_pct_4.3TB_s": bytes_layer / (pipelined[best] * 1e-6) / HBM_ACHIEVABLE * 100}
+               "pipelined_pct_4.3TB_s": bytes_layer / (min(pipelined.values()) * 1e-6) / HBM_ACHIEVABLE * 100}
         if device:
             row["device_us_per_layer_by_launch"] = device
             row["device_all_kernels_us_per_layer_by_launch"] = device_all_layer
