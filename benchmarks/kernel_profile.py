@@ -28,8 +28,6 @@ def kernel_trace(fn: Callable, args: tuple, *, calls: int = 20) -> tuple[dict[st
     """(`kernel_times`, the device span per call in us: from the first kernel's start to the last one's end
     over the `calls` back-to-back calls, divided by `calls`). The span less the kernels' sum is the time the
     device sat idle between kernels (launch gaps, or the host not keeping up); 0.0 off a GPU."""
-    if jax.default_backend() != "gpu":
-        return {}, 0.0
     jitted = jax.jit(fn)
     return call_trace(lambda: jitted(*args), calls=calls)
 

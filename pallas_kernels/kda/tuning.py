@@ -70,11 +70,12 @@ PARALLEL_MAX_CHUNK = 64   # the "parallel" form's doubling inverse of a 128-row 
 class ChunkBlocks:
     """Forms and launch settings of the chunked prefill. "auto" fields are settled per call by
     `resolve` (from the chunk and the inputs' dtype). B = 1, T = 8192, K = V = 128, bf16, q and k normalised inside
-    (benchmarks/RESULTS.md): H100 (KDA run 28): these defaults 1.467 / 3.729 ms at H = 32 / 96 against fla's 1.786 /
-    3.695 in the same runs; run 27's defaults 1.667 / 4.248. H200 (run 27): run 27's defaults 1.507 / 3.853 ms
-    against fla's 1.381 / 3.118 (device time 1,168 / 3,478 us against 1,062 / 2,942); run 24's defaults 1,217 / 3,662 us
-    in that run; run 19's 1,366 / 4,148 us (run 21); the joint pairs launch with the one-launch solve 1.866 / 5.067
-    ms (run 19); the blocked form with fp32 factors 4.67 ms at H = 32 (run 5)."""
+    (benchmarks/RESULTS.md): H100 (KDA run 29): these defaults with the W, U loop in 2 stages 1.482 / 3.585 ms at
+    H = 32 / 96 against fla's 1.771 / 3.746 in the same runs (device time 1,127 / 3,328 us against 1,259 / 3,565;
+    3 stages, the default since: 3,252 us at H = 96); run 27's defaults 1.693 / 4.205 ms. H200 (run 27): run 27's
+    defaults 1.507 / 3.853 ms against fla's 1.381 / 3.118 (device time 1,168 / 3,478 us against 1,062 / 2,942); run
+    24's defaults 1,217 / 3,662 us in that run; run 19's 1,366 / 4,148 us (run 21); the joint pairs launch with the
+    one-launch solve 1.866 / 5.067 ms (run 19); the blocked form with fp32 factors 4.67 ms at H = 32 (run 5)."""
 
     chunk: int = 64          # tokens per chunk (WY form)
     intra: str = "auto"      # intra-chunk kernel: "parallel" (no row-serial loops: `intra_parallel.py`; chunks
