@@ -364,10 +364,10 @@ def _even_odd(x):
 
 def _launch(sched, slabs, weights, blocks: HopperMxfp4Blocks, interpret: bool):
     """The kernel over `sched` [3, T] (group, first, end row per tile; first >= end: nothing to do) with
-    each tile's activation rows `slabs` [T, rows, K] -> fp32 products [weights, T, N, rows]."""
+    each tile's activation rows `slabs` [T, rows, K] bf16, already in `_even_odd` order -> fp32 products
+    [weights, T, N, rows]."""
     tiles, tm, k = slabs.shape
     n = weights[0].shape[2]
-    slabs = slabs.astype(jnp.bfloat16)
     n_weights = len(weights)
     steps = k // blocks.block_k
     splits = blocks.splits_for(tiles * (n // COLUMNS), steps)
@@ -385,7 +385,7 @@ def _launch(sched, slabs, weights, blocks: HopperMxfp4Blocks, interpret: bool):
         + ([plgpu.SMEM((COLUMNS, blocks.inputs_per_mma), jnp.bfloat16, transforms=a_transforms)]
            if blocks.a_operand == "smem" else []),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(sched, _even_odd(slabs), *(part for w in weights for part in (w.packed, w.scale)))
+    )(sched, slabs, *(part for w in weights for part in (w.packed, w.scale)))
     return jnp.sum(partial, axis=1)
 
 
@@ -396,10 +396,12 @@ def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: b
     sched = tile_schedule(group_sizes, m, tm)
     tiles = sched.shape[1]
     # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
-    # reads start on a whole tile, as the copies into the tiled shared-memory buffers need.
+    # reads start on a whole tile, as the copies into the tiled shared-memory buffers need. The rows are
+    # reordered before the gather: the slabs (every tile padded to `rows`) can be several times larger.
     rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
     live = rows < sched[2][:, None]
-    out = _launch(sched, jnp.where(live[..., None], lhs[jnp.minimum(rows, m - 1)], 0), weights, blocks, interpret)
+    ordered = _even_odd(lhs.astype(jnp.bfloat16))
+    out = _launch(sched, jnp.where(live[..., None], ordered[jnp.minimum(rows, m - 1)], 0), weights, blocks, interpret)
     # Row r of the output is column r - first of its tile's [N, rows] block.
     tile_of = jnp.zeros((m,), jnp.int32).at[jnp.where(live, rows, m)].set(
         jnp.broadcast_to(jnp.arange(tiles, dtype=jnp.int32)[:, None], rows.shape), mode="drop")
@@ -414,7 +416,9 @@ def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4B
     pairs = group.shape[0]
     index = jnp.arange(pairs, dtype=jnp.int32)
     sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), index, index + valid.astype(jnp.int32)])
-    slabs = jnp.zeros((pairs, blocks.rows, lhs.shape[1]), lhs.dtype).at[:, 0].set(jnp.repeat(lhs, repeat, axis=0))
+    ordered = _even_odd(lhs.astype(jnp.bfloat16))          # before the repeat and the padding rows
+    slabs = jnp.zeros((pairs, blocks.rows, lhs.shape[1]), jnp.bfloat16).at[:, 0].set(
+        jnp.repeat(ordered, repeat, axis=0))
     out = _launch(sched, slabs, weights, blocks, interpret)[..., 0]
     return jnp.where(valid[None, :, None], out, 0.0)
 
