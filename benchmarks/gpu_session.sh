@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper hopper-sass moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-hopper-hlo hopper-sass moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.97}
 W=$OUT/work; mkdir -p "$W"
@@ -43,6 +43,12 @@ for step in "$@"; do
               | grep -E "passed|failed|FAILED|Error" | tail -30 | tee "$W/moe_hopper_tests.log"
           OUT=$W timeout ${HOPPER_LIMIT:-300} python3 benchmarks/moe_mxfp4.py ${HOPPER_FLAGS:---hopper-sweep} --tokens ${HOPPER_TOKENS:-1 8 64} \
               ${HOPPER_ARGS:-} 2>&1 | quiet | tee "$W/moe_hopper.log" ;;
+    moe-hopper-hlo) rm -rf /tmp/hlo; XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" OUT=$W timeout ${HLO_LIMIT:-150} \
+              python3 benchmarks/moe_mxfp4.py --hopper --models kimi-linear --tokens ${HOPPER_TOKENS:-64} --profile 2>&1 \
+              | quiet | tail -6 | tee "$W/moe_hopper_hlo.log"
+          # the optimised modules that launch the Mosaic GPU kernel: which XLA fusions build its inputs and outputs
+          mkdir -p "$W/hlo"; grep -l "mosaic_gpu" /tmp/hlo/*after_optimizations.txt 2>/dev/null | head -4 \
+              | xargs -r -I{} cp {} "$W/hlo/" ;;
     hopper-sass) OUT=$W timeout ${SASS_LIMIT:-120} python3 benchmarks/hopper_mxfp4_sass.py --out "$W/sass" 2>&1 | quiet \
               | grep -v "^    @" | tail -80 | tee "$W/hopper_sass.log" ;;
     moe-sweep) OUT=$W timeout 300 python3 benchmarks/moe.py --models kimi-linear --sweep 2>&1 | quiet | tee "$W/moe.log" ;;
