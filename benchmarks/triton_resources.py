@@ -128,6 +128,7 @@ def _build_cases():
         "kda-chunk-norm-in-dh4-dw2": kda(normalize_qk=True, diagonal_heads=4, diagonal_num_warps=2),
         "kda-chunk-norm-in-exp2": kda(normalize_qk=True, diagonal_exp2=True),   # the walk's exponentials as 2^x
         "kda-chunk-norm-in-exp2-dw1": kda(normalize_qk=True, diagonal_exp2=True, diagonal_num_warps=1),
+        "kda-chunk-norm-in-pairs-exp2": kda(normalize_qk=True, pairs_exp2=True),   # the tile pairs launch's 2^x
         # W, U, ... with q, k normalised inside: 32 columns a loop step at 8 warps (87 registers) against the
         # default's 64 at 8 (139 with fp32 q, k: one program a multiprocessor; the case kda-chunk-norm-in-run27;
         # the -bf16 cases and, since KDA run 28, kda-chunk-norm-in take bf16 q, k)
@@ -218,6 +219,20 @@ def lower(name: str, out_dir: str) -> list[dict]:
     return records
 
 
+def ptx_counts(ptx: str) -> dict:
+    """Static PTX counts: every instruction, those in loop bodies (from a label to a branch back to it, each
+    such body once; a nested loop counts in its own body and its parent's) and the 2^x ones (ex2.approx)."""
+    lines = [line.strip() for line in ptx.splitlines()]
+    instruction = lambda s: s.endswith(";") and not s.startswith((".", "//", "{", "}", "(", ")", "$"))
+    labels = {m.group(1): i for i, s in enumerate(lines) if (m := re.match(r"(\$L__\w+):", s))}
+    in_loops = 0
+    for i, s in enumerate(lines):
+        if (m := re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", s)) and labels.get(m.group(1), i) < i:
+            in_loops += sum(map(instruction, lines[labels[m.group(1)]:i + 1]))
+    return {"ptx_instructions": sum(map(instruction, lines)), "loop_instructions": in_loops,
+            "ex2": sum("ex2.approx" in s for s in lines if instruction(s))}
+
+
 def compile_ttir(path: str, warps: int, stages: int) -> dict:
     """(Run under a Python with `triton`.) TTIR -> PTX -> ptxas -v for sm_90a."""
     import triton
@@ -240,7 +255,7 @@ def compile_ttir(path: str, warps: int, stages: int) -> dict:
     return {"registers": number(r"Used (\d+) registers"), "spill_store_bytes": number(r"(\d+) bytes spill stores"),
             "spill_load_bytes": number(r"(\d+) bytes spill loads"), "stack_bytes": number(r"(\d+) bytes stack frame"),
             "shared_bytes": kernel.metadata.shared, "layout_conversions": ttgir.count("ttg.convert_layout"),
-            "warpgroup_mmas": ttgir.count("ttng.warp_group_dot"), "barriers": ptx.count("bar.sync")}
+            "warpgroup_mmas": ttgir.count("ttng.warp_group_dot"), "barriers": ptx.count("bar.sync"), **ptx_counts(ptx)}
 
 
 def main(argv=None) -> int:
@@ -283,7 +298,8 @@ def main(argv=None) -> int:
     path = write("triton_resources", {"benchmark": "triton_resources", "env": environment(), "target": "sm_90a",
                                       "rows": rows}, args.out)
     print(table(rows, ["case", "kernel", "num_warps", "num_stages", "registers", "spill_store_bytes",
-                       "spill_load_bytes", "shared_bytes", "layout_conversions", "warpgroup_mmas", "barriers"]))
+                       "spill_load_bytes", "shared_bytes", "layout_conversions", "warpgroup_mmas", "barriers",
+                       "ptx_instructions", "loop_instructions", "ex2"]))
     print(f"wrote {path}")
     return 0
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kda.intra_diagonal import LOG2_E
 from pallas_kernels.kda.intra_parallel import SUB, _dot_t, _inverse_dot, doubling_inverse
 
 
@@ -40,24 +41,26 @@ def _block(i: int):
     return pl.ds(i * SUB, SUB)
 
 
-def _across_products(q_ref, k_ref, l_ref, *, scale: float, key_slice: int):
+def _across_products(q_ref, k_ref, l_ref, *, scale: float, key_slice: int, exp2: bool = False):
     """{(i, j): A_kk tile}, {(i, j): A_qk tile} ([SUB, SUB] fp32, q scaled) for the block pairs j < i: one
     row block i at a time (its i tile pairs, two [SUB, SUB] accumulators each: a [16, 16] tile sits whole in
-    every warp, so fewer live tiles is fewer registers), summed over key slices of key_slice columns in a loop."""
+    every warp, so fewer live tiles is fewer registers), summed over key slices of key_slice columns in a loop.
+    exp2: each e^x taken as 2^(x log2 e) (`ChunkBlocks.pairs_exp2`)."""
     f32 = jnp.float32
+    exp = (lambda x: jnp.exp2(x * LOG2_E)) if exp2 else jnp.exp
     akk, aqk = {}, {}
     for i in range(1, q_ref.shape[0] // SUB):
         def one_slice(s, accs, i=i):
             ks = pl.ds(pl.multiple_of(s * key_slice, key_slice), key_slice)
-            e = jnp.exp(l_ref[_block(i), ks])                                    # e^(G_r - G_a), <= 1
+            e = exp(l_ref[_block(i), ks])                                    # e^(G_r - G_a), <= 1
             xk = k_ref[_block(i), ks].astype(f32) * e
             xq = q_ref[_block(i), ks].astype(f32) * (e * scale)
             out, between = list(accs), None                # the decay of the whole blocks between j and i
             for j in range(i - 1, -1, -1):
                 total = l_ref[j * SUB + SUB - 1, ks]                             # [ks]
-                y = k_ref[_block(j), ks].astype(f32) * jnp.exp(total[None, :] - l_ref[_block(j), ks])
+                y = k_ref[_block(j), ks].astype(f32) * exp(total[None, :] - l_ref[_block(j), ks])
                 if between is not None:
-                    y = y * jnp.exp(between)[None, :]
+                    y = y * exp(between)[None, :]
                 out[2 * j] = out[2 * j] + _dot_t(xk, y)
                 out[2 * j + 1] = out[2 * j + 1] + _dot_t(xq, y)
                 between = total if between is None else between + total
@@ -71,20 +74,20 @@ def _across_products(q_ref, k_ref, l_ref, *, scale: float, key_slice: int):
 
 
 def tile_solve_kernel(q_ref, k_ref, l_ref, b_ref, *refs, scale: float, key_slice: int, band: bool, inverse: str,
-                      scaled: bool = False, interpret: bool = False):
+                      scaled: bool = False, exp2: bool = False, interpret: bool = False):
     """One chunk: q, k [C, K] (L2-normalised, or with `scaled` as they came), l (the local cumulative decay)
     [C, K] fp32, beta [C] -> T = (I + diag(beta) A_kk)^-1 and A_qk (j <= r, q scaled), [C, C] each in their refs'
     dtypes, zero above the diagonal.
 
     refs: with `scaled` the rows' inverse norms 1 / |q_r|, 1 / |k_r| ([C] each) first; then the per-token launch's
     diagonal tiles of A_kk and A_qk (`band`: [C, SUB] stacked, else whole [C, C] rows); then t_ref, aqk_ref.
-    inverse: the precision of the inverse's products (`ChunkBlocks.inverse`)."""
+    inverse: the precision of the inverse's products (`ChunkBlocks.inverse`). exp2: as in `_across_products`."""
     f32 = jnp.float32
     nb = q_ref.shape[0] // SUB
     t_ref, aqk_ref = refs[-2:]
     norms, refs = (refs[:2], refs[2:]) if scaled else (None, refs)
     dkk_ref, dqk_ref = refs[:2]
-    akk, aqk = _across_products(q_ref, k_ref, l_ref, scale=scale, key_slice=key_slice)
+    akk, aqk = _across_products(q_ref, k_ref, l_ref, scale=scale, key_slice=key_slice, exp2=exp2)
     if scaled:
         inverse_q, inverse_k = ([ref[_block(b)] for b in range(nb)] for ref in norms)
         for i, j in akk:

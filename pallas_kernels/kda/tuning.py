@@ -100,6 +100,10 @@ class ChunkBlocks:
                              # 3 stages (the default `pairs_launch`) 344 / 966 against the levels' 352 / 1,036
     pairs_key_slice: int = 0  # key columns a loop step of the pairs launch (0: 16 with across="tiles", else
                               # key_slice)
+    pairs_exp2: bool = False  # across="tiles": the pairs launch's decays as 2^(x log2 e) (a multiply and one
+                              # ex2.approx) instead of e^x (a longer sequence), in its product loops, which take
+                              # 672 exponentials a thread a chunk: sm_90a, about 17.4k instructions a program
+                              # against fla's 13.2k for the same work, 6k of them e^x's; untimed
     solve: str = "auto"      # "parallel": T = (I + diag(beta) A_kk)^-1, then W, U, q e^G, k e^(G_C - G) in one launch
                              # per chunk ("whole"), or the inverse at the end of the pairs launch (stored in the
                              # factors' dtype) and the rest one program per chunk and key slice ("sliced";

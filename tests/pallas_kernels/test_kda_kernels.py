@@ -93,6 +93,11 @@ def _l2(x):
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/exp-e/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/exp-e/chunked"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/exp-e/dh2"),
+    # the tile pairs launch's decays as 2^x (`pairs_exp2`): weak and unbounded gates (the ratios between sub-blocks
+    # then underflow), bf16 and fp32 factors, the chunked layout, a ragged tail
+    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pairs-exp2/bf16"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/pairs-exp2/chunked"),
+    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/pairs-exp2"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -106,7 +111,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     # "joint": every level in one launch; "diagonal" (the default): the diagonal blocks per token; "whole" /
     # "sliced": the solve's form (default: sliced where the pairs allow); "bf16": bf16 factors; "chunked": XLA's
     # layout copies; "dh2": two heads and two warps a program of the per-token launch (default: auto, one warp);
-    # "exp-e": the per-token walk in e^x (default: 2^x)
+    # "exp-e": the per-token walk in e^x (default: 2^x); "pairs-exp2": the tile pairs launch's decays in 2^x
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
@@ -125,6 +130,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                             if "across-" + a in options), "auto"),
                                                factors_loop="factors-programs" not in options,
                                                diagonal_exp2="exp-e" not in options,
+                                               pairs_exp2="pairs-exp2" in options,
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -317,6 +323,8 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(pairs_key_slice=24), "pairs_key_slice must be 0"),
     (ChunkBlocks(factors_loop=1), "factors_loop must be True or False"),
     (ChunkBlocks(diagonal_exp2=1), "diagonal_exp2 must be True or False"),
+    (ChunkBlocks(pairs_exp2=1), "pairs_exp2 must be True or False"),
+    (ChunkBlocks(across="levels", pairs_exp2=True), "pairs_exp2 is a setting of the across='tiles' launch"),
     (ChunkBlocks(pairs_num_stages=-1), "pairs_num_stages must be 0"),
     (ChunkBlocks(factors_num_stages=2.0), "factors_num_stages must be 0"),
     (ChunkBlocks(across="tiles", solve="whole"), "across='tiles' follows the per-token launch"),
