@@ -184,6 +184,8 @@ VARIANTS = {
     "run27": ChunkBlocks(**WALK27, factors_num_stages=2),   # run 27's defaults ("default" in runs 27 and 28)
     "run29": ChunkBlocks(factors_num_stages=2),   # run 29's ("default" there): the W, U loop in 2 stages
     "default/pairs-exp2": ChunkBlocks(pairs_exp2=True),   # the tile pairs launch's decays as 2^x (prepared)
+    "default/pairs-one-loop": ChunkBlocks(pairs_one_loop=True),   # ... its products in one loop (prepared)
+    "default/pairs-exp2/one-loop": ChunkBlocks(pairs_exp2=True, pairs_one_loop=True),   # both (prepared)
     "default/across-levels": ChunkBlocks(across="levels"),   # the levels and the [C, C] doubling (before run 27)
     "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128, **WALK27),   # run 24's defaults
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", across="levels", factors_loop=False, factors_slice=32,

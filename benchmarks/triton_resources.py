@@ -129,6 +129,8 @@ def _build_cases():
         "kda-chunk-norm-in-exp2": kda(normalize_qk=True, diagonal_exp2=True),   # the walk's exponentials as 2^x
         "kda-chunk-norm-in-exp2-dw1": kda(normalize_qk=True, diagonal_exp2=True, diagonal_num_warps=1),
         "kda-chunk-norm-in-pairs-exp2": kda(normalize_qk=True, pairs_exp2=True),   # the tile pairs launch's 2^x
+        "kda-chunk-norm-in-pairs-one-loop": kda(normalize_qk=True, pairs_one_loop=True),   # ... its products in one
+        "kda-chunk-norm-in-pairs-exp2-one-loop": kda(normalize_qk=True, pairs_exp2=True, pairs_one_loop=True),  # loop
         # W, U, ... with q, k normalised inside: 32 columns a loop step at 8 warps (87 registers) against the
         # default's 64 at 8 (139 with fp32 q, k: one program a multiprocessor; the case kda-chunk-norm-in-run27;
         # the -bf16 cases and, since KDA run 28, kda-chunk-norm-in take bf16 q, k)

@@ -307,7 +307,7 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         if blocks.across == "tiles":      # check_blocks: with pairs="diagonal" and solve="sliced" only
             kernel = functools.partial(tile_solve_kernel, scale=scale, key_slice=pair_slice, band=blocks.diagonal_band,
                                        inverse=blocks.inverse, scaled=bool(norms), exp2=blocks.pairs_exp2,
-                                       interpret=interpret)
+                                       one_loop=blocks.pairs_one_loop, interpret=interpret)
         else:
             kernel = functools.partial(joint_pairs_kernel, scale=scale, key_slice=pair_slice, diagonal_given=given,
                                        band=blocks.diagonal_band, invert=blocks.inverse if sliced else None,
@@ -459,10 +459,11 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
                          f"diagonal_band=True")
     if type(blocks.diagonal_exp2) is not bool:
         raise ValueError(f"{name}: diagonal_exp2 must be True or False, got {blocks.diagonal_exp2!r}")
-    if type(blocks.pairs_exp2) is not bool:
-        raise ValueError(f"{name}: pairs_exp2 must be True or False, got {blocks.pairs_exp2!r}")
-    if blocks.pairs_exp2 and blocks.across != "tiles":
-        raise ValueError(f"{name}: pairs_exp2 is a setting of the across='tiles' launch, got across={blocks.across!r}")
+    for field in ("pairs_exp2", "pairs_one_loop"):
+        if type(getattr(blocks, field)) is not bool:
+            raise ValueError(f"{name}: {field} must be True or False, got {getattr(blocks, field)!r}")
+        if getattr(blocks, field) and blocks.across != "tiles":
+            raise ValueError(f"{name}: {field} is a setting of the across='tiles' launch, got across={blocks.across!r}")
     if type(blocks.diagonal_band) is not bool:
         raise ValueError(f"{name}: diagonal_band must be True or False, got {blocks.diagonal_band!r}")
     if type(blocks.diagonal_heads) is not int or blocks.diagonal_heads not in (0, 1, 2, 4, 8):

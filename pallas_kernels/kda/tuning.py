@@ -104,6 +104,9 @@ class ChunkBlocks:
                               # ex2.approx) instead of e^x (a longer sequence), in its product loops, which take
                               # 672 exponentials a thread a chunk: sm_90a, about 17.4k instructions a program
                               # against fla's 13.2k for the same work, 6k of them e^x's; untimed
+    pairs_one_loop: bool = False  # across="tiles": the products across sub-blocks in one loop over key slices for
+                                  # every block pair (each block's tiles loaded and its factors taken once a step),
+                                  # instead of a loop per row block; untimed
     solve: str = "auto"      # "parallel": T = (I + diag(beta) A_kk)^-1, then W, U, q e^G, k e^(G_C - G) in one launch
                              # per chunk ("whole"), or the inverse at the end of the pairs launch (stored in the
                              # factors' dtype) and the rest one program per chunk and key slice ("sliced";

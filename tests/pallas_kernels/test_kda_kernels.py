@@ -98,6 +98,11 @@ def _l2(x):
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pairs-exp2/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/pairs-exp2/chunked"),
     (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/pairs-exp2"),
+    # ... its products across sub-blocks in one loop for every block pair (`pairs_one_loop`), with e^x and 2^x;
+    # 2 sub-blocks a chunk (one pair) and 4
+    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pairs-one-loop/bf16"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/pairs-one-loop/pairs-exp2/chunked"),
+    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "bfloat16", "parallel/pairs-one-loop/pairs-exp2/bf16"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -111,7 +116,8 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     # "joint": every level in one launch; "diagonal" (the default): the diagonal blocks per token; "whole" /
     # "sliced": the solve's form (default: sliced where the pairs allow); "bf16": bf16 factors; "chunked": XLA's
     # layout copies; "dh2": two heads and two warps a program of the per-token launch (default: auto, one warp);
-    # "exp-e": the per-token walk in e^x (default: 2^x); "pairs-exp2": the tile pairs launch's decays in 2^x
+    # "exp-e": the per-token walk in e^x (default: 2^x); "pairs-exp2": the tile pairs launch's decays in 2^x;
+    # "pairs-one-loop": its products in one loop
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
@@ -131,6 +137,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                factors_loop="factors-programs" not in options,
                                                diagonal_exp2="exp-e" not in options,
                                                pairs_exp2="pairs-exp2" in options,
+                                               pairs_one_loop="pairs-one-loop" in options,
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -325,6 +332,8 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(diagonal_exp2=1), "diagonal_exp2 must be True or False"),
     (ChunkBlocks(pairs_exp2=1), "pairs_exp2 must be True or False"),
     (ChunkBlocks(across="levels", pairs_exp2=True), "pairs_exp2 is a setting of the across='tiles' launch"),
+    (ChunkBlocks(pairs_one_loop="yes"), "pairs_one_loop must be True or False"),
+    (ChunkBlocks(across="levels", pairs_one_loop=True), "pairs_one_loop is a setting of the across='tiles' launch"),
     (ChunkBlocks(pairs_num_stages=-1), "pairs_num_stages must be 0"),
     (ChunkBlocks(factors_num_stages=2.0), "factors_num_stages must be 0"),
     (ChunkBlocks(across="tiles", solve="whole"), "across='tiles' follows the per-token launch"),
