@@ -186,6 +186,9 @@ VARIANTS = {
     "default/pairs-exp2": ChunkBlocks(pairs_exp2=True),   # the tile pairs launch's decays as 2^x (prepared)
     "default/pairs-one-loop": ChunkBlocks(pairs_one_loop=True),   # ... its products in one loop (prepared)
     "default/pairs-exp2/one-loop": ChunkBlocks(pairs_exp2=True, pairs_one_loop=True),   # both (prepared)
+    # the sequential pass on 64-column state blocks: half the programs, each reading W, q e^G, k e^(G_C - G) for
+    # twice the columns (at H = 96: 192 programs, one stage by the auto rule; 2 stages timed in run 10 only)
+    "default/v64": ChunkBlocks(value_block=64),
     "default/across-levels": ChunkBlocks(across="levels"),   # the levels and the [C, C] doubling (before run 27)
     "run24": ChunkBlocks(across="levels", factors_loop=False, factors_slice=128, **WALK27),   # run 24's defaults
     "run20": ChunkBlocks(diagonal_band=False, cumsum="pallas", across="levels", factors_loop=False, factors_slice=32,
