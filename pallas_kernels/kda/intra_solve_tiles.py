@@ -17,6 +17,10 @@ or known to be zero. Here, with C / 16 = nb row blocks:
 - T by block forward substitution: the diagonal tiles' inverses (I + L_ii)^-1 by doubling inside each 16 x 16
   tile (`intra_parallel.doubling_inverse`, three levels), then T_ij = -T_ii sum_{m = j .. i - 1} L_im T_mj.
 
+Two forms of the products across sub-blocks, both untimed: their exponentials as 2^(x log2 e) (`pairs_exp2`: one
+ex2.approx and a multiply instead of e^x's longer sequence) and every block pair in one loop over key slices
+(`pairs_one_loop`, `_across_products_joint`: fewer loads and exponentials, more live accumulators).
+
 Measured on the H200 (RESULTS.md, KDA runs 25-27; B = 1, T = 8192, H = 32 / 96): the multiply-adds were not what
 the levels' launch waited on. At 1 warp and 32 key columns a step this form took 352 / 1,053 us against the levels'
 352 / 1,028, at 4 warps 918 / 2,697 (a [16, 16] tile sits whole in every warp, so 4 warps repeat one another's
@@ -75,8 +79,9 @@ def _across_products(q_ref, k_ref, l_ref, *, scale: float, key_slice: int, exp2:
 
 def _across_products_joint(q_ref, k_ref, l_ref, *, scale: float, key_slice: int, exp2: bool = False):
     """`_across_products` in one loop over key slices for every block pair (`ChunkBlocks.pairs_one_loop`): each
-    step loads every block of q, k and l once and takes each block's row and column factors once (at C = 64:
-    11 tile loads and 6 tile exponentials a step instead of 21 and 9), holding all the pairs' accumulators."""
+    step loads every block of k and l and the row blocks of q once and takes each block's row and column factors
+    once (at C = 64: 11 tile loads and 6 tile exponentials a step instead of 21 and 9), holding all the pairs'
+    accumulators."""
     f32 = jnp.float32
     exp = (lambda x: jnp.exp2(x * LOG2_E)) if exp2 else jnp.exp
     nb = q_ref.shape[0] // SUB
@@ -85,15 +90,16 @@ def _across_products_joint(q_ref, k_ref, l_ref, *, scale: float, key_slice: int,
     def one_slice(s, accs):
         ks = pl.ds(pl.multiple_of(s * key_slice, key_slice), key_slice)
         local = [l_ref[_block(b), ks] for b in range(nb)]
+        keys = [k_ref[_block(b), ks].astype(f32) for b in range(nb)]
         totals = [l_ref[b * SUB + SUB - 1, ks] for b in range(nb - 1)]             # each block's decay [ks]
         rows_k, rows_q = {}, {}
         for i in range(1, nb):
             e = exp(local[i])                                                      # e^(G_r - G_a), <= 1
-            rows_k[i] = k_ref[_block(i), ks].astype(f32) * e
+            rows_k[i] = keys[i] * e
             rows_q[i] = q_ref[_block(i), ks].astype(f32) * (e * scale)
         out = list(accs)
         for j in range(nb - 1):
-            y = k_ref[_block(j), ks].astype(f32) * exp(totals[j][None, :] - local[j])
+            y = keys[j] * exp(totals[j][None, :] - local[j])
             between = None                                 # the decay of the whole blocks between j and i
             for i in range(j + 1, nb):
                 y_i = y if between is None else y * exp(between)[None, :]

@@ -102,8 +102,8 @@ class ChunkBlocks:
                               # key_slice)
     pairs_exp2: bool = False  # across="tiles": the pairs launch's decays as 2^(x log2 e) (a multiply and one
                               # ex2.approx) instead of e^x (a longer sequence), in its product loops, which take
-                              # 672 exponentials a thread a chunk: sm_90a, about 17.4k instructions a program
-                              # against fla's 13.2k for the same work, 6k of them e^x's; untimed
+                              # 672 exponentials a thread a chunk: sm_90a, about 17.5k instructions a program
+                              # with e^x, 12.0k with 2^x (`triton_resources.py`); untimed
     pairs_one_loop: bool = False  # across="tiles": the products across sub-blocks in one loop over key slices for
                                   # every block pair (each block's tiles loaded and its factors taken once a step),
                                   # instead of a loop per row block; untimed
