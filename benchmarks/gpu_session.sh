@@ -43,11 +43,12 @@ for step in "$@"; do
               | grep -E "passed|failed|FAILED|Error" | tail -30 | tee "$W/moe_hopper_tests.log"
           OUT=$W timeout ${HOPPER_LIMIT:-300} python3 benchmarks/moe_mxfp4.py ${HOPPER_FLAGS:---hopper-sweep} --tokens ${HOPPER_TOKENS:-1 8 64} \
               ${HOPPER_ARGS:-} 2>&1 | quiet | tee "$W/moe_hopper.log" ;;
-    moe-hopper-hlo) rm -rf /tmp/hlo; XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" OUT=$W timeout ${HLO_LIMIT:-150} \
-              python3 benchmarks/moe_mxfp4.py --hopper --models kimi-linear --tokens ${HOPPER_TOKENS:-64} --profile 2>&1 \
-              | quiet | tail -6 | tee "$W/moe_hopper_hlo.log"
+    moe-hopper-hlo) rm -rf /tmp/hlo
+          XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" OUT=$W timeout ${HLO_LIMIT:-150} \
+              python3 benchmarks/moe_mxfp4.py --hopper --models kimi-linear --tokens ${HOPPER_TOKENS:-64} \
+              --profile 2>&1 | quiet | tail -6 | tee "$W/moe_hopper_hlo.log"
           # the optimised modules that launch the Mosaic GPU kernel: which XLA fusions build its inputs and outputs
-          mkdir -p "$W/hlo"; grep -l "mosaic_gpu" /tmp/hlo/*after_optimizations.txt 2>/dev/null | head -4 \
+          mkdir -p "$W/hlo"; grep -l "mosaic_gpu" /tmp/hlo/*after_optimizations.txt 2>/dev/null \
               | xargs -r -I{} cp {} "$W/hlo/" ;;
     hopper-sass) OUT=$W timeout ${SASS_LIMIT:-120} python3 benchmarks/hopper_mxfp4_sass.py --out "$W/sass" 2>&1 | quiet \
               | grep -v "^    @" | tail -80 | tee "$W/hopper_sass.log" ;;
