@@ -16,13 +16,14 @@
     python benchmarks/plot.py kda-tile-solve  # by kernel: 16 x 16 tiles across sub-blocks, W, U in a loop (run 27)
     python benchmarks/plot.py kda-handoff     # by kernel: q, k handed on in bf16, 2^x, one warp (run 28, H100)
     python benchmarks/plot.py kda-sweep       # by kernel: the settings around those defaults (run 29, H100)
+    python benchmarks/plot.py kda-run30       # by kernel: today's defaults, run 29's and 27's, fla (run 30, H100)
     python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
     python benchmarks/plot.py load-processes  # two-process loads: bytes and seconds per process, per mesh (CPU)
     python benchmarks/plot.py all
 
-Inputs are the JSON records under benchmarks/results/h200/ (h100/ for kda-handoff and kda-sweep, cpu/ for
+Inputs are the JSON records under benchmarks/results/h200/ (h100/ for kda-handoff, kda-sweep and kda-run30, cpu/ for
 load-processes); the PNGs are written beside RESULTS.md.
 """
 
@@ -517,6 +518,28 @@ def plot_kda_sweep(out: str) -> str:
     return _save(fig, os.path.join(out, "kda_sweep.png"))
 
 
+KDA_RUN30 = "kda_prefill_run30a_c47874c.json"   # KDA run 30 (H100): today's defaults, run 29's and 27's, fla
+
+
+def plot_kda_run30(out: str) -> str:
+    """Run 30 (H100): the defaults (the W, U loop in 3 stages) against run 29's (2 stages) and run 27's, by kernel,
+    beside fla's chunk_kda in the same process, at H = 32 and 96."""
+    labels = {"default": "default (W, U in 3 stages)", "run29": "run 29's defaults (2 stages)",
+              "run27": "run 27's defaults"}
+    bars = []
+    for shape in _load(KDA_RUN30, H100)["prefill"]:
+        bars += [(f"H = {shape['H']}, {labels.get(n.removesuffix('@norm-in'), n)}", v["kernel_us"])
+                 for n, v in shape["variants"].items()]
+        bars.append((f"H = {shape['H']}, fla chunk_kda", shape["fla_kernel_us"]))
+    fig, ax = plt.subplots(figsize=(9.5, 4.8))
+    _kernel_bars(ax, bars, KDA_DIAGONAL_PARTS, "other (fills)")
+    ax.set_xlim(0, 1.03 * ax.get_xlim()[1])
+    ax.set_title("KDA prefill by kernel, B = 1, T = 8192, K = V = 128, bf16 (one H100, KDA run 30)", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
+    return _save(fig, os.path.join(out, "kda_run30.png"))
+
+
 KDA_LENGTHS = "kda_prefill_lengths_run22_182d874.json"         # RESULTS.md, KDA run 22: prefill over T, H = 32
 KDA_BATCHES = "kda_decode_run8_batches_b777e8c.json"    # KDA decode run 8: one layer's step over B, H = 32
 
@@ -620,7 +643,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
-                                      "kda-sweep",
+                                      "kda-sweep", "kda-run30",
                                       "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
@@ -633,7 +656,7 @@ def main(argv=None) -> int:
                      ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels),
                      ("kda-diagonal", plot_kda_diagonal), ("kda-band", plot_kda_band),
                      ("kda-tile-solve", plot_kda_tile_solve), ("kda-handoff", plot_kda_handoff),
-                     ("kda-sweep", plot_kda_sweep),
+                     ("kda-sweep", plot_kda_sweep), ("kda-run30", plot_kda_run30),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
