@@ -307,18 +307,20 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         if blocks.across == "tiles":      # check_blocks: with pairs="diagonal" and solve="sliced" only
             kernel = functools.partial(tile_solve_kernel, scale=scale, key_slice=pair_slice, band=blocks.diagonal_band,
                                        inverse=blocks.inverse, scaled=bool(norms), exp2=blocks.pairs_exp2,
-                                       one_loop=blocks.pairs_one_loop, interpret=interpret)
+                                       one_loop=blocks.pairs_one_loop, with_qg=blocks.qg_in_pairs,
+                                       interpret=interpret)
         else:
             kernel = functools.partial(joint_pairs_kernel, scale=scale, key_slice=pair_slice, diagonal_given=given,
                                        band=blocks.diagonal_band, invert=blocks.inverse if sliced else None,
                                        scaled=bool(norms), interpret=interpret)
-        akk, aqk = pl.pallas_call(
+        qg_out = [jax.ShapeDtypeStruct((b, h, n, c, kd), fd)] if blocks.qg_in_pairs else []   # q e^G
+        akk, aqk, *qg_pairs = pl.pallas_call(
             kernel,
             grid=(b, h, n),
             in_specs=[raw(kd), raw(kd), blk(c, kd)] + [raw()] * (sliced + len(norms))
                      + [blk(c, SUB if blocks.diagonal_band else c)] * (2 * given),
-            out_specs=[blk(c, c)] * 2, out_shape=joint_out, compiler_params=pair_params, interpret=interpret,
-            name="kda_chunk_pairs")(qc, kc, lc, *extra)
+            out_specs=[blk(c, c)] * 2 + [blk(c, kd)] * len(qg_out), out_shape=joint_out + qg_out,
+            compiler_params=pair_params, interpret=interpret, name="kda_chunk_pairs")(qc, kc, lc, *extra)
     elif blocks.pairs == "tiles":
         akk, aqk = pl.pallas_call(
             functools.partial(tile_pairs_kernel, scale=scale, key_slice=pair_slice),
@@ -339,13 +341,19 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
         ins = [blk(c, c), raw(kd), raw(kd), raw(vd), blk(c, kd), raw()] + [raw()] * len(norms)
         outs = [blk(c, kd), blk(c, vd), blk(c, kd), blk(c, kd), blk(kd)]
         loop = blocks.factors_loop
-        w, u, qg, kt, dec = pl.pallas_call(
-            functools.partial(sliced_factors_kernel, scale=scale, key_slice=key_slice, value_slice=value_slice,
-                              scaled=bool(norms), loop=loop),
+        kernel = functools.partial(sliced_factors_kernel, scale=scale, key_slice=key_slice, value_slice=value_slice,
+                                   scaled=bool(norms), loop=loop)
+        args = [akk, qc, kc, vc, lc, bc, *norms]
+        if blocks.qg_in_pairs:            # q e^G came from the pairs launch: no q in, no q e^G out
+            kernel = functools.partial(lambda t, *rest, fn: fn(t, None, *rest, with_qg=False), fn=kernel)
+            del ins[1], outs[2], factor_shapes[2], args[1]
+        *head, kt, dec = pl.pallas_call(
+            kernel,
             grid=(b, h, n, 1 if loop else max(kd // key_slice, vd // value_slice)),
             in_specs=[grid4(x) for x in ins], out_specs=[grid4(x) for x in outs], out_shape=factor_shapes,
             compiler_params=params, interpret=interpret, name="kda_chunk_factors",
-        )(akk, qc, kc, vc, lc, bc, *norms)
+        )(*args)
+        w, u, qg = head if not blocks.qg_in_pairs else (*head, qg_pairs[0])
         return w, u, aqk, qg, kt, dec
     w, u, qg, kt, dec = pl.pallas_call(
         functools.partial(solve_kernel, scale=scale,
@@ -459,11 +467,14 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
                          f"diagonal_band=True")
     if type(blocks.diagonal_exp2) is not bool:
         raise ValueError(f"{name}: diagonal_exp2 must be True or False, got {blocks.diagonal_exp2!r}")
-    for field in ("pairs_exp2", "pairs_one_loop"):
+    for field in ("pairs_exp2", "pairs_one_loop", "qg_in_pairs"):
         if type(getattr(blocks, field)) is not bool:
             raise ValueError(f"{name}: {field} must be True or False, got {getattr(blocks, field)!r}")
         if getattr(blocks, field) and blocks.across != "tiles":
             raise ValueError(f"{name}: {field} is a setting of the across='tiles' launch, got across={blocks.across!r}")
+    if blocks.qg_in_pairs and blocks.hands_on_norms:
+        raise ValueError(f"{name}: qg_in_pairs takes q normalised before the pairs launch; qk_norm="
+                         f"{blocks.qk_norm!r} hands on its inverse norms instead")
     if type(blocks.diagonal_band) is not bool:
         raise ValueError(f"{name}: diagonal_band must be True or False, got {blocks.diagonal_band!r}")
     if type(blocks.diagonal_heads) is not int or blocks.diagonal_heads not in (0, 1, 2, 4, 8):

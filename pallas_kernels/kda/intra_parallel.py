@@ -97,7 +97,7 @@ def _slice(a_ref, k_ref, l_ref, i, key_slice, rows, nb, scale, norms=None):
     rows' inverse norms (1 / |a_r|, 1 / |k_r|), [C] each, that a and k are scaled by (q and k not yet
     normalised; the W, U launch's "scales" hand-off), read a slice at a time."""
     ks = pl.ds(pl.multiple_of(i * key_slice, key_slice), key_slice)
-    a = a_ref[:, ks].astype(jnp.float32) * scale
+    a = None if a_ref is None else a_ref[:, ks].astype(jnp.float32) * scale     # None: a not wanted
     k = k_ref[:, ks].astype(jnp.float32)
     if norms is not None:
         a, k = a * norms[0][...][:, None], k * norms[1][...][:, None]
@@ -256,15 +256,17 @@ def _inverse_dot(inverse: str, interpret: bool):
 def _key_factors(i, t, beta, q_ref, k_ref, l_ref, w_ref, qg_ref, kt_ref, dec_ref, *, scale: float, key_slice: int,
                  norms=None):
     """Key slice i of one chunk's W = T diag(beta) (e^G k), q e^G, k e^(G_C - G) and e^(G_C); t [C, C]
-    (fp32, or bf16: then the product's other operand is rounded to bf16 too). norms: see `_slice`."""
-    c = q_ref.shape[0]
+    (fp32, or bf16: then the product's other operand is rounded to bf16 too). norms: see `_slice`. q_ref and
+    qg_ref None: no q e^G (the tile pairs launch writes it, `ChunkBlocks.qg_in_pairs`)."""
+    c = k_ref.shape[0]
     rows = jnp.arange(c, dtype=jnp.int32)
     ks, q, k, _, _, offsets, g_chunk = _slice(q_ref, k_ref, l_ref, i, key_slice, rows, c // SUB, scale, norms)
     last = offsets[-1]
     e_g = jnp.exp(g_chunk)
     x = (beta[:, None] * e_g * k).astype(t.dtype)
     w_ref[:, ks] = jnp.dot(t, x, preferred_element_type=jnp.float32).astype(w_ref.dtype)
-    qg_ref[:, ks] = (q * e_g).astype(qg_ref.dtype)
+    if qg_ref is not None:
+        qg_ref[:, ks] = (q * e_g).astype(qg_ref.dtype)
     kt_ref[:, ks] = (k * jnp.exp(last[None, :] - g_chunk)).astype(kt_ref.dtype)
     dec_ref[ks] = jnp.exp(last)
 
@@ -303,18 +305,19 @@ def solve_kernel(akk_ref, q_ref, k_ref, v_ref, l_ref, b_ref, w_ref, u_ref, qg_re
 
 
 def sliced_factors_kernel(t_ref, q_ref, k_ref, v_ref, l_ref, b_ref, *refs, scale: float, key_slice: int,
-                          value_slice: int, scaled: bool = False, loop: bool = False):
+                          value_slice: int, scaled: bool = False, loop: bool = False, with_qg: bool = True):
     """`solve_kernel` after the inverse (`ChunkBlocks(solve="sliced")`): program (row, head, chunk, i) takes
     T [C, C] (from `joint_pairs_kernel` with `invert` set, in the factors' dtype) and writes key slice i of W,
     q e^G, k e^(G_C - G), e^(G_C) and value slice i of U (where the chunk has that many); with `loop` one program
     a chunk walks every slice i in a loop (whose loads the compiler can pipeline: `num_stages`). refs: with
     `scaled` (q and k not yet normalised) their rows' inverse norms, [C] each, then the outputs w, u, qg, kt,
-    dec."""
+    dec. Without `with_qg` q_ref is None and the outputs w, u, kt, dec (`ChunkBlocks.qg_in_pairs`)."""
     t = t_ref[...]
     beta = b_ref[...].astype(jnp.float32)
     norms = refs[:2] if scaled else None
-    w_ref, u_ref, qg_ref, kt_ref, dec_ref = refs[2 * scaled:]
-    key_slices, value_slices = q_ref.shape[1] // key_slice, v_ref.shape[1] // value_slice
+    outs = refs[2 * scaled:]
+    w_ref, u_ref, qg_ref, kt_ref, dec_ref = outs if with_qg else (outs[0], outs[1], None, *outs[2:])
+    key_slices, value_slices = k_ref.shape[1] // key_slice, v_ref.shape[1] // value_slice
 
     def one_slice(i):
         def key():

@@ -45,15 +45,32 @@ def _block(i: int):
     return pl.ds(i * SUB, SUB)
 
 
-def _across_products(q_ref, k_ref, l_ref, *, scale: float, key_slice: int, exp2: bool = False):
+def _first_block_qg(q_ref, l_ref, qg_ref, ks, *, scale: float, exp):
+    """Key slice ks of q e^G (q scaled) for the chunk's first row block, where G is the local decay."""
+    qg_ref[_block(0), ks] = (q_ref[_block(0), ks].astype(jnp.float32) * (exp(l_ref[_block(0), ks]) * scale)
+                             ).astype(qg_ref.dtype)
+
+
+def _across_products(q_ref, k_ref, l_ref, *, scale: float, key_slice: int, exp2: bool = False, qg_ref=None):
     """{(i, j): A_kk tile}, {(i, j): A_qk tile} ([SUB, SUB] fp32, q scaled) for the block pairs j < i: one
     row block i at a time (its i tile pairs, two [SUB, SUB] accumulators each: a [16, 16] tile sits whole in
     every warp, so fewer live tiles is fewer registers), summed over key slices of key_slice columns in a loop.
-    exp2: each e^x taken as 2^(x log2 e) (`ChunkBlocks.pairs_exp2`)."""
+    exp2: each e^x taken as 2^(x log2 e) (`ChunkBlocks.pairs_exp2`). qg_ref: also write q e^G ([C, K], q
+    scaled; `ChunkBlocks.qg_in_pairs`) from the rows' factors, times e^(G_a) of their block's start."""
     f32 = jnp.float32
     exp = (lambda x: jnp.exp2(x * LOG2_E)) if exp2 else jnp.exp
+    nb = q_ref.shape[0] // SUB
+    slices = q_ref.shape[1] // key_slice
+    if qg_ref is not None and nb == 1:               # one row block: no pairs loop to write it in
+
+        def first_only(s, carry):
+            _first_block_qg(q_ref, l_ref, qg_ref, pl.ds(pl.multiple_of(s * key_slice, key_slice), key_slice),
+                            scale=scale, exp=exp)
+            return carry
+
+        jax.lax.fori_loop(0, slices, first_only, 0)
     akk, aqk = {}, {}
-    for i in range(1, q_ref.shape[0] // SUB):
+    for i in range(1, nb):
         def one_slice(s, accs, i=i):
             ks = pl.ds(pl.multiple_of(s * key_slice, key_slice), key_slice)
             e = exp(l_ref[_block(i), ks])                                    # e^(G_r - G_a), <= 1
@@ -68,20 +85,24 @@ def _across_products(q_ref, k_ref, l_ref, *, scale: float, key_slice: int, exp2:
                 out[2 * j] = out[2 * j] + _dot_t(xk, y)
                 out[2 * j + 1] = out[2 * j + 1] + _dot_t(xq, y)
                 between = total if between is None else between + total
+            if qg_ref is not None:              # between is now G_a: the decay of every block before i
+                qg_ref[_block(i), ks] = (xq * exp(between)[None, :]).astype(qg_ref.dtype)
+                if i == 1:
+                    _first_block_qg(q_ref, l_ref, qg_ref, ks, scale=scale, exp=exp)
             return tuple(out)
 
         zeros = (jnp.zeros((SUB, SUB), f32),) * (2 * i)
-        accs = jax.lax.fori_loop(0, q_ref.shape[1] // key_slice, one_slice, zeros)
+        accs = jax.lax.fori_loop(0, slices, one_slice, zeros)
         for j in range(i):
             akk[i, j], aqk[i, j] = accs[2 * j], accs[2 * j + 1]
     return akk, aqk
 
 
-def _across_products_joint(q_ref, k_ref, l_ref, *, scale: float, key_slice: int, exp2: bool = False):
+def _across_products_joint(q_ref, k_ref, l_ref, *, scale: float, key_slice: int, exp2: bool = False, qg_ref=None):
     """`_across_products` in one loop over key slices for every block pair (`ChunkBlocks.pairs_one_loop`): each
     step loads every block of k and l and the row blocks of q once and takes each block's row and column factors
     once (at C = 64: 11 tile loads and 6 tile exponentials a step instead of 21 and 9), holding all the pairs'
-    accumulators."""
+    accumulators. qg_ref: as in `_across_products`."""
     f32 = jnp.float32
     exp = (lambda x: jnp.exp2(x * LOG2_E)) if exp2 else jnp.exp
     nb = q_ref.shape[0] // SUB
@@ -97,6 +118,12 @@ def _across_products_joint(q_ref, k_ref, l_ref, *, scale: float, key_slice: int,
             e = exp(local[i])                                                      # e^(G_r - G_a), <= 1
             rows_k[i] = keys[i] * e
             rows_q[i] = q_ref[_block(i), ks].astype(f32) * (e * scale)
+        if qg_ref is not None:
+            _first_block_qg(q_ref, l_ref, qg_ref, ks, scale=scale, exp=exp)
+            start = None                                   # G_a of block i: the decay of every block before it
+            for i in range(1, nb):
+                start = totals[i - 1] if start is None else start + totals[i - 1]
+                qg_ref[_block(i), ks] = (rows_q[i] * exp(start)[None, :]).astype(qg_ref.dtype)
         out = list(accs)
         for j in range(nb - 1):
             y = keys[j] * exp(totals[j][None, :] - local[j])
@@ -117,7 +144,8 @@ def _across_products_joint(q_ref, k_ref, l_ref, *, scale: float, key_slice: int,
 
 
 def tile_solve_kernel(q_ref, k_ref, l_ref, b_ref, *refs, scale: float, key_slice: int, band: bool, inverse: str,
-                      scaled: bool = False, exp2: bool = False, one_loop: bool = False, interpret: bool = False):
+                      scaled: bool = False, exp2: bool = False, one_loop: bool = False, with_qg: bool = False,
+                      interpret: bool = False):
     """One chunk: q, k [C, K] (L2-normalised, or with `scaled` as they came), l (the local cumulative decay)
     [C, K] fp32, beta [C] -> T = (I + diag(beta) A_kk)^-1 and A_qk (j <= r, q scaled), [C, C] each in their refs'
     dtypes, zero above the diagonal.
@@ -125,14 +153,18 @@ def tile_solve_kernel(q_ref, k_ref, l_ref, b_ref, *refs, scale: float, key_slice
     refs: with `scaled` the rows' inverse norms 1 / |q_r|, 1 / |k_r| ([C] each) first; then the per-token launch's
     diagonal tiles of A_kk and A_qk (`band`: [C, SUB] stacked, else whole [C, C] rows); then t_ref, aqk_ref.
     inverse: the precision of the inverse's products (`ChunkBlocks.inverse`). exp2: as in `_across_products`;
-    one_loop: the products by `_across_products_joint`."""
+    one_loop: the products by `_across_products_joint`. with_qg: a last ref, qg_ref [C, K], for q e^G (q scaled;
+    `ChunkBlocks.qg_in_pairs`; not with `scaled`)."""
     f32 = jnp.float32
     nb = q_ref.shape[0] // SUB
+    if with_qg and scaled:
+        raise ValueError("tile_solve_kernel: q e^G needs q normalised before the launch, not scaled in it")
+    qg_ref, refs = (refs[-1], refs[:-1]) if with_qg else (None, refs)
     t_ref, aqk_ref = refs[-2:]
     norms, refs = (refs[:2], refs[2:]) if scaled else (None, refs)
     dkk_ref, dqk_ref = refs[:2]
     across = _across_products_joint if one_loop else _across_products
-    akk, aqk = across(q_ref, k_ref, l_ref, scale=scale, key_slice=key_slice, exp2=exp2)
+    akk, aqk = across(q_ref, k_ref, l_ref, scale=scale, key_slice=key_slice, exp2=exp2, qg_ref=qg_ref)
     if scaled:
         inverse_q, inverse_k = ([ref[_block(b)] for b in range(nb)] for ref in norms)
         for i, j in akk:

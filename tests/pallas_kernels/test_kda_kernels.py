@@ -103,6 +103,12 @@ def _l2(x):
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pairs-one-loop/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/pairs-one-loop/pairs-exp2/chunked"),
     (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "bfloat16", "parallel/pairs-one-loop/pairs-exp2/bf16"),
+    # q e^G written by the pairs launch (`qg_in_pairs`), both loop forms: 4, 2 and 1 sub-blocks a chunk, weak and
+    # unbounded gates, ragged tails, the chunked layout
+    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/qg-in-pairs/bf16"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/qg-in-pairs/pairs-one-loop/chunked"),
+    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "bfloat16", "parallel/qg-in-pairs/pairs-exp2/bf16"),
+    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "float32", "parallel/qg-in-pairs/pairs-one-loop/pairs-exp2"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -117,7 +123,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     # "sliced": the solve's form (default: sliced where the pairs allow); "bf16": bf16 factors; "chunked": XLA's
     # layout copies; "dh2": two heads and two warps a program of the per-token launch (default: auto, one warp);
     # "exp-e": the per-token walk in e^x (default: 2^x); "pairs-exp2": the tile pairs launch's decays in 2^x;
-    # "pairs-one-loop": its products in one loop
+    # "pairs-one-loop": its products in one loop; "qg-in-pairs": q e^G written by it
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
@@ -138,6 +144,7 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                diagonal_exp2="exp-e" not in options,
                                                pairs_exp2="pairs-exp2" in options,
                                                pairs_one_loop="pairs-one-loop" in options,
+                                               qg_in_pairs="qg-in-pairs" in options,
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
     o_ref, s_ref = kda_recurrent_reference(f32(q), f32(k), f32(v), g, beta, initial_state=s0)
@@ -334,6 +341,8 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(across="levels", pairs_exp2=True), "pairs_exp2 is a setting of the across='tiles' launch"),
     (ChunkBlocks(pairs_one_loop="yes"), "pairs_one_loop must be True or False"),
     (ChunkBlocks(across="levels", pairs_one_loop=True), "pairs_one_loop is a setting of the across='tiles' launch"),
+    (ChunkBlocks(across="levels", qg_in_pairs=True), "qg_in_pairs is a setting of the across='tiles' launch"),
+    (ChunkBlocks(qg_in_pairs=True, qk_norm="scales"), "qg_in_pairs takes q normalised before the pairs launch"),
     (ChunkBlocks(pairs_num_stages=-1), "pairs_num_stages must be 0"),
     (ChunkBlocks(factors_num_stages=2.0), "factors_num_stages must be 0"),
     (ChunkBlocks(across="tiles", solve="whole"), "across='tiles' follows the per-token launch"),
