@@ -133,6 +133,8 @@ def _build_cases():
         "kda-chunk-norm-in-pairs-exp2-one-loop": kda(normalize_qk=True, pairs_exp2=True, pairs_one_loop=True),  # loop
         "kda-chunk-norm-in-qg-in-pairs": kda(normalize_qk=True, qg_in_pairs=True),   # q e^G from the pairs launch
         "kda-chunk-norm-in-pairs-exp2-qg-in-pairs": kda(normalize_qk=True, pairs_exp2=True, qg_in_pairs=True),
+        "kda-chunk-norm-in-pairs-exp2-one-loop-qg-in-pairs": kda(normalize_qk=True, pairs_exp2=True,
+                                                                 pairs_one_loop=True, qg_in_pairs=True),
         # W, U, ... with q, k normalised inside: 32 columns a loop step at 8 warps (87 registers) against the
         # default's 64 at 8 (139 with fp32 q, k: one program a multiprocessor; the case kda-chunk-norm-in-run27;
         # the -bf16 cases and, since KDA run 28, kda-chunk-norm-in take bf16 q, k)
