@@ -19,7 +19,8 @@ or known to be zero. Here, with C / 16 = nb row blocks:
 
 Two forms of the products across sub-blocks, both untimed: their exponentials as 2^(x log2 e) (`pairs_exp2`: one
 ex2.approx and a multiply instead of e^x's longer sequence) and every block pair in one loop over key slices
-(`pairs_one_loop`, `_across_products_joint`: fewer loads and exponentials, more live accumulators).
+(`pairs_one_loop`, `_across_products_joint`: fewer loads and exponentials, more live accumulators). With
+`qg_in_pairs` the launch also writes q e^G (untimed), which the W, U launch then leaves out.
 
 Measured on the H200 (RESULTS.md, KDA runs 25-27; B = 1, T = 8192, H = 32 / 96): the multiply-adds were not what
 the levels' launch waited on. At 1 warp and 32 key columns a step this form took 352 / 1,053 us against the levels'
