@@ -188,6 +188,7 @@ VARIANTS = {
     "default/pairs-exp2/one-loop": ChunkBlocks(pairs_exp2=True, pairs_one_loop=True),   # both (prepared)
     "default/qg-in-pairs": ChunkBlocks(qg_in_pairs=True),   # q e^G from the pairs launch, not W, U's (prepared)
     "default/pairs-exp2/qg-in-pairs": ChunkBlocks(pairs_exp2=True, qg_in_pairs=True),   # (prepared)
+    "default/pairs-exp2/one-loop/qg-in-pairs": ChunkBlocks(pairs_exp2=True, pairs_one_loop=True, qg_in_pairs=True),
     # the sequential pass on 64-column state blocks: half the programs, each reading W, q e^G, k e^(G_C - G) for
     # twice the columns (at H = 96: 192 programs, one stage by the auto rule; 2 stages timed in run 10 only)
     "default/v64": ChunkBlocks(value_block=64),

@@ -247,7 +247,8 @@ def _intra_parallel(qc, kc, vc, gc, bc, *, scale: float, blocks: ChunkBlocks, in
     with cumsum="diagonal"), A_kk and A_qk (one launch, or one each with blocks.pairs = "separate", or by 16-row
     tiles with "tiles": `intra_tiles.py`, or the diagonal blocks one program per token first with "diagonal":
     `intra_diagonal.py`, after which one launch forms the pairs across sub-blocks and the inverse: by 16 x 16
-    tiles, `intra_solve_tiles.py`, or by levels and doubling), then the solve and factors. tokens: the raw inputs
+    tiles, `intra_solve_tiles.py`, or by levels and doubling), then the solve and factors (q e^G among them, or
+    with qg_in_pairs from the tile pairs launch). tokens: the raw inputs
     are [B, N, C, H, ...] and each program reads its chunk's [C, ...] rows of one head there. normalize: q and k
     not yet L2-normalised; the per-token launch normalises them and hands them on (or their inverse norms, with
     the "scales" forms)."""
@@ -473,8 +474,8 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
         if getattr(blocks, field) and blocks.across != "tiles":
             raise ValueError(f"{name}: {field} is a setting of the across='tiles' launch, got across={blocks.across!r}")
     if blocks.qg_in_pairs and blocks.hands_on_norms:
-        raise ValueError(f"{name}: qg_in_pairs takes q normalised before the pairs launch; qk_norm="
-                         f"{blocks.qk_norm!r} hands on its inverse norms instead")
+        raise ValueError(f"{name}: qg_in_pairs does not combine with qk_norm={blocks.qk_norm!r} (q and k handed on "
+                         f"unnormalised, with their inverse norms)")
     if type(blocks.diagonal_band) is not bool:
         raise ValueError(f"{name}: diagonal_band must be True or False, got {blocks.diagonal_band!r}")
     if type(blocks.diagonal_heads) is not int or blocks.diagonal_heads not in (0, 1, 2, 4, 8):

@@ -7,7 +7,8 @@ k e^(G_C - G), e^(G_C)): the same outputs as `chunk._intra_kernel`. By default (
 across sub-blocks and ends with the inverse (by 16 x 16 tiles, `intra_solve_tiles.py`; or, with
 `across="levels"`, the joint launch's levels across sub-blocks), and `sliced_factors_kernel` forms W, U, ...
 one program per chunk (`factors_slice`, `factors_loop`; the per-token launch also writes the local cumsum,
-`cumsum="diagonal"`): three launches. How the levels forms work:
+`cumsum="diagonal"`; with `qg_in_pairs` the tile pairs launch writes q e^G instead): three launches. How the
+levels forms work:
 
 - The decay is taken as `local`: the cumulative log decay inside each 16-row sub-block (from the per-token
   launch, its own launch with `cumsum="pallas"`, or XLA's `local_cumsum` with `cumsum="xla"`). G of the
@@ -100,7 +101,8 @@ def _slice(a_ref, k_ref, l_ref, i, key_slice, rows, nb, scale, norms=None):
     a = None if a_ref is None else a_ref[:, ks].astype(jnp.float32) * scale     # None: a not wanted
     k = k_ref[:, ks].astype(jnp.float32)
     if norms is not None:
-        a, k = a * norms[0][...][:, None], k * norms[1][...][:, None]
+        a = None if a is None else a * norms[0][...][:, None]
+        k = k * norms[1][...][:, None]
     local = l_ref[:, ks]
     refrow, offsets = _block_offsets(l_ref, ks, local, rows, nb)
     return ks, a, k, local, refrow, offsets, local + refrow

@@ -1,6 +1,7 @@
 """The pairs across a KDA chunk's 16-row sub-blocks and T = (I + diag(beta) A_kk)^-1 by 16 x 16 tiles
 (`ChunkBlocks(across="tiles")`): the launch after `intra_diagonal.py`'s per-token one, with the same outputs as
-`intra_parallel.joint_pairs_kernel(diagonal_given=True, invert=...)`, in about a tenth of its multiply-adds.
+`intra_parallel.joint_pairs_kernel(diagonal_given=True, invert=...)` (with `qg_in_pairs` also q e^G), in about a
+tenth of its multiply-adds.
 
 The joint launch forms each bit level across sub-blocks as a masked [C, C] product and the inverse by doubling over
 the whole [C, C] matrix: at C = 64 about 4.7 M multiply-adds a chunk, most of them on entries that are masked away

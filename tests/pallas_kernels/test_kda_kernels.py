@@ -103,11 +103,14 @@ def _l2(x):
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pairs-one-loop/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/pairs-one-loop/pairs-exp2/chunked"),
     (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "bfloat16", "parallel/pairs-one-loop/pairs-exp2/bf16"),
-    # q e^G written by the pairs launch (`qg_in_pairs`), both loop forms: 4, 2 and 1 sub-blocks a chunk, weak and
-    # unbounded gates, ragged tails, the chunked layout
+    # q e^G written by the pairs launch (`qg_in_pairs`), both loop forms at 4, 2 and 1 sub-blocks a chunk with weak
+    # gates (e^G of every row block well above 0), unbounded gates, ragged tails, the chunked layout
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/qg-in-pairs/bf16"),
+    (1, 130, 2, 32, 32, 64, (-0.5, 0.0), True, "float32", "parallel/qg-in-pairs/pairs-one-loop"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/qg-in-pairs/pairs-one-loop/chunked"),
     (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "bfloat16", "parallel/qg-in-pairs/pairs-exp2/bf16"),
+    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/qg-in-pairs/pairs-one-loop/pairs-exp2"),
+    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "float32", "parallel/qg-in-pairs"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "float32", "parallel/qg-in-pairs/pairs-one-loop/pairs-exp2"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
@@ -341,8 +344,9 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(across="levels", pairs_exp2=True), "pairs_exp2 is a setting of the across='tiles' launch"),
     (ChunkBlocks(pairs_one_loop="yes"), "pairs_one_loop must be True or False"),
     (ChunkBlocks(across="levels", pairs_one_loop=True), "pairs_one_loop is a setting of the across='tiles' launch"),
+    (ChunkBlocks(qg_in_pairs=1), "qg_in_pairs must be True or False"),
     (ChunkBlocks(across="levels", qg_in_pairs=True), "qg_in_pairs is a setting of the across='tiles' launch"),
-    (ChunkBlocks(qg_in_pairs=True, qk_norm="scales"), "qg_in_pairs takes q normalised before the pairs launch"),
+    (ChunkBlocks(qg_in_pairs=True, qk_norm="scales"), "qg_in_pairs does not combine with qk_norm='scales'"),
     (ChunkBlocks(pairs_num_stages=-1), "pairs_num_stages must be 0"),
     (ChunkBlocks(factors_num_stages=2.0), "factors_num_stages must be 0"),
     (ChunkBlocks(across="tiles", solve="whole"), "across='tiles' follows the per-token launch"),
@@ -497,6 +501,8 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     ("bfloat16", ChunkBlocks(across="levels")),                    # the levels launch: q, k normalised
     ("bfloat16", ChunkBlocks(across="levels", qk_norm="scales")),  # ... or scaled at the end of its sums
     ("float32", ChunkBlocks(across="levels", qk_norm="scales-after", layout="chunked")),
+    ("bfloat16", ChunkBlocks(qg_in_pairs=True)),                   # q e^G written by the pairs launch
+    ("float32", ChunkBlocks(qg_in_pairs=True, pairs_one_loop=True, layout="chunked")),
 ])
 def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     """normalize_qk=True takes q and k as they leave the conv (any scale, a zero row among them) and gives the
@@ -535,6 +541,29 @@ def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     inner = "bfloat16" if rounded == "bfloat16" else dtype
     assert_close("o", o, o_ref, dtype=kernel_dtype(inner, interpret))
     assert_close("state", s, s_ref, tol=TOLERANCES[kernel_dtype(inner, interpret)])
+
+
+@pytest.mark.parametrize("one_loop", [False, True])
+def test_qg_in_pairs_moves_q_e_g_between_launches(rng, interpret, one_loop):
+    """With qg_in_pairs the pairs launch writes q e^G ([C, K] a chunk) and the W, U launch neither reads q nor
+    writes it: one output more and one less, one input less; the result equals the default form's."""
+    b, t, h, kd, vd = 1, 100, 2, 32, 32
+    q, k = (jnp.asarray(3.0 * rng.standard_normal((b, t, h, kd)), jnp.bfloat16) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((b, t, h, vd)), jnp.bfloat16)
+    g = jnp.asarray(rng.uniform(-1.0, 0.0, (b, t, h, kd)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, (b, t, h)), jnp.float32)
+    runs = {}
+    for moved in (False, True):
+        blocks = ChunkBlocks(key_slice=16, value_block=16, qg_in_pairs=moved, pairs_one_loop=one_loop)
+        call = lambda q, k, normalize, blocks=blocks: kda_chunk_pallas(q, k, v, g, beta, blocks=blocks,
+                                                                       interpret=interpret, normalize_qk=normalize)
+        runs[moved] = (_launch_output_shapes(call, q, k, True), call(q, k, True))
+    (before, (o, s)), (after, (o2, s2)) = runs[False], runs[True]
+    assert len(after["kda_chunk_pairs"]) == len(before["kda_chunk_pairs"]) + 1
+    assert after["kda_chunk_pairs"][-1] == before["kda_chunk_factors"][2]                 # q e^G, [B, H, N, C, K]
+    assert len(after["kda_chunk_factors"]) == len(before["kda_chunk_factors"]) - 1
+    assert_close("o", o2, o, dtype=kernel_dtype("bfloat16", interpret))
+    assert_close("state", s2, s, dtype=kernel_dtype("float32", interpret))
 
 
 def _launch_output_shapes(call, q, k, normalize) -> dict[str, list[tuple]]:
