@@ -441,16 +441,18 @@ KDA_DIAGONAL_PARTS = [   # (label, our kernels, fla's kernels): substrings of th
 
 
 def plot_kda_diagonal(out: str, records=KDA_DIAGONAL, variants=None, png: str = "kda_diagonal.png",
-                      run: str = "KDA run 19", folder: str = H200, device: str = "H200") -> str:
+                      run: str = "KDA run 19", folder: str = H200, device: str = "H200", all_rows: bool = False) -> str:
     """KDA chunked prefill at T = 8192, H = 32 and 96: device time per kernel of each variant in `records`
     (those named in `variants`, as {name: label}; None: all) and of fla's chunk_kda, from profiled runs (run 19:
-    the diagonal blocks per token and the sliced solve against the joint launch)."""
+    the diagonal blocks per token and the sliced solve against the joint launch). A record's first prefill row,
+    or with `all_rows` each of them."""
     bars = []
     for name in records:
-        shape = _load(name, folder)["prefill"][0]
-        bars += [(f"H = {shape['H']}, {n if variants is None else variants[n]}", v["kernel_us"])
-                 for n, v in shape["variants"].items() if variants is None or n in variants]
-        bars.append((f"H = {shape['H']}, fla chunk_kda", shape["fla_kernel_us"]))
+        rows = _load(name, folder)["prefill"]
+        for shape in rows if all_rows else rows[:1]:
+            bars += [(f"H = {shape['H']}, {n if variants is None else variants[n]}", v["kernel_us"])
+                     for n, v in shape["variants"].items() if variants is None or n in variants]
+            bars.append((f"H = {shape['H']}, fla chunk_kda", shape["fla_kernel_us"]))
     fig, ax = plt.subplots(figsize=(9.5, 4.8))
     _kernel_bars(ax, bars, KDA_DIAGONAL_PARTS, "other (fills)")
     ax.set_xlim(0, 1.03 * ax.get_xlim()[1])
@@ -524,20 +526,9 @@ KDA_RUN30 = "kda_prefill_run30a_c47874c.json"   # KDA run 30 (H100): today's def
 def plot_kda_run30(out: str) -> str:
     """Run 30 (H100): the defaults (the W, U loop in 3 stages) against run 29's (2 stages) and run 27's, by kernel,
     beside fla's chunk_kda in the same process, at H = 32 and 96."""
-    labels = {"default": "default (W, U in 3 stages)", "run29": "run 29's defaults (2 stages)",
-              "run27": "run 27's defaults"}
-    bars = []
-    for shape in _load(KDA_RUN30, H100)["prefill"]:
-        bars += [(f"H = {shape['H']}, {labels.get(n.removesuffix('@norm-in'), n)}", v["kernel_us"])
-                 for n, v in shape["variants"].items()]
-        bars.append((f"H = {shape['H']}, fla chunk_kda", shape["fla_kernel_us"]))
-    fig, ax = plt.subplots(figsize=(9.5, 4.8))
-    _kernel_bars(ax, bars, KDA_DIAGONAL_PARTS, "other (fills)")
-    ax.set_xlim(0, 1.03 * ax.get_xlim()[1])
-    ax.set_title("KDA prefill by kernel, B = 1, T = 8192, K = V = 128, bf16 (one H100, KDA run 30)", fontsize=9)
-    ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
-    return _save(fig, os.path.join(out, "kda_run30.png"))
+    return plot_kda_diagonal(out, (KDA_RUN30,), {
+        "default@norm-in": "default (W, U in 3 stages)", "run29@norm-in": "run 29's defaults (2 stages)",
+        "run27@norm-in": "run 27's defaults"}, "kda_run30.png", "KDA run 30", H100, "H100", all_rows=True)
 
 
 KDA_LENGTHS = "kda_prefill_lengths_run22_182d874.json"         # RESULTS.md, KDA run 22: prefill over T, H = 32
