@@ -63,6 +63,8 @@ _SPLIT_TARGET = 2                 # programs per multiprocessor that `splits=0` 
 PER_GROUP = GROUP // 2            # packed bytes of one scale group along a column
 DECODES = ("exact", "ptx")
 A_OPERANDS = ("registers", "smem")
+ACTIVATIONS = ("slab", "rows")
+ALIGN = 8                         # rows of one shared-memory tile of the activations: TMA starts on a multiple
 
 
 class Mxfp4Columns(NamedTuple):
@@ -135,8 +137,13 @@ class HopperMxfp4Blocks:
     takes (16: the low or the high nibbles of a scale group, 32: both, 0: the whole step; one fence and
     commit a call), and `splits`: programs that share
     one tile's K steps (their fp32 partial sums added by XLA; a divisor of K / block_k), 0 = the
-    fewest that give `_SPLIT_TARGET` programs a multiprocessor (`splits_for`). `for_backend` picks what
-    runs; `smem_bytes` must stay within one block's shared memory."""
+    fewest that give `_SPLIT_TARGET` programs a multiprocessor (`splits_for`). `activations`: where a
+    program of sorted rows reads its tile's rows from: "slab", a copy XLA gathers before the launch (each
+    tile's rows padded to `rows`), or "rows", the sorted activations themselves through a window of
+    `rows + 8` rows starting at the tile's first row rounded down to a multiple of 8 (the copies into
+    tiled shared memory start on whole 8-row tiles; the window's extra rows cost MMA columns, not a
+    gather). Unsorted pairs always take a slab. `for_backend` picks what runs; `smem_bytes` must stay
+    within one block's shared memory."""
 
     rows: int = 8
     block_k: int = 256
@@ -145,10 +152,16 @@ class HopperMxfp4Blocks:
     a_operand: str = "registers"
     splits: int = 1
     mma_inputs: int = 16
+    activations: str = "slab"
 
     def __post_init__(self):
         if self.rows % 8 or not 8 <= self.rows <= 256:
             raise ValueError(f"HopperMxfp4Blocks: rows must be a multiple of 8 in [8, 256], got {self.rows}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"HopperMxfp4Blocks: activations must be one of {ACTIVATIONS}, got {self.activations!r}")
+        if self.window > 256:
+            raise ValueError(f"HopperMxfp4Blocks: activations='rows' reads rows + {ALIGN} rows a tile, at most 256; "
+                             f"got rows={self.rows}")
         if self.block_k % 128 or self.block_k <= 0:
             raise ValueError(f"HopperMxfp4Blocks: block_k must be a positive multiple of 128, got {self.block_k}")
         if self.stages < 1:
@@ -167,6 +180,12 @@ class HopperMxfp4Blocks:
     def inputs_per_mma(self) -> int:
         return self.mma_inputs or self.block_k
 
+    @property
+    def window(self) -> int:
+        """Activation rows a program of sorted rows reads (the MMA's N): `rows`, or `rows + 8` from the
+        sorted activations themselves (`activations="rows"`)."""
+        return self.rows + (ALIGN if self.activations == "rows" else 0)
+
     def splits_for(self, programs: int, steps: int) -> int:
         """K splits for `programs` (tiles x column blocks) over `steps` pipeline steps: the setting, or for
         0 the smallest divisor of `steps` giving at least `_SPLIT_TARGET` programs per multiprocessor
@@ -181,9 +200,9 @@ class HopperMxfp4Blocks:
         """Shared memory of one program with `n_weights` weights: per buffer in flight the tile's
         activations (bf16) and each weight's codes and scales; the fp32 products staged for their copy out;
         with `a_operand="smem"` the decoded operand's buffer; barriers and alignment."""
-        per_stage = self.rows * self.block_k * 2 + n_weights * COLUMNS * (self.block_k // 2 + self.block_k // GROUP)
+        per_stage = self.window * self.block_k * 2 + n_weights * COLUMNS * (self.block_k // 2 + self.block_k // GROUP)
         operand = COLUMNS * self.inputs_per_mma * 2 if self.a_operand == "smem" else 0
-        return self.stages * per_stage + n_weights * COLUMNS * self.rows * 4 + operand + _SMEM_OVERHEAD
+        return self.stages * per_stage + n_weights * COLUMNS * self.window * 4 + operand + _SMEM_OVERHEAD
 
     @classmethod
     def for_backend(cls, interpreted: bool, k_dim: int | None = None, rows_per_group: float = 1.0,
@@ -291,10 +310,12 @@ _DECODERS = {"exact": _decode_exact, "ptx": _decode_ptx}
 # The kernel
 # ----------------------------------------------------------------------------------------------
 
-def _kernel(sched_ref, x_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks):
-    """x_ref: activations [tiles, rows, K] with each scale group's 32 inputs as its 16 even then its 16 odd
-    ones (`_even_odd`); refs: per weight packed [G, N, K/2] and scale [G, K/32, N]; out [weights, splits,
-    tiles, N, rows] fp32; scratch: the products' staging buffer and the decoded operand buffer.
+def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, blocks: HopperMxfp4Blocks):
+    """x_ref: activations with each scale group's 32 inputs as its 16 even then its 16 odd ones
+    (`_even_odd`): a slab per tile [tiles, window, K], or (`window` > `blocks.rows`) the sorted rows
+    [M', K], each tile reading `window` rows from its first row rounded down to a multiple of `ALIGN`;
+    refs: per weight packed [G, N, K/2] and scale [G, K/32, N]; out [weights, splits, tiles, N, window]
+    fp32; scratch: the products' staging buffer and the decoded operand buffer.
     `steps`: the pipeline steps of one split (its K range starts at split x steps x block_k)."""
     w_refs, (out_ref, o_smem, *a_smem) = refs[:2 * n_weights], refs[2 * n_weights:]
     tile, col, split = lax.axis_index("tile"), lax.axis_index("col"), lax.axis_index("split")
@@ -335,18 +356,23 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, blocks: HopperMxfp4Blocks
 
         x_transforms = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32))
         code_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
-        x_spec = plgpu.BlockSpec((blocks.rows, blocks.block_k), lambda kk: (0, first_step + kk),
+        x_spec = plgpu.BlockSpec((window, blocks.block_k), lambda kk: (0, first_step + kk),
                                  transforms=x_transforms)
         w_specs = (plgpu.BlockSpec((COLUMNS, half), lambda kk: (col, first_step + kk), transforms=code_transforms),
                    plgpu.BlockSpec((groups, COLUMNS), lambda kk: (first_step + kk, col)))
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=[x_spec, *(w_specs * n_weights)],
-                            max_concurrent_steps=blocks.stages)(x_ref.at[tile], *(w.at[group] for w in w_refs))
+                            max_concurrent_steps=blocks.stages)(x_rows, *(w.at[group] for w in w_refs))
         return tuple(acc[...] for acc in acc_refs)
+
+    if window == blocks.rows:
+        x_rows = x_ref.at[tile]
+    else:
+        x_rows = x_ref.at[pl.ds(pl.multiple_of(first // ALIGN * ALIGN, ALIGN), window)]
 
     @pl.when(first < last)
     def _():
         accs = pl.run_scoped(lambda *accs: products(accs),
-                             *(plgpu.ACC((COLUMNS, blocks.rows), jnp.float32) for _ in range(n_weights)))
+                             *(plgpu.ACC((COLUMNS, window), jnp.float32) for _ in range(n_weights)))
         for w, acc in enumerate(accs):
             o_smem.at[w][...] = acc
         plgpu.commit_smem()
@@ -362,11 +388,14 @@ def _even_odd(x):
     return x.reshape(*lead, k // GROUP, PER_GROUP, 2).swapaxes(-1, -2).reshape(*lead, k)
 
 
-def _launch(sched, slabs, weights, blocks: HopperMxfp4Blocks, interpret: bool):
+def _launch(sched, x, weights, blocks: HopperMxfp4Blocks, interpret: bool):
     """The kernel over `sched` [3, T] (group, first, end row per tile; first >= end: nothing to do) with
-    each tile's activation rows `slabs` [T, rows, K] bf16, already in `_even_odd` order -> fp32 products
-    [weights, T, N, rows]."""
-    tiles, tm, k = slabs.shape
+    the activations in `_even_odd` order, bf16: each tile's own slab `x` [T, rows, K], or the sorted rows
+    `x` [M', K] read in place (M' >= the last tile's first row rounded down to 8, plus `blocks.window`)
+    -> fp32 products [weights, T, N, rows] (slabs) or [weights, T, N, window] (column c: the product of
+    row first // 8 * 8 + c)."""
+    tiles, k = sched.shape[1], x.shape[-1]
+    window = blocks.rows if x.ndim == 3 else blocks.window
     n = weights[0].shape[2]
     n_weights = len(weights)
     steps = k // blocks.block_k
@@ -374,18 +403,18 @@ def _launch(sched, slabs, weights, blocks: HopperMxfp4Blocks, interpret: bool):
     if steps % splits:
         raise ValueError(f"hopper MXFP4 matmul: splits={splits} must divide the {steps} steps of K={k} at "
                          f"block_k={blocks.block_k}")
-    kernel = functools.partial(_kernel, n_weights=n_weights, steps=steps // splits, blocks=blocks)
+    kernel = functools.partial(_kernel, n_weights=n_weights, steps=steps // splits, window=window, blocks=blocks)
     a_transforms = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32))
     partial = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((n_weights, splits, tiles, n, tm), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((n_weights, splits, tiles, n, window), jnp.float32),
         grid=(tiles, n // COLUMNS, splits),
         grid_names=("tile", "col", "split"),
-        scratch_types=[plgpu.SMEM((n_weights, COLUMNS, tm), jnp.float32)]
+        scratch_types=[plgpu.SMEM((n_weights, COLUMNS, window), jnp.float32)]
         + ([plgpu.SMEM((COLUMNS, blocks.inputs_per_mma), jnp.bfloat16, transforms=a_transforms)]
            if blocks.a_operand == "smem" else []),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(sched, slabs, *(part for w in weights for part in (w.packed, w.scale)))
+    )(sched, x, *(part for w in weights for part in (w.packed, w.scale)))
     return jnp.sum(partial, axis=1)
 
 
@@ -395,31 +424,47 @@ def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: b
     tm = blocks.rows
     sched = tile_schedule(group_sizes, m, tm)
     tiles = sched.shape[1]
-    # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
-    # reads start on a whole tile, as the copies into the tiled shared-memory buffers need. The rows are
-    # reordered before the gather: the slabs (every tile padded to `rows`) can be several times larger.
     rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
     live = rows < sched[2][:, None]
     ordered = _even_odd(lhs.astype(jnp.bfloat16))
-    out = _launch(sched, jnp.where(live[..., None], ordered[jnp.minimum(rows, m - 1)], 0), weights, blocks, interpret)
-    # Row r of the output is column r - first of its tile's [N, rows] block.
+    if blocks.activations == "rows":
+        # The sorted rows read in place, padded so that every tile's window lies inside them.
+        padded = -(-m // ALIGN) * ALIGN + tm
+        out = _launch(sched, jnp.pad(ordered, ((0, padded - m), (0, 0))), weights, blocks, interpret)
+        origin = sched[1] // ALIGN * ALIGN                  # the row of each tile's column 0
+    else:
+        # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
+        # reads start on a whole tile, as the copies into the tiled shared-memory buffers need. The rows are
+        # reordered before the gather: the slabs (every tile padded to `rows`) can be several times larger.
+        slabs = jnp.where(live[..., None], ordered[jnp.minimum(rows, m - 1)], 0)
+        out = _launch(sched, slabs, weights, blocks, interpret)
+        origin = sched[1]
+    # Row r of the output is column r - origin of its tile's [N, window] block.
     tile_of = jnp.zeros((m,), jnp.int32).at[jnp.where(live, rows, m)].set(
         jnp.broadcast_to(jnp.arange(tiles, dtype=jnp.int32)[:, None], rows.shape), mode="drop")
-    per_row = out[:, tile_of, :, jnp.clip(jnp.arange(m) - sched[1][tile_of], 0, tm - 1)]     # [M, W, N]
+    column = jnp.clip(jnp.arange(m) - origin[tile_of], 0, out.shape[-1] - 1)
+    per_row = out[:, tile_of, :, column]                                                     # [M, W, N]
     covered = jnp.arange(m) < jnp.sum(group_sizes)
     return jnp.where(covered[None, :, None], jnp.moveaxis(per_row, 1, 0), 0.0)
 
 
 def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4Blocks, interpret: bool):
-    """Unsorted pairs, one tile each (its first row the pair's activations, the others zeros):
-    lhs[p // repeat] @ W_w[group[p]] in fp32 where valid[p], else 0 -> [W, P, N]."""
+    """Unsorted pairs, one tile each: lhs[p // repeat] @ W_w[group[p]] in fp32 where valid[p], else 0
+    -> [W, P, N]. The tile's activations: a slab with the pair's row first and zeros after it, or
+    (`blocks.activations="rows"`) a window of the rows of `lhs` around the pair's own."""
     pairs = group.shape[0]
-    index = jnp.arange(pairs, dtype=jnp.int32)
-    sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), index, index + valid.astype(jnp.int32)])
+    token = jnp.arange(pairs, dtype=jnp.int32) // repeat
+    sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), token, token + valid.astype(jnp.int32)])
     ordered = _even_odd(lhs.astype(jnp.bfloat16))          # before the repeat and the padding rows
-    slabs = jnp.zeros((pairs, blocks.rows, lhs.shape[1]), jnp.bfloat16).at[:, 0].set(
-        jnp.repeat(ordered, repeat, axis=0))
-    out = _launch(sched, slabs, weights, blocks, interpret)[..., 0]
+    if blocks.activations == "rows":
+        m = lhs.shape[0]
+        x = jnp.pad(ordered, ((0, -(-m // ALIGN) * ALIGN + blocks.rows - m), (0, 0)))
+        out = _launch(sched, x, weights, blocks, interpret)
+        out = jnp.moveaxis(out[:, jnp.arange(pairs), :, token % ALIGN], 0, 1)    # column: token - token // 8 * 8
+    else:
+        slabs = jnp.zeros((pairs, blocks.rows, lhs.shape[1]), jnp.bfloat16).at[:, 0].set(
+            jnp.repeat(ordered, repeat, axis=0))
+        out = _launch(sched, slabs, weights, blocks, interpret)[..., 0]
     return jnp.where(valid[None, :, None], out, 0.0)
 
 
