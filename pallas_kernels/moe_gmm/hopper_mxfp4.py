@@ -142,8 +142,8 @@ class HopperMxfp4Blocks:
     tile's rows padded to `rows`), or "rows", the sorted activations themselves through a window of
     `rows + 8` rows starting at the tile's first row rounded down to a multiple of 8 (the copies into
     tiled shared memory start on whole 8-row tiles; the window's extra rows cost MMA columns, not a
-    gather). Unsorted pairs always take a slab. `for_backend` picks what runs; `smem_bytes` must stay
-    within one block's shared memory."""
+    gather). Unsorted pairs likewise: a slab, or the window around their token's row. `for_backend` picks
+    what runs; `smem_bytes` must stay within one block's shared memory."""
 
     rows: int = 8
     block_k: int = 256
@@ -310,10 +310,10 @@ _DECODERS = {"exact": _decode_exact, "ptx": _decode_ptx}
 # The kernel
 # ----------------------------------------------------------------------------------------------
 
-def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, blocks: HopperMxfp4Blocks):
+def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bool, blocks: HopperMxfp4Blocks):
     """x_ref: activations with each scale group's 32 inputs as its 16 even then its 16 odd ones
-    (`_even_odd`): a slab per tile [tiles, window, K], or (`window` > `blocks.rows`) the sorted rows
-    [M', K], each tile reading `window` rows from its first row rounded down to a multiple of `ALIGN`;
+    (`_even_odd`): a slab per tile [tiles, window, K], or (`in_place`) the rows themselves [M', K], each
+    tile reading `window` rows from its first row rounded down to a multiple of `ALIGN`;
     refs: per weight packed [G, N, K/2] and scale [G, K/32, N]; out [weights, splits, tiles, N, window]
     fp32; scratch: the products' staging buffer and the decoded operand buffer.
     `steps`: the pipeline steps of one split (its K range starts at split x steps x block_k)."""
@@ -327,6 +327,10 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, blocks: Hopp
     decode = _DECODERS[blocks.decode]
 
     per_mma = blocks.inputs_per_mma // PER_GROUP       # [64, 16] pieces (low or high nibbles of a group) a call
+    if in_place:    # the copies into tiled shared memory start on whole 8-row tiles: the window starts on one
+        x_rows = x_ref.at[pl.ds(pl.multiple_of(first // ALIGN * ALIGN, ALIGN), window)]
+    else:
+        x_rows = x_ref.at[tile]
 
     def products(acc_refs):
         def step(idx, x_smem, *w_smem):
@@ -364,11 +368,6 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, blocks: Hopp
                             max_concurrent_steps=blocks.stages)(x_rows, *(w.at[group] for w in w_refs))
         return tuple(acc[...] for acc in acc_refs)
 
-    if window == blocks.rows:
-        x_rows = x_ref.at[tile]
-    else:
-        x_rows = x_ref.at[pl.ds(pl.multiple_of(first // ALIGN * ALIGN, ALIGN), window)]
-
     @pl.when(first < last)
     def _():
         accs = pl.run_scoped(lambda *accs: products(accs),
@@ -391,11 +390,13 @@ def _even_odd(x):
 def _launch(sched, x, weights, blocks: HopperMxfp4Blocks, interpret: bool):
     """The kernel over `sched` [3, T] (group, first, end row per tile; first >= end: nothing to do) with
     the activations in `_even_odd` order, bf16: each tile's own slab `x` [T, rows, K], or the sorted rows
-    `x` [M', K] read in place (M' >= the last tile's first row rounded down to 8, plus `blocks.window`)
+    `x` [M', K] read in place (`_in_place_rows`: M' >= the largest first row rounded down to 8, plus
+    `blocks.window`, and a multiple of 8)
     -> fp32 products [weights, T, N, rows] (slabs) or [weights, T, N, window] (column c: the product of
     row first // 8 * 8 + c)."""
     tiles, k = sched.shape[1], x.shape[-1]
-    window = blocks.rows if x.ndim == 3 else blocks.window
+    in_place = x.ndim == 2
+    window = blocks.window if in_place else blocks.rows
     n = weights[0].shape[2]
     n_weights = len(weights)
     steps = k // blocks.block_k
@@ -403,7 +404,8 @@ def _launch(sched, x, weights, blocks: HopperMxfp4Blocks, interpret: bool):
     if steps % splits:
         raise ValueError(f"hopper MXFP4 matmul: splits={splits} must divide the {steps} steps of K={k} at "
                          f"block_k={blocks.block_k}")
-    kernel = functools.partial(_kernel, n_weights=n_weights, steps=steps // splits, window=window, blocks=blocks)
+    kernel = functools.partial(_kernel, n_weights=n_weights, steps=steps // splits, window=window,
+                               in_place=in_place, blocks=blocks)
     a_transforms = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32))
     partial = plgpu.kernel(
         kernel,
@@ -418,6 +420,14 @@ def _launch(sched, x, weights, blocks: HopperMxfp4Blocks, interpret: bool):
     return jnp.sum(partial, axis=1)
 
 
+def _in_place_rows(x, rows: int):
+    """[M, K] -> [M', K] with zero rows after: M' a multiple of `ALIGN` (the tiled copies need whole 8-row
+    tiles) with `rows` more, so that the window of `rows + ALIGN` rows from any row below M rounded down to
+    `ALIGN` lies inside (the copies would read zeros past the end anyway; the margin keeps them in bounds)."""
+    m = x.shape[0]
+    return jnp.pad(x, ((0, -(-m // ALIGN) * ALIGN + rows - m), (0, 0)))
+
+
 def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: bool):
     """Per row r of `lhs` (sorted by group) and each weight w: lhs[r] @ W_w[g(r)] in fp32 -> [W, M, N]."""
     m = lhs.shape[0]
@@ -428,9 +438,7 @@ def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: b
     live = rows < sched[2][:, None]
     ordered = _even_odd(lhs.astype(jnp.bfloat16))
     if blocks.activations == "rows":
-        # The sorted rows read in place, padded so that every tile's window lies inside them.
-        padded = -(-m // ALIGN) * ALIGN + tm
-        out = _launch(sched, jnp.pad(ordered, ((0, padded - m), (0, 0))), weights, blocks, interpret)
+        out = _launch(sched, _in_place_rows(ordered, tm), weights, blocks, interpret)
         origin = sched[1] // ALIGN * ALIGN                  # the row of each tile's column 0
     else:
         # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
@@ -457,9 +465,7 @@ def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4B
     sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), token, token + valid.astype(jnp.int32)])
     ordered = _even_odd(lhs.astype(jnp.bfloat16))          # before the repeat and the padding rows
     if blocks.activations == "rows":
-        m = lhs.shape[0]
-        x = jnp.pad(ordered, ((0, -(-m // ALIGN) * ALIGN + blocks.rows - m), (0, 0)))
-        out = _launch(sched, x, weights, blocks, interpret)
+        out = _launch(sched, _in_place_rows(ordered, blocks.rows), weights, blocks, interpret)
         out = jnp.moveaxis(out[:, jnp.arange(pairs), :, token % ALIGN], 0, 1)    # column: token - token // 8 * 8
     else:
         slabs = jnp.zeros((pairs, blocks.rows, lhs.shape[1]), jnp.bfloat16).at[:, 0].set(
