@@ -25,15 +25,16 @@ A operand (`HopperMxfp4Blocks.a_operand`): "registers" feeds the decoded weights
 registers; "smem" stores them to shared memory first (the form Mosaic GPU's interpret mode runs).
 
 A program reads its tile's activation rows from a slab XLA gathers for it, or in place from the sorted
-rows through a window that starts on a whole 8-row tile (`HopperMxfp4Blocks.activations`).
-The programs write fp32 products per tile ([splits, tiles, N, rows], or the window's rows: with `HopperMxfp4Blocks.splits`,
-programs that share a tile's K steps write their parts apart); XLA adds the parts, gathers each row from
-its tile (and applies the gated activation for the GLU). Rows sorted by expert (`grouped_*`) are cut into tiles
-by `schedule.tile_schedule`; unsorted token-expert pairs (`pair_*`, a few tokens: no sort) get one tile
-each (the pair's activations the first row of its slab, or its token's row in its window). Tiles hold 8 rows at decode and up to 64 as the rows
-per expert grow (`HopperMxfp4Blocks.for_backend`); in prefill every tile of an expert streams and
-decodes its weights again, so this kernel is for decode first. It runs on Hopper GPUs (and in interpret
-mode off the GPU: `runs_here`). Twin: `reference.grouped_matmul_reference` on the dequantised weights
+rows through a window that starts on a whole 8-row tile (`HopperMxfp4Blocks.activations`). The programs
+write fp32 products per tile ([splits, tiles, N, rows], or the window's rows: with
+`HopperMxfp4Blocks.splits`, programs that share a tile's K steps write their parts apart); XLA adds the
+parts, gathers each row from its tile (and applies the gated activation for the GLU). Rows sorted by
+expert (`grouped_*`) are cut into tiles by `schedule.tile_schedule`; unsorted token-expert pairs (`pair_*`,
+a few tokens: no sort) get one tile each (the pair's activations the first row of its slab, or its token's
+row in its window). Tiles hold 8 rows at decode and up to 64 as the rows per expert grow
+(`HopperMxfp4Blocks.for_backend`); in prefill every tile of an expert streams and decodes its weights
+again, so this kernel is for decode first. It runs on Hopper GPUs (and in interpret mode off the GPU:
+`runs_here`). Twin: `reference.grouped_matmul_reference` on the dequantised weights
 (`mxfp4.dequantize`).
 """
 
