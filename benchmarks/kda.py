@@ -375,7 +375,9 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
     and every kernel's device time and the device span a layer over chained calls with the states donated
     (`device_all_kernels_...`, `device_span_...`). Each launch is timed a call at a time (host timer, synchronised
     after each 20-layer call) and pipelined (`iters` calls back to back, one wait at the end, as in a decode loop
-    that never waits on the host)."""
+    that never waits on the host). Each call carries the layers' recurrent states and conv windows, donated, as
+    the model's decode loop does (until run 30 only the states were: XLA then copied every layer's conv window
+    before its launch, which updates it in place)."""
     rows = []
     for b in batches:
         ks = jax.random.split(jax.random.key(b), 10)
@@ -393,25 +395,32 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
 
         weights = KDADecodeWeights(q_conv=w[:, 0], k_conv=w[:, 1], v_conv=w[:, 2], dt_bias=dt_b, a_log=a_log, o_norm_w=nw)
 
+        def fresh():
+            """(states, conv windows): copies of the layers' starting ones, to be donated."""
+            return tuple(s_ + 0 for s_ in states), tuple(c_ + 0 for c_ in conv)
+
         def run(step, donate=True):
-            def layers_fn(states, x, conv, f, bl, z):
-                return tuple(step(KDADecodeInputs(x[i], f[i], bl[i], z[i]), weights, conv[i], states[i])[2]
-                             for i in range(layers))  # one launch per layer, states updated in place
+            def layers_fn(carry, x, f, bl, z):
+                # one launch per layer; the recurrent states and conv windows carried (and donated) as the
+                # model's decode loop carries them, so both are updated in place
+                outs = [step(KDADecodeInputs(x[i], f[i], bl[i], z[i]), weights, carry[1][i], carry[0][i])
+                        for i in range(layers)]
+                return tuple(o[2] for o in outs), tuple(o[1] for o in outs)
             return jax.jit(layers_fn, donate_argnums=0 if donate else ())
 
         def device_us(step):
             """Device time of the decode launches per layer, from a trace (the states not donated, so XLA copies
             them before the kernels; only the kernels named kda_decode* are summed)."""
-            times = kernel_times(run(step, donate=False), (states, x, conv, f, bl, z), calls=5)
+            times = kernel_times(run(step, donate=False), ((states, conv), x, f, bl, z), calls=5)
             ours_us = [us for name, us in times.items() if name.startswith("kda_decode")]
             return sum(ours_us) / layers if ours_us else None          # None off a GPU (no device lanes)
 
         def chained(fn):
             """A call without arguments running `fn` on the states the previous call returned (donated)."""
-            st = [tuple(s_ + 0 for s_ in states)]
+            st = [fresh()]
 
             def call():
-                st[0] = fn(st[0], x, conv, f, bl, z)
+                st[0] = fn(st[0], x, f, bl, z)
                 return st[0]
             return call
 
@@ -422,20 +431,20 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             return (sum(times.values()) / layers, span / layers) if times else (None, None)
 
         def timed(fn):
-            st = tuple(s_ + 0 for s_ in states)
+            st = fresh()
             for _ in range(3):
-                st = jax.block_until_ready(fn(st, x, conv, f, bl, z))
+                st = jax.block_until_ready(fn(st, x, f, bl, z))
             times = []
             for _ in range(iters):
                 t0 = time.perf_counter()
-                st = jax.block_until_ready(fn(st, x, conv, f, bl, z))
+                st = jax.block_until_ready(fn(st, x, f, bl, z))
                 times.append(time.perf_counter() - t0)
             return statistics.median(times)
 
         ref = run(kda_decode_xla)
         t_ref = timed(ref)
-        s_r = ref(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1]
-        by_launch, errs, device = {}, {}, {}
+        s_r, c_r = (part[-1] for part in ref(fresh(), x, f, bl, z))
+        by_launch, errs, conv_errs, device = {}, {}, {}, {}
         launches = [(nwarps, split, col) for nwarps in warps for split in splits
                     for col in (columns if split == 1 else (0,))]
         steps = {}
@@ -460,19 +469,20 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             if profile and (us := device_us(step)) is not None:
                 device[label] = us
                 device_all_layer[label], device_span_layer[label] = device_all(ours)
-            errs[label] = rel(ours(tuple(s_ + 0 for s_ in states), x, conv, f, bl, z)[-1], s_r)
+            s_o, c_o = (part[-1] for part in ours(fresh(), x, f, bl, z))
+            errs[label], conv_errs[label] = rel(s_o, s_r), rel(c_o, c_r)
         ceilings, ceilings_pipelined = {}, {}
         if ceiling:
             def stream(fn):
                 return jax.jit(lambda states, f: tuple(fn(f[i], states[i]) for i in range(layers)), donate_argnums=0)
             for nwarps in warps:
                 fn = stream(functools.partial(state_stream, num_warps=nwarps))
-                streamed = lambda st, x_, c_, f_, b_, z_, fn=fn: fn(st, f_)
+                streamed = lambda carry, x_, f_, b_, z_, fn=fn: (fn(carry[0], f_), carry[1])
                 ceilings[f"pallas stream {nwarps}w"] = timed(streamed)
                 ceilings_pipelined[f"pallas stream {nwarps}w"] = pipelined_time(chained(streamed), calls=iters)
             fn = stream(lambda d, s_: (s_.astype(jnp.float32) * jax.nn.sigmoid(d.astype(jnp.float32))[..., None]
                                        ).astype(s_.dtype))
-            streamed = lambda st, x_, c_, f_, b_, z_, fn=fn: fn(st, f_)
+            streamed = lambda carry, x_, f_, b_, z_, fn=fn: (fn(carry[0], f_), carry[1])
             ceilings["xla scale"] = timed(streamed)
             ceilings_pipelined["xla scale"] = pipelined_time(chained(streamed), calls=iters)
         best = min(by_launch, key=by_launch.get)
@@ -482,6 +492,7 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         row = {"B": b, "H": h, "state": jnp.dtype(state_dtype).name, "layers": layers, "us_per_layer": per * 1e6, "launch": best,
                "TB_s": bytes_layer / per / 1e12, "pct_4.3TB_s": bytes_layer / per / HBM_ACHIEVABLE * 100,
                "xla_ref_us_per_layer": t_ref / layers * 1e6, "err_state_vs_ref": max(errs.values()),
+               "err_conv_vs_ref": max(conv_errs.values()),
                "us_per_layer_by_launch": {str(k_): v_ / layers * 1e6 for k_, v_ in by_launch.items()},
                "pipelined_us_per_layer_by_launch": pipelined,
                "pipelined_us_per_layer": min(pipelined.values()),   # the fastest launch, as a decode loop runs it
