@@ -61,10 +61,13 @@ GROUPED_SWEEP = [TileBlocks(64, 128, 128, 4, 3, e2m1=d) for d in ("table", "asm"
 # Hopper run 1 timed the decode and operand forms (ptx / exact x registers / smem: ptx in registers fastest by
 # 1.33-4.6x) and 16-row tiles (no change).
 # activations="rows": the tiles read the sorted rows in place instead of XLA's per-tile slabs (their gather
-# took 36 + 14 us of 462 at 64 tokens in run 30).
+# took 36 + 14 us of 462 at 64 tokens in run 30); outputs="rows": each program writes its own rows' products
+# into [M, N] rows, so XLA gathers nothing after the launch.
 HOPPER_SWEEP = [HopperMxfp4Blocks(block_k=bk, stages=st, splits=sp, mma_inputs=mi)
                 for bk, st, sp, mi in ((256, 3, 0, 16), (256, 3, 0, 0), (256, 3, 0, 32), (128, 4, 0, 16))] + [
-    HopperMxfp4Blocks(activations="rows"), HopperMxfp4Blocks(splits=0, activations="rows")]
+    HopperMxfp4Blocks(activations="rows"), HopperMxfp4Blocks(splits=0, activations="rows"),
+    HopperMxfp4Blocks(outputs="rows"), HopperMxfp4Blocks(activations="rows", outputs="rows"),
+    HopperMxfp4Blocks(splits=0, activations="rows", outputs="rows")]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:
@@ -144,7 +147,7 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
         print(f"  hopper {blocks}: {t * 1e3:.4f} ms, {pct:.1f}%, err {err:.2e}", flush=True)
         out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks), "ms": t * 1e3,
                     "pct_4.3TB_s": pct, "err_vs_bf16": err})
-        if with_profile and blocks is not None and blocks.activations == "rows" and not small:
+        if with_profile and blocks is not None and "rows" in (blocks.activations, blocks.outputs) and not small:
             out[-1]["profile"] = profile(functools.partial(experts_mlp_hopper, blocks=blocks),
                                          (x, weights, experts, *columns))
     return out

@@ -67,6 +67,7 @@ PER_GROUP = GROUP // 2            # packed bytes of one scale group along a colu
 DECODES = ("exact", "ptx")
 A_OPERANDS = ("registers", "smem")
 ACTIVATIONS = ("slab", "rows")
+OUTPUTS = ("tiles", "rows")
 ALIGN = 8                         # rows of one tile of the activations' shared-memory buffer (copies start on one)
 
 
@@ -145,8 +146,12 @@ class HopperMxfp4Blocks:
     tile's rows padded to `rows`), or "rows", the sorted activations themselves through a window of
     `rows + 8` rows starting at the tile's first row rounded down to a multiple of 8 (the copies into
     tiled shared memory start on whole 8-row tiles; the window's extra rows cost MMA columns, not a
-    gather). Unsorted pairs likewise: a slab, or the window around their token's row. `for_backend` picks
-    what runs; `smem_bytes` must stay within one block's shared memory."""
+    gather). Unsorted pairs likewise: a slab, or the window around their token's row. `outputs`: "tiles",
+    each program copies its [64, window] block of fp32 products out and XLA gathers every row's products from
+    its tile's block; or "rows", each program transposes its block in shared memory and copies out only its
+    own rows' products, straight into their rows of [M, N] (at most one copy per power of two up to `rows`),
+    so XLA gathers nothing. `for_backend` picks what runs; `smem_bytes` must stay within one block's
+    shared memory."""
 
     rows: int = 8
     block_k: int = 256
@@ -156,12 +161,15 @@ class HopperMxfp4Blocks:
     splits: int = 1
     mma_inputs: int = 16
     activations: str = "slab"
+    outputs: str = "tiles"
 
     def __post_init__(self):
         if self.rows % 8 or not 8 <= self.rows <= 256:
             raise ValueError(f"HopperMxfp4Blocks: rows must be a multiple of 8 in [8, 256], got {self.rows}")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"HopperMxfp4Blocks: activations must be one of {ACTIVATIONS}, got {self.activations!r}")
+        if self.outputs not in OUTPUTS:
+            raise ValueError(f"HopperMxfp4Blocks: outputs must be one of {OUTPUTS}, got {self.outputs!r}")
         if self.window > 256:
             raise ValueError(f"HopperMxfp4Blocks: activations='rows' reads rows + {ALIGN} rows a tile, at most 256; "
                              f"got rows={self.rows}")
@@ -202,10 +210,12 @@ class HopperMxfp4Blocks:
     def smem_bytes(self, n_weights: int) -> int:
         """Shared memory of one program with `n_weights` weights: per buffer in flight the tile's
         activations (bf16) and each weight's codes and scales; the fp32 products staged for their copy out;
-        with `a_operand="smem"` the decoded operand's buffer; barriers and alignment."""
+        with `a_operand="smem"` the decoded operand's buffer; with `outputs="rows"` the products transposed;
+        barriers and alignment."""
         per_stage = self.window * self.block_k * 2 + n_weights * COLUMNS * (self.block_k // 2 + self.block_k // GROUP)
         operand = COLUMNS * self.inputs_per_mma * 2 if self.a_operand == "smem" else 0
-        return self.stages * per_stage + n_weights * COLUMNS * self.window * 4 + operand + _SMEM_OVERHEAD
+        staged = n_weights * COLUMNS * self.window * 4 * (2 if self.outputs == "rows" else 1)
+        return self.stages * per_stage + staged + operand + _SMEM_OVERHEAD
 
     @classmethod
     def for_backend(cls, interpreted: bool, k_dim: int | None = None, rows_per_group: float = 1.0,
@@ -317,13 +327,17 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bo
     """x_ref: activations with each scale group's 32 inputs as its 16 even then its 16 odd ones
     (`_even_odd`): a slab per tile [tiles, window, K], or (`in_place`) the rows themselves [M', K], each
     tile reading `window` rows from its first row rounded down to a multiple of `ALIGN`;
-    refs: per weight packed [G, N, K/2] and scale [G, K/32, N]; out [weights, splits, tiles, N, window]
-    fp32; scratch: the products' staging buffer and the decoded operand buffer.
+    refs: per weight packed [G, N, K/2] and scale [G, K/32, N]; out fp32 [weights, splits, tiles, N, window],
+    or with `outputs="rows"` [splits, rows out, weights, N]; scratch: the products' staging buffer, their
+    transposed copy (`outputs="rows"`) and the decoded operand buffer. sched_ref [4, tiles]: each tile's
+    group, first and end row (of its window's rows) and the output row of its first row.
     `steps`: the pipeline steps of one split (its K range starts at split x steps x block_k)."""
-    w_refs, (out_ref, o_smem, *a_smem) = refs[:2 * n_weights], refs[2 * n_weights:]
+    w_refs, (out_ref, o_smem, *scratch) = refs[:2 * n_weights], refs[2 * n_weights:]
+    t_smem = scratch.pop(0) if blocks.outputs == "rows" else None
+    a_smem = scratch
     tile, col, split = lax.axis_index("tile"), lax.axis_index("col"), lax.axis_index("split")
     first_step = split * steps
-    group, first, last = sched_ref[0, tile], sched_ref[1, tile], sched_ref[2, tile]
+    group, first, last, out_first = (sched_ref[i, tile] for i in range(4))
     half, groups = blocks.block_k // 2, blocks.block_k // GROUP
     layout = plgpu.Layout.WGMMA
     row_layout = layout.reduce(1)
@@ -378,9 +392,33 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bo
         for w, acc in enumerate(accs):
             o_smem.at[w][...] = acc
         plgpu.commit_smem()
-        for w in range(n_weights):
-            plgpu.copy_smem_to_gmem(o_smem.at[w], out_ref.at[w, split, tile, pl.ds(col * COLUMNS, COLUMNS)])
+        if blocks.outputs == "rows":
+            _copy_out_rows(o_smem, t_smem, out_ref.at[split], first % ALIGN if in_place else 0, last - first,
+                           out_first, col, window, blocks.rows)
+        else:
+            for w in range(n_weights):
+                plgpu.copy_smem_to_gmem(o_smem.at[w], out_ref.at[w, split, tile, pl.ds(col * COLUMNS, COLUMNS)])
         plgpu.wait_smem_to_gmem(0)
+
+
+def _copy_out_rows(o_smem, t_smem, out_ref, start, count, out_first, col, window: int, rows: int):
+    """The products of a tile's `count` rows (from column `start` of each weight's [64, window] block in
+    `o_smem`) into rows out_first .. out_first + count - 1 of `out_ref` [rows out, weights, N], columns of
+    block `col`: the blocks transposed into `t_smem` [window, weights, 64] in one strided read of shared
+    memory (a value a thread and load, window x weights x 64 / 128 loads a thread), then one copy per power
+    of two in `count` (16 + 4 + 1 rows for 21), so no copy writes a row of another tile."""
+    n_weights = o_smem.shape[0]
+    t_smem[...] = plgpu.load(o_smem.transpose((2, 0, 1)),
+                             layout=plgpu.Layout.WG_STRIDED((window, n_weights, COLUMNS), 1))
+    plgpu.commit_smem()
+    size = 1 << (rows.bit_length() - 1)                 # the largest power of two <= rows (count <= rows)
+    while size:
+        @pl.when((count & size) != 0)
+        def _(size=size):
+            done = count & ~(2 * size - 1)              # the rows the larger pieces took
+            plgpu.copy_smem_to_gmem(t_smem.at[pl.ds(start + done, size)],
+                                    out_ref.at[pl.ds(out_first + done, size), :, pl.ds(col * COLUMNS, COLUMNS)])
+        size //= 2
 
 
 def _even_odd(x):
@@ -390,13 +428,13 @@ def _even_odd(x):
     return x.reshape(*lead, k // GROUP, PER_GROUP, 2).swapaxes(-1, -2).reshape(*lead, k)
 
 
-def _launch(sched, x, weights, blocks: HopperMxfp4Blocks, interpret: bool):
-    """The kernel over `sched` [3, T] (group, first, end row per tile; first >= end: nothing to do) with
-    the activations in `_even_odd` order, bf16: each tile's own slab `x` [T, rows, K], or the sorted rows
-    `x` [M', K] read in place (`_in_place_rows`: M' >= the largest first row rounded down to 8, plus
-    `blocks.window`, and a multiple of 8)
-    -> fp32 products [weights, T, N, rows] (slabs) or [weights, T, N, window] (column c: the product of
-    row first // 8 * 8 + c)."""
+def _launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool):
+    """The kernel over `sched` [4, T] (group, first, end row per tile, first >= end: nothing to do; the
+    output row of its first row) with the activations in `_even_odd` order, bf16: each tile's own slab `x`
+    [T, rows, K], or the sorted rows `x` [M', K] read in place (`_in_place_rows`: M' >= the largest first row
+    rounded down to 8, plus `blocks.window`, and a multiple of 8) -> fp32 products: per tile
+    [weights, T, N, rows] (slabs) or [weights, T, N, window] (column c: the product of row first // 8 * 8 + c);
+    with `blocks.outputs="rows"` per row, [weights, rows_out, N] (rows no tile covers: not written)."""
     tiles, k = sched.shape[1], x.shape[-1]
     in_place = x.ndim == 2
     window = blocks.window if in_place else blocks.rows
@@ -410,16 +448,21 @@ def _launch(sched, x, weights, blocks: HopperMxfp4Blocks, interpret: bool):
     kernel = functools.partial(_kernel, n_weights=n_weights, steps=steps // splits, window=window,
                                in_place=in_place, blocks=blocks)
     a_transforms = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32))
+    by_rows = blocks.outputs == "rows"
     partial = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((n_weights, splits, tiles, n, window), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((splits, rows_out, n_weights, n) if by_rows
+                                      else (n_weights, splits, tiles, n, window), jnp.float32),
         grid=(tiles, n // COLUMNS, splits),
         grid_names=("tile", "col", "split"),
         scratch_types=[plgpu.SMEM((n_weights, COLUMNS, window), jnp.float32)]
+        + ([plgpu.SMEM((window, n_weights, COLUMNS), jnp.float32)] if by_rows else [])
         + ([plgpu.SMEM((COLUMNS, blocks.inputs_per_mma), jnp.bfloat16, transforms=a_transforms)]
            if blocks.a_operand == "smem" else []),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(sched, x, *(part for w in weights for part in (w.packed, w.scale)))
+    if by_rows:
+        return jnp.moveaxis(jnp.sum(partial, axis=0), 1, 0)
     return jnp.sum(partial, axis=1)
 
 
@@ -435,27 +478,29 @@ def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: b
     """Per row r of `lhs` (sorted by group) and each weight w: lhs[r] @ W_w[g(r)] in fp32 -> [W, M, N]."""
     m = lhs.shape[0]
     tm = blocks.rows
-    sched = tile_schedule(group_sizes, m, tm)
-    tiles = sched.shape[1]
-    rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
-    live = rows < sched[2][:, None]
+    tiles3 = tile_schedule(group_sizes, m, tm)
+    sched = jnp.concatenate([tiles3, tiles3[1:2]])               # a tile's rows are its output rows
     ordered = _even_odd(lhs.astype(jnp.bfloat16))
+    covered = jnp.arange(m) < jnp.sum(group_sizes)
     if blocks.activations == "rows":
-        out = _launch(sched, _in_place_rows(ordered, tm), weights, blocks, interpret)
-        origin = sched[1] // ALIGN * ALIGN                  # the row of each tile's column 0
+        x, origin = _in_place_rows(ordered, tm), sched[1] // ALIGN * ALIGN    # the row of each tile's column 0
     else:
         # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
         # reads start on a whole tile, as the copies into the tiled shared-memory buffers need. The rows are
         # reordered before the gather: the slabs (every tile padded to `rows`) can be several times larger.
-        slabs = jnp.where(live[..., None], ordered[jnp.minimum(rows, m - 1)], 0)
-        out = _launch(sched, slabs, weights, blocks, interpret)
+        rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
+        x = jnp.where((rows < sched[2][:, None])[..., None], ordered[jnp.minimum(rows, m - 1)], 0)
         origin = sched[1]
+    out = _launch(sched, x, weights, m, blocks, interpret)
+    if blocks.outputs == "rows":
+        return jnp.where(covered[None, :, None], out, 0.0)
     # Row r of the output is column r - origin of its tile's [N, window] block.
+    rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
+    live = rows < sched[2][:, None]
     tile_of = jnp.zeros((m,), jnp.int32).at[jnp.where(live, rows, m)].set(
-        jnp.broadcast_to(jnp.arange(tiles, dtype=jnp.int32)[:, None], rows.shape), mode="drop")
+        jnp.broadcast_to(jnp.arange(sched.shape[1], dtype=jnp.int32)[:, None], rows.shape), mode="drop")
     column = jnp.clip(jnp.arange(m) - origin[tile_of], 0, out.shape[-1] - 1)
     per_row = out[:, tile_of, :, column]                                                     # [M, W, N]
-    covered = jnp.arange(m) < jnp.sum(group_sizes)
     return jnp.where(covered[None, :, None], jnp.moveaxis(per_row, 1, 0), 0.0)
 
 
@@ -464,16 +509,20 @@ def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4B
     -> [W, P, N]. The tile's activations: a slab with the pair's row first and zeros after it, or
     (`blocks.activations="rows"`) a window of the rows of `lhs` around the pair's own."""
     pairs = group.shape[0]
-    token = jnp.arange(pairs, dtype=jnp.int32) // repeat
-    sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), token, token + valid.astype(jnp.int32)])
+    index = jnp.arange(pairs, dtype=jnp.int32)
+    token = index // repeat
+    sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), token, token + valid.astype(jnp.int32), index])
     ordered = _even_odd(lhs.astype(jnp.bfloat16))          # before the repeat and the padding rows
     if blocks.activations == "rows":
-        out = _launch(sched, _in_place_rows(ordered, blocks.rows), weights, blocks, interpret)
-        out = jnp.moveaxis(out[:, jnp.arange(pairs), :, token % ALIGN], 0, 1)    # column: token - token // 8 * 8
+        out = _launch(sched, _in_place_rows(ordered, blocks.rows), weights, pairs, blocks, interpret)
+        if blocks.outputs == "tiles":
+            out = jnp.moveaxis(out[:, index, :, token % ALIGN], 0, 1)       # column: token - token // 8 * 8
     else:
         slabs = jnp.zeros((pairs, blocks.rows, lhs.shape[1]), jnp.bfloat16).at[:, 0].set(
             jnp.repeat(ordered, repeat, axis=0))
-        out = _launch(sched, slabs, weights, blocks, interpret)[..., 0]
+        out = _launch(sched, slabs, weights, pairs, blocks, interpret)
+        if blocks.outputs == "tiles":
+            out = out[..., 0]
     return jnp.where(valid[None, :, None], out, 0.0)
 
 

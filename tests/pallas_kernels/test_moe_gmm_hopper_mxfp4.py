@@ -37,7 +37,11 @@ FORMS = {"ptx_registers": HopperMxfp4Blocks(), "exact_registers": HopperMxfp4Blo
          "mma_group": HopperMxfp4Blocks(mma_inputs=32), "mma_step": HopperMxfp4Blocks(mma_inputs=0),
          "smem_mma_step": HopperMxfp4Blocks(a_operand="smem", mma_inputs=0),
          "rows_in_place": HopperMxfp4Blocks(activations="rows"),
-         "rows16_in_place_splits_auto": HopperMxfp4Blocks(rows=16, block_k=128, splits=0, activations="rows")}
+         "rows16_in_place_splits_auto": HopperMxfp4Blocks(rows=16, block_k=128, splits=0, activations="rows"),
+         "rows_out": HopperMxfp4Blocks(outputs="rows"),
+         "rows_in_place_out": HopperMxfp4Blocks(activations="rows", outputs="rows"),
+         "rows24_in_place_out_splits_auto": HopperMxfp4Blocks(rows=24, block_k=128, splits=0, activations="rows",
+                                                              outputs="rows")}
 
 
 def _weight(rng, g, k, n) -> Mxfp4Weight:
@@ -54,18 +58,20 @@ def _blocks(interpret: bool, **fields) -> HopperMxfp4Blocks:
 CASES = [([3, 0, 5, 3], 12, 8), ([0, 19, 1, 0, 4], 26, 8), ([2, 0, 0, 17], 20, 16)]
 
 
-@pytest.mark.parametrize("activations", ["slab", "rows"])
+@pytest.mark.parametrize("activations,outputs", [("slab", "tiles"), ("rows", "tiles"), ("slab", "rows"),
+                                                 ("rows", "rows")])
 @pytest.mark.parametrize("sizes,m,rows", CASES)
-def test_grouped_matmul_equals_the_reference(rng, interpret, sizes, m, rows, activations):
+def test_grouped_matmul_equals_the_reference(rng, interpret, sizes, m, rows, activations, outputs):
     """activations="rows": each tile reads a window of rows + 8 sorted rows from an 8-row boundary, the
-    rows of its neighbours included (their products discarded)."""
+    rows of its neighbours included (their products discarded); outputs="rows": each tile writes its own
+    rows' products into [M, N] (1, 2, 4, 8 and 16-row pieces: tiles of 1 to 19 rows)."""
     g, k, n = len(sizes), 256, 128
     w = _weight(rng, g, k, n)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     scale = jnp.asarray(rng.uniform(0.1, 1.0, (m,)), jnp.float32)
     group_sizes = jnp.asarray(sizes, jnp.int32)
     dense = dequantize(w, jnp.float32)
-    blocks = _blocks(interpret, rows=rows, block_k=128, activations=activations)
+    blocks = _blocks(interpret, rows=rows, block_k=128, activations=activations, outputs=outputs)
     out = grouped_matmul_hopper_mxfp4(x, to_columns(w), group_sizes, blocks=blocks, interpret=interpret)
     assert out.dtype == jnp.bfloat16
     assert_close("matmul", out, grouped_matmul_reference(x.astype(jnp.float32), dense, group_sizes), dtype=jnp.bfloat16)
@@ -77,7 +83,8 @@ def test_grouped_matmul_equals_the_reference(rng, interpret, sizes, m, rows, act
 
 @pytest.mark.parametrize("spec,splits,mma_inputs,activations", [
     (GluSpec(), 1, 16, "slab"), (GluSpec("situ", situ_beta=4.0, situ_linear_beta=8.0), 1, 16, "slab"),
-    (GluSpec(), 3, 16, "slab"), (GluSpec(), 1, 32, "slab"), (GluSpec(), 1, 0, "slab"), (GluSpec(), 3, 16, "rows")])
+    (GluSpec(), 3, 16, "slab"), (GluSpec(), 1, 32, "slab"), (GluSpec(), 1, 0, "slab"), (GluSpec(), 3, 16, "rows"),
+    (GluSpec(), 3, 16, "rows/out")])
 def test_grouped_glu_equals_the_reference_over_several_steps(rng, interpret, spec, splits, mma_inputs, activations):
     """splits=3: each program one of the three steps, their partial sums added after the launch;
     mma_inputs: a scale group's low or high nibbles an MMA, both, or the whole step; activations: the
@@ -88,7 +95,8 @@ def test_grouped_glu_equals_the_reference_over_several_steps(rng, interpret, spe
     group_sizes = jnp.asarray([4, 0, 5], jnp.int32)
     out = grouped_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group_sizes, spec=spec,
                                    blocks=_blocks(interpret, block_k=128, splits=splits, mma_inputs=mma_inputs,
-                                                  activations=activations),
+                                                  activations=activations.split("/")[0],
+                                                  outputs="rows" if activations.endswith("/out") else "tiles"),
                                    interpret=interpret)
     xb = x.astype(jnp.bfloat16).astype(jnp.float32)
     ref = grouped_glu_reference(xb, dequantize(wg, jnp.float32), dequantize(wu, jnp.float32), group_sizes, spec=spec)
@@ -97,8 +105,9 @@ def test_grouped_glu_equals_the_reference_over_several_steps(rng, interpret, spe
     assert_close("glu", out, ref, dtype=kernel_dtype("float32", interpret))
 
 
-@pytest.mark.parametrize("activations", ["slab", "rows"])
-def test_pairs_equal_the_reference(rng, interpret, activations):
+@pytest.mark.parametrize("activations,outputs", [("slab", "tiles"), ("rows", "tiles"), ("slab", "rows"),
+                                                 ("rows", "rows")])
+def test_pairs_equal_the_reference(rng, interpret, activations, outputs):
     """Unsorted pairs (two experts per token, one pair not valid), both entry points; 11 tokens: the last
     pairs' windows start on row 8."""
     g, k, f, tokens, repeat = 5, 256, 64, 11, 2
@@ -109,7 +118,7 @@ def test_pairs_equal_the_reference(rng, interpret, activations):
     scale = jnp.asarray(rng.uniform(0.1, 1.0, tokens * repeat), jnp.float32)
     dg, du = dequantize(wg, jnp.float32), dequantize(wu, jnp.float32)
     # auto splits: 22 programs, so each of the 2 steps its own
-    blocks = _blocks(interpret, block_k=128, splits=0, activations=activations)
+    blocks = _blocks(interpret, block_k=128, splits=0, activations=activations, outputs=outputs)
     tol = kernel_dtype("float32", interpret)     # fp32 activations that are bf16 values: exact products
     h = pair_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group, valid, repeat=repeat, blocks=blocks,
                               interpret=interpret)
@@ -292,7 +301,8 @@ def test_refuses_what_it_cannot_run(rng):
     with pytest.raises(ValueError, match="shared memory"):
         grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(rows=256, block_k=256, stages=4))
     for bad in ({"rows": 12}, {"block_k": 96}, {"stages": 0}, {"decode": "table"}, {"a_operand": "tmem"},
-                {"splits": -1}, {"mma_inputs": 64}, {"activations": "gather"}):
+                {"splits": -1}, {"mma_inputs": 64}, {"activations": "gather"},
+                {"outputs": "scatter"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             HopperMxfp4Blocks(**bad)
     with pytest.raises(ValueError, match="rows=256"):
@@ -320,7 +330,7 @@ def test_compiled_forms_equal_the_reference(rng, form, sizes, m):
 
 
 @on_gpu
-@pytest.mark.parametrize("form", ["ptx_registers", "exact_smem", "rows_in_place"])
+@pytest.mark.parametrize("form", ["ptx_registers", "exact_smem", "rows_in_place", "rows_in_place_out", "rows_out"])
 def test_compiled_pairs_equal_the_reference(rng, form):
     """11 tokens: in place, the pairs of tokens 8-10 read their window from row 8."""
     g, k, f, tokens, repeat = 8, 1024, 128, 11, 4
