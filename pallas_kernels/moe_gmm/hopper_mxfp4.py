@@ -330,7 +330,8 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bo
     refs: per weight packed [G, N, K/2] and scale [G, K/32, N]; out fp32 [weights, splits, tiles, N, window],
     or with `outputs="rows"` [splits, rows out, weights, N]; scratch: the products' staging buffer, their
     transposed copy (`outputs="rows"`) and the decoded operand buffer. sched_ref [4, tiles]: each tile's
-    group, first and end row (of its window's rows) and the output row of its first row.
+    group, its first and end row in x's rows (sorted rows; for pairs the token's row, end = first + valid) and
+    the output row of its first row.
     `steps`: the pipeline steps of one split (its K range starts at split x steps x block_k)."""
     w_refs, (out_ref, o_smem, *scratch) = refs[:2 * n_weights], refs[2 * n_weights:]
     t_smem = scratch.pop(0) if blocks.outputs == "rows" else None
@@ -478,8 +479,10 @@ def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: b
     """Per row r of `lhs` (sorted by group) and each weight w: lhs[r] @ W_w[g(r)] in fp32 -> [W, M, N]."""
     m = lhs.shape[0]
     tm = blocks.rows
-    tiles3 = tile_schedule(group_sizes, m, tm)
-    sched = jnp.concatenate([tiles3, tiles3[1:2]])               # a tile's rows are its output rows
+    sched = tile_schedule(group_sizes, m, tm)
+    sched = jnp.concatenate([sched, sched[1:2]])               # a tile's rows are its output rows
+    rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
+    live = rows < sched[2][:, None]                            # [T, rows]: the rows each tile holds
     ordered = _even_odd(lhs.astype(jnp.bfloat16))
     covered = jnp.arange(m) < jnp.sum(group_sizes)
     if blocks.activations == "rows":
@@ -488,15 +491,11 @@ def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: b
         # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
         # reads start on a whole tile, as the copies into the tiled shared-memory buffers need. The rows are
         # reordered before the gather: the slabs (every tile padded to `rows`) can be several times larger.
-        rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
-        x = jnp.where((rows < sched[2][:, None])[..., None], ordered[jnp.minimum(rows, m - 1)], 0)
-        origin = sched[1]
+        x, origin = jnp.where(live[..., None], ordered[jnp.minimum(rows, m - 1)], 0), sched[1]
     out = _launch(sched, x, weights, m, blocks, interpret)
     if blocks.outputs == "rows":
         return jnp.where(covered[None, :, None], out, 0.0)
     # Row r of the output is column r - origin of its tile's [N, window] block.
-    rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
-    live = rows < sched[2][:, None]
     tile_of = jnp.zeros((m,), jnp.int32).at[jnp.where(live, rows, m)].set(
         jnp.broadcast_to(jnp.arange(sched.shape[1], dtype=jnp.int32)[:, None], rows.shape), mode="drop")
     column = jnp.clip(jnp.arange(m) - origin[tile_of], 0, out.shape[-1] - 1)

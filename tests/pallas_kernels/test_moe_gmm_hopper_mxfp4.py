@@ -64,7 +64,7 @@ CASES = [([3, 0, 5, 3], 12, 8), ([0, 19, 1, 0, 4], 26, 8), ([2, 0, 0, 17], 20, 1
 def test_grouped_matmul_equals_the_reference(rng, interpret, sizes, m, rows, activations, outputs):
     """activations="rows": each tile reads a window of rows + 8 sorted rows from an 8-row boundary, the
     rows of its neighbours included (their products discarded); outputs="rows": each tile writes its own
-    rows' products into [M, N] (1, 2, 4, 8 and 16-row pieces: tiles of 1 to 19 rows)."""
+    rows' products into [M, N] (1, 2, 4, 8 and 16-row pieces: groups of 1 to 19 rows)."""
     g, k, n = len(sizes), 256, 128
     w = _weight(rng, g, k, n)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -79,6 +79,25 @@ def test_grouped_matmul_equals_the_reference(rng, interpret, sizes, m, rows, act
     assert scaled.dtype == jnp.float32
     assert_close("scaled", scaled, grouped_matmul_reference(x.astype(jnp.float32), dense, group_sizes, scale))
     assert not np.asarray(out[sum(sizes):]).any()
+
+
+@pytest.mark.parametrize("activations,outputs", [("slab", "tiles"), ("rows", "tiles"), ("slab", "rows"),
+                                                 ("rows", "rows")])
+def test_tiles_in_reverse_order_and_uneven_row_counts(rng, interpret, monkeypatch, activations, outputs):
+    """24-row tiles (not a power of two: outputs="rows" copies 7 rows as 4 + 2 + 1, 23 as 16 + 4 + 2 + 1, 24 as
+    16 + 8) with the schedule's tiles in reverse order: interpret mode runs the programs in grid order, so a
+    program that wrote past its own rows would clobber a tile that already ran."""
+    from pallas_kernels.moe_gmm import hopper_mxfp4
+    forward = hopper_mxfp4.tile_schedule
+    monkeypatch.setattr(hopper_mxfp4, "tile_schedule", lambda *args: forward(*args)[:, ::-1])
+    sizes, m, k, n = [7, 23, 0, 24, 5], 62, 128, 64          # shapes of this test only (no cached trace)
+    w = _weight(rng, len(sizes), k, n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    blocks = _blocks(interpret, rows=24, block_k=128, activations=activations, outputs=outputs)
+    out = grouped_matmul_hopper_mxfp4(x, to_columns(w), group_sizes, blocks=blocks, interpret=interpret)
+    ref = grouped_matmul_reference(x.astype(jnp.float32), dequantize(w, jnp.float32), group_sizes)
+    assert_close("reversed tiles", out, ref, dtype=jnp.bfloat16)
 
 
 @pytest.mark.parametrize("spec,splits,mma_inputs,activations", [
