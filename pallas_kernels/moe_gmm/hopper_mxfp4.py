@@ -28,7 +28,8 @@ A program reads its tile's activation rows from a slab XLA gathers for it, or in
 rows through a window that starts on a whole 8-row tile (`HopperMxfp4Blocks.activations`). The programs
 write fp32 products per tile ([splits, tiles, N, rows], or the window's rows: with
 `HopperMxfp4Blocks.splits`, programs that share a tile's K steps write their parts apart); XLA adds the
-parts, gathers each row from its tile (and applies the gated activation for the GLU). Rows sorted by
+parts, gathers each row from its tile (or, with `HopperMxfp4Blocks.outputs="rows"`, each program has written
+its own rows' products into their rows) and applies the gated activation for the GLU. Rows sorted by
 expert (`grouped_*`) are cut into tiles by `schedule.tile_schedule`; unsorted token-expert pairs (`pair_*`,
 a few tokens: no sort) get one tile each (the pair's activations the first row of its slab, or its token's
 row in its window). Tiles hold 8 rows at decode and up to 64 as the rows per expert grow
