@@ -62,12 +62,14 @@ GROUPED_SWEEP = [TileBlocks(64, 128, 128, 4, 3, e2m1=d) for d in ("table", "asm"
 # 1.33-4.6x) and 16-row tiles (no change).
 # activations="rows": the tiles read the sorted rows in place instead of XLA's per-tile slabs (their gather
 # took 36 + 14 us of 462 at 64 tokens in run 30); outputs="rows": each program writes its own rows' products
-# into [M, N] rows, so XLA gathers nothing after the launch.
+# into [M, N] rows, so XLA gathers nothing after the launch. decode="bits": the codes decoded with five integer-ALU
+# instructions per four codes instead of eight or nine (the kernel looks bound by instruction issue, not bytes).
 HOPPER_SWEEP = [HopperMxfp4Blocks(block_k=bk, stages=st, splits=sp, mma_inputs=mi)
                 for bk, st, sp, mi in ((256, 3, 0, 16), (256, 3, 0, 0), (256, 3, 0, 32), (128, 4, 0, 16))] + [
     HopperMxfp4Blocks(activations="rows"), HopperMxfp4Blocks(splits=0, activations="rows"),
     HopperMxfp4Blocks(outputs="rows"), HopperMxfp4Blocks(activations="rows", outputs="rows"),
-    HopperMxfp4Blocks(splits=0, activations="rows", outputs="rows")]
+    HopperMxfp4Blocks(splits=0, activations="rows", outputs="rows"),
+    HopperMxfp4Blocks(decode="bits"), HopperMxfp4Blocks(decode="bits", activations="rows", outputs="rows")]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:

@@ -20,7 +20,11 @@ Decodes (`HopperMxfp4Blocks.decode`):
 * "exact": integer ops on each code, the magnitude built as an integer (0, 1, 2, 3, 4, 6, 8, 12 halves)
   and converted: runs everywhere, also in Mosaic GPU's interpret mode on the CPU;
 * "ptx": nine PTX instructions per four codes (two byte tables read by `prmt`, the signs placed by
-  `lop3`) on the registers the codes are loaded in; compiled only.
+  `lop3`) on the registers the codes are loaded in; compiled only;
+* "bits": the same values by placing each code's bits where a bf16 holds them (its value times 2^-126)
+  and one exact multiply by 2^126: five instructions per four codes on the integer ALU instead of
+  eight or nine (two integer multiplies and two bf16 multiplies go to the multiply-add pipe); compiled
+  only.
 A operand (`HopperMxfp4Blocks.a_operand`): "registers" feeds the decoded weights to the MMA from
 registers; "smem" stores them to shared memory first (the form Mosaic GPU's interpret mode runs).
 
@@ -65,7 +69,7 @@ _SMEM_OVERHEAD = 2048             # barriers and the alignment of swizzled buffe
 _SMS = 132                        # multiprocessors of an H100 / H200 (SXM)
 _SPLIT_TARGET = 2                 # programs per multiprocessor that `splits=0` reaches for
 PER_GROUP = GROUP // 2            # packed bytes of one scale group along a column
-DECODES = ("exact", "ptx")
+DECODES = ("exact", "ptx", "bits")
 A_OPERANDS = ("registers", "smem")
 ACTIVATIONS = ("slab", "rows")
 OUTPUTS = ("tiles", "rows")
@@ -280,6 +284,31 @@ lop3.b32 $1, high_pair, spread, 0x80008000, 0xF8;
 }}
 """
 
+# The same chunk -> the same two bf16 pairs by placing bits ("bits"). A code s e1 e0 m whose magnitude bits
+# e1 e0 m sit in bits 8-6 of a bf16 and its sign in bit 15 is the code's value times 2^-126 (exponent
+# field e1 e0; for e1 e0 = 0 a subnormal, 0 or 0.5 x 2^-126), so one exact multiply by 2^126 gives the
+# value. The pair's two bytes are spread to bits 0-7 and 16-23; each nibble, masked, is copied to two places
+# by one integer multiply (x (2^6 + 2^12) for the low nibbles, x (2^2 + 2^8) for the high ones: the copies
+# do not overlap, so no carries), and a mask keeps the magnitude from the first copy and the sign from
+# the second. Five instructions on the integer ALU (prmt, four and) where the tables take eight or nine:
+# the multiplies issue to the multiply-add pipe, as do the two bf16 multiplies.
+_PTX_DECODE_BITS = """
+{
+.reg .b32 pair, low, high, unit, zero;
+prmt.b32 pair, $2, 0, 0x4140;
+and.b32 low, pair, 0x000F000F;
+and.b32 high, pair, 0x00F000F0;
+mul.lo.u32 low, low, 0x1040;
+mul.lo.u32 high, high, 0x0104;
+and.b32 low, low, 0x81C081C0;
+and.b32 high, high, 0x81C081C0;
+mov.b32 unit, 0x7E807E80;
+mov.b32 zero, 0x80008000;
+fma.rn.bf16x2 $0, low, unit, zero;
+fma.rn.bf16x2 $1, high, unit, zero;
+}
+"""
+
 
 def decode_table_bits() -> np.ndarray:
     """The bf16 bit patterns the PTX tables hold for magnitude codes 0-7 (checked against
@@ -289,9 +318,10 @@ def decode_table_bits() -> np.ndarray:
     return (high.astype(np.uint16) << 8) | low
 
 
-def _decode_ptx(codes):
-    """`_PTX_DECODE` on every register of `codes` (WGMMA layout: two bytes per register, columns 2c and
-    2c + 1 of a row); the outputs keep the registers' places, so they are in the WGMMA layout too."""
+def _decode_ptx(codes, text: str = _PTX_DECODE):
+    """`text` (`_PTX_DECODE` or `_PTX_DECODE_BITS`) on every register of `codes` (WGMMA layout: two bytes
+    per register, columns 2c and 2c + 1 of a row); the outputs keep the registers' places, so they are in
+    the WGMMA layout too."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental import mosaic as _  # noqa: F401  (registers the dialects)
@@ -308,7 +338,7 @@ def _decode_ptx(codes):
         low, high = np.empty_like(array.registers), np.empty_like(array.registers)
         for idx, reg in np.ndenumerate(array.registers):
             chunk = arith.extui(i32, mgpu_utils.bitcast(reg, i16))
-            both = llvm.inline_asm(two_i32, [chunk], _PTX_DECODE, "=r,=r,r")
+            both = llvm.inline_asm(two_i32, [chunk], text, "=r,=r,r")
             low[idx] = mgpu_utils.bitcast(llvm.extractvalue(i32, both, [0]), pair)
             high[idx] = mgpu_utils.bitcast(llvm.extractvalue(i32, both, [1]), pair)
         return (fa.FragmentedArray(_registers=low, _layout=array.layout, _is_signed=None),
@@ -317,7 +347,8 @@ def _decode_ptx(codes):
     return decode(codes)
 
 
-_DECODERS = {"exact": _decode_exact, "ptx": _decode_ptx}
+_DECODERS = {"exact": _decode_exact, "ptx": _decode_ptx,
+             "bits": functools.partial(_decode_ptx, text=_PTX_DECODE_BITS)}
 
 
 # ----------------------------------------------------------------------------------------------

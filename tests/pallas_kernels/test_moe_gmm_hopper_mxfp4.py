@@ -20,8 +20,8 @@ from tolerances import assert_close, kernel_dtype
 
 from pallas_kernels.moe_gmm import (GluSpec, Mxfp4Weight, grouped_glu, grouped_glu_reference, grouped_matmul_reference,
                                     pair_glu_reference, pair_matmul_reference)
-from pallas_kernels.moe_gmm.hopper_mxfp4 import (_PTX_DECODE, HopperMxfp4Blocks, Mxfp4Columns, _decode_exact,
-                                                 decode_table_bits, from_checkpoint_columns,
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (_PTX_DECODE, _PTX_DECODE_BITS, HopperMxfp4Blocks, Mxfp4Columns,
+                                                 _decode_exact, decode_table_bits, from_checkpoint_columns,
                                                  grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4,
                                                  pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4, runs_here,
                                                  to_columns)
@@ -29,6 +29,7 @@ from pallas_kernels.moe_gmm.mxfp4 import E2M1, dequantize, from_checkpoint_layou
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
 FORMS = {"ptx_registers": HopperMxfp4Blocks(), "exact_registers": HopperMxfp4Blocks(decode="exact"),
+         "bits_registers": HopperMxfp4Blocks(decode="bits"),
          "ptx_smem": HopperMxfp4Blocks(a_operand="smem"),
          "exact_smem": HopperMxfp4Blocks(decode="exact", a_operand="smem"),
          "rows16_k128_stages2": HopperMxfp4Blocks(rows=16, block_k=128, stages=2),
@@ -195,8 +196,27 @@ def _lop3(a, b, c, lut):
     return out & 0xFFFFFFFF
 
 
+def _bf16_values(bits):
+    """The values of bf16 bit patterns (subnormals included: float32 shares bf16's exponent range)."""
+    return (np.asarray(bits, np.int64).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _fma_bf16x2(a, b, c):
+    """PTX fma.rn.bf16x2 on both halves; every product here is exact, so the result is checked to be
+    a bf16 value and returned as its bits."""
+    out = np.zeros_like(a)
+    for shift in (0, 16):
+        half = [(v >> shift) & 0xFFFF for v in (a, b, c)]
+        value = (_bf16_values(half[0]) * _bf16_values(half[1]) + _bf16_values(half[2])).astype(np.float32)
+        bits = value.view(np.uint32).astype(np.int64)
+        assert not np.any(bits & 0xFFFF), "an fma result that bf16 does not hold exactly"
+        out |= (bits >> 16) << shift
+    return out
+
+
 def _run_ptx(text: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Executes the decode's PTX (and, prmt, shl, lop3 on .b32) over uint64 arrays holding 32-bit values."""
+    """Executes a decode's PTX (and, prmt, shl, lop3, mov, mul.lo on .b32 and fma.rn.bf16x2) over int64
+    arrays holding 32-bit values."""
     regs = dict(inputs)
 
     def val(tok):
@@ -218,6 +238,12 @@ def _run_ptx(text: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             res = _prmt(args[0], args[1], args[2])
         elif op == "lop3.b32":
             res = _lop3(args[0], args[1], args[2], int(args[3]))
+        elif op == "mov.b32":
+            res = args[0]
+        elif op == "mul.lo.u32":
+            res = (args[0] * args[1]) & 0xFFFFFFFF
+        elif op == "fma.rn.bf16x2":
+            res = _fma_bf16x2(*np.broadcast_arrays(*args))
         else:
             raise AssertionError(f"instruction the interpreter does not know: {op}")
         regs[dst] = np.broadcast_to(res, inputs["$2"].shape).astype(np.int64)
@@ -238,6 +264,19 @@ def test_ptx_decode_text_gives_every_code_pair_its_e2m1_value():
     nib = [(chunks >> s) & 15 for s in (0, 4, 8, 12)]              # low0, high0, low1, high1
     np.testing.assert_array_equal(regs["$0"], table[nib[0]] | (table[nib[2]] << 16))
     np.testing.assert_array_equal(regs["$1"], table[nib[1]] | (table[nib[3]] << 16))
+
+
+def test_bits_decode_text_gives_every_code_pair_its_e2m1_value():
+    """The bit-placing decode on all 65,536 chunks gives the table decode's bits exactly (signed zeros
+    included), also with junk above the chunk's 16 bits, which its first prmt must ignore."""
+    assert set(re.findall(r"^\s*([a-z0-9]+)\.", _PTX_DECODE_BITS, re.M)) <= {"and", "prmt", "mul", "mov", "fma"}
+    chunks = np.arange(1 << 16, dtype=np.int64)
+    table = _bf16_bits(E2M1)
+    nib = [(chunks >> s) & 15 for s in (0, 4, 8, 12)]
+    for junk in (0, 0x5A3C0000):
+        regs = _run_ptx(_PTX_DECODE_BITS, {"$2": chunks | junk})
+        np.testing.assert_array_equal(regs["$0"], table[nib[0]] | (table[nib[2]] << 16))
+        np.testing.assert_array_equal(regs["$1"], table[nib[1]] | (table[nib[3]] << 16))
 
 
 def test_ptx_tables_hold_the_bf16_magnitudes():
@@ -262,7 +301,8 @@ def test_every_form_lowers_for_cuda_on_any_host(form):
 
     module = jax.export.export(jax.jit(glu), platforms=["cuda"])(*args).mlir_module()
     assert "mosaic_gpu" in module
-    assert ("prmt.b32" in module) == (blocks.decode == "ptx")      # the PTX decode is in the kernel it lowers
+    assert ("prmt.b32" in module) == (blocks.decode != "exact")    # the PTX decode is in the kernel it lowers
+    assert ("mul.lo.u32" in module) == (blocks.decode == "bits")
 
     def pairs(x, p, s, group):
         return pair_glu_hopper_mxfp4(x, Mxfp4Columns(p, s), Mxfp4Columns(p, s), group, group >= 0, repeat=2,
