@@ -69,7 +69,8 @@ HOPPER_SWEEP = [HopperMxfp4Blocks(block_k=bk, stages=st, splits=sp, mma_inputs=m
     HopperMxfp4Blocks(activations="rows"), HopperMxfp4Blocks(splits=0, activations="rows"),
     HopperMxfp4Blocks(outputs="rows"), HopperMxfp4Blocks(activations="rows", outputs="rows"),
     HopperMxfp4Blocks(splits=0, activations="rows", outputs="rows"),
-    HopperMxfp4Blocks(decode="bits"), HopperMxfp4Blocks(decode="bits", activations="rows", outputs="rows")]
+    HopperMxfp4Blocks(decode="bits"), HopperMxfp4Blocks(decode="bits", activations="rows", outputs="rows"),
+    HopperMxfp4Blocks(decode="bits", splits=0, activations="rows", outputs="rows")]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:
@@ -118,11 +119,12 @@ def profile(fn, args) -> dict:
 
 
 def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: bool, small: bool,
-                with_profile: bool = False) -> list[dict]:
+                with_profile: bool = False, pick: list[int] | None = None) -> list[dict]:
     """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
-    HOPPER_SWEEP setting. A setting that fails to compile or run (K not a multiple of its block_k, say)
-    is recorded with its error."""
-    settings = [None] + (HOPPER_SWEEP if sweep else [])
+    HOPPER_SWEEP setting (those at the indices `pick`, default all). A setting that fails to compile or run
+    (K not a multiple of its block_k, say) is recorded with its error."""
+    chosen = HOPPER_SWEEP if pick is None else [HOPPER_SWEEP[i] for i in pick]
+    settings = [None] + (chosen if sweep else [])
     if small:                        # interpret mode runs the exact decode through shared memory only
         settings = [HopperMxfp4Blocks.for_backend(True, block_k=128)]
     out = []
@@ -149,7 +151,8 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
         print(f"  hopper {blocks}: {t * 1e3:.4f} ms, {pct:.1f}%, err {err:.2e}", flush=True)
         out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks), "ms": t * 1e3,
                     "pct_4.3TB_s": pct, "err_vs_bf16": err})
-        if with_profile and blocks is not None and "rows" in (blocks.activations, blocks.outputs) and not small:
+        if with_profile and blocks is not None and not small and (
+                "rows" in (blocks.activations, blocks.outputs) or blocks.decode != "ptx"):
             out[-1]["profile"] = profile(functools.partial(experts_mlp_hopper, blocks=blocks),
                                          (x, weights, experts, *columns))
     return out
@@ -220,6 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokamax", action="store_true", help="also one projection against tokamax (quantized)")
     ap.add_argument("--hopper", action="store_true", help="also the Mosaic GPU kernel")
     ap.add_argument("--hopper-sweep", action="store_true", help="also the Mosaic GPU kernel over HOPPER_SWEEP")
+    ap.add_argument("--hopper-pick", nargs="+", type=int, help="only these indices of HOPPER_SWEEP")
     ap.add_argument("--profile", action="store_true",
                     help="record the kernels of the MXFP4 (and with --hopper the Mosaic GPU) call per row")
     args = ap.parse_args(argv)
@@ -262,7 +266,7 @@ def main(argv=None) -> int:
             if args.hopper:
                 hopper_rows += time_hopper(row, x, weights, experts, columns, 3 * touched * d * f * (0.5 + 1 / 32),
                                            out["bf16"], args.hopper_sweep and tokens in args.sweep_tokens,
-                                           args.small, args.profile)
+                                           args.small, args.profile, args.hopper_pick)
             if args.sweep and tokens in args.sweep_tokens:
                 best = None
                 for blocks in (SWEEP if tokens <= 8 else GROUPED_SWEEP):
