@@ -63,7 +63,7 @@ GROUPED_SWEEP = [TileBlocks(64, 128, 128, 4, 3, e2m1=d) for d in ("table", "asm"
 # activations="rows": the tiles read the sorted rows in place instead of XLA's per-tile slabs (their gather
 # took 36 + 14 us of 462 at 64 tokens in run 30); outputs="rows": each program writes its own rows' products
 # into [M, N] rows, so XLA gathers nothing after the launch. decode="bits": the codes decoded with five integer-ALU
-# instructions per four codes instead of eight or nine (the kernel looks bound by instruction issue, not bytes).
+# instructions per four codes instead of eight (the kernel looks bound by its integer ALU or issue, not by bytes).
 HOPPER_SWEEP = [HopperMxfp4Blocks(block_k=bk, stages=st, splits=sp, mma_inputs=mi)
                 for bk, st, sp, mi in ((256, 3, 0, 16), (256, 3, 0, 0), (256, 3, 0, 32), (128, 4, 0, 16))] + [
     HopperMxfp4Blocks(activations="rows"), HopperMxfp4Blocks(splits=0, activations="rows"),
@@ -223,10 +223,16 @@ def main(argv=None) -> int:
     ap.add_argument("--tokamax", action="store_true", help="also one projection against tokamax (quantized)")
     ap.add_argument("--hopper", action="store_true", help="also the Mosaic GPU kernel")
     ap.add_argument("--hopper-sweep", action="store_true", help="also the Mosaic GPU kernel over HOPPER_SWEEP")
-    ap.add_argument("--hopper-pick", nargs="+", type=int, help="only these indices of HOPPER_SWEEP")
+    ap.add_argument("--hopper-pick", nargs="+", type=int,
+                    help="only these indices of HOPPER_SWEEP (implies --hopper-sweep)")
     ap.add_argument("--profile", action="store_true",
                     help="record the kernels of the MXFP4 (and with --hopper the Mosaic GPU) call per row")
     args = ap.parse_args(argv)
+    if args.hopper_pick is not None:
+        bad = [i for i in args.hopper_pick if not 0 <= i < len(HOPPER_SWEEP)]
+        if bad:
+            ap.error(f"--hopper-pick: indices {bad} are outside HOPPER_SWEEP's 0..{len(HOPPER_SWEEP) - 1}")
+        args.hopper_sweep = True
     args.hopper = args.hopper or args.hopper_sweep
     models = {"tiny": (8, 128, 128, 2)} if args.small else {m: MODELS[m] for m in (args.models or MODELS)}
     token_counts = args.tokens or ([1, 16] if args.small else [1, 8, 64, 256, 4096])

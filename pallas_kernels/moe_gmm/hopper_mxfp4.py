@@ -23,8 +23,7 @@ Decodes (`HopperMxfp4Blocks.decode`):
   `lop3`) on the registers the codes are loaded in; compiled only;
 * "bits": the same values by placing each code's bits where a bf16 holds them (its value times 2^-126)
   and one exact multiply by 2^126: five instructions per four codes on the integer ALU instead of
-  eight or nine (two integer multiplies and two bf16 multiplies go to the multiply-add pipe); compiled
-  only.
+  eight (two integer multiplies and two bf16 multiplies go to the multiply-add pipe); compiled only.
 A operand (`HopperMxfp4Blocks.a_operand`): "registers" feeds the decoded weights to the MMA from
 registers; "smem" stores them to shared memory first (the form Mosaic GPU's interpret mode runs).
 
@@ -290,8 +289,9 @@ lop3.b32 $1, high_pair, spread, 0x80008000, 0xF8;
 # value. The pair's two bytes are spread to bits 0-7 and 16-23; each nibble, masked, is copied to two places
 # by one integer multiply (x (2^6 + 2^12) for the low nibbles, x (2^2 + 2^8) for the high ones: the copies
 # do not overlap, so no carries), and a mask keeps the magnitude from the first copy and the sign from
-# the second. Five instructions on the integer ALU (prmt, four and) where the tables take eight or nine:
-# the multiplies issue to the multiply-add pipe, as do the two bf16 multiplies.
+# the second. Five instructions on the integer ALU (prmt, four and) where the tables take eight:
+# the multiplies issue to the multiply-add pipe, as do the two bf16 multiplies. Their addend is -0.0, so that
+# code 8 (-0) stays -0: (+0) + (-0) would round to +0.
 _PTX_DECODE_BITS = """
 {
 .reg .b32 pair, low, high, unit, zero;
