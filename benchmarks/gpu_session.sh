@@ -6,8 +6,15 @@ set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.97}
 W=$OUT/work; mkdir -p "$W"
 site=/tmp/site
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl
+# nvidia-cuda-nvdisasm is unpacked beside, onto PATH, not installed: as a package its nvidia/cu13 (no ptxas) would
+# become JAX's CUDA root. hopper_mxfp4_sass.py hands it to Mosaic GPU's SASS dump.
+for w in .whl/nvidia_cuda_nvdisasm-*.whl; do
+  [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/nvdisasm && chmod +x /tmp/nvdisasm/nvidia/*/bin/* \
+    && export PATH=$PATH:$(dirname /tmp/nvdisasm/nvidia/*/bin/nvdisasm)
+done
+packages=$(ls .whl/*.whl 2>/dev/null | grep -v nvidia_cuda_nvdisasm)
+if [ -n "$packages" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site $packages
   # tokamax imports xprof.cli.tools at import time; the machine's xprof lacks it and nothing here calls it.
   mkdir -p $site/xprof/cli && touch $site/xprof/__init__.py $site/xprof/cli/__init__.py
   printf 'def get_kernel_stats_tool(*a, **k):\n    raise NotImplementedError\n' > $site/xprof/cli/tools.py

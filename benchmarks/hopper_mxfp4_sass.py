@@ -7,7 +7,11 @@ Each form of `HopperMxfp4Blocks` in FORMS is compiled through the pair GLU entry
 expert shape (D = 2304, F = 1024, 8 pairs) with Mosaic GPU's dumps on (`MOSAIC_GPU_DUMP_PTXAS`,
 `MOSAIC_GPU_DUMP_SASS`, `MOSAIC_GPU_DUMP_TO`); the dumps land in DIR/<form>/, and DIR/sass_summary.md
 holds per form the ptxas lines and the count of each SASS opcode (the decode's PRMT / LOP3, the
-HGMMA MMAs, the HMUL2 scalings, the shared-memory loads).
+HGMMA MMAs, the HMUL2 scalings, the shared-memory loads). Mosaic GPU runs nvdisasm from
+$MOSAIC_GPU_CUDA_ROOT/bin; where that has none, an nvdisasm on PATH (`gpu_session.sh` puts the
+`nvidia-cuda-nvdisasm` wheel's there when .whl/ holds it) is linked into a copy of the root
+(`root_with_nvdisasm`). The PTX is kept
+too, so `ptxas` and `nvdisasm` can also be run on it on any host.
 """
 
 from __future__ import annotations
@@ -20,9 +24,37 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FORMS = {"default": {}, "mma_step": {"mma_inputs": 0}, "smem": {"a_operand": "smem"}}
+FORMS = {"default": {}, "bits": {"decode": "bits"}, "mma_step": {"mma_inputs": 0}, "smem": {"a_operand": "smem"}}
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 KEY_OPS = ("HGMMA", "WARPGROUP", "PRMT", "LOP3", "HMUL2", "HFMA2", "LDS", "STS", "SHF", "BAR", "SYNCS", "UTMALDG")
+
+
+def find_nvdisasm() -> str | None:
+    """An nvdisasm on PATH. `gpu_session.sh` puts the `nvidia-cuda-nvdisasm` wheel's there when .whl/ holds
+    it; it is not installed as a package, since JAX would take its `nvidia/cu13` (no ptxas) for the CUDA root."""
+    import shutil
+    return shutil.which("nvdisasm")
+
+
+def root_with_nvdisasm(scratch: str = "/tmp/mosaic_cuda_root") -> None:
+    """Points MOSAIC_GPU_CUDA_ROOT (set when Mosaic GPU is imported) at a root whose bin/ has nvdisasm: the
+    same root where it has one, else a copy made of links to its entries and to `find_nvdisasm()`."""
+    from jax.experimental.mosaic.gpu import core  # noqa: F401  (sets MOSAIC_GPU_CUDA_ROOT)
+    root = os.environ.get("MOSAIC_GPU_CUDA_ROOT", "/usr/local/cuda")
+    tool = find_nvdisasm()
+    if os.path.exists(os.path.join(root, "bin", "nvdisasm")) or tool is None:
+        return
+    os.makedirs(os.path.join(scratch, "bin"), exist_ok=True)
+    links = [(os.path.join(root, e), os.path.join(scratch, e)) for e in os.listdir(root) if e != "bin"]
+    bin_dir = os.path.join(root, "bin")
+    links += [(os.path.join(bin_dir, e), os.path.join(scratch, "bin", e))
+              for e in (os.listdir(bin_dir) if os.path.isdir(bin_dir) else [])]
+    links.append((tool, os.path.join(scratch, "bin", "nvdisasm")))
+    for src, dst in links:
+        if not os.path.lexists(dst):
+            os.symlink(src, dst)
+    os.environ["MOSAIC_GPU_CUDA_ROOT"] = scratch
+    print(f"nvdisasm: {tool} (through {scratch})", flush=True)
 
 
 def compile_form(name: str, fields: dict, out_dir: str) -> None:
@@ -83,8 +115,12 @@ def summarise(out_dir: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/hopper_mxfp4_sass"))
-    ap.add_argument("--forms", nargs="*", default=["default", "mma_step"], choices=list(FORMS))
+    ap.add_argument("--forms", nargs="*", default=["default", "bits", "mma_step"], choices=list(FORMS))
     args = ap.parse_args(argv)
+    try:
+        root_with_nvdisasm()
+    except Exception as exc:  # noqa: BLE001 - without nvdisasm the ptxas lines and the PTX still come back
+        print(f"nvdisasm: not set up ({type(exc).__name__}: {exc})", flush=True)
     for name in args.forms:
         try:
             compile_form(name, FORMS[name], args.out)

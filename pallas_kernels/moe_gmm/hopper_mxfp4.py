@@ -582,6 +582,9 @@ def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
 
 def _blocks(blocks, interpret, k_dim: int, rows_per_group: float = 1.0, n_weights: int = 1):
     interpreted = default_interpret() if interpret is None else interpret
+    if interpreted and blocks is not None and blocks.decode != "exact":
+        raise ValueError(f"HopperMxfp4Blocks: decode={blocks.decode!r} is inline PTX, which runs compiled only; "
+                         f"interpret mode needs decode='exact'")
     return (blocks or HopperMxfp4Blocks.for_backend(interpreted, k_dim, rows_per_group, n_weights)), interpreted
 
 

@@ -358,7 +358,12 @@ def test_refuses_what_it_cannot_run(rng):
         grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(block_k=128, splits=3, decode="exact",
                                                                            a_operand="smem"))
     with pytest.raises(ValueError, match="shared memory"):
-        grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(rows=256, block_k=256, stages=4))
+        grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(rows=256, block_k=256, stages=4,
+                                                                           decode="exact"))
+    for decode in ("ptx", "bits"):          # inline PTX: compiled only
+        with pytest.raises(ValueError, match=f"decode='{decode}' is inline PTX"):
+            grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(decode=decode, a_operand="smem"),
+                                        interpret=True)
     for bad in ({"rows": 12}, {"block_k": 96}, {"stages": 0}, {"decode": "table"}, {"a_operand": "tmem"},
                 {"splits": -1}, {"mma_inputs": 64}, {"activations": "gather"},
                 {"outputs": "scatter"}):
