@@ -10,8 +10,7 @@ holds per form the ptxas lines and the count of each SASS opcode (the decode's P
 HGMMA MMAs, the HMUL2 scalings, the shared-memory loads). Mosaic GPU runs nvdisasm from
 $MOSAIC_GPU_CUDA_ROOT/bin; where that has none, an nvdisasm on PATH (`gpu_session.sh` puts the
 `nvidia-cuda-nvdisasm` wheel's there when .whl/ holds it) is linked into a copy of the root
-(`root_with_nvdisasm`). The PTX is kept
-too, so `ptxas` and `nvdisasm` can also be run on it on any host.
+(`root_with_nvdisasm`). The PTX is kept too, so `ptxas` and `nvdisasm` can also be run on it on any host.
 """
 
 from __future__ import annotations
@@ -29,19 +28,16 @@ OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 KEY_OPS = ("HGMMA", "WARPGROUP", "PRMT", "LOP3", "HMUL2", "HFMA2", "LDS", "STS", "SHF", "BAR", "SYNCS", "UTMALDG")
 
 
-def find_nvdisasm() -> str | None:
-    """An nvdisasm on PATH. `gpu_session.sh` puts the `nvidia-cuda-nvdisasm` wheel's there when .whl/ holds
-    it; it is not installed as a package, since JAX would take its `nvidia/cu13` (no ptxas) for the CUDA root."""
-    import shutil
-    return shutil.which("nvdisasm")
-
-
 def root_with_nvdisasm(scratch: str = "/tmp/mosaic_cuda_root") -> None:
     """Points MOSAIC_GPU_CUDA_ROOT (set when Mosaic GPU is imported) at a root whose bin/ has nvdisasm: the
-    same root where it has one, else a copy made of links to its entries and to `find_nvdisasm()`."""
+    same root where it has one, else a copy made of links to its entries and to the nvdisasm on PATH
+    (`gpu_session.sh` unpacks the `nvidia-cuda-nvdisasm` wheel there rather than installing it: JAX would take
+    the package's `nvidia/cu13`, which has no ptxas, for its CUDA root)."""
+    import shutil
+
     from jax.experimental.mosaic.gpu import core  # noqa: F401  (sets MOSAIC_GPU_CUDA_ROOT)
     root = os.environ.get("MOSAIC_GPU_CUDA_ROOT", "/usr/local/cuda")
-    tool = find_nvdisasm()
+    tool = shutil.which("nvdisasm")
     if os.path.exists(os.path.join(root, "bin", "nvdisasm")) or tool is None:
         return
     os.makedirs(os.path.join(scratch, "bin"), exist_ok=True)

@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.moe_gmm.hopper_mxfp4 import _PTX_DECODE, _PTX_DECODE_BITS  # noqa: E402
 
 DECODES = {"ptx": _PTX_DECODE, "bits": _PTX_DECODE_BITS}
+BASELINE = "{\nmov.b32 $0, $2;\nmov.b32 $1, $2;\n}"     # the loop with no decode: subtracted from each
 ALU = {"LOP3", "PRMT", "SHF", "IADD3", "LEA", "SEL", "ISETP", "BFE", "BFI", "FLO", "POPC", "LOP"}
 MULTIPLY_ADD = {"IMAD"}   # integer multiply-adds, and ptxas's moves and shifts as IMAD.MOV / IMAD.SHL: FMA pipe
 FLOAT16 = {"HFMA2", "HMUL2", "HADD2"}
@@ -101,11 +102,10 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         empty = None
-        for name, text in [("loop only", ""), *DECODES.items()]:
+        for name, text in [("loop only", BASELINE), *DECODES.items()]:
             ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
             with open(ptx, "w") as f:
-                f.write(micro_kernel(text, args.chunks) if text else
-                        micro_kernel("{\nmov.b32 $0, $2;\nmov.b32 $1, $2;\n}", args.chunks))
+                f.write(micro_kernel(text, args.chunks))
             subprocess.run([ptxas, "-arch=sm_90a", "-O3", ptx, "-o", cubin], check=True)
             sass = subprocess.run([nvdisasm, "-c", cubin], check=True, capture_output=True, text=True).stdout
             ops = loop_opcodes(sass)
