@@ -31,12 +31,13 @@ from benchmarks.common import HBM_ACHIEVABLE, chained_time, environment, median_
 from benchmarks.kernel_profile import kernel_trace  # noqa: E402
 from pallas_kernels.mla_decode import MLADecodeBlocks, mla_decode_pallas, mla_decode_reference  # noqa: E402
 from pallas_kernels.mla_decode.hopper import TILE_ROWS, HopperMLABlocks, mla_decode_hopper, query_rows  # noqa: E402
+from pallas_kernels.mla_decode.hopper_columns import column_tiles  # noqa: E402
 
 
 # --impl names of the Hopper kernel's forms -> their HopperMLABlocks settings (besides the splits).
 HOPPER_FORMS = {"hopper": {}, "hopper-alternate": {"scoring": "alternate"}, "hopper-each": {"scoring": "each"},
                 "hopper-one-buffer": {"query_buffers": 1}, "hopper-merge-pallas": {"merge": "pallas"},
-                "hopper-merge-xla": {"merge": "xla"}}
+                "hopper-merge-xla": {"merge": "xla"}, "hopper-columns": {"query_side": "n"}}
 
 
 def sweep(iters):
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
                     help="hopper: the Hopper kernel (warpgroup 0 scores every block); -alternate: the warpgroups "
                          "take turns; -each: both score every block; -one-buffer: queries laid out by XLA into one "
                          "[64, 576] buffer, one score MMA; -merge-pallas / -merge-xla: the splits merged in one Pallas "
-                         "launch / by XLA (hopper merges by the one launch from 64 splits on, else by XLA)")
+                         "launch / by XLA (hopper merges by the one launch from 64 splits on, else by XLA); -columns: the query "
+                         "rows on the MMAs' N side (tiles of up to 64 rows in multiples of 8: 96 heads as two of 48)")
     ap.add_argument("--q", nargs="+", type=int, default=[1], help="query tokens per row")
     ap.add_argument("--shapes", nargs="*", default=None, help="HxBxCTX entries, e.g. 32x64x4096")
     ap.add_argument("--name", default=None, help="name of the JSON record (default mla_decode)")
@@ -130,8 +132,8 @@ def main(argv=None) -> int:
                 out = fn(q, qp, cache, lengths)
                 err = float(jnp.linalg.norm(out - expect) / jnp.linalg.norm(expect))
                 nbytes = b * ctx * (r + p) * 2
-                launched = (0 if impl == "triton" else
-                            HopperMLABlocks(num_splits=n_splits).split_layout(b * query_rows(h, sq) // TILE_ROWS, ctx)[0])
+                tiles = column_tiles(h * sq) if impl == "hopper-columns" else query_rows(h, sq) // TILE_ROWS
+                launched = 0 if impl == "triton" else HopperMLABlocks(num_splits=n_splits).split_layout(b * tiles, ctx)[0]
                 row = {"impl": impl, "splits": n_splits, "launched_splits": launched, "H": h, "B": b, "ctx": ctx, "q": sq,
                        "ms": t * 1e3,
                        "host_ms": host * 1e3, "TB_s": nbytes / t / 1e12,

@@ -40,6 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mla_decode.hopper_columns import column_smem_bytes, column_tile_rows, column_tiles, launch_columns
 from pallas_kernels.mla_decode.merge import MANY_SPLITS, merge_splits_pallas
 from pallas_kernels.mla_decode.reference import validate_inputs
 
@@ -51,6 +52,7 @@ _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (meas
 
 
 SCORINGS = ("alternate", "first", "each")
+QUERY_SIDES = ("m", "n")
 MERGES = ("auto", "xla", "pallas")
 # "auto" merges this many splits or more in the one Pallas launch: the regime measured (H200, MLA merge sweep 2:
 # 128 splits 2.9 us against XLA's 8.2; at 2 splits XLA's 3.5 beat the launch's best 4.3); the counts in between
@@ -83,6 +85,11 @@ class HopperMLABlocks:
     long-cache, few-row regime where it measured faster, else "xla": at 2 splits, 64 x 4K, XLA's 3.5 us beat
     the launch's best 4.3; RESULTS.md, MLA merge sweep 2).
 
+    `query_side`: "m" (default) puts a tile's 64 query rows on the M side of the MMAs (this file's kernel);
+    "n" puts the cache block there and the query rows on the N side (`hopper_columns.py`: tiles of any
+    multiple of 8 rows up to 64, so 96 heads are two tiles of 48 rows instead of two of 64, three quarters
+    of the MMA work; only with scoring="first").
+
     `min_split_blocks`: the fewest cache blocks an automatic split covers. At one row and a short cache
     the kernel is latency, about 2.4 us per block in turn on one program: at B = 1 over 192 slots
     (3 blocks) 3 splits took 7.2 us against 12.0 us for one (`benchmarks/mla_decode_step.py`), so by
@@ -96,6 +103,7 @@ class HopperMLABlocks:
     query_buffers: int = 2
     min_split_blocks: int = 1
     merge: str = "auto"
+    query_side: str = "m"
     sms: int = 132
 
     def __post_init__(self):
@@ -105,6 +113,10 @@ class HopperMLABlocks:
             raise ValueError(f"HopperMLABlocks: query_buffers must be 1 or 2, got {self.query_buffers}")
         if self.merge not in MERGES:
             raise ValueError(f"HopperMLABlocks: merge must be one of {MERGES}, got {self.merge!r}")
+        if self.query_side not in QUERY_SIDES:
+            raise ValueError(f"HopperMLABlocks: query_side must be one of {QUERY_SIDES}, got {self.query_side!r}")
+        if self.query_side == "n" and self.scoring != "first":
+            raise ValueError(f"HopperMLABlocks: query_side='n' scores with scoring='first' only, got {self.scoring!r}")
         if self.min_split_blocks < 1:
             raise ValueError(f"HopperMLABlocks: min_split_blocks must be >= 1, got {self.min_split_blocks}")
 
@@ -376,9 +388,9 @@ def smem_bytes(width: int, blocks: HopperMLABlocks) -> int:
             + _SMEM_OVERHEAD)
 
 
-def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks) -> str | None:
-    """Why the kernel cannot take a cache of this [B, S, R + P] shape and dtype with latent width R
-    (None: it can)."""
+def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks, rows: int | None = None) -> str | None:
+    """Why the kernel cannot take a cache of this [B, S, R + P] shape and dtype with latent width R and
+    `rows` query rows a batch row (None: it can; rows=None: any count the "m" form takes)."""
     _, s, width = shape
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"the cache must be bf16 or fp16, got {jnp.dtype(dtype)}"
@@ -387,7 +399,13 @@ def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks) -> str | None:
                 f"R={r} a multiple of 128 and R + P={width} of 64")
     if blocks.scoring == "alternate" and blocks.stages < 2:
         return "scoring='alternate' needs stages >= 2 (a warpgroup scores block i before it takes block i - 1)"
-    if smem_bytes(width, blocks) > _SMEM_BYTES:
+    if blocks.query_side == "n" and rows is not None:
+        need = column_smem_bytes(column_tile_rows(rows), width, blocks.block_kv, blocks.stages)
+        if need > _SMEM_BYTES:
+            return (f"query_side='n': {need} bytes of shared memory for tiles of {column_tile_rows(rows)} query rows, "
+                    f"block_kv={blocks.block_kv}, stages={blocks.stages}; at most {_SMEM_BYTES} "
+                    f"(query_side='m' takes whole 64-row tiles)")
+    elif smem_bytes(width, blocks) > _SMEM_BYTES:
         return (f"{smem_bytes(width, blocks)} bytes of shared memory for block_kv={blocks.block_kv}, "
                 f"stages={blocks.stages}; at most {_SMEM_BYTES}")
     return None
@@ -411,8 +429,9 @@ def query_rows(heads: int, sq: int) -> int:
     return -(-heads * sq // TILE_ROWS) * TILE_ROWS
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "blocks"))
-def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: HopperMLABlocks = HopperMLABlocks()):
+@functools.partial(jax.jit, static_argnames=("scale", "blocks", "interpret"))
+def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: HopperMLABlocks = HopperMLABlocks(),
+                      interpret: bool = False):
     """Absorbed MLA attention over a latent cache on Hopper (`kernel.mla_decode_pallas`'s contract).
 
     Args:
@@ -420,24 +439,39 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
       cache: [B, S, R + P] bf16 or fp16, latents | k_pe per slot; S a multiple of block_kv.
       lengths: [B] int32 valid slots per row; query t of a row sees slots [0, lengths - Sq + t].
       scale: softmax scale. blocks: launch settings.
+      interpret: Mosaic GPU's interpret mode (the CPU); query_side="n" only.
     Returns:
       [B, Sq, H, R] fp32.
     """
     validate_inputs(q_lat, q_pe, cache, lengths)
     b, sq, h, r = q_lat.shape
     rows = sq * h
-    if blocks.query_buffers == 2 and (rows >= TILE_ROWS or rows % 8 == 0):   # read where they are
+    if interpret and blocks.query_side != "n":
+        raise ValueError("mla_decode_hopper: interpret mode runs query_side='n' only (the 'm' form needs run_state)")
+    if blocks.query_side == "n":
+        tile_rows, tiles = column_tile_rows(rows), column_tiles(rows)
+    else:
+        tile_rows, tiles = TILE_ROWS, query_rows(h, sq) // TILE_ROWS
+    if blocks.query_buffers == 2 and (rows >= tile_rows or rows % 8 == 0):   # read where they are
         parts = tuple(x.reshape(b, rows, x.shape[-1]).astype(cache.dtype) for x in (q_lat, q_pe))
-        copy_rows = min(rows, TILE_ROWS)
+        copy_rows = min(rows, tile_rows)
     else:                                    # fewer rows than a tile, not whole 8-row groups: lay them out
         q = jnp.concatenate([q_lat, q_pe], axis=-1).reshape(b, rows, cache.shape[2]).astype(cache.dtype)
-        parts, copy_rows = (jnp.pad(q, ((0, 0), (0, query_rows(h, sq) - rows), (0, 0))),), TILE_ROWS
-    o, lse = _launch(parts, cache, lengths, heads=h, sq=sq, latent_dim=r, scale=scale, blocks=blocks,
-                     out_rows=query_rows(h, sq), q_copy_rows=copy_rows)
+        parts, copy_rows = (jnp.pad(q, ((0, 0), (0, tiles * tile_rows - rows), (0, 0))),), tile_rows
+    if blocks.query_side == "n":
+        if (why := _refusal(cache.shape, cache.dtype, r, blocks, rows)) is not None:
+            raise ValueError(f"mla_decode_hopper: {why}")
+        splits, split_len = blocks.split_layout(b * tiles, cache.shape[1])
+        o, lse = launch_columns(parts, cache, lengths, heads=h, sq=sq, latent_dim=r, scale=scale,
+                                block_kv=blocks.block_kv, stages=blocks.stages, splits=splits, split_len=split_len,
+                                out_rows=tiles * tile_rows, q_copy_rows=copy_rows, interpret=interpret)
+    else:
+        o, lse = _launch(parts, cache, lengths, heads=h, sq=sq, latent_dim=r, scale=scale, blocks=blocks,
+                         out_rows=query_rows(h, sq), q_copy_rows=copy_rows)
     if o.shape[1] == 1:                      # one split: normalised already
         lat = o[:, 0, :rows].astype(jnp.float32)
     elif blocks.merge == "pallas" or (blocks.merge == "auto" and o.shape[1] >= PALLAS_MERGE_FROM_SPLITS):
-        lat = merge_splits_pallas(o, lse, rows=rows)
+        lat = merge_splits_pallas(o, lse, rows=rows, interpret=True if interpret else None)
     else:                                    # the real rows only: XLA then reads half the padded tile's bytes
         lat = combine_splits(o[:, :, :rows], lse[:, :, :rows])
     return lat.reshape(b, sq, h, r)
@@ -457,6 +491,9 @@ def mla_decode_hopper_splits(q, cache, lengths, *, heads: int, sq: int, latent_d
        lse [B, splits, rows] fp32 its base-2 log-sum-exp; -huge where the split saw no slot):
       `combine_splits` merges them. Rows past heads x sq are padding.
     """
+    if blocks.query_side != "m":
+        raise ValueError("mla_decode_hopper_splits: laid-out query rows are read in 64-row tiles (query_side='m'); "
+                         f"got query_side={blocks.query_side!r}")
     b, s, width = cache.shape
     r = latent_dim
     n_rows = query_rows(heads, sq)

@@ -39,7 +39,9 @@ VARIANTS = {"default": HopperMLABlocks(), "splits3": HopperMLABlocks(num_splits=
             "alternate_splits2": HopperMLABlocks(scoring="alternate", num_splits=2),
             "each": HopperMLABlocks(scoring="each"), "each_stages1": HopperMLABlocks(block_kv=128, stages=1, scoring="each"),
             "one_query_buffer": HopperMLABlocks(query_buffers=1),
-            "merge_pallas": HopperMLABlocks(merge="pallas"), "merge_xla": HopperMLABlocks(merge="xla")}
+            "merge_pallas": HopperMLABlocks(merge="pallas"), "merge_xla": HopperMLABlocks(merge="xla"),
+            "columns": HopperMLABlocks(query_side="n"), "columns_splits1": HopperMLABlocks(query_side="n", num_splits=1),
+            "columns_one_buffer": HopperMLABlocks(query_side="n", query_buffers=1)}
 
 
 @on_gpu
