@@ -1,9 +1,10 @@
 """Hopper (Mosaic GPU) MLA decode kernel against its reference twin.
 
-Compiled on the GPU only: Mosaic GPU does not lower for the CPU and its interpret mode lacks
-`run_state` (the accumulator update). On the CPU the kernel is still lowered for CUDA (cross-platform
-export: the whole Pallas -> Mosaic GPU lowering, which catches layout and shape errors), and the
-split merge is checked against the reference.
+Compiled on the GPU only: Mosaic GPU does not lower for the CPU. The query_side="m" form cannot run in
+Mosaic GPU's interpret mode (it lacks `run_state`, the accumulator update); the query_side="n" form
+(`hopper_columns.py`) runs there, on the CPU, against the reference. On the CPU every form is also
+lowered for CUDA (cross-platform export: the whole Pallas -> Mosaic GPU lowering, which catches layout
+and shape errors), and the split merge is checked against the reference.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tolerances import assert_close
 from pallas_kernels.mla_decode import mla_decode_reference
 from pallas_kernels.mla_decode.hopper import (PALLAS_MERGE_FROM_SPLITS, TILE_ROWS, HopperMLABlocks, combine_splits,
                                               hopper_takes, mla_decode_hopper, mla_decode_hopper_splits, query_rows)
+from pallas_kernels.mla_decode.hopper_columns import column_smem_bytes, column_tile_rows, column_tiles
 from pallas_kernels.mla_decode.merge import merge_settings, merge_splits_pallas
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
@@ -81,8 +83,57 @@ def test_splits_on_query_rows_as_laid_out(rng, sq, h, rows):
     assert_close("splits", out, mla_decode_reference(q, qp, clean, jnp.asarray(lengths), scale=0.07), dtype="bfloat16")
 
 
+@pytest.mark.parametrize("b,sq,h,s,lengths,blocks", [
+    (3, 1, 24, 192, [192, 70, 3], HopperMLABlocks(query_side="n", num_splits=1)),   # ragged, one tile of 24 rows
+    (2, 1, 24, 320, [320, 130], HopperMLABlocks(query_side="n", num_splits=3)),     # splits merged by XLA
+    (2, 1, 96, 128, [128, 65], HopperMLABlocks(query_side="n")),                    # 96 heads: two tiles of 48
+    (2, 4, 8, 128, [128, 2], HopperMLABlocks(query_side="n")),      # verify step; tokens 0-1 of row 1 see nothing
+    (2, 3, 24, 128, [128, 100], HopperMLABlocks(query_side="n")),   # 72 rows: two tiles of 40, the last one short
+    (2, 1, 12, 128, [128, 50], HopperMLABlocks(query_side="n")),    # 12 rows: laid out by XLA into a 16-row tile
+    (2, 1, 16, 128, [128, 77], HopperMLABlocks(query_side="n", query_buffers=1)),   # one [T, R + P] query buffer
+    (1, 1, 8, 2048, [2000], HopperMLABlocks(query_side="n", merge="pallas")),       # 32 splits, the one-launch merge
+])
+def test_columns_form_in_interpret_mode_matches_reference(rng, b, sq, h, s, lengths, blocks):
+    """query_side="n" in Mosaic GPU's interpret mode (R = 128, P = 64 to keep it quick): ragged lengths, the
+    cache poisoned with NaN past each row's length, query rows not filling a tile, several splits."""
+    lengths = np.asarray(lengths, np.int32)
+    q = jnp.asarray(rng.standard_normal((b, sq, h, 128)), jnp.bfloat16)
+    qp = jnp.asarray(rng.standard_normal((b, sq, h, 64)), jnp.bfloat16)
+    cache = rng.standard_normal((b, s, 192)).astype(np.float32)
+    inside = np.arange(s)[None, :, None] < lengths[:, None, None]
+    clean = jnp.asarray(np.where(inside, cache, 0.0), jnp.bfloat16)
+    dirty = jnp.asarray(np.where(inside, cache, np.nan), jnp.bfloat16)
+    ref = mla_decode_reference(q, qp, clean, jnp.asarray(lengths), scale=0.09)
+    out = mla_decode_hopper(q, qp, dirty, jnp.asarray(lengths), scale=0.09, blocks=blocks, interpret=True)
+    assert_close("columns", out, ref, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("rows,tile,tiles", [(96, 48, 2), (32, 32, 1), (12, 16, 1), (72, 40, 2), (128, 64, 2),
+                                             (384, 64, 6), (120, 64, 2), (8, 8, 1)])
+def test_column_tiles_spread_rows_evenly_in_multiples_of_8(rows, tile, tiles):
+    assert (column_tile_rows(rows), column_tiles(rows)) == (tile, tiles)
+
+
+def test_columns_form_refusals():
+    q, qp = jnp.zeros((1, 1, 32, 512), jnp.bfloat16), jnp.zeros((1, 1, 32, 64), jnp.bfloat16)
+    cache = jnp.zeros((1, 256, 576), jnp.bfloat16)
+    with pytest.raises(ValueError, match="scoring='first' only"):
+        HopperMLABlocks(query_side="n", scoring="each")
+    with pytest.raises(ValueError, match="query_side must be one of"):
+        HopperMLABlocks(query_side="k")
+    with pytest.raises(ValueError, match="query_side='n': .* shared memory for tiles of 32 query rows"):
+        mla_decode_hopper(q, qp, cache, jnp.array([3]), scale=1.0, blocks=HopperMLABlocks(query_side="n", stages=3))
+    assert column_smem_bytes(32, 576, 64, 3) > 227 * 1024 >= column_smem_bytes(64, 576, 64, 2)
+    with pytest.raises(ValueError, match="interpret mode runs query_side='n' only"):
+        mla_decode_hopper(q, qp, cache, jnp.array([3]), scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="64-row tiles"):
+        mla_decode_hopper_splits(jnp.zeros((1, 64, 576), jnp.bfloat16), cache, jnp.array([3]), heads=32, sq=1,
+                                 latent_dim=512, scale=1.0, blocks=HopperMLABlocks(query_side="n"))
+
+
 @pytest.mark.parametrize("variant,sq,h", [(v, 2, 32) for v in VARIANTS]
-                         + [(v, sq, h) for v in ("default", "one_query_buffer") for sq, h in ((1, 12), (3, 24))])
+                         + [(v, sq, h) for v in ("default", "one_query_buffer", "columns", "columns_one_buffer")
+                            for sq, h in ((1, 12), (3, 24), (1, 96))])
 def test_lowers_for_cuda_on_any_host(variant, sq, h):
     """The full Pallas -> Mosaic GPU lowering runs (no GPU needed) and emits the Mosaic GPU kernel, for
     every variant and for query rows of whole tiles (64), fewer (12) and past them (72); with
@@ -97,7 +148,8 @@ def test_lowers_for_cuda_on_any_host(variant, sq, h):
     assert "mosaic_gpu" in module
     merge_launch = "mla_merge_splits" in module or "__gpu$xla.gpu.triton" in module   # interpret form / Triton call
     blocks = VARIANTS[variant]
-    splits = blocks.split_layout(2 * query_rows(h, sq) // TILE_ROWS, 1024)[0]
+    tiles = column_tiles(sq * h) if blocks.query_side == "n" else query_rows(h, sq) // TILE_ROWS
+    splits = blocks.split_layout(2 * tiles, 1024)[0]
     assert merge_launch == (splits > 1 and (blocks.merge == "pallas" or (
         blocks.merge == "auto" and splits >= PALLAS_MERGE_FROM_SPLITS)))
 
