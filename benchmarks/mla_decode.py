@@ -80,8 +80,9 @@ def main(argv=None) -> int:
                     help="hopper: the Hopper kernel (warpgroup 0 scores every block); -alternate: the warpgroups "
                          "take turns; -each: both score every block; -one-buffer: queries laid out by XLA into one "
                          "[64, 576] buffer, one score MMA; -merge-pallas / -merge-xla: the splits merged in one Pallas "
-                         "launch / by XLA (hopper merges by the one launch from 64 splits on, else by XLA); -columns: the query "
-                         "rows on the MMAs' N side (tiles of up to 64 rows in multiples of 8: 96 heads as two of 48)")
+                         "launch / by XLA (hopper merges by the one launch from 64 splits on, else by XLA); "
+                         "-columns: the query rows on the MMAs' N side (tiles of up to 64 rows in multiples of 8: "
+                         "96 heads as two of 48)")
     ap.add_argument("--q", nargs="+", type=int, default=[1], help="query tokens per row")
     ap.add_argument("--shapes", nargs="*", default=None, help="HxBxCTX entries, e.g. 32x64x4096")
     ap.add_argument("--name", default=None, help="name of the JSON record (default mla_decode)")
@@ -132,8 +133,10 @@ def main(argv=None) -> int:
                 out = fn(q, qp, cache, lengths)
                 err = float(jnp.linalg.norm(out - expect) / jnp.linalg.norm(expect))
                 nbytes = b * ctx * (r + p) * 2
-                tiles = column_tiles(h * sq) if impl == "hopper-columns" else query_rows(h, sq) // TILE_ROWS
-                launched = 0 if impl == "triton" else HopperMLABlocks(num_splits=n_splits).split_layout(b * tiles, ctx)[0]
+                columns = HOPPER_FORMS.get(impl, {}).get("query_side") == "n"
+                tiles = column_tiles(h * sq) if columns else query_rows(h, sq) // TILE_ROWS
+                launched = (0 if impl == "triton" else
+                            HopperMLABlocks(num_splits=n_splits).split_layout(b * tiles, ctx)[0])
                 row = {"impl": impl, "splits": n_splits, "launched_splits": launched, "H": h, "B": b, "ctx": ctx, "q": sq,
                        "ms": t * 1e3,
                        "host_ms": host * 1e3, "TB_s": nbytes / t / 1e12,

@@ -24,8 +24,9 @@ the kernel alone: it takes query rows already laid out as it reads them (a calle
 them so) and returns the splits unmerged (for a consumer kernel that merges them itself).
 
 Runs on NVIDIA Hopper GPUs only (Mosaic GPU's interpret mode lacks `run_state`, the accumulator
-update); its lowering for CUDA is checked on any host. The twin is `reference.mla_decode_reference`,
-and `kernel.mla_decode_pallas` is the Triton-lowered form.
+update); its lowering for CUDA is checked on any host. `HopperMLABlocks(query_side="n")` launches the
+transposed kernel of `hopper_columns.py` instead, which also runs in interpret mode. The twin is
+`reference.mla_decode_reference`, and `kernel.mla_decode_pallas` is the Triton-lowered form.
 """
 
 from __future__ import annotations
@@ -404,7 +405,7 @@ def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks, rows: int | None = N
         if need > _SMEM_BYTES:
             return (f"query_side='n': {need} bytes of shared memory for tiles of {column_tile_rows(rows)} query rows, "
                     f"block_kv={blocks.block_kv}, stages={blocks.stages}; at most {_SMEM_BYTES} "
-                    f"(query_side='m' takes whole 64-row tiles)")
+                    f"(fewer stages or a smaller block_kv fit)")
     elif smem_bytes(width, blocks) > _SMEM_BYTES:
         return (f"{smem_bytes(width, blocks)} bytes of shared memory for block_kv={blocks.block_kv}, "
                 f"stages={blocks.stages}; at most {_SMEM_BYTES}")
@@ -412,7 +413,8 @@ def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks, rows: int | None = N
 
 
 def hopper_takes(cache_shape, cache_dtype, latent_dim: int, blocks: HopperMLABlocks = HopperMLABlocks()) -> bool:
-    """Whether `mla_decode_hopper` runs this cache ([B, S, R + P] with R = latent_dim)."""
+    """Whether `mla_decode_hopper` runs this cache ([B, S, R + P] with R = latent_dim). For query_side="n" the
+    shared memory is checked at the "m" form's budget (64-row tiles), which is at least the "n" form's."""
     return _refusal(cache_shape, cache_dtype, latent_dim, blocks) is None
 
 
@@ -452,10 +454,10 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
         tile_rows, tiles = column_tile_rows(rows), column_tiles(rows)
     else:
         tile_rows, tiles = TILE_ROWS, query_rows(h, sq) // TILE_ROWS
-    if blocks.query_buffers == 2 and (rows >= tile_rows or rows % 8 == 0):   # read where they are
+    if blocks.query_buffers == 2 and rows % 8 == 0:     # read where they are (TMA takes whole 8-row groups)
         parts = tuple(x.reshape(b, rows, x.shape[-1]).astype(cache.dtype) for x in (q_lat, q_pe))
         copy_rows = min(rows, tile_rows)
-    else:                                    # fewer rows than a tile, not whole 8-row groups: lay them out
+    else:                                    # not whole 8-row groups: lay them out, padded to whole tiles
         q = jnp.concatenate([q_lat, q_pe], axis=-1).reshape(b, rows, cache.shape[2]).astype(cache.dtype)
         parts, copy_rows = (jnp.pad(q, ((0, 0), (0, tiles * tile_rows - rows), (0, 0))),), tile_rows
     if blocks.query_side == "n":

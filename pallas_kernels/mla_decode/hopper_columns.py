@@ -10,8 +10,8 @@ block is the M side, and the queries are N, which may be any multiple of 8:
 * it stores the bf16 probabilities transposed, as P [T, block_kv], to shared memory, with the
   rescale factor, and both compute warpgroups add O^T = V^T P^T for their half of the R value
   columns ([R / 2, T] fp32 in registers: 2T registers a thread, 128 at T = 64);
-* the memory warpgroup is `hopper.py`'s: the tile's queries once, then the split's cache blocks
-  through a ring of `stages` buffers.
+* the memory warpgroup copies the tile's queries once, then the split's cache blocks through a ring
+  of `stages` buffers (as in `hopper.py`), and at the end waits for the last blocks' releases.
 
 A tile holds `column_tile_rows(rows)` query rows: the rows spread evenly over as few tiles of at most 64
 as hold them, rounded up to a multiple of 8 (96 heads: two tiles of 48; 32 heads: one of 32). The
@@ -40,7 +40,6 @@ MAX_TILE_ROWS = 64       # query rows a tile holds at most: 2T fp32 accumulator 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 _REDUCTION_BYTES = 4 * 4 * MAX_TILE_ROWS     # cross-warp column reductions: 4 warps x T fp32
-ACCUMULATES = ("state", "add")
 
 
 def column_tile_rows(rows: int) -> int:
@@ -186,10 +185,8 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, t_r
         acc, m, l = lax.fori_loop(0, n_blocks, step, (acc, m, l))
         if w == 0:                               # observe warpgroup 1's last release (a barrier's every phase is seen)
             pl.when(n_blocks > 0)(lambda: plgpu.barrier_wait(p_free))
-        # Both past their loops (no more reads of the query tile, whose space the output and statistics then
-        # take): warpgroup 0 posts the column sums, and at the second meeting warpgroup 1 takes them.
-        plgpu.barrier_arrive(done)
-        plgpu.barrier_wait(done)
+        # Only warpgroup 0 reads the query tile, and its score MMAs are done: it posts the column sums in the
+        # tile's space, and once both warpgroups meet there, warpgroup 1 takes them and both write their output.
         if w == 0:
             l_smem[...] = l
             plgpu.commit_smem()
