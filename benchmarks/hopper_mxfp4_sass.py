@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FORMS = {"default": {}, "bits": {"decode": "bits"}, "mma_step": {"mma_inputs": 0}, "smem": {"a_operand": "smem"}}
+FORMS = {"default": {}, "ptx": {"decode": "ptx"}, "mma_step": {"mma_inputs": 0}, "smem": {"a_operand": "smem"}}
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 KEY_OPS = ("HGMMA", "WARPGROUP", "PRMT", "LOP3", "HMUL2", "HFMA2", "LDS", "STS", "SHF", "BAR", "SYNCS", "UTMALDG")
 
@@ -111,7 +111,7 @@ def summarise(out_dir: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/hopper_mxfp4_sass"))
-    ap.add_argument("--forms", nargs="*", default=["default", "bits", "mma_step"], choices=list(FORMS))
+    ap.add_argument("--forms", nargs="*", default=["default", "ptx", "mma_step"], choices=list(FORMS))
     args = ap.parse_args(argv)
     try:
         root_with_nvdisasm()

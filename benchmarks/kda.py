@@ -183,12 +183,13 @@ VARIANTS = {
     # defaults before, as "default/factors-loop64/fw8/s2" now does)
     "run27": ChunkBlocks(**WALK27, factors_num_stages=2),   # run 27's defaults ("default" in runs 27 and 28)
     "run29": ChunkBlocks(factors_num_stages=2),   # run 29's ("default" there): the W, U loop in 2 stages
-    "default/pairs-exp2": ChunkBlocks(pairs_exp2=True),   # the tile pairs launch's decays as 2^x (prepared)
-    "default/pairs-one-loop": ChunkBlocks(pairs_one_loop=True),   # ... its products in one loop (prepared)
-    "default/pairs-exp2/one-loop": ChunkBlocks(pairs_exp2=True, pairs_one_loop=True),   # both (prepared)
-    "default/qg-in-pairs": ChunkBlocks(qg_in_pairs=True),   # q e^G from the pairs launch, not W, U's (prepared)
-    "default/pairs-exp2/qg-in-pairs": ChunkBlocks(pairs_exp2=True, qg_in_pairs=True),   # (prepared)
-    "default/pairs-exp2/one-loop/qg-in-pairs": ChunkBlocks(pairs_exp2=True, pairs_one_loop=True, qg_in_pairs=True),
+    # the tile pairs launch's decays as 2^x and its products in one loop over key slices: the defaults since run 31
+    # (so run 31's "default/pairs-exp2/one-loop" is now "default"); "run30" the defaults before, and each alone
+    "run30": ChunkBlocks(pairs_exp2=False, pairs_one_loop=False),
+    "run30/pairs-exp2": ChunkBlocks(pairs_one_loop=False),
+    "run30/pairs-one-loop": ChunkBlocks(pairs_exp2=False),
+    # q e^G from the pairs launch, not W, U's (run 31, beside 2^x alone: slower, 3.11 against 2.99 ms at H = 96)
+    "default/qg-in-pairs": ChunkBlocks(qg_in_pairs=True),
     # the sequential pass on 64-column state blocks: half the programs, each reading W, q e^G, k e^(G_C - G) for
     # twice the columns (at H = 96: 192 programs, one stage by the auto rule; 2 stages timed in run 10 only)
     "default/v64": ChunkBlocks(value_block=64),

@@ -62,15 +62,16 @@ GROUPED_SWEEP = [TileBlocks(64, 128, 128, 4, 3, e2m1=d) for d in ("table", "asm"
 # 1.33-4.6x) and 16-row tiles (no change).
 # activations="rows": the tiles read the sorted rows in place instead of XLA's per-tile slabs (their gather
 # took 36 + 14 us of 462 at 64 tokens in run 30); outputs="rows": each program writes its own rows' products
-# into [M, N] rows, so XLA gathers nothing after the launch. decode="bits": the codes decoded with five integer-ALU
-# instructions per four codes instead of eight (the kernel looks bound by its integer ALU or issue, not by bytes).
+# into [M, N] rows, so XLA gathers nothing after the launch (both slower at 64 tokens in run 31: 0.517 / 0.490 ms
+# against 0.436 / 0.411 without). decode="bits" (five integer-ALU instructions per four codes instead of eight) is
+# the default since run 31 (3-9% faster at 1-64 tokens); the last three entries time the table decode ("ptx").
 HOPPER_SWEEP = [HopperMxfp4Blocks(block_k=bk, stages=st, splits=sp, mma_inputs=mi)
                 for bk, st, sp, mi in ((256, 3, 0, 16), (256, 3, 0, 0), (256, 3, 0, 32), (128, 4, 0, 16))] + [
     HopperMxfp4Blocks(activations="rows"), HopperMxfp4Blocks(splits=0, activations="rows"),
     HopperMxfp4Blocks(outputs="rows"), HopperMxfp4Blocks(activations="rows", outputs="rows"),
     HopperMxfp4Blocks(splits=0, activations="rows", outputs="rows"),
-    HopperMxfp4Blocks(decode="bits"), HopperMxfp4Blocks(decode="bits", activations="rows", outputs="rows"),
-    HopperMxfp4Blocks(decode="bits", splits=0, activations="rows", outputs="rows")]
+    HopperMxfp4Blocks(decode="ptx"), HopperMxfp4Blocks(decode="ptx", activations="rows", outputs="rows"),
+    HopperMxfp4Blocks(decode="ptx", splits=0, activations="rows", outputs="rows")]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:
@@ -152,7 +153,7 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
         out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks), "ms": t * 1e3,
                     "pct_4.3TB_s": pct, "err_vs_bf16": err})
         if with_profile and blocks is not None and not small and (
-                "rows" in (blocks.activations, blocks.outputs) or blocks.decode != "ptx"):
+                "rows" in (blocks.activations, blocks.outputs) or blocks.decode != HopperMxfp4Blocks().decode):
             out[-1]["profile"] = profile(functools.partial(experts_mlp_hopper, blocks=blocks),
                                          (x, weights, experts, *columns))
     return out

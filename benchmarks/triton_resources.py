@@ -128,11 +128,16 @@ def _build_cases():
         "kda-chunk-norm-in-dh4-dw2": kda(normalize_qk=True, diagonal_heads=4, diagonal_num_warps=2),
         "kda-chunk-norm-in-exp2": kda(normalize_qk=True, diagonal_exp2=True),   # the walk's exponentials as 2^x
         "kda-chunk-norm-in-exp2-dw1": kda(normalize_qk=True, diagonal_exp2=True, diagonal_num_warps=1),
-        "kda-chunk-norm-in-pairs-exp2": kda(normalize_qk=True, pairs_exp2=True),   # the tile pairs launch's 2^x
-        "kda-chunk-norm-in-pairs-one-loop": kda(normalize_qk=True, pairs_one_loop=True),   # ... its products in one
-        "kda-chunk-norm-in-pairs-exp2-one-loop": kda(normalize_qk=True, pairs_exp2=True, pairs_one_loop=True),  # loop
-        "kda-chunk-norm-in-qg-in-pairs": kda(normalize_qk=True, qg_in_pairs=True),   # q e^G from the pairs launch
-        "kda-chunk-norm-in-pairs-exp2-qg-in-pairs": kda(normalize_qk=True, pairs_exp2=True, qg_in_pairs=True),
+        # the tile pairs launch: 2^x and one loop over key slices (the defaults since KDA run 31, so "kda-chunk-norm-in"
+        # has both), the run-30 form (neither) and each alone; q e^G from the pairs launch with each
+        "kda-chunk-norm-in-run30": kda(normalize_qk=True, pairs_exp2=False, pairs_one_loop=False),
+        "kda-chunk-norm-in-pairs-exp2": kda(normalize_qk=True, pairs_exp2=True, pairs_one_loop=False),
+        "kda-chunk-norm-in-pairs-one-loop": kda(normalize_qk=True, pairs_exp2=False, pairs_one_loop=True),
+        "kda-chunk-norm-in-pairs-exp2-one-loop": kda(normalize_qk=True, pairs_exp2=True, pairs_one_loop=True),
+        "kda-chunk-norm-in-qg-in-pairs": kda(normalize_qk=True, pairs_exp2=False, pairs_one_loop=False,
+                                             qg_in_pairs=True),
+        "kda-chunk-norm-in-pairs-exp2-qg-in-pairs": kda(normalize_qk=True, pairs_exp2=True, pairs_one_loop=False,
+                                                        qg_in_pairs=True),
         "kda-chunk-norm-in-pairs-exp2-one-loop-qg-in-pairs": kda(normalize_qk=True, pairs_exp2=True,
                                                                  pairs_one_loop=True, qg_in_pairs=True),
         # W, U, ... with q, k normalised inside: 32 columns a loop step at 8 warps (87 registers) against the

@@ -471,8 +471,10 @@ def check_blocks(name: str, kd: int, vd: int, blocks: ChunkBlocks) -> None:
     for field in ("pairs_exp2", "pairs_one_loop", "qg_in_pairs"):
         if type(getattr(blocks, field)) is not bool:
             raise ValueError(f"{name}: {field} must be True or False, got {getattr(blocks, field)!r}")
-        if getattr(blocks, field) and blocks.across != "tiles":
-            raise ValueError(f"{name}: {field} is a setting of the across='tiles' launch, got across={blocks.across!r}")
+    # pairs_exp2 and pairs_one_loop (on by default) shape the tiles launch and are ignored by the others; q e^G
+    # from the pairs launch changes what the W, U launch writes, so it needs that launch
+    if blocks.qg_in_pairs and blocks.across != "tiles":
+        raise ValueError(f"{name}: qg_in_pairs is a setting of the across='tiles' launch, got across={blocks.across!r}")
     if blocks.qg_in_pairs and blocks.hands_on_norms:
         raise ValueError(f"{name}: qg_in_pairs does not combine with qk_norm={blocks.qk_norm!r} (q and k handed on "
                          f"unnormalised, with their inverse norms)")

@@ -18,10 +18,11 @@ or known to be zero. Here, with C / 16 = nb row blocks:
 - T by block forward substitution: the diagonal tiles' inverses (I + L_ii)^-1 by doubling inside each 16 x 16
   tile (`intra_parallel.doubling_inverse`, three levels), then T_ij = -T_ii sum_{m = j .. i - 1} L_im T_mj.
 
-Two forms of the products across sub-blocks, both untimed: their exponentials as 2^(x log2 e) (`pairs_exp2`: one
-ex2.approx and a multiply instead of e^x's longer sequence) and every block pair in one loop over key slices
-(`pairs_one_loop`, `_across_products_joint`: fewer loads and exponentials, more live accumulators). With
-`qg_in_pairs` the launch also writes q e^G (untimed), which the W, U launch then leaves out.
+Two forms of the products across sub-blocks, both the defaults since KDA run 31: their exponentials as
+2^(x log2 e) (`pairs_exp2`: one ex2.approx and a multiply instead of e^x's longer sequence) and every block pair in
+one loop over key slices (`pairs_one_loop`, `_across_products_joint`: fewer loads and exponentials, more live
+accumulators). Together on the H200 (B = 1, T = 8192, H = 32) this launch took 205 us against 271 with neither.
+With `qg_in_pairs` the launch also writes q e^G, which the W, U launch then leaves out (opt-in: slower in run 31).
 
 Measured on the H200 (RESULTS.md, KDA runs 25-27; B = 1, T = 8192, H = 32 / 96): the multiply-adds were not what
 the levels' launch waited on. At 1 warp and 32 key columns a step this form took 352 / 1,053 us against the levels'

@@ -100,13 +100,15 @@ class ChunkBlocks:
                              # 3 stages (the default `pairs_launch`) 344 / 966 against the levels' 352 / 1,036
     pairs_key_slice: int = 0  # key columns a loop step of the pairs launch (0: 16 with across="tiles", else
                               # key_slice)
-    pairs_exp2: bool = False  # across="tiles": the pairs launch's decays as 2^(x log2 e) (a multiply and one
-                              # ex2.approx) instead of e^x (a longer sequence), in its product loops, which take
-                              # 672 exponentials a thread a chunk: sm_90a, about 17.5k instructions a program
-                              # with e^x, 12.0k with 2^x (`triton_resources.py`); untimed
-    pairs_one_loop: bool = False  # across="tiles": the products across sub-blocks in one loop over key slices for
-                                  # every block pair (each block's tiles loaded and its factors taken once a step),
-                                  # instead of a loop per row block; untimed
+    pairs_exp2: bool = True   # across="tiles" (ignored by the other launches): the pairs launch's decays as
+                              # 2^(x log2 e) (a multiply and one ex2.approx) instead of e^x (a longer sequence), in
+                              # its product loops, which take 672 exponentials a thread a chunk: sm_90a, about
+                              # 17.5k instructions a program with e^x, 12.0k with 2^x (`triton_resources.py`)
+    pairs_one_loop: bool = True   # across="tiles" (ignored by the other launches): the products across sub-blocks
+                                  # in one loop over key slices for every block pair (each block's tiles loaded and
+                                  # its factors taken once a step), instead of a loop per row block. Both on, H200
+                                  # run 31 (B = 1, T = 8192): the pairs launch 271 -> 205 us at H = 32, the prefill
+                                  # 1.03 / 1.04x fla at H = 96 pipelined (0.97x without)
     qg_in_pairs: bool = False    # across="tiles": q e^G written by the pairs launch (from its rows' factors, which
                                  # it forms anyway, times e^ of their block's start) instead of the W, U launch,
                                  # which then neither reads q nor writes q e^G: at H = 96, T = 8192 it moves 402 MB

@@ -93,25 +93,26 @@ def _l2(x):
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/exp-e/bf16"),
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/exp-e/chunked"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/exp-e/dh2"),
-    # the tile pairs launch's decays as 2^x (`pairs_exp2`): weak and unbounded gates (the ratios between sub-blocks
-    # then underflow), bf16 and fp32 factors, the chunked layout, a ragged tail
-    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pairs-exp2/bf16"),
-    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/pairs-exp2/chunked"),
-    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/pairs-exp2"),
-    # ... its products across sub-blocks in one loop for every block pair (`pairs_one_loop`), with e^x and 2^x;
-    # 2 sub-blocks a chunk (one pair) and 4
-    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pairs-one-loop/bf16"),
-    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/pairs-one-loop/pairs-exp2/chunked"),
-    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "bfloat16", "parallel/pairs-one-loop/pairs-exp2/bf16"),
-    # q e^G written by the pairs launch (`qg_in_pairs`), both loop forms at 4, 2 and 1 sub-blocks a chunk with weak
-    # gates (e^G of every row block well above 0), unbounded gates, ragged tails, the chunked layout
-    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/qg-in-pairs/bf16"),
-    (1, 130, 2, 32, 32, 64, (-0.5, 0.0), True, "float32", "parallel/qg-in-pairs/pairs-one-loop"),
-    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/qg-in-pairs/pairs-one-loop/chunked"),
-    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "bfloat16", "parallel/qg-in-pairs/pairs-exp2/bf16"),
-    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/qg-in-pairs/pairs-one-loop/pairs-exp2"),
+    # the tile pairs launch (`across="tiles"`): its decays as 2^x and its products across sub-blocks in one loop for
+    # every block pair are the defaults since run 31 (in every row above); "pairs-exp-e" takes e^x, "pairs-per-block"
+    # a loop per row block: weak and unbounded gates (the ratios between sub-blocks then underflow), bf16 and fp32
+    # factors, the chunked layout, ragged tails, 2 sub-blocks a chunk (one pair) and 4
+    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pairs-per-block/bf16"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/pairs-per-block/chunked"),
+    (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "parallel/pairs-per-block"),
+    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pairs-exp-e/bf16"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/pairs-exp-e/pairs-per-block/chunked"),
+    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "bfloat16", "parallel/pairs-exp-e/pairs-per-block/bf16"),
+    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "bfloat16", "parallel/bf16"),
+    # q e^G written by the pairs launch (`qg_in_pairs`), the loop and exponential forms at 4, 2 and 1 sub-blocks a
+    # chunk with weak gates (e^G of every row block well above 0), unbounded gates, ragged tails, the chunked layout
+    (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/qg-in-pairs/pairs-exp-e/pairs-per-block/bf16"),
+    (1, 130, 2, 32, 32, 64, (-0.5, 0.0), True, "float32", "parallel/qg-in-pairs/pairs-exp-e"),
+    (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/qg-in-pairs/pairs-exp-e/chunked"),
+    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "bfloat16", "parallel/qg-in-pairs/pairs-per-block/bf16"),
+    (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/qg-in-pairs"),
+    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "float32", "parallel/qg-in-pairs/pairs-exp-e/pairs-per-block"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "float32", "parallel/qg-in-pairs"),
-    (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "float32", "parallel/qg-in-pairs/pairs-one-loop/pairs-exp2"),
 ])
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
@@ -125,8 +126,9 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
     # "joint": every level in one launch; "diagonal" (the default): the diagonal blocks per token; "whole" /
     # "sliced": the solve's form (default: sliced where the pairs allow); "bf16": bf16 factors; "chunked": XLA's
     # layout copies; "dh2": two heads and two warps a program of the per-token launch (default: auto, one warp);
-    # "exp-e": the per-token walk in e^x (default: 2^x); "pairs-exp2": the tile pairs launch's decays in 2^x;
-    # "pairs-one-loop": its products in one loop; "qg-in-pairs": q e^G written by it
+    # "exp-e": the per-token walk in e^x (default: 2^x); "pairs-exp-e": the tile pairs launch's decays in e^x
+    # (default: 2^x); "pairs-per-block": its products in a loop per row block (default: one loop); "qg-in-pairs":
+    # q e^G written by it
     factors = "bfloat16" if "bf16" in options else "float32"
     o, s = kda_chunk_pallas(cast(q), cast(k), cast(v), g, beta, initial_state=s0,
                             blocks=ChunkBlocks(chunk=chunk, value_block=16, intra=intra, factors=factors,
@@ -145,8 +147,8 @@ def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, v
                                                             if "across-" + a in options), "auto"),
                                                factors_loop="factors-programs" not in options,
                                                diagonal_exp2="exp-e" not in options,
-                                               pairs_exp2="pairs-exp2" in options,
-                                               pairs_one_loop="pairs-one-loop" in options,
+                                               pairs_exp2="pairs-exp-e" not in options,
+                                               pairs_one_loop="pairs-per-block" not in options,
                                                qg_in_pairs="qg-in-pairs" in options,
                                                key_slice=32 if kd >= 64 else 16), interpret=interpret)
     f32 = lambda x: np.asarray(cast(x), np.float32)
@@ -341,9 +343,7 @@ def test_split_sequential_pass_matches_recurrent_reference(rng, interpret, b, t,
     (ChunkBlocks(factors_loop=1), "factors_loop must be True or False"),
     (ChunkBlocks(diagonal_exp2=1), "diagonal_exp2 must be True or False"),
     (ChunkBlocks(pairs_exp2=1), "pairs_exp2 must be True or False"),
-    (ChunkBlocks(across="levels", pairs_exp2=True), "pairs_exp2 is a setting of the across='tiles' launch"),
     (ChunkBlocks(pairs_one_loop="yes"), "pairs_one_loop must be True or False"),
-    (ChunkBlocks(across="levels", pairs_one_loop=True), "pairs_one_loop is a setting of the across='tiles' launch"),
     (ChunkBlocks(qg_in_pairs=1), "qg_in_pairs must be True or False"),
     (ChunkBlocks(across="levels", qg_in_pairs=True), "qg_in_pairs is a setting of the across='tiles' launch"),
     (ChunkBlocks(qg_in_pairs=True, qk_norm="scales"), "qg_in_pairs does not combine with qk_norm='scales'"),
@@ -502,7 +502,7 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     ("bfloat16", ChunkBlocks(across="levels", qk_norm="scales")),  # ... or scaled at the end of its sums
     ("float32", ChunkBlocks(across="levels", qk_norm="scales-after", layout="chunked")),
     ("bfloat16", ChunkBlocks(qg_in_pairs=True)),                   # q e^G written by the pairs launch
-    ("float32", ChunkBlocks(qg_in_pairs=True, pairs_one_loop=True, layout="chunked")),
+    ("float32", ChunkBlocks(qg_in_pairs=True, pairs_one_loop=False, layout="chunked")),
 ])
 def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     """normalize_qk=True takes q and k as they leave the conv (any scale, a zero row among them) and gives the

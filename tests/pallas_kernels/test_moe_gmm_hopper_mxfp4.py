@@ -28,9 +28,9 @@ from pallas_kernels.moe_gmm.hopper_mxfp4 import (_PTX_DECODE, _PTX_DECODE_BITS, 
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, dequantize, from_checkpoint_layout
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
-FORMS = {"ptx_registers": HopperMxfp4Blocks(), "exact_registers": HopperMxfp4Blocks(decode="exact"),
-         "bits_registers": HopperMxfp4Blocks(decode="bits"),
-         "ptx_smem": HopperMxfp4Blocks(a_operand="smem"),
+FORMS = {"bits_registers": HopperMxfp4Blocks(), "exact_registers": HopperMxfp4Blocks(decode="exact"),
+         "ptx_registers": HopperMxfp4Blocks(decode="ptx"),
+         "ptx_smem": HopperMxfp4Blocks(decode="ptx", a_operand="smem"),
          "exact_smem": HopperMxfp4Blocks(decode="exact", a_operand="smem"),
          "rows16_k128_stages2": HopperMxfp4Blocks(rows=16, block_k=128, stages=2),
          "k512_stages4": HopperMxfp4Blocks(block_k=512, stages=4),
@@ -394,7 +394,8 @@ def test_compiled_forms_equal_the_reference(rng, form, sizes, m):
 
 
 @on_gpu
-@pytest.mark.parametrize("form", ["ptx_registers", "exact_smem", "rows_in_place", "rows_in_place_out", "rows_out"])
+@pytest.mark.parametrize("form", ["bits_registers", "ptx_registers", "exact_smem", "rows_in_place", "rows_in_place_out",
+                                  "rows_out"])
 def test_compiled_pairs_equal_the_reference(rng, form):
     """11 tokens: in place, the pairs of tokens 8-10 read their window from row 8."""
     g, k, f, tokens, repeat = 8, 1024, 128, 11, 4
