@@ -17,6 +17,7 @@
     python benchmarks/plot.py kda-handoff     # by kernel: q, k handed on in bf16, 2^x, one warp (run 28, H100)
     python benchmarks/plot.py kda-sweep       # by kernel: the settings around those defaults (run 29, H100)
     python benchmarks/plot.py kda-run30       # by kernel: today's defaults, run 29's and 27's, fla (run 30, H100)
+    python benchmarks/plot.py kda-run31       # by kernel: the tile pairs launch's forms, fla (run 31, H200, H = 32)
     python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
@@ -531,6 +532,17 @@ def plot_kda_run30(out: str) -> str:
         "run27@norm-in": "run 27's defaults"}, "kda_run30.png", "KDA run 30", H100, "H100", all_rows=True)
 
 
+KDA_RUN31 = "kda_prefill_run31_h32_4272224.json"       # RESULTS.md, run 31 (H200): the tile pairs launch's forms
+
+
+def plot_kda_run31(out: str) -> str:
+    """Run 31 (H200, H = 32): the defaults of run 30 against the tile pairs launch in 2^x and in 2^x with one loop
+    (today's defaults), by kernel, beside fla's chunk_kda in the same process."""
+    return plot_kda_diagonal(out, (KDA_RUN31,), {
+        "default@norm-in": "run 30's defaults", "default/pairs-exp2@norm-in": "pairs launch in 2^x",
+        "default/pairs-exp2/one-loop@norm-in": "2^x, one loop (the defaults since)"}, "kda_run31.png", "KDA run 31")
+
+
 KDA_LENGTHS = "kda_prefill_lengths_run22_182d874.json"         # RESULTS.md, KDA run 22: prefill over T, H = 32
 KDA_BATCHES = "kda_decode_run8_batches_b777e8c.json"    # KDA decode run 8: one layer's step over B, H = 32
 
@@ -634,7 +646,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
-                                      "kda-sweep", "kda-run30",
+                                      "kda-sweep", "kda-run30", "kda-run31",
                                       "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
@@ -647,7 +659,7 @@ def main(argv=None) -> int:
                      ("kda-intra", plot_kda_intra), ("kda-kernels", plot_kda_kernels),
                      ("kda-diagonal", plot_kda_diagonal), ("kda-band", plot_kda_band),
                      ("kda-tile-solve", plot_kda_tile_solve), ("kda-handoff", plot_kda_handoff),
-                     ("kda-sweep", plot_kda_sweep), ("kda-run30", plot_kda_run30),
+                     ("kda-sweep", plot_kda_sweep), ("kda-run30", plot_kda_run30), ("kda-run31", plot_kda_run31),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
