@@ -80,9 +80,15 @@ def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
     h = grouped_glu(xs, w1_EDF, w3_EDF, sizes, spec=act.glu_spec, impl=gmm)
     scale = jnp.where(local, weights_NX.reshape(-1)[order], 0.0)
     y = grouped_matmul(h, w2_EFD, sizes, scale, impl=gmm)  # [N*X, D] fp32, sorted; other shards' pairs are zero
-    # Pair p sits at sorted row rank[p]: a gather that XLA fuses into the sum (no scatter, no zeroed copy).
+    return unsort_and_sum(y, order, k)
+
+
+def unsort_and_sum(y_PD, order, k: int) -> jax.Array:
+    """Rows of token-expert pairs in sorted order ([N*X, D], `sort_by_expert`'s `order`) back in token order,
+    summed over each token's X = k pairs -> [N, D]. Pair p sits at sorted row rank[p]: a gather that XLA fuses
+    into the sum (no scatter-add into a zeroed copy)."""
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
-    return jnp.sum(y[rank].reshape(n, k, -1), axis=1)
+    return jnp.sum(y_PD[rank].reshape(order.shape[0] // k, k, -1), axis=1)
 
 
 def experts_pairs(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Activation, *,
