@@ -95,6 +95,7 @@ WALK27 = dict(qk_norm="diagonal", diagonal_exp2=False, diagonal_num_warps=2)
 # "default/..." names are today's defaults with the named changes, so they follow the defaults as these move (a
 # name timed in an earlier run may now resolve to other launches: since run 29 the W, U loop runs in 3 stages with
 # bf16 values); "runNN" names pin the defaults of that run.
+RUN30_PAIRS = dict(pairs_exp2=False, pairs_one_loop=False)   # the tile pairs launch before run 31
 VARIANTS = {
     "default": ChunkBlocks(),
     # the defaults before 2026-12-04 late (runs 12-18's "default")
@@ -181,14 +182,16 @@ VARIANTS = {
     "default/qk-bf16/exp2/dw1/factors-loop64/fw8/s3": ChunkBlocks(**QB, diagonal_num_warps=1, **LOOP(64, 8, 3)),
     # (since run 29 the W, U loop runs in 3 stages by default, so the last equals "default", and "run29" the
     # defaults before, as "default/factors-loop64/fw8/s2" now does)
-    "run27": ChunkBlocks(**WALK27, factors_num_stages=2),   # run 27's defaults ("default" in runs 27 and 28)
-    "run29": ChunkBlocks(factors_num_stages=2),   # run 29's ("default" there): the W, U loop in 2 stages
+    "run27": ChunkBlocks(**WALK27, factors_num_stages=2, **RUN30_PAIRS),   # run 27's ("default" in runs 27 and 28)
+    "run29": ChunkBlocks(factors_num_stages=2, **RUN30_PAIRS),   # run 29's ("default" there): W, U in 2 stages
     # the tile pairs launch's decays as 2^x and its products in one loop over key slices: the defaults since run 31
     # (so run 31's "default/pairs-exp2/one-loop" is now "default"); "run30" the defaults before, and each alone
-    "run30": ChunkBlocks(pairs_exp2=False, pairs_one_loop=False),
+    "run30": ChunkBlocks(**RUN30_PAIRS),
     "run30/pairs-exp2": ChunkBlocks(pairs_one_loop=False),
     "run30/pairs-one-loop": ChunkBlocks(pairs_exp2=False),
-    # q e^G from the pairs launch, not W, U's (run 31, beside 2^x alone: slower, 3.11 against 2.99 ms at H = 96)
+    # q e^G from the pairs launch, not W, U's: run 31 timed it with run 30's pairs forms ("default/qg-in-pairs"
+    # then), 1% slower than without (3.113 against 3.077 ms pipelined at H = 96); with today's, untimed
+    "run30/qg-in-pairs": ChunkBlocks(**RUN30_PAIRS, qg_in_pairs=True),
     "default/qg-in-pairs": ChunkBlocks(qg_in_pairs=True),
     # the sequential pass on 64-column state blocks: half the programs, each reading W, q e^G, k e^(G_C - G) for
     # twice the columns (at H = 96: 192 programs, one stage by the auto rule; 2 stages timed in run 10 only)

@@ -46,7 +46,7 @@ def tokamax_variant():
         return None
 
     def run(x, weights, experts, w13, w2):
-        n, k = experts.shape
+        _, k = experts.shape
         order, sizes, _ = sort_by_expert(experts, w13.shape[0])
         xs = x[order // k]
         h = tokamax.ragged_dot(xs, w13, sizes, fuse_gateup_activation="silu")

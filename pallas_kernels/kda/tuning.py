@@ -108,12 +108,13 @@ class ChunkBlocks:
                                   # in one loop over key slices for every block pair (each block's tiles loaded and
                                   # its factors taken once a step), instead of a loop per row block. Both on, H200
                                   # run 31 (B = 1, T = 8192): the pairs launch 271 -> 205 us at H = 32, the prefill
-                                  # 1.03 / 1.04x fla at H = 96 pipelined (0.97x without)
+                                  # at H = 96 1.04x fla host-timed and pipelined (0.97x pipelined without)
     qg_in_pairs: bool = False    # across="tiles": q e^G written by the pairs launch (from its rows' factors, which
                                  # it forms anyway, times e^ of their block's start) instead of the W, U launch,
                                  # which then neither reads q nor writes q e^G: at H = 96, T = 8192 it moves 402 MB
                                  # less (the W, U launch is bound by memory) and the pairs launch 201 MB more;
-                                 # untimed. Not with q and k scaled in the later launches (qk_norm "scales*")
+                                 # with e^x and a loop per block (H200, run 31) 1% slower than without. Not with q
+                                 # and k scaled in the later launches (qk_norm "scales*")
     solve: str = "auto"      # "parallel": T = (I + diag(beta) A_kk)^-1, then W, U, q e^G, k e^(G_C - G) in one launch
                              # per chunk ("whole"), or the inverse at the end of the pairs launch (stored in the
                              # factors' dtype) and the rest one program per chunk and key slice ("sliced";

@@ -94,7 +94,8 @@ def _l2(x):
     (1, 70, 1, 64, 32, 64, (-3e3, -1e-4), True, "float32", "parallel/exp-e/chunked"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "bfloat16", "parallel/exp-e/dh2"),
     # the tile pairs launch (`across="tiles"`): its decays as 2^x and its products across sub-blocks in one loop for
-    # every block pair are the defaults since run 31 (in every row above); "pairs-exp-e" takes e^x, "pairs-per-block"
+    # every block pair are the defaults since run 31 (so in the rows above that run it); "pairs-exp-e" takes e^x,
+    # "pairs-per-block"
     # a loop per row block: weak and unbounded gates (the ratios between sub-blocks then underflow), bf16 and fp32
     # factors, the chunked layout, ragged tails, 2 sub-blocks a chunk (one pair) and 4
     (1, 130, 2, 32, 32, 64, (-3.0, 0.0), True, "bfloat16", "parallel/pairs-per-block/bf16"),
