@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.hopper_columns import column_smem_bytes, column_tile_rows, column_tiles, launch_columns
+from pallas_kernels.mla_decode.hopper_pieces import run_warpgroups, split_blocks, stream_cache_blocks, zero_value_tail
 from pallas_kernels.mla_decode.merge import MANY_SPLITS, merge_splits_pallas
 from pallas_kernels.mla_decode.reference import validate_inputs
 
@@ -144,11 +145,8 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
     q_bufs, out_smem = q_or_out        # the query tile (one or two buffers), then (both done) the output
     tile, split, row = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("row")
     wg = lax.axis_index("wg")
-    given_length = len_ref[row]
-    length = jnp.minimum(given_length, n_slots)
-    start = split * split_len
-    stop = jnp.minimum(start + split_len, length)
-    n_blocks = jnp.maximum(0, (stop - start + bkv - 1) // bkv)
+    given_length, length, start, n_blocks = split_blocks(len_ref, row, split, split_len=split_len, bkv=bkv,
+                                                         n_slots=n_slots)
     half = r // 2
     layout = plgpu.Layout.WGMMA
     row_layout = layout.reduce(1)
@@ -177,17 +175,8 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
         return p.astype(kv_smem.dtype), alpha, m_new, l * alpha + p.sum(axis=1)
 
     def zero_tail(slot, i, w):
-        """Values of slots at or past the row's length become 0 in this warpgroup's half of the
-        block (their probabilities are 0 already, but 0 * NaN is not 0)."""
-        base = start + i * bkv
-
-        @pl.when(base + bkv > length)
-        def _():
-            v_ref = kv_smem.at[slot, :, pl.ds(w * half, half)]
-            v = plgpu.load(v_ref, layout=layout)
-            slots = base + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=layout)
-            v_ref[...] = jnp.where(slots < length, v, jnp.zeros_like(v))
-            plgpu.commit_smem()
+        """Values of slots at or past the row's length become 0 in this warpgroup's half of the block."""
+        zero_value_tail(kv_smem, slot, start + i * bkv, length, pl.ds(w * half, half), bkv=bkv, layout=layout)
 
     def add_values(acc, alpha, p, slot, w):
         """acc * alpha + P @ V over this warpgroup's half of the value columns (P in registers or
@@ -346,15 +335,7 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
 
     compute = compute_alternating if scoring == "alternate" else compute_one_scorer
 
-    @pl.when(wg < 2)
-    def _compute():
-        plgpu.set_max_registers(232, action="increase")
-        for w in (0, 1):
-            pl.when(wg == w)(functools.partial(compute, w))
-
-    @pl.when(wg == 2)
-    def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+    def memory():
         # The tile's queries, from one laid-out array or two; rows past the last one are zeros (out of
         # bounds) or left as they are: padding either way.
         rows = pl.ds(tile * TILE_ROWS, q_copy_rows)
@@ -369,15 +350,10 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
             for src, buf in zip(srcs, q_bufs):
                 plgpu.copy_gmem_to_smem(src, buf.at[pl.ds(0, q_copy_rows)], q_bar)
 
-        @pl.loop(0, n_blocks)
-        def _load(i):
-            slot = lax.rem(i, stages)
+        stream_cache_blocks(c_ref, kv_smem, kv_bars, consumed, row, start, n_blocks, bkv=bkv, stages=stages,
+                            drain=False)
 
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(consumed.at[slot])
-
-            plgpu.copy_gmem_to_smem(c_ref.at[row, pl.ds(start + i * bkv, bkv)], kv_smem.at[slot], kv_bars.at[slot])
+    run_warpgroups(wg, compute, memory)
 
 
 def smem_bytes(width: int, blocks: HopperMLABlocks) -> int:

@@ -41,6 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.mla_decode.hopper_pieces import run_warpgroups, split_blocks, stream_cache_blocks, zero_value_tail
+
 MAX_TILE_ROWS = 64       # query rows a tile holds at most: 2T fp32 accumulator registers a thread
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
@@ -75,11 +77,8 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, t_r
     q_bufs, (out_smem, l_smem, lse_smem) = q_or_out
     tile, split, row = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("row")
     wg = lax.axis_index("wg")
-    given_length = len_ref[row]
-    length = jnp.minimum(given_length, n_slots)
-    start = split * split_len
-    stop = jnp.minimum(start + split_len, length)
-    n_blocks = jnp.maximum(0, (stop - start + bkv - 1) // bkv)
+    given_length, length, start, n_blocks = split_blocks(len_ref, row, split, split_len=split_len, bkv=bkv,
+                                                         n_slots=n_slots)
     half = r // 2
     layout = plgpu.Layout.WGMMA
     col_layout = layout.reduce(0)
@@ -113,17 +112,8 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, t_r
         return p.astype(kv_smem.dtype), alpha, m_new, l * alpha + p.sum(axis=0)
 
     def zero_tail(slot, i, w):
-        """Values of slots at or past the row's length become 0 in this warpgroup's half of the block (their
-        probabilities are 0 already, but 0 * NaN is not 0)."""
-        base = start + i * bkv
-
-        @pl.when(base + bkv > length)
-        def _():
-            v_ref = kv_smem.at[slot, :, pl.ds(w * half, half)]
-            v = plgpu.load(v_ref, layout=layout)
-            slots = base + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=layout)
-            v_ref[...] = jnp.where(slots < length, v, jnp.zeros_like(v))
-            plgpu.commit_smem()
+        """Values of slots at or past the row's length become 0 in this warpgroup's half of the block."""
+        zero_value_tail(kv_smem, slot, start + i * bkv, length, pl.ds(w * half, half), bkv=bkv, layout=layout)
 
     def add_values(acc, alpha, slot, w):
         """acc * alpha + V^T P^T over this warpgroup's half of the value columns ([half, T]); P^T read from
@@ -201,35 +191,17 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, t_r
             l = plgpu.load(l_smem, layout=col_layout)
         finish(w, acc, m, l)
 
-    @pl.when(wg < 2)
-    def _compute():
-        plgpu.set_max_registers(232, action="increase")
-        for w in (0, 1):
-            pl.when(wg == w)(functools.partial(compute, w))
-
-    @pl.when(wg == 2)
-    def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+    def memory():
         rows = pl.ds(tile * t_rows, q_copy_rows)
         if len(q_bufs) == 1:
             plgpu.copy_gmem_to_smem(q_refs[0].at[row, rows], q_bufs[0].at[pl.ds(0, q_copy_rows)], q_bar)
         else:
             for src, buf in zip(q_refs, q_bufs):
                 plgpu.copy_gmem_to_smem(src.at[row, rows], buf.at[pl.ds(0, q_copy_rows)], q_bar)
+        stream_cache_blocks(c_ref, kv_smem, kv_bars, consumed, row, start, n_blocks, bkv=bkv, stages=stages,
+                            drain=True)
 
-        @pl.loop(0, n_blocks)
-        def _load(i):
-            slot = lax.rem(i, stages)
-
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(consumed.at[slot])
-
-            plgpu.copy_gmem_to_smem(c_ref.at[row, pl.ds(start + i * bkv, bkv)], kv_smem.at[slot], kv_bars.at[slot])
-
-        @pl.loop(jnp.maximum(n_blocks - stages, 0), n_blocks)
-        def _drain(i):                            # the last blocks' releases, so that every phase is observed
-            plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
+    run_warpgroups(wg, compute, memory)
 
 
 def launch_columns(q_parts, cache, lengths, *, heads: int, sq: int, latent_dim: int, scale: float, block_kv: int,

@@ -1,0 +1,71 @@
+"""What the two Hopper MLA decode kernels (`hopper.py`, query rows on the MMAs' M side; `hopper_columns.py`, on
+their N side) share: a split's range of cache blocks, the values zeroed past a row's length, the memory
+warpgroup's ring of cache blocks, and the split of a program into two compute warpgroups and one memory
+warpgroup."""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def split_blocks(len_ref, row, split, *, split_len: int, bkv: int, n_slots: int):
+    """(the row's given length, that length clamped to the cache's `n_slots`, the split's first slot, the number of
+    `bkv`-slot blocks the split covers up to the row's length)."""
+    given_length = len_ref[row]
+    length = jnp.minimum(given_length, n_slots)
+    start = split * split_len
+    stop = jnp.minimum(start + split_len, length)
+    return given_length, length, start, jnp.maximum(0, (stop - start + bkv - 1) // bkv)
+
+
+def zero_value_tail(kv_smem, slot, base, length, columns, *, bkv: int, layout):
+    """The `columns` of the cache block in `slot` (its first slot `base`) become 0 for slots at or past `length`
+    (their probabilities are 0 already, but 0 * NaN is not 0)."""
+    @pl.when(base + bkv > length)
+    def _():
+        v_ref = kv_smem.at[slot, :, columns]
+        v = plgpu.load(v_ref, layout=layout)
+        slots = base + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=layout)
+        v_ref[...] = jnp.where(slots < length, v, jnp.zeros_like(v))
+        plgpu.commit_smem()
+
+
+def stream_cache_blocks(c_ref, kv_smem, kv_bars, consumed, row, start, n_blocks, *, bkv: int, stages: int,
+                        drain: bool):
+    """The memory warpgroup's loop: block i of the split into ring slot i % stages (TMA, arriving on its barrier in
+    `kv_bars`) once both compute warpgroups have released the block before it there (`consumed`). With `drain`, it
+    then also waits for the last blocks' releases, so that it observes every phase of `consumed` (Mosaic GPU's
+    interpret mode checks that)."""
+    @pl.loop(0, n_blocks)
+    def _load(i):
+        slot = lax.rem(i, stages)
+
+        @pl.when(i >= stages)
+        def _():
+            plgpu.barrier_wait(consumed.at[slot])
+
+        plgpu.copy_gmem_to_smem(c_ref.at[row, pl.ds(start + i * bkv, bkv)], kv_smem.at[slot], kv_bars.at[slot])
+
+    if drain:
+        @pl.loop(jnp.maximum(n_blocks - stages, 0), n_blocks)
+        def _drain(i):
+            plgpu.barrier_wait(consumed.at[lax.rem(i, stages)])
+
+
+def run_warpgroups(wg, compute, memory) -> None:
+    """Warpgroups 0 and 1 run `compute(w)` with more registers, warpgroup 2 runs `memory()` with fewer."""
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        for w in (0, 1):
+            pl.when(wg == w)(functools.partial(compute, w))
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        memory()
