@@ -365,8 +365,11 @@ def state_stream(decay, state, *, num_warps: int, interpret: bool | None = None)
 
 
 def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32, splits=(1,), columns=(0,),
-                ceiling=False, profile=False, hopper_forms=()):
-    """hopper_forms: forms of the Mosaic GPU step (`kda_decode_hopper`, labels "hopper/<form>"): a
+                ceiling=False, profile=False, hopper_forms=(), decode_steps=1):
+    """decode_steps: decode steps a call runs, each over all `layers` (times are per layer and step): with more steps
+    the host's cost of dispatching a call (its 6 arrays a layer) is shared by more launches, as in the model's
+    decode loop, which runs many steps a call.
+    hopper_forms: forms of the Mosaic GPU step (`kda_decode_hopper`, labels "hopper/<form>"): a
     HopperDecodeBlocks.factors, optionally "/after" (refill="after"); the stages that fit; skipped where K is not
     a multiple of 64, "kernel" where K is not a multiple of 128;
     with "xla" its time includes the XLA fusion of the factors before it, its device time (profile) the kernel
@@ -382,7 +385,7 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
     that never waits on the host). Each call carries the layers' recurrent states and conv windows, donated, as
     the model's decode loop does (until run 30 only the states were: XLA then copied every layer's conv window
     before its launch, which updates it in place)."""
-    rows = []
+    rows, per_call = [], layers * decode_steps     # launches a call (a layer's step each): times are per launch
     for b in batches:
         ks = jax.random.split(jax.random.key(b), 10)
         n = lambda i, shape, dt=jnp.float32, s=1.0: (s * jax.random.normal(ks[i], shape, jnp.float32)).astype(dt)
@@ -405,11 +408,13 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
 
         def run(step, donate=True):
             def layers_fn(carry, x, f, bl, z):
-                # one launch per layer; the recurrent states and conv windows carried (and donated) as the
-                # model's decode loop carries them, so both are updated in place
-                outs = [step(KDADecodeInputs(x[i], f[i], bl[i], z[i]), weights, carry[1][i], carry[0][i])
-                        for i in range(layers)]
-                return tuple(o[2] for o in outs), tuple(o[1] for o in outs)
+                # one launch per layer and step; the recurrent states and conv windows carried (and donated) as
+                # the model's decode loop carries them, so both are updated in place
+                for _ in range(decode_steps):
+                    outs = [step(KDADecodeInputs(x[i], f[i], bl[i], z[i]), weights, carry[1][i], carry[0][i])
+                            for i in range(layers)]
+                    carry = tuple(o[2] for o in outs), tuple(o[1] for o in outs)
+                return carry
             return jax.jit(layers_fn, donate_argnums=0 if donate else ())
 
         def device_us(step):
@@ -417,7 +422,7 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             them before the kernels; only the kernels named kda_decode* are summed)."""
             times = kernel_times(run(step, donate=False), ((states, conv), x, f, bl, z), calls=5)
             ours_us = [us for name, us in times.items() if name.startswith("kda_decode")]
-            return sum(ours_us) / layers if ours_us else None          # None off a GPU (no device lanes)
+            return sum(ours_us) / per_call if ours_us else None          # None off a GPU (no device lanes)
 
         def chained(fn):
             """A call without arguments running `fn` on the states the previous call returned (donated)."""
@@ -432,7 +437,7 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             """(every kernel's device us a layer, the device span a layer) over chained, donated calls: what
             the device does between and around the decode kernels (copies, XLA fusions, idle gaps)."""
             times, span = call_trace(chained(fn), calls=5)
-            return (sum(times.values()) / layers, span / layers) if times else (None, None)
+            return (sum(times.values()) / per_call, span / per_call) if times else (None, None)
 
         def timed(fn):
             st = fresh()
@@ -469,7 +474,7 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         for label, step in steps.items():
             ours = run(step)
             by_launch[label] = timed(ours)
-            pipelined[label] = pipelined_time(chained(ours), calls=iters) / layers * 1e6
+            pipelined[label] = pipelined_time(chained(ours), calls=iters) / per_call * 1e6
             if profile and (us := device_us(step)) is not None:
                 device[label] = us
                 device_all_layer[label], device_span_layer[label] = device_all(ours)
@@ -478,7 +483,11 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         ceilings, ceilings_pipelined = {}, {}
         if ceiling:
             def stream(fn):
-                return jax.jit(lambda states, f: tuple(fn(f[i], states[i]) for i in range(layers)), donate_argnums=0)
+                def streamed_layers(states, f):
+                    for _ in range(decode_steps):
+                        states = tuple(fn(f[i], states[i]) for i in range(layers))
+                    return states
+                return jax.jit(streamed_layers, donate_argnums=0)
             for nwarps in warps:
                 fn = stream(functools.partial(state_stream, num_warps=nwarps))
                 streamed = lambda carry, x_, f_, b_, z_, fn=fn: (fn(carry[0], f_), carry[1])
@@ -492,12 +501,13 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         best = min(by_launch, key=by_launch.get)
         t_ours = by_launch[best]
         bytes_layer = 2 * b * h * kd * kd * jnp.dtype(state_dtype).itemsize
-        per = t_ours / layers
-        row = {"B": b, "H": h, "state": jnp.dtype(state_dtype).name, "layers": layers, "us_per_layer": per * 1e6, "launch": best,
+        per = t_ours / per_call
+        row = {"B": b, "H": h, "state": jnp.dtype(state_dtype).name, "layers": layers, "steps": decode_steps,
+               "us_per_layer": per * 1e6, "launch": best,
                "TB_s": bytes_layer / per / 1e12, "pct_4.3TB_s": bytes_layer / per / HBM_ACHIEVABLE * 100,
-               "xla_ref_us_per_layer": t_ref / layers * 1e6, "err_state_vs_ref": max(errs.values()),
+               "xla_ref_us_per_layer": t_ref / per_call * 1e6, "err_state_vs_ref": max(errs.values()),
                "err_conv_vs_ref": max(conv_errs.values()),
-               "us_per_layer_by_launch": {str(k_): v_ / layers * 1e6 for k_, v_ in by_launch.items()},
+               "us_per_layer_by_launch": {str(k_): v_ / per_call * 1e6 for k_, v_ in by_launch.items()},
                "pipelined_us_per_layer_by_launch": pipelined,
                "pipelined_us_per_layer": min(pipelined.values()),   # the fastest launch, as a decode loop runs it
                "pipelined_launch": min(pipelined, key=pipelined.get),
@@ -509,9 +519,9 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             row["device_pct_4.3TB_s_by_launch"] = {k_: bytes_layer / (v_ * 1e-6) / HBM_ACHIEVABLE * 100
                                                    for k_, v_ in device.items()}
         if ceilings:
-            row["ceiling_us_per_layer"] = {k_: v_ / layers * 1e6 for k_, v_ in ceilings.items()}
-            row["ceiling_pipelined_us_per_layer"] = {k_: v_ / layers * 1e6 for k_, v_ in ceilings_pipelined.items()}
-            row["ceiling_pct_4.3TB_s"] = {k_: bytes_layer / (v_ / layers) / HBM_ACHIEVABLE * 100
+            row["ceiling_us_per_layer"] = {k_: v_ / per_call * 1e6 for k_, v_ in ceilings.items()}
+            row["ceiling_pipelined_us_per_layer"] = {k_: v_ / per_call * 1e6 for k_, v_ in ceilings_pipelined.items()}
+            row["ceiling_pct_4.3TB_s"] = {k_: bytes_layer / (v_ / per_call) / HBM_ACHIEVABLE * 100
                                           for k_, v_ in ceilings.items()}
         if fla is not None and jnp.dtype(state_dtype) == jnp.float32:
             torch, _, fused_recurrent_kda = fla
@@ -558,6 +568,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256], help="decode batch sizes")
     ap.add_argument("--ceiling", action="store_true",
                     help="decode: also time the state's read and write alone (the access pattern's ceiling)")
+    ap.add_argument("--steps", type=int, default=1,
+                    help="decode: steps a call runs over its 20 layers (more: the call's dispatch shared by more "
+                         "launches, as in the model's decode loop)")
     ap.add_argument("--state-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="recurrent state dtypes of the decode rows (bfloat16: the kda_state option)")
     args = ap.parse_args(argv)
@@ -573,7 +586,7 @@ def main(argv=None) -> int:
             row for sd in args.state_dtype
             for row in decode_rows([1, 2], 2, 64, 3, None, 3, state_dtype=sd, splits=args.splits,
                                    columns=args.column_blocks, ceiling=args.ceiling, profile=args.profile,
-                                   hopper_forms=args.hopper_forms)]
+                                   hopper_forms=args.hopper_forms, decode_steps=args.steps)]
     else:
         pending = []       # fla's kernel profiles, taken after the decode rows' jax traces
         pre = [] if args.decode_only else prefill_rows([(1, t, h, 128) for h in args.heads for t in args.lengths],
@@ -583,7 +596,7 @@ def main(argv=None) -> int:
                for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps),
                                       state_dtype=sd, splits=args.splits, columns=args.column_blocks,
                                       ceiling=args.ceiling, profile=args.profile,
-                                      hopper_forms=args.hopper_forms)]
+                                      hopper_forms=args.hopper_forms, decode_steps=args.steps)]
         fla_profiles_now(pending)
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write(name, record)
