@@ -508,6 +508,11 @@ def _in_place_rows(x, rows: int):
     return jnp.pad(x, ((0, -(-m // ALIGN) * ALIGN + rows - m), (0, 0)))
 
 
+def _settled(*arrays):
+    """`arrays` computed once and written out as they are: XLA fuses nothing across this point."""
+    return lax.optimization_barrier(arrays)
+
+
 def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: bool):
     """Per row r of `lhs` (sorted by group) and each weight w: lhs[r] @ W_w[g(r)] in fp32 -> [W, M, N]."""
     m = lhs.shape[0]
@@ -524,7 +529,12 @@ def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: b
         # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
         # reads start on a whole tile, as the copies into the tiled shared-memory buffers need. The rows are
         # reordered before the gather: the slabs (every tile padded to `rows`) can be several times larger.
-        x, origin = jnp.where(live[..., None], ordered[jnp.minimum(rows, m - 1)], 0), sched[1]
+        # The reordered rows and each slab row's source are written out first (`_settled`): fused into the
+        # gather, XLA recomputed the row index (divisions, the reorder, with outputs="rows" also the schedule's
+        # cumulative sums) for every element of the slabs. Run 32 at 64 tokens of Kimi-Linear: the gate/up and
+        # down slabs took 36 and 16 us with outputs="rows", 8 and 4 with "tiles" (before this change).
+        ordered, source, live = _settled(ordered, jnp.minimum(rows, m - 1), live)
+        x, origin = jnp.where(live[..., None], ordered[source], 0), sched[1]
     out = _launch(sched, x, weights, m, blocks, interpret)
     if blocks.outputs == "rows":
         return jnp.where(covered[None, :, None], out, 0.0)
