@@ -32,20 +32,22 @@ mkdir -p $TRITON_CACHE_DIR
 [ -f ".triton-autotune/$gpu_model.tgz" ] && tar xzf ".triton-autotune/$gpu_model.tgz" -C $TRITON_CACHE_DIR
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$W/gpu.txt"
 quiet() { grep -v "Triton backend is deprecated" ; }
+# Test steps stop pytest at their limit with SIGINT (then SIGKILL 30 s later), so that it still prints what passed
+# and failed before the limit; a plain SIGTERM loses the summary.
 for step in "$@"; do
   start=$(date +%s)
   case "$step" in
     tests) workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-4}")   # pytest-xdist there
            K3JAX_TEST_DEVICE=gpu XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
-             timeout ${TESTS_LIMIT:-560} python3 -m pytest -q -p no:cacheprovider -o addopts="" $workers \
+             timeout -s INT -k 30 ${TESTS_LIMIT:-560} python3 -m pytest -q -p no:cacheprovider -o addopts="" $workers \
              tests/pallas_kernels/test_kda_kernels.py tests/pallas_kernels/test_mla_decode.py \
              tests/pallas_kernels/test_moe_gmm.py 2>&1 | quiet | tail -30 | tee "$W/tests.log" ;;
     moe) OUT=$W timeout 240 python3 benchmarks/moe.py --models kimi-linear 2>&1 | quiet | tee "$W/moe.log" ;;
-    moe-mxfp4) K3JAX_TEST_DEVICE=gpu timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    moe-mxfp4) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_moe_gmm_mxfp4.py 2>&1 | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 \
               | tee "$W/moe_mxfp4_tests.log"
           OUT=$W timeout ${MXFP4_LIMIT:-240} python3 benchmarks/moe_mxfp4.py ${MXFP4_ARGS:-} 2>&1 | quiet | tee "$W/moe_mxfp4.log" ;;
-    moe-hopper) [ "${HOPPER_TEST_LIMIT:-200}" = 0 ] || K3JAX_TEST_DEVICE=gpu timeout ${HOPPER_TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    moe-hopper) [ "${HOPPER_TEST_LIMIT:-200}" = 0 ] || K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 ${HOPPER_TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_moe_gmm_hopper_mxfp4.py 2>&1 | quiet | tee "$W/moe_hopper_tests_full.log" \
               | grep -E "passed|failed|FAILED|Error" | tail -30 | tee "$W/moe_hopper_tests.log"
           OUT=$W timeout ${HOPPER_LIMIT:-300} python3 benchmarks/moe_mxfp4.py ${HOPPER_FLAGS:---hopper-sweep} --tokens ${HOPPER_TOKENS:-1 8 64} \
@@ -80,7 +82,7 @@ for step in "$@"; do
     decode-overhead) OUT=$W timeout ${OVERHEAD_LIMIT:-300} python3 benchmarks/decode_overhead.py --model kimi-linear-48b \
               --dtype bfloat16 --kernels pallas --moe auto --batch ${OVERHEAD_BATCH:-1} --tokens 2 4 8 16 32 64 \
               ${OVERHEAD_ARGS:-} 2>&1 | quiet | tee "$W/decode_overhead.log" ;;
-    skinny-tests) K3JAX_TEST_DEVICE=gpu timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    skinny-tests) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_skinny.py tests/pallas_kernels/test_moe_gmm.py tests/pallas_kernels/test_router.py \
               tests/pallas_kernels/test_rms_norm.py -k "not mgpu" 2>&1 | quiet | tail -8 \
               | tee "$W/skinny_tests.log" ;;
@@ -88,7 +90,7 @@ for step in "$@"; do
     pair-tiles) OUT=$W timeout 200 python3 benchmarks/pair_tiles.py 2>&1 | quiet | tee "$W/pair_tiles.log" ;;
     ttft) OUT=$W timeout 200 python3 benchmarks/ttft_overhead.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --tokens 8192 2>&1 | quiet | tee "$W/ttft.log" ;;
-    glue-tests) K3JAX_TEST_DEVICE=gpu timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    glue-tests) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_router.py tests/pallas_kernels/test_rms_norm.py tests/pallas_kernels/test_mla_absorb.py \
               tests/pallas_kernels/test_mla_decode_hopper.py tests/pallas_kernels/test_moe_gmm.py tests/k3jax/test_mla.py \
               -k "not mgpu" 2>&1 | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 | tee "$W/glue_tests.log" ;;
@@ -111,7 +113,7 @@ for step in "$@"; do
               --name gemv_no_strength_reduction 2>&1 | quiet | tail -22 | tee "$W/gemv_nsr.log"
           fi ;;
     kda) OUT=$W timeout 420 python3 benchmarks/kda.py 2>&1 | quiet | tee "$W/kda.log" ;;
-    kda-prefill) K3JAX_TEST_DEVICE=gpu timeout ${KDA_TEST_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    kda-prefill) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 ${KDA_TEST_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_kda_kernels.py tests/pallas_kernels/test_kda_varlen.py -k "chunk or varlen" 2>&1 \
               | quiet | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_prefill_tests.log"
           OUT=$W timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
@@ -137,19 +139,19 @@ for step in "$@"; do
               | quiet | tail -8 | tee "$W/decode_ep2_$d.log"; done ;;
     multiprocess) timeout 300 python3 benchmarks/multiprocess_gpu.py 2>&1 | quiet | tail -8 | tee "$W/multiprocess.log" ;;
     k3-layers) OUT=$W timeout ${K3_LIMIT:-400} python3 benchmarks/k3_layers.py ${K3_ARGS:-} 2>&1 | quiet | tee "$W/k3_layers.log" ;;
-    kda-varlen) K3JAX_TEST_DEVICE=gpu timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    kda-varlen) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_kda_varlen.py tests/pallas_kernels/test_kda_kernels.py -k "varlen or chunk" 2>&1 \
               | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 | tee "$W/kda_varlen_tests.log"
           OUT=$W timeout ${VARLEN_LIMIT:-240} python3 benchmarks/kda_varlen.py ${VARLEN_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_varlen.log" ;;
-    kda-hopper) [ "${KDA_HOPPER_TEST_LIMIT:-180}" = 0 ] || K3JAX_TEST_DEVICE=gpu timeout ${KDA_HOPPER_TEST_LIMIT:-180} \
+    kda-hopper) [ "${KDA_HOPPER_TEST_LIMIT:-180}" = 0 ] || K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 ${KDA_HOPPER_TEST_LIMIT:-180} \
               python3 -m pytest -q -p no:cacheprovider \
               -o addopts="" tests/pallas_kernels/test_kda_decode_hopper.py ${KDA_HOPPER_TEST_ARGS:-} 2>&1 | quiet \
               | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_hopper_tests.log"
           OUT=$W timeout ${KDA_HOPPER_LIMIT:-300} python3 benchmarks/kda.py --decode-only --no-fla --warps 4 \
               --splits 1 --batches 64 256 1 8 --ceiling --profile --iters 30 --name kda_decode_hopper \
               ${KDA_HOPPER_ARGS:-} 2>&1 | quiet | tail -14 | tee "$W/kda_hopper.log" ;;
-    kda-split) K3JAX_TEST_DEVICE=gpu timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    kda-split) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_kda_kernels.py -k decode 2>&1 | quiet \
               | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_split_tests.log"
           OUT=$W timeout ${SPLIT_LIMIT:-240} python3 benchmarks/kda.py --decode-only --no-fla --warps 4 8 \
@@ -163,13 +165,13 @@ for step in "$@"; do
               | tee "$W/mla_step.log" ;;
     small-launches) OUT=$W timeout 150 python3 benchmarks/small_launches.py 2>&1 | quiet | grep -v "^|---\|^| rows" \
               | tee "$W/small_launches.log" ;;
-    mla-layer-tests) K3JAX_TEST_DEVICE=gpu timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    mla-layer-tests) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/k3jax/test_mla.py -k "hopper or cache_attention or two_part" 2>&1 | quiet \
               | grep -E "passed|failed|FAILED|Error|assert" | tail -30 | tee "$W/mla_layer_tests.log" ;;
-    mla-tests) K3JAX_TEST_DEVICE=gpu timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -x \
+    mla-tests) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -x \
               tests/pallas_kernels/test_mla_decode_hopper.py tests/pallas_kernels/test_mla_decode.py 2>&1 | quiet \
               | tail -40 | tee "$W/mla_tests.log" ;;
-    speculative-tests) K3JAX_TEST_DEVICE=gpu timeout 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    speculative-tests) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 90 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_kda_decode_steps.py 2>&1 | quiet | tail -5 | tee "$W/speculative_tests.log" ;;
     speculative) OUT=$W timeout 540 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --batch 1 8 64 --q 1 2 4 8 --e2e-batch 1 8 --k 4 --e2e-first \
@@ -177,7 +179,7 @@ for step in "$@"; do
     speculative-e2e) OUT=$W timeout 330 python3 benchmarks/speculative.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --batch 1 --q 5 --e2e-batch 1 --k 4 --e2e-first --embed-std 4 \
               --error-rates 1 0.25 0.1 0 --new-tokens 64 --name speculative_e2e 2>&1 | quiet | tee "$W/speculative_e2e.log" ;;
-    prefill-tests) K3JAX_TEST_DEVICE=gpu timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    prefill-tests) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/k3jax/test_mla.py -k "cudnn or rotated or two_part or chunk_attention or flash_prefill" 2>&1 | quiet \
               | grep -E "passed|failed|FAILED|Error|assert" | tail -30 \
               | tee "$W/prefill_tests.log"

@@ -365,12 +365,12 @@ def state_stream(decay, state, *, num_warps: int, interpret: bool | None = None)
 
 
 def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.float32, splits=(1,), columns=(0,),
-                ceiling=False, profile=False, hopper_forms=(), decode_steps=1):
+                ceiling=False, profile=False, hopper_forms=(), decode_steps=1, on_row=None):
     """decode_steps: decode steps a call runs, each over all `layers` (times are per layer and step; the ceilings
     stay one pass a layer): with more steps the host's cost of dispatching a call (its 6 arrays a layer) is shared
     by more launches, as in the model's decode loop, which runs many steps a call. The steps repeat the same
     inputs, so the XLA reference's time (whose steps XLA may fuse) and the errors after several steps are not
-    those of one step.
+    those of one step. on_row: called with each row as it is done (to save partial results).
     hopper_forms: forms of the Mosaic GPU step (`kda_decode_hopper`, labels "hopper/<form>"): a
     HopperDecodeBlocks.factors, optionally "/after" (refill="after"); the stages that fit; skipped where K is not
     a multiple of 64, "kernel" where K is not a multiple of 128;
@@ -535,6 +535,8 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
                                                                   use_qk_l2norm_in_kernel=True), iters=iters)
             row.update(fla_us=t_fla * 1e6, fla_TB_s=bytes_layer / t_fla / 1e12)
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
         print("decode", {k_: (round(v_, 4) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
     return rows
 
@@ -592,11 +594,14 @@ def main(argv=None) -> int:
         pre = [] if args.decode_only else prefill_rows([(1, t, h, 128) for h in args.heads for t in args.lengths],
                                                        fla, args.iters, args.variants, args.profile, args.qk_dtypes,
                                                        save, pending)
+        done = []       # the decode rows so far, saved after each (a step's time limit keeps what it measured)
+        on_row = lambda row: (done.append(row), write(name, {"benchmark": "kda", "env": environment(), "prefill": pre,
+                                                             "decode": done, "partial": True}))
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps),
                                       state_dtype=sd, splits=args.splits, columns=args.column_blocks,
                                       ceiling=args.ceiling, profile=args.profile,
-                                      hopper_forms=args.hopper_forms, decode_steps=args.steps)]
+                                      hopper_forms=args.hopper_forms, decode_steps=args.steps, on_row=on_row)]
         fla_profiles_now(pending)
     record = {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": dec}
     path = write(name, record)
