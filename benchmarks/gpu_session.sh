@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-hopper-hlo hopper-sass moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-hopper-hlo hopper-sass moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu mla-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.97}
 W=$OUT/work; mkdir -p "$W"
@@ -131,6 +131,18 @@ for step in "$@"; do
               --csv --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) python3 benchmarks/kda_prefill_once.py \
               --heads ${NCU_HEADS:-32} > "$W/kda_ncu.csv" 2> "$W/kda_ncu.err"; tail -3 "$W/kda_ncu.err"
           python3 benchmarks/ncu_summary.py "$W/kda_ncu.csv" --json "$W/kda_ncu.json" | tee "$W/kda_ncu.md" ;;
+    mla-ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+          [ -n "$NCU" ] || { echo "mla-ncu: no ncu on this machine" | tee "$W/mla_ncu.err"; continue; }
+          # the Hopper MLA kernel's forms at one shape (MLA_NCU_SHAPE, HxBxCTX), each in its own program; the
+          # second call of each is the profiled one (the first compiles)
+          for impl in ${MLA_NCU_IMPLS:-hopper hopper-columns}; do
+            timeout ${NCU_LIMIT:-120} $NCU --clock-control none -k regex:mosaic --launch-skip 1 --launch-count 1 \
+                --csv --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) python3 \
+                benchmarks/mla_decode_once.py --impl $impl --shape ${MLA_NCU_SHAPE:-96x64x4096} \
+                > "$W/mla_ncu_$impl.csv" 2> "$W/mla_ncu_$impl.err"; tail -3 "$W/mla_ncu_$impl.err"
+            python3 benchmarks/ncu_summary.py "$W/mla_ncu_$impl.csv" --json "$W/mla_ncu_$impl.json" \
+                | tee "$W/mla_ncu_$impl.md"
+          done ;;
     mla) OUT=$W timeout ${MLA_LIMIT:-300} python3 benchmarks/mla_decode.py ${MLA_ARGS:-} 2>&1 | quiet | tee "$W/mla.log" ;;
     moe-ep) OUT=$W timeout 300 python3 benchmarks/moe_ep.py 2>&1 | quiet | tee "$W/moe_ep.log" ;;
     decode-ep2) for d in gather ragged; do
