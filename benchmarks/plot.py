@@ -18,6 +18,7 @@
     python benchmarks/plot.py kda-sweep       # by kernel: the settings around those defaults (run 29, H100)
     python benchmarks/plot.py kda-run30       # by kernel: today's defaults, run 29's and 27's, fla (run 30, H100)
     python benchmarks/plot.py kda-run31       # by kernel: the tile pairs launch's forms, fla (run 31, H200, H = 32)
+    python benchmarks/plot.py run32           # KDA decode at B = 1 by launches a call; the MXFP4 call by kernel (H100)
     python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
@@ -543,6 +544,45 @@ def plot_kda_run31(out: str) -> str:
         "default/pairs-exp2/one-loop@norm-in": "2^x, one loop (the defaults since)"}, "kda_run31.png", "KDA run 31")
 
 
+MXFP4_RUN32 = "moe_mxfp4_run32a_6d227d2.json"         # RESULTS.md, run 32 (H100): the MXFP4 call by kernel
+KDA_B1_RUN30 = "kda_decode_hopper_run30b_c47874c.json"  # run 30 (H100): the decode step, one step a call
+KDA_B1_RUN32 = "kda_decode_run32b_6d227d2_b1_steps10.json"  # run 32 (H100): 10 steps a call
+
+
+def plot_run32(out: str) -> str:
+    """Run 32 (H100). Left: the KDA decode step at B = 1, us a launch, with 20 launches a call (run 30) and 200
+    (run 32, `kda.py --steps 10`): pipelined, device span, the kernel. Right: the 64-token MXFP4 call of
+    Kimi-Linear's experts by kernel, for the default and the two `rows` forms."""
+    import numpy as np
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1, 1.6]})
+    launch = "4w/1v"
+    runs = [("20 launches a call (run 30)", KDA_B1_RUN30), ("200 launches a call (run 32)", KDA_B1_RUN32)]
+    measures = [("pipelined", "pipelined_us_per_layer_by_launch"), ("device span", "device_span_us_per_layer_by_launch"),
+                ("decode kernel", "device_us_per_layer_by_launch")]
+    x = np.arange(len(measures))
+    for i, (label, name) in enumerate(runs):
+        row = next(r for r in _load(name, H100)["decode"] if r["B"] == 1)
+        left.bar(x + (i - 0.5) * 0.38, [row[key][launch] for _, key in measures], 0.38, label=label, color=f"C{i}")
+    left.axhline(10, color="k", ls=":", lw=1, label="issue 16: <= 10 us a layer")
+    left.set_xticks(x, [m for m, _ in measures])
+    left.set_ylabel("us per layer (launch)")
+    left.set_title("KDA decode step, B = 1, H = 32, fp32 state (H100)", fontsize=10)
+    left.legend(fontsize=8)
+    left.grid(axis="y", alpha=0.3)
+    record = _load(MXFP4_RUN32, H100)
+    base = next(r for r in record["rows"] if r["tokens"] == 64)
+    bars = [("default (slabs in, tiles out)", base["hopper_profile"]["kernels_us"])] + [
+        (("outputs=rows" if "outputs='rows'" in r["blocks"] else "activations=rows"), r["profile"]["kernels_us"])
+        for r in record["hopper"] if r["tokens"] == 64 and "profile" in r]
+    _kernel_bars(right, bars, [("Mosaic GPU kernels", ["mosaic_gpu"], []), ("slab gathers", ["select_fusion"], []),
+                               ("row gathers, GLU, combine", ["convert_fusion", "reduce_fusion"], []),
+                               ("sort", ["sort"], [])], "other (copies, ...)")
+    right.set_title("MXFP4 experts, 64 tokens of Kimi-Linear, device time by kernel (H100)", fontsize=10)
+    right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.45, -0.16), ncol=5)
+    return _save(fig, os.path.join(out, "run32.png"))
+
+
 KDA_LENGTHS = "kda_prefill_lengths_run22_182d874.json"         # RESULTS.md, KDA run 22: prefill over T, H = 32
 KDA_BATCHES = "kda_decode_run8_batches_b777e8c.json"    # KDA decode run 8: one layer's step over B, H = 32
 
@@ -646,7 +686,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
-                                      "kda-sweep", "kda-run30", "kda-run31",
+                                      "kda-sweep", "kda-run30", "kda-run31", "run32",
                                       "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
@@ -660,6 +700,7 @@ def main(argv=None) -> int:
                      ("kda-diagonal", plot_kda_diagonal), ("kda-band", plot_kda_band),
                      ("kda-tile-solve", plot_kda_tile_solve), ("kda-handoff", plot_kda_handoff),
                      ("kda-sweep", plot_kda_sweep), ("kda-run30", plot_kda_run30), ("kda-run31", plot_kda_run31),
+                     ("run32", plot_run32),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
