@@ -44,12 +44,12 @@ for step in "$@"; do
              tests/pallas_kernels/test_moe_gmm.py 2>&1 | quiet | tail -30 | tee "$W/tests.log" ;;
     moe) OUT=$W timeout 240 python3 benchmarks/moe.py --models kimi-linear 2>&1 | quiet | tee "$W/moe.log" ;;
     moe-mxfp4) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-              tests/pallas_kernels/test_moe_gmm_mxfp4.py 2>&1 | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 \
+              tests/pallas_kernels/test_moe_gmm_mxfp4.py 2>&1 | quiet | grep -E "passed|failed|FAILED|Interrupt|Error" | tail -20 \
               | tee "$W/moe_mxfp4_tests.log"
           OUT=$W timeout ${MXFP4_LIMIT:-240} python3 benchmarks/moe_mxfp4.py ${MXFP4_ARGS:-} 2>&1 | quiet | tee "$W/moe_mxfp4.log" ;;
     moe-hopper) [ "${HOPPER_TEST_LIMIT:-200}" = 0 ] || K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 ${HOPPER_TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_moe_gmm_hopper_mxfp4.py 2>&1 | quiet | tee "$W/moe_hopper_tests_full.log" \
-              | grep -E "passed|failed|FAILED|Error" | tail -30 | tee "$W/moe_hopper_tests.log"
+              | grep -E "passed|failed|FAILED|Interrupt|Error" | tail -30 | tee "$W/moe_hopper_tests.log"
           OUT=$W timeout ${HOPPER_LIMIT:-300} python3 benchmarks/moe_mxfp4.py ${HOPPER_FLAGS:---hopper-sweep} --tokens ${HOPPER_TOKENS:-1 8 64} \
               ${HOPPER_ARGS:-} 2>&1 | quiet | tee "$W/moe_hopper.log" ;;
     moe-hopper-hlo) rm -rf /tmp/hlo
@@ -93,7 +93,7 @@ for step in "$@"; do
     glue-tests) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_router.py tests/pallas_kernels/test_rms_norm.py tests/pallas_kernels/test_mla_absorb.py \
               tests/pallas_kernels/test_mla_decode_hopper.py tests/pallas_kernels/test_moe_gmm.py tests/k3jax/test_mla.py \
-              -k "not mgpu" 2>&1 | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 | tee "$W/glue_tests.log" ;;
+              -k "not mgpu" 2>&1 | quiet | grep -E "passed|failed|FAILED|Interrupt|Error" | tail -20 | tee "$W/glue_tests.log" ;;
     checkpoint-read) OUT=$W timeout 200 python3 benchmarks/checkpoint_read.py 2>&1 | quiet | tee "$W/checkpoint_read.log" ;;
     decode-xla-linear) OUT=$W timeout 240 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --linear xla --batch 1 --new-tokens 32 --name decode_xla_linear 2>&1 | quiet \
@@ -115,7 +115,7 @@ for step in "$@"; do
     kda) OUT=$W timeout 420 python3 benchmarks/kda.py 2>&1 | quiet | tee "$W/kda.log" ;;
     kda-prefill) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 ${KDA_TEST_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_kda_kernels.py tests/pallas_kernels/test_kda_varlen.py -k "chunk or varlen" 2>&1 \
-              | quiet | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_prefill_tests.log"
+              | quiet | grep -E "passed|failed|FAILED|Interrupt|Error|assert" | tail -20 | tee "$W/kda_prefill_tests.log"
           OUT=$W timeout ${KDA_LIMIT:-420} python3 benchmarks/kda.py --prefill-only ${KDA_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_prefill.log" ;;
     kda-bench) OUT=$W XLA_PYTHON_CLIENT_MEM_FRACTION=${KDA_MEM_FRACTION:-0.5} timeout ${KDA_LIMIT:-420} \
@@ -153,19 +153,19 @@ for step in "$@"; do
     k3-layers) OUT=$W timeout ${K3_LIMIT:-400} python3 benchmarks/k3_layers.py ${K3_ARGS:-} 2>&1 | quiet | tee "$W/k3_layers.log" ;;
     kda-varlen) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_kda_varlen.py tests/pallas_kernels/test_kda_kernels.py -k "varlen or chunk" 2>&1 \
-              | quiet | grep -E "passed|failed|FAILED|Error" | tail -20 | tee "$W/kda_varlen_tests.log"
+              | quiet | grep -E "passed|failed|FAILED|Interrupt|Error" | tail -20 | tee "$W/kda_varlen_tests.log"
           OUT=$W timeout ${VARLEN_LIMIT:-240} python3 benchmarks/kda_varlen.py ${VARLEN_ARGS:-} 2>&1 | quiet \
               | tee "$W/kda_varlen.log" ;;
     kda-hopper) [ "${KDA_HOPPER_TEST_LIMIT:-180}" = 0 ] || K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 ${KDA_HOPPER_TEST_LIMIT:-180} \
               python3 -m pytest -q -p no:cacheprovider \
               -o addopts="" tests/pallas_kernels/test_kda_decode_hopper.py ${KDA_HOPPER_TEST_ARGS:-} 2>&1 | quiet \
-              | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_hopper_tests.log"
+              | grep -E "passed|failed|FAILED|Interrupt|Error|assert" | tail -20 | tee "$W/kda_hopper_tests.log"
           OUT=$W timeout ${KDA_HOPPER_LIMIT:-300} python3 benchmarks/kda.py --decode-only --no-fla --warps 4 \
               --splits 1 --batches 64 256 1 8 --ceiling --profile --iters 30 --name kda_decode_hopper \
               ${KDA_HOPPER_ARGS:-} 2>&1 | quiet | tail -14 | tee "$W/kda_hopper.log" ;;
     kda-split) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/pallas_kernels/test_kda_kernels.py -k decode 2>&1 | quiet \
-              | grep -E "passed|failed|FAILED|Error|assert" | tail -20 | tee "$W/kda_split_tests.log"
+              | grep -E "passed|failed|FAILED|Interrupt|Error|assert" | tail -20 | tee "$W/kda_split_tests.log"
           OUT=$W timeout ${SPLIT_LIMIT:-240} python3 benchmarks/kda.py --decode-only --no-fla --warps 4 8 \
               --splits 1 2 4 8 2>&1 | quiet | tail -14 | tee "$W/kda_split.log" ;;
     skinny-sweep) OUT=$W timeout ${SWEEP_LIMIT:-240} python3 benchmarks/skinny.py --sweep 2>&1 | quiet \
@@ -179,7 +179,7 @@ for step in "$@"; do
               | tee "$W/small_launches.log" ;;
     mla-layer-tests) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/k3jax/test_mla.py -k "hopper or cache_attention or two_part" 2>&1 | quiet \
-              | grep -E "passed|failed|FAILED|Error|assert" | tail -30 | tee "$W/mla_layer_tests.log" ;;
+              | grep -E "passed|failed|FAILED|Interrupt|Error|assert" | tail -30 | tee "$W/mla_layer_tests.log" ;;
     mla-tests) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" -x \
               tests/pallas_kernels/test_mla_decode_hopper.py tests/pallas_kernels/test_mla_decode.py 2>&1 | quiet \
               | tail -40 | tee "$W/mla_tests.log" ;;
@@ -193,7 +193,7 @@ for step in "$@"; do
               --error-rates 1 0.25 0.1 0 --new-tokens 64 --name speculative_e2e 2>&1 | quiet | tee "$W/speculative_e2e.log" ;;
     prefill-tests) K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
               tests/k3jax/test_mla.py -k "cudnn or rotated or two_part or chunk_attention or flash_prefill" 2>&1 | quiet \
-              | grep -E "passed|failed|FAILED|Error|assert" | tail -30 \
+              | grep -E "passed|failed|FAILED|Interrupt|Error|assert" | tail -30 \
               | tee "$W/prefill_tests.log"
           OUT=$W timeout 150 python3 benchmarks/mla_prefill.py --shape 48b --tokens 8192 --dtype bfloat16 \
               --forms naive,cudnn,flash --iters 10 2>&1 | quiet | tail -8 | tee "$W/mla_prefill.log" ;;

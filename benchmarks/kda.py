@@ -9,7 +9,7 @@
 
 Prefill: B=1, T=8192, H=32 and 96, K=V=128, bf16 q/k/v, fp32 state; ours = q/k L2 norm + the chunked
 Pallas kernels (the settings in VARIANTS), fla = chunk_kda(use_qk_l2norm_in_kernel=True). Decode: one fused step per layer
-for 20 layers inside one jitted scan (launch gaps included, host dispatch excluded), B = 1, 8,
+for 20 layers (`--layers`) in one jitted call, `--steps` times over (launch gaps included), B = 1, 8,
 64, 256, H=32; GB/s counts the state read + write (fp32, or bf16 with --state-dtype). Outputs are checked against the pure-JAX
 reference in the same run.
 """
@@ -420,8 +420,8 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             return jax.jit(layers_fn, donate_argnums=0 if donate else ())
 
         def device_us(step):
-            """Device time of the decode launches per layer, from a trace (the states not donated, so XLA copies
-            them before the kernels; only the kernels named kda_decode* are summed)."""
+            """Device time of the decode launches per launch (a layer's step), from a trace (the states not donated,
+            so XLA copies them before the kernels; only the kernels named kda_decode* are summed)."""
             times = kernel_times(run(step, donate=False), ((states, conv), x, f, bl, z), calls=5)
             ours_us = [us for name, us in times.items() if name.startswith("kda_decode")]
             return sum(ours_us) / per_call if ours_us else None          # None off a GPU (no device lanes)
@@ -436,7 +436,7 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
             return call
 
         def device_all(fn):
-            """(every kernel's device us a layer, the device span a layer) over chained, donated calls: what
+            """(every kernel's device us a launch, the device span a launch) over chained, donated calls: what
             the device does between and around the decode kernels (copies, XLA fusions, idle gaps)."""
             times, span = call_trace(chained(fn), calls=5)
             return (sum(times.values()) / per_call, span / per_call) if times else (None, None)
@@ -571,11 +571,16 @@ def main(argv=None) -> int:
     ap.add_argument("--ceiling", action="store_true",
                     help="decode: also time the state's read and write alone (the access pattern's ceiling)")
     ap.add_argument("--steps", type=int, default=1,
-                    help="decode: steps a call runs over its 20 layers (more: the call's dispatch shared by more "
+                    help="decode: steps a call runs over its layers (more: the call's dispatch shared by more "
                          "launches, as in the model's decode loop)")
+    ap.add_argument("--layers", type=int, default=20,
+                    help="decode: layers a call runs, each with its own state (more than the L2 holds: no step "
+                         "finds the previous step's state of its layer in L2; 2.1 MB a layer at B = 1)")
     ap.add_argument("--state-dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
                     help="recurrent state dtypes of the decode rows (bfloat16: the kda_state option)")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.layers < 1:
+        ap.error(f"--steps and --layers must be >= 1; got {args.steps} and {args.layers}")
     name = args.name or "kda" + ("_small" if args.small else "_decode" if args.decode_only else
                                  "_prefill" if args.prefill_only else "")
     save = lambda pre: write(name, {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": [],
@@ -598,7 +603,7 @@ def main(argv=None) -> int:
         on_row = lambda row: (done.append(row), write(name, {"benchmark": "kda", "env": environment(), "prefill": pre,
                                                              "decode": done, "partial": True}))
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
-               for row in decode_rows(args.batches, 32, 128, 20, fla, args.iters, warps=tuple(args.warps),
+               for row in decode_rows(args.batches, 32, 128, args.layers, fla, args.iters, warps=tuple(args.warps),
                                       state_dtype=sd, splits=args.splits, columns=args.column_blocks,
                                       ceiling=args.ceiling, profile=args.profile,
                                       hopper_forms=args.hopper_forms, decode_steps=args.steps, on_row=on_row)]
