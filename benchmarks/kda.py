@@ -583,8 +583,8 @@ def main(argv=None) -> int:
         ap.error(f"--steps and --layers must be >= 1; got {args.steps} and {args.layers}")
     name = args.name or "kda" + ("_small" if args.small else "_decode" if args.decode_only else
                                  "_prefill" if args.prefill_only else "")
-    save = lambda pre: write(name, {"benchmark": "kda", "env": environment(), "prefill": pre, "decode": [],
-                                    "partial": True})
+    save = lambda pre, dec=(): write(name, {"benchmark": "kda", "env": environment(), "prefill": pre,
+                                            "decode": list(dec), "partial": True})
     fla = None if (args.small or args.no_fla) else fla_functions()
     if args.small:
         pre = [] if args.decode_only else prefill_rows([(1, 96, 4, 16)], None, 3, args.variants, args.profile,
@@ -600,8 +600,7 @@ def main(argv=None) -> int:
                                                        fla, args.iters, args.variants, args.profile, args.qk_dtypes,
                                                        save, pending)
         done = []       # the decode rows so far, saved after each (a step's time limit keeps what it measured)
-        on_row = lambda row: (done.append(row), write(name, {"benchmark": "kda", "env": environment(), "prefill": pre,
-                                                             "decode": done, "partial": True}))
+        on_row = lambda row: (done.append(row), save(pre, done))
         dec = [] if args.prefill_only else [row for sd in args.state_dtype
                for row in decode_rows(args.batches, 32, 128, args.layers, fla, args.iters, warps=tuple(args.warps),
                                       state_dtype=sd, splits=args.splits, columns=args.column_blocks,

@@ -529,11 +529,13 @@ def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: b
         # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
         # reads start on a whole tile, as the copies into the tiled shared-memory buffers need. The rows are
         # reordered before the gather: the slabs (every tile padded to `rows`) can be several times larger.
-        # The reordered rows and each slab row's source are written out first (`_settled`): fused into the
-        # gather, XLA recomputed the row index (divisions, the reorder, with outputs="rows" also the schedule's
-        # cumulative sums) for every element of the slabs. Run 32 at 64 tokens of Kimi-Linear: the gate/up and
-        # down slabs took 36 and 16 us with outputs="rows", 8 and 4 with "tiles" (before this change).
-        ordered, source, live = _settled(ordered, jnp.minimum(rows, m - 1), live)
+        # With outputs="rows" the reordered rows and each slab row's source are written out first (`_settled`):
+        # fused into the gather, XLA recomputed the row index and the schedule's cumulative sums for every
+        # element of the slabs (run 32, 64 tokens of Kimi-Linear: the gate/up and down slabs took 36 and 16 us
+        # there, 8 and 4 with "tiles", whose fused form is kept until the written-out one is timed against it).
+        source = jnp.minimum(rows, m - 1)
+        if blocks.outputs == "rows":
+            ordered, source, live = _settled(ordered, source, live)
         x, origin = jnp.where(live[..., None], ordered[source], 0), sched[1]
     out = _launch(sched, x, weights, m, blocks, interpret)
     if blocks.outputs == "rows":
