@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-hopper-hlo hopper-sass moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu mla-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-hopper-hlo hopper-sass moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu mla-ncu mla-ncu-source kda-decode-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.97}
 W=$OUT/work; mkdir -p "$W"
@@ -32,6 +32,23 @@ mkdir -p $TRITON_CACHE_DIR
 [ -f ".triton-autotune/$gpu_model.tgz" ] && tar xzf ".triton-autotune/$gpu_model.tgz" -C $TRITON_CACHE_DIR
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$W/gpu.txt"
 quiet() { grep -v "Triton backend is deprecated" ; }
+# ncu_profile NAME KERNEL_REGEX PROGRAM...: one launch (the second matching) profiled with the raw metrics of
+# ncu_summary.py and, in a second pass, the warp-state samples per SASS instruction (ncu_source_summary.py);
+# $W/NAME.md, NAME_sass.md and their JSON, the report itself as NAME.ncu-rep.
+ncu_profile() {
+  local name=$1 regex=$2; shift 2
+  local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$ncu" ] || { echo "$name: no ncu on this machine" | tee "$W/$name.err"; return; }
+  timeout ${NCU_LIMIT:-120} $ncu --clock-control none -k regex:$regex --launch-skip 1 --launch-count 1 --csv \
+      --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) "$@" > "$W/$name.csv" 2> "$W/$name.err"
+  python3 benchmarks/ncu_summary.py "$W/$name.csv" --json "$W/$name.json" | tee "$W/$name.md"
+  timeout ${NCU_LIMIT:-120} $ncu --clock-control none -k regex:$regex --launch-skip 1 --launch-count 1 \
+      --section SourceCounters --section WarpStateStats -o "$W/$name" -f "$@" >> "$W/$name.err" 2>&1
+  $ncu --import "$W/$name.ncu-rep" --page source --csv --print-source sass > "$W/${name}_sass.csv" 2>> "$W/$name.err"
+  python3 benchmarks/ncu_source_summary.py "$W/${name}_sass.csv" --json "$W/${name}_sass.json" \
+      | tee "$W/${name}_sass.md"
+  tail -3 "$W/$name.err"
+}
 # Test steps stop pytest at their limit with SIGINT (then SIGKILL 30 s later), so that it still prints what passed
 # and failed before the limit; a plain SIGTERM loses the summary.
 for step in "$@"; do
@@ -143,6 +160,12 @@ for step in "$@"; do
             python3 benchmarks/ncu_summary.py "$W/mla_ncu_$impl.csv" --json "$W/mla_ncu_$impl.json" \
                 | tee "$W/mla_ncu_$impl.md"
           done ;;
+    mla-ncu-source) for impl in ${MLA_NCU_IMPLS:-hopper}; do
+            ncu_profile mla_ncu_src_$impl mosaic python3 benchmarks/mla_decode_once.py --impl $impl \
+                --shape ${MLA_NCU_SHAPE:-96x64x4096}
+          done ;;
+    kda-decode-ncu) ncu_profile kda_decode_ncu_b${KDA_NCU_BATCH:-64} kda_decode python3 benchmarks/kda_decode_once.py \
+              --batch ${KDA_NCU_BATCH:-64} --warps ${KDA_NCU_WARPS:-4} --splits ${KDA_NCU_SPLITS:-1} ;;
     mla) OUT=$W timeout ${MLA_LIMIT:-300} python3 benchmarks/mla_decode.py ${MLA_ARGS:-} 2>&1 | quiet | tee "$W/mla.log" ;;
     moe-ep) OUT=$W timeout 300 python3 benchmarks/moe_ep.py 2>&1 | quiet | tee "$W/moe_ep.log" ;;
     decode-ep2) for d in gather ragged; do

@@ -64,14 +64,17 @@ GROUPED_SWEEP = [TileBlocks(64, 128, 128, 4, 3, e2m1=d) for d in ("table", "asm"
 # took 36 + 14 us of 462 at 64 tokens in run 30); outputs="rows": each program writes its own rows' products
 # into [M, N] rows, so XLA gathers nothing after the launch (both slower at 64 tokens in run 31: 0.517 / 0.490 ms
 # against 0.436 / 0.411 without). decode="bits" (five integer-ALU instructions per four codes instead of eight) is
-# the default since run 31 (3-9% faster at 1-64 tokens); the last three entries time the table decode ("ptx").
+# the default since run 31 (3-9% faster at 1-64 tokens); entries 9-11 time the table decode ("ptx"). Run 33
+# (H100): with the slab gather's indices written out first, outputs="rows" 0.414 / 0.135 ms at 64 / 8 tokens
+# against 0.424 / 0.145 for "tiles", so `for_backend` picks "rows" for decode tiles since; the last entry is the
+# "tiles" form (the dataclass's own default) to time against it.
 HOPPER_SWEEP = [HopperMxfp4Blocks(block_k=bk, stages=st, splits=sp, mma_inputs=mi)
                 for bk, st, sp, mi in ((256, 3, 0, 16), (256, 3, 0, 0), (256, 3, 0, 32), (128, 4, 0, 16))] + [
     HopperMxfp4Blocks(activations="rows"), HopperMxfp4Blocks(splits=0, activations="rows"),
     HopperMxfp4Blocks(outputs="rows"), HopperMxfp4Blocks(activations="rows", outputs="rows"),
     HopperMxfp4Blocks(splits=0, activations="rows", outputs="rows"),
     HopperMxfp4Blocks(decode="ptx"), HopperMxfp4Blocks(decode="ptx", activations="rows", outputs="rows"),
-    HopperMxfp4Blocks(decode="ptx", splits=0, activations="rows", outputs="rows")]
+    HopperMxfp4Blocks(decode="ptx", splits=0, activations="rows", outputs="rows"), HopperMxfp4Blocks(outputs="tiles")]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:
@@ -152,8 +155,7 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
         print(f"  hopper {blocks}: {t * 1e3:.4f} ms, {pct:.1f}%, err {err:.2e}", flush=True)
         out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks), "ms": t * 1e3,
                     "pct_4.3TB_s": pct, "err_vs_bf16": err})
-        if with_profile and blocks is not None and not small and (
-                "rows" in (blocks.activations, blocks.outputs) or blocks.decode != HopperMxfp4Blocks().decode):
+        if with_profile and blocks is not None and not small:
             out[-1]["profile"] = profile(functools.partial(experts_mlp_hopper, blocks=blocks),
                                          (x, weights, experts, *columns))
     return out

@@ -74,6 +74,10 @@ A_OPERANDS = ("registers", "smem")
 ACTIVATIONS = ("slab", "rows")
 OUTPUTS = ("tiles", "rows")
 ALIGN = 8                         # rows of one tile of the activations' shared-memory buffer (copies start on one)
+# Decode tiles (at most this many rows) write their own rows out (`outputs="rows"`): H100, Kimi-Linear's experts
+# (benchmarks/RESULTS.md, run 33), 0.414 / 0.135 ms a call at 64 / 8 tokens against 0.424 / 0.145 with "tiles".
+# Larger tiles keep "tiles": untimed, and "rows" doubles the staged products' shared memory.
+ROWS_OUT_UP_TO = 8
 
 
 class Mxfp4Columns(NamedTuple):
@@ -228,13 +232,16 @@ class HopperMxfp4Blocks:
         """The compiled defaults, or in interpret mode (the CPU) the forms it runs: the exact decode
         and the operand through shared memory. With `k_dim`, the deepest default step that divides it.
         Tiles take up to 64 rows as `rows_per_group` grows (prefill: fewer re-reads of each expert's
-        weights), with fewer buffers in flight where shared memory would not hold them."""
+        weights), with fewer buffers in flight where shared memory would not hold them; decode tiles (at most
+        `ROWS_OUT_UP_TO` rows) write their own rows out (`outputs="rows"`)."""
         if interpreted:
             fields = {"decode": "exact", "a_operand": "smem", **fields}
         if k_dim is not None and "block_k" not in fields and k_dim % cls.block_k:
             fields["block_k"] = 128
         if "rows" not in fields:
             fields["rows"] = min(64, max(8, -(-int(np.ceil(rows_per_group)) // 8) * 8))
+        if "outputs" not in fields and fields["rows"] <= ROWS_OUT_UP_TO:
+            fields["outputs"] = "rows"
         blocks = cls(**fields)
         while blocks.smem_bytes(n_weights) > _SMEM_BYTES and blocks.stages > 2 and "stages" not in fields:
             blocks = dataclasses.replace(blocks, stages=blocks.stages - 1)

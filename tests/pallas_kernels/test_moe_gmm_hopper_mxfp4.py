@@ -313,10 +313,13 @@ def test_every_form_lowers_for_cuda_on_any_host(form):
 
 
 def test_settings_follow_the_rows_and_shared_memory():
-    assert HopperMxfp4Blocks.for_backend(False, 3584).rows == 8                      # decode
-    assert HopperMxfp4Blocks.for_backend(False, 3584, rows_per_group=20.5).rows == 24
+    decode = HopperMxfp4Blocks.for_backend(False, 3584)
+    assert (decode.rows, decode.outputs) == (8, "rows")                              # decode tiles write rows
+    assert HopperMxfp4Blocks.for_backend(False, 3584, outputs="tiles").outputs == "tiles"
+    wider = HopperMxfp4Blocks.for_backend(False, 3584, rows_per_group=20.5)
+    assert (wider.rows, wider.outputs) == (24, "tiles")
     prefill = HopperMxfp4Blocks.for_backend(False, 3584, rows_per_group=1170.0)       # 8K tokens x 16 / 112
-    assert prefill.rows == 64 and prefill.smem_bytes(2) <= 227 * 1024
+    assert prefill.rows == 64 and prefill.outputs == "tiles" and prefill.smem_bytes(2) <= 227 * 1024
     assert HopperMxfp4Blocks.for_backend(False, 1152).block_k == 128                  # 1152 = 9 x 128
     assert HopperMxfp4Blocks.for_backend(False, 2304).block_k == 256                  # Kimi-Linear: 9 x 256
     assert HopperMxfp4Blocks.for_backend(True).decode == "exact"

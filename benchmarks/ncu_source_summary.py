@@ -1,0 +1,125 @@
+"""Summarises Nsight Compute's source page of one profiled kernel: the SASS instructions where its warps were
+most often sampled stalled, and the samples summed by opcode.
+
+    ncu -k regex:mosaic --launch-skip 1 --launch-count 1 --section SourceCounters --section WarpStateStats \\
+        -o rep -f python3 benchmarks/mla_decode_once.py --impl hopper
+    ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
+    python3 benchmarks/ncu_source_summary.py sass.csv [--top 25] [--json out.json]
+
+The sample column is ncu's "Warp Stall Sampling (All Samples)" (each sample: one warp found at that instruction,
+issuing or stalled); any per-reason stall columns ncu writes beside it are kept, the largest three per row.
+An input this parser does not recognise fails with its first lines shown, so the format can be read off them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import io
+import json
+import re
+import sys
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(str(text).replace(",", "").strip())
+    except ValueError:
+        return None
+
+
+def _header_index(rows: list[list[str]]) -> int:
+    for i, row in enumerate(rows):
+        low = [c.lower() for c in row]
+        if any(c == "source" or c.startswith("source") for c in low) and any("sampl" in c for c in low):
+            return i
+    raise ValueError("no header row with a Source column and a sampling column")
+
+
+def _pick(header: list[str], *needles: str) -> int | None:
+    for i, name in enumerate(header):
+        if all(n in name.lower() for n in needles):
+            return i
+    return None
+
+
+def read(text: str) -> tuple[list[dict], list[str]]:
+    """(one dict per instruction: address, source, samples, stalls {reason: samples}; the stall columns)."""
+    rows = list(csv.reader(io.StringIO(text)))
+    h = _header_index(rows)
+    header = rows[h]
+    source = _pick(header, "source")
+    samples = _pick(header, "sampling", "all") or _pick(header, "sampl")
+    address = _pick(header, "address")
+    stall_cols = [i for i, name in enumerate(header) if "stall" in name.lower() and "sampl" not in name.lower()]
+    out = []
+    for row in rows[h + 1:]:
+        if len(row) != len(header):
+            if out:
+                break          # the next kernel's section, or the end
+            continue           # a units row
+        n = _number(row[samples])
+        if n is None:
+            continue
+        stalls = {header[i]: v for i in stall_cols if (v := _number(row[i]))}
+        out.append({"address": row[address] if address is not None else str(len(out)),
+                    "source": row[source].strip(), "samples": n, "stalls": stalls})
+    return out, [header[i] for i in stall_cols]
+
+
+def opcode(sass: str) -> str:
+    text = re.sub(r"^@!?U?P\w+\s+", "", sass.strip())
+    return text.split(" ")[0] if text else "?"
+
+
+def summarise(instructions: list[dict], top: int) -> dict:
+    total = sum(i["samples"] for i in instructions) or 1.0
+    by_op = collections.Counter()
+    for i in instructions:
+        by_op[opcode(i["source"])] += i["samples"]
+    hot = sorted(instructions, key=lambda i: -i["samples"])[:top]
+    return {"total_samples": total, "instructions": len(instructions),
+            "top": [{**i, "pct": 100 * i["samples"] / total,
+                     "stalls": dict(sorted(i["stalls"].items(), key=lambda kv: -kv[1])[:3])} for i in hot],
+            "by_opcode": [{"opcode": k, "samples": v, "pct": 100 * v / total} for k, v in by_op.most_common(15)]}
+
+
+def markdown(s: dict) -> str:
+    lines = [f"{s['instructions']} SASS instructions, {s['total_samples']:.0f} warp samples", "",
+             "| address | SASS | samples % | stall columns (top 3) |", "|---|---|---|---|"]
+    for i in s["top"]:
+        stalls = ", ".join(f"{k} {v:.0f}" for k, v in i["stalls"].items())
+        lines.append(f"| {i['address']} | `{i['source'][:72]}` | {i['pct']:.1f} | {stalls} |")
+    lines += ["", "| opcode | samples % |", "|---|---|"]
+    lines += [f"| {o['opcode']} | {o['pct']:.1f} |" for o in s["by_opcode"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
+    ap.add_argument("--top", type=int, default=25, help="instructions listed")
+    ap.add_argument("--json", help="also write the summary here")
+    args = ap.parse_args(argv)
+    with open(args.csv, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    try:
+        instructions, _ = read(text)
+    except ValueError as e:
+        head = "\n".join(text.splitlines()[:6])
+        print(f"{args.csv}: {e}; its first lines:\n{head}", file=sys.stderr)
+        return 1
+    if not instructions:
+        print(f"{args.csv}: no instruction rows under the header", file=sys.stderr)
+        return 1
+    s = summarise(instructions, args.top)
+    print(markdown(s))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(s, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
