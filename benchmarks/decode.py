@@ -5,12 +5,15 @@ with a profile of one decode step summarised by category and prefill (TTFT) rows
     python benchmarks/decode.py --model kimi-linear-48b --batch 1 64 --dtype bfloat16 --kernels pallas \
         --moe auto --profile --prefill 1x8192 64x1024                                  # on the H200
     python benchmarks/decode.py ... --batch 1 --variants loop_unroll=1 --interleave 10   # A/B in alternating rounds
+    python benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas --moe auto \
+        --packed-experts columns --batch 1 64                                          # fits an 80 GB H100
 
-kimi-linear-48b is the released Kimi-Linear-48B-A3B shape with random weights (about 98 GB in
-bf16; initialised with the fast `unsafe_rbg` generator). TPOT = decode time / (generated steps - 1)
-(the first token comes with the prefill; median over repeats after a compiling warm-up). MBU follows performance.md §5.1-5.2: bytes that
-must move per step = weights touched (non-routed + experts touched, uniform-routing estimate) +
-KDA state read+write + MLA latent cache read, over TPOT, against 4.3 TB/s.
+kimi-linear-48b is the released Kimi-Linear-48B-A3B shape with random weights (about 98 GB in bf16, 32 GB with the
+routed experts packed as MXFP4; initialised with the fast `unsafe_rbg` generator). TPOT = decode time / (generated
+steps - 1) (the first token comes with the prefill; median over repeats after a compiling warm-up). MBU follows
+performance.md §5.1-5.2: bytes that must move per step = weights touched (non-routed + experts touched,
+uniform-routing estimate; packed experts at their bytes) + KDA state read+write + MLA latent cache read, over TPOT,
+against 4.3 TB/s.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from benchmarks.hlo_dump import request_hlo_dump  # noqa: E402
 _DUMP = request_hlo_dump("hlo_dump", ".*decode_chunk.*") if __name__ == "__main__" and "--profile" in sys.argv else None
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import glob  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
@@ -49,18 +53,19 @@ from k3jax.model import abstract_model  # noqa: E402
 def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int, touched: float | None = None) -> dict:
     """Bytes that must move in one decode step (performance.md §5.1); `touched` distinct experts
     per layer (default: the uniform-routing expectation)."""
-    counts = {"routed": 0, "other": 0}
+    counts = {"routed": 0, "other": 0}      # bytes: the model dtype's, or one a byte for packed (MXFP4) experts
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg, np.float32))):
-        n = int(np.prod(var.get_value().shape))
+        value = var.get_value()
+        n = int(np.prod(value.shape)) * (1 if value.dtype == np.uint8 else dtype_bytes)
         if "embed_tokens" in path:
-            n = batch * cfg.hidden_size  # a lookup reads only the rows of this step's tokens
+            n = batch * cfg.hidden_size * dtype_bytes  # a lookup reads only the rows of this step's tokens
         counts["routed" if is_routed_expert_param(path) else "other"] += n
     moe = cfg.moe
     layers_moe = cfg.ffns.count("moe")
     per_expert = counts["routed"] / max(1, layers_moe * moe.num_experts)
     if touched is None:
         touched = moe.num_experts * (1 - (1 - moe.num_experts_per_token / moe.num_experts) ** batch)
-    weights = dtype_bytes * (counts["other"] + layers_moe * touched * per_expert)
+    weights = counts["other"] + layers_moe * touched * per_expert
     n_kda, n_mla = cfg.mixers.count("kda"), cfg.mixers.count("mla")
     kda_state = batch * 2 * n_kda * cfg.kda.num_heads * cfg.kda.head_dim ** 2 * 4
     mla_kv = batch * ctx * n_mla * cfg.mla.latent_size * dtype_bytes
@@ -75,7 +80,7 @@ def add_model_arguments(ap: argparse.ArgumentParser, default: str) -> None:
 
 
 def add_build_arguments(ap: argparse.ArgumentParser) -> None:
-    """The options `build` reads besides --model: --dtype, --moe, --gmm, --linear, --kernels."""
+    """The options `build` reads besides --model: --dtype, --moe, --gmm, --linear, --kernels, --packed-experts."""
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--moe", default=None, help="routed-expert implementation (k3jax option 'moe')")
     ap.add_argument("--gmm", default=None, help="grouped matmul implementation (k3jax option 'gmm')")
@@ -83,6 +88,9 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--norm", default=None, help="RMSNorm / residual-add implementation (k3jax option 'norm')")
     ap.add_argument("--shared", default=None, help="shared-expert path (k3jax option 'shared')")
     ap.add_argument("--mla-absorb", default=None, help="MLA W_UK/W_UV few-row kernels (k3jax option 'mla_absorb')")
+    ap.add_argument("--packed-experts", default=None, choices=["rows", "columns"],
+                    help="kimi-linear-48b: routed experts kept as MXFP4 on the device in this layout (random codes; "
+                         "'columns' runs the Mosaic GPU kernel with --gmm pallas): 26 GB of experts, not 96")
     ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
                     help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
     ap.add_argument("--mesh", default=None, help="run sharded over this many local devices, e.g. expert=2 or data=2 "
@@ -104,14 +112,21 @@ def build(args) -> k3jax.CausalLM:
     if args.kernels == "pallas":
         impls.update(kda="pallas", kda_decode=getattr(args, "kda_decode", None) or "pallas",
                      mla=getattr(args, "mla", None) or "hopper")
+    packed = getattr(args, "packed_experts", None)
     if args.model == "kimi-linear-48b":
         jax.config.update("jax_default_prng_impl", "unsafe_rbg")  # random weights at memory speed
         t0 = time.perf_counter()
         mesh = make_mesh(MeshSpec.parse(args.mesh)) if getattr(args, "mesh", None) else None
-        model = k3jax.CausalLM.random(kimi_linear_48b_a3b().with_impls(**impls), seed=0, dtype=args.dtype, mesh=mesh)
+        cfg = kimi_linear_48b_a3b()
+        if packed:
+            cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, packed_experts=True, packed_layout=packed))
+        model = k3jax.CausalLM.random(cfg.with_impls(**impls), seed=0, dtype=args.dtype, mesh=mesh)
         jax.block_until_ready(model.params)
         print(f"built random weights in {time.perf_counter() - t0:.1f} s", flush=True)
         return model
+    if packed:
+        raise SystemExit(f"--packed-experts: random kimi-linear-48b weights only; for {args.model!r} load an MXFP4 "
+                         "checkpoint with packed experts")
     model = k3jax.load_model(args.model, dtype=args.dtype).with_impls(**impls)
     return model.shard(make_mesh(MeshSpec.parse(args.mesh))) if getattr(args, "mesh", None) else model
 

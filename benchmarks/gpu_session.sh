@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring the carried wheels in, then run the named steps in order, each
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
-#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-hopper-hlo hopper-sass moe-sweep gemv decode decode-fast decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu mla-ncu mla-ncu-source kda-decode-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
+#   bash benchmarks/gpu_session.sh tests moe decode   (steps: tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-hopper-hlo hopper-sass moe-sweep gemv decode decode-fast decode-packed decode-ab decode-sweep decode-host host-costs chunk-calls decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu mla-ncu mla-ncu-source kda-decode-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-tests mla-layer-tests speculative speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job)
 set -u
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.97}
 W=$OUT/work; mkdir -p "$W"
@@ -84,6 +84,9 @@ for step in "$@"; do
               | quiet | tee "$W/decode.log" ;;
     decode-fast) OUT=$W timeout ${DECODE_LIMIT:-360} python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --batch ${DECODE_BATCH:-1 64} --new-tokens 32 --profile ${DECODE_ARGS:-} --name decode_fast 2>&1 | quiet | tee "$W/decode.log" ;;
+    decode-packed) OUT=$W timeout ${DECODE_LIMIT:-420} python3 benchmarks/decode.py --model kimi-linear-48b \
+              --dtype bfloat16 --kernels pallas --moe auto --packed-experts columns --batch ${DECODE_BATCH:-1 64} \
+              --new-tokens 32 --profile ${DECODE_ARGS:-} --name decode_packed 2>&1 | quiet | tee "$W/decode_packed.log" ;;
     decode-ab) OUT=$W timeout ${DECODE_LIMIT:-300} python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --batch ${DECODE_BATCH:-1} --new-tokens ${DECODE_TOKENS:-32} --repeats 1 \
               --interleave ${DECODE_ROUNDS:-10} --name decode_ab ${DECODE_ARGS:-} 2>&1 | quiet | tee "$W/decode_ab.log" ;;
