@@ -19,6 +19,7 @@
     python benchmarks/plot.py kda-run30       # by kernel: today's defaults, run 29's and 27's, fla (run 30, H100)
     python benchmarks/plot.py kda-run31       # by kernel: the tile pairs launch's forms, fla (run 31, H200, H = 32)
     python benchmarks/plot.py run32           # KDA decode at B = 1 by launches a call; the MXFP4 call by kernel (H100)
+    python benchmarks/plot.py run33           # KDA decode at B = 1 (60 layers) and 64; MXFP4 tiles / rows (H100, H200)
     python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
@@ -583,6 +584,73 @@ def plot_run32(out: str) -> str:
     return _save(fig, os.path.join(out, "run32.png"))
 
 
+KDA_B1_RUN33 = {"H100": ("kda_decode_run33a_e5a3165_b1_b8_layers60.json", H100),
+                "H200": ("kda_decode_run33d_49a42c6_b1_layers60.json", H200)}     # run 33: 60 layers x 4 steps
+KDA_B64_RUN33 = [("H100 (b)", "kda_decode_run33b_e5a3165_b64_b256.json", H100),
+                 ("H200 (d)", "kda_decode_run33d_49a42c6_b64_b256.json", H200),
+                 ("H200 (f)", "kda_decode_run33f_49a42c6_b64_repeat.json", H200)]
+MXFP4_RUN33 = [("H100 (b)", "moe_mxfp4_run33b_e5a3165.json", H100), ("H200 (c)", "moe_mxfp4_run33c_49a42c6.json", H200)]
+
+
+def plot_run33(out: str) -> str:
+    """Run 33. Left: the KDA decode step at B = 1 inside 240-launch programs whose states (126 MB) do not fit
+    the L2, us a launch pipelined, by column blocks, H100 and H200. Middle: B = 64, share of 4.3 TB/s of the
+    4-warp one-block launch, pipelined and by device time. Right: the MXFP4 call of Kimi-Linear's experts with
+    outputs "tiles" and "rows" at 64 and 8 tokens."""
+    import numpy as np
+
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4.2))
+    launches = ["4w/1v", "4w/2v", "4w/4v"]
+    x = np.arange(len(launches))
+    for i, (gpu, (name, folder)) in enumerate(KDA_B1_RUN33.items()):
+        row = next(r for r in _load(name, folder)["decode"] if r["B"] == 1)
+        left.bar(x + (i - 0.5) * 0.38, [row["pipelined_us_per_layer_by_launch"][k] for k in launches], 0.38,
+                 label=gpu, color=f"C{i}")
+    left.axhline(10, color="k", ls=":", lw=1, label="issue 16: <= 10 us a layer")
+    left.set_xticks(x, ["1 block", "2 column blocks", "4 column blocks"])
+    left.set_ylabel("us per layer, pipelined")
+    left.set_title("KDA decode, B = 1, 60 layers x 4 steps a call", fontsize=10)
+    left.legend(fontsize=8)
+    left.grid(axis="y", alpha=0.3)
+    measures = [("pipelined", "pipelined_us_per_layer_by_launch"), ("device", "device_us_per_layer_by_launch")]
+    x = np.arange(len(KDA_B64_RUN33))
+    for j, (label, key) in enumerate(measures):
+        pcts = []
+        for _, name, folder in KDA_B64_RUN33:
+            row = next(r for r in _load(name, folder)["decode"] if r["B"] == 64)
+            # the share scales as 1 / time: the device time's share, rescaled to this measure's time
+            pcts.append(row["device_pct_4.3TB_s_by_launch"]["4w/1v"] * row["device_us_per_layer_by_launch"]["4w/1v"]
+                        / row[key]["4w/1v"])
+        mid.bar(x + (j - 0.5) * 0.38, pcts, 0.38, label=label, color=f"C{j + 2}")
+    mid.axhline(70, color="k", ls=":", lw=1, label="issue 16: >= 70%")
+    mid.set_xticks(x, [g for g, _, _ in KDA_B64_RUN33])
+    mid.set_ylim(40, 80)
+    mid.set_ylabel("% of 4.3 TB/s")
+    mid.set_title("KDA decode, B = 64, 4 warps, one block (H = 32)", fontsize=10)
+    mid.legend(fontsize=8, loc="lower right")
+    mid.grid(axis="y", alpha=0.3)
+    labels, tiles, rows = [], [], []
+    for gpu, name, folder in MXFP4_RUN33:
+        for tokens in (64, 8):
+            entries = [r for r in _load(name, folder)["hopper"] if r["tokens"] == tokens and "ms" in r]
+            form = {("outputs='rows'" in r["blocks"] if r["blocks"] != "None" else None): r["ms"] for r in entries}
+            labels.append(f"{gpu}\n{tokens} tokens")
+            if None in form:      # run 33b: the default was "tiles", the sweep entry "rows"; 33c the other way
+                default_rows = "33c" in name
+                tiles.append(form[False] if default_rows else form[None])
+                rows.append(form[None] if default_rows else form[True])
+    x = np.arange(len(labels))
+    right.bar(x - 0.19, tiles, 0.38, label='outputs="tiles"', color="C5")
+    right.bar(x + 0.19, rows, 0.38, label='outputs="rows" (the decode default since)', color="C6")
+    right.set_xticks(x, labels, fontsize=8)
+    right.set_ylabel("ms a call")
+    right.set_ylim(0, 0.52)
+    right.set_title("MXFP4 experts, Kimi-Linear, one call", fontsize=10)
+    right.legend(fontsize=8)
+    right.grid(axis="y", alpha=0.3)
+    return _save(fig, os.path.join(out, "run33.png"))
+
+
 KDA_LENGTHS = "kda_prefill_lengths_run22_182d874.json"         # RESULTS.md, KDA run 22: prefill over T, H = 32
 KDA_BATCHES = "kda_decode_run8_batches_b777e8c.json"    # KDA decode run 8: one layer's step over B, H = 32
 
@@ -686,7 +754,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
-                                      "kda-sweep", "kda-run30", "kda-run31", "run32",
+                                      "kda-sweep", "kda-run30", "kda-run31", "run32", "run33",
                                       "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
@@ -700,7 +768,7 @@ def main(argv=None) -> int:
                      ("kda-diagonal", plot_kda_diagonal), ("kda-band", plot_kda_band),
                      ("kda-tile-solve", plot_kda_tile_solve), ("kda-handoff", plot_kda_handoff),
                      ("kda-sweep", plot_kda_sweep), ("kda-run30", plot_kda_run30), ("kda-run31", plot_kda_run31),
-                     ("run32", plot_run32),
+                     ("run32", plot_run32), ("run33", plot_run33),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
