@@ -8,7 +8,7 @@ with a profile of one decode step summarised by category and prefill (TTFT) rows
     python benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas --moe auto \
         --packed-experts columns --batch 1 64                                          # fits an 80 GB H100
 
-kimi-linear-48b is the released Kimi-Linear-48B-A3B shape with random weights (about 98 GB in bf16, 32 GB with the
+kimi-linear-48b is the released Kimi-Linear-48B-A3B shape with random weights (about 98 GB in bf16, 29 GB with the
 routed experts packed as MXFP4; initialised with the fast `unsafe_rbg` generator). TPOT = decode time / (generated
 steps - 1) (the first token comes with the prefill; median over repeats after a compiling warm-up). MBU follows
 performance.md §5.1-5.2: bytes that must move per step = weights touched (non-routed + experts touched,
@@ -53,7 +53,7 @@ from k3jax.model import abstract_model  # noqa: E402
 def step_bytes(cfg, batch: int, ctx: int, dtype_bytes: int, touched: float | None = None) -> dict:
     """Bytes that must move in one decode step (performance.md §5.1); `touched` distinct experts
     per layer (default: the uniform-routing expectation)."""
-    counts = {"routed": 0, "other": 0}      # bytes: the model dtype's, or one a byte for packed (MXFP4) experts
+    counts = {"routed": 0, "other": 0}      # bytes: the model dtype's, or one each for packed (MXFP4) experts
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg, np.float32))):
         value = var.get_value()
         n = int(np.prod(value.shape)) * (1 if value.dtype == np.uint8 else dtype_bytes)
@@ -90,7 +90,7 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mla-absorb", default=None, help="MLA W_UK/W_UV few-row kernels (k3jax option 'mla_absorb')")
     ap.add_argument("--packed-experts", default=None, choices=["rows", "columns"],
                     help="kimi-linear-48b: routed experts kept as MXFP4 on the device in this layout (random codes; "
-                         "'columns' runs the Mosaic GPU kernel with --gmm pallas): 26 GB of experts, not 96")
+                         "'columns': the Mosaic GPU kernel, which gmm auto picks on a GPU): 25 GB of experts, not 94")
     ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
                     help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
     ap.add_argument("--mesh", default=None, help="run sharded over this many local devices, e.g. expert=2 or data=2 "
@@ -299,7 +299,8 @@ def main(argv=None) -> int:
     gen = k3jax.Generator(model)
     rng = np.random.default_rng(0)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
-    name = args.name or f"decode_{args.model}_{args.dtype}_{args.kernels}_{cfg.moe.impl}"
+    packed = f"_packed-{args.packed_experts}" if args.packed_experts else ""
+    name = args.name or f"decode_{args.model}_{args.dtype}_{args.kernels}_{cfg.moe.impl}{packed}"
     rows = []
     for b in args.batch:   # written after every row, so a run cut short keeps what it measured
         rows.append(decode_row(gen, cfg, b, args, dtype_bytes, rng))
@@ -324,8 +325,9 @@ def main(argv=None) -> int:
     record = {"benchmark": "decode", "model": args.model, "dtype": args.dtype, "moe_impl": cfg.moe.impl,
               "gmm_impl": cfg.moe.gmm_impl, "kda_impl": cfg.kda.impl, "kda_decode_impl": cfg.kda.decode_impl,
               "mla_impl": cfg.mla.decode_impl, "linear_impl": cfg.linear_impl, "norm_impl": cfg.norm_impl,
-              "shared_impl": cfg.moe.shared_impl, "env": environment(), "rows": rows,
-              "prefill": pre}
+              "shared_impl": cfg.moe.shared_impl,
+              "packed_experts": cfg.moe.packed_layout if cfg.moe.packed_experts else None,
+              "env": environment(), "rows": rows, "prefill": pre}
     path = write(name, record)
     print(table(rows, ["variant", "batch", "prompt_len", "tpot_ms", "tok_per_s", "floor_ms", "ratio_to_floor", "mbu_achievable",
                        "prefill_ms", "first_call_s"] + (["interleaved_rounds"] if args.interleave else [])))

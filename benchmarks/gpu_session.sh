@@ -39,11 +39,14 @@ ncu_profile() {
   local name=$1 regex=$2; shift 2
   local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$ncu" ] || { echo "$name: no ncu on this machine" | tee "$W/$name.err"; return; }
+  # a pass that fails (on some machines ncu hangs at "Profiling: 0%" until the limit) ends the step
   timeout ${NCU_LIMIT:-120} $ncu --clock-control none -k regex:$regex --launch-skip 1 --launch-count 1 --csv \
-      --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) "$@" > "$W/$name.csv" 2> "$W/$name.err"
+      --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) "$@" > "$W/$name.csv" 2> "$W/$name.err" \
+      || { echo "$name: the metrics pass failed" | tee -a "$W/$name.err"; tail -4 "$W/$name.csv"; return; }
   python3 benchmarks/ncu_summary.py "$W/$name.csv" --json "$W/$name.json" | tee "$W/$name.md"
   timeout ${NCU_LIMIT:-120} $ncu --clock-control none -k regex:$regex --launch-skip 1 --launch-count 1 \
-      --section SourceCounters --section WarpStateStats -o "$W/$name" -f "$@" >> "$W/$name.err" 2>&1
+      --section SourceCounters --section WarpStateStats -o "$W/$name" -f "$@" >> "$W/$name.err" 2>&1 \
+      || { echo "$name: the source-counters pass failed" | tee -a "$W/$name.err"; tail -4 "$W/$name.err"; return; }
   $ncu --import "$W/$name.ncu-rep" --page source --csv --print-source sass > "$W/${name}_sass.csv" 2>> "$W/$name.err"
   python3 benchmarks/ncu_source_summary.py "$W/${name}_sass.csv" --json "$W/${name}_sass.json" \
       | tee "$W/${name}_sass.md"
@@ -85,8 +88,9 @@ for step in "$@"; do
     decode-fast) OUT=$W timeout ${DECODE_LIMIT:-360} python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --batch ${DECODE_BATCH:-1 64} --new-tokens 32 --profile ${DECODE_ARGS:-} --name decode_fast 2>&1 | quiet | tee "$W/decode.log" ;;
     decode-packed) OUT=$W timeout ${DECODE_LIMIT:-420} python3 benchmarks/decode.py --model kimi-linear-48b \
-              --dtype bfloat16 --kernels pallas --moe auto --packed-experts columns --batch ${DECODE_BATCH:-1 64} \
-              --new-tokens 32 --profile ${DECODE_ARGS:-} --name decode_packed 2>&1 | quiet | tee "$W/decode_packed.log" ;;
+              --dtype bfloat16 --kernels pallas --moe auto --packed-experts columns \
+              --batch ${DECODE_BATCH:-1 64} --new-tokens 32 --profile ${DECODE_ARGS:-} --name decode_packed 2>&1 \
+              | quiet | tee "$W/decode_packed.log" ;;
     decode-ab) OUT=$W timeout ${DECODE_LIMIT:-300} python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --batch ${DECODE_BATCH:-1} --new-tokens ${DECODE_TOKENS:-32} --repeats 1 \
               --interleave ${DECODE_ROUNDS:-10} --name decode_ab ${DECODE_ARGS:-} 2>&1 | quiet | tee "$W/decode_ab.log" ;;

@@ -66,8 +66,9 @@ GROUPED_SWEEP = [TileBlocks(64, 128, 128, 4, 3, e2m1=d) for d in ("table", "asm"
 # against 0.436 / 0.411 without). decode="bits" (five integer-ALU instructions per four codes instead of eight) is
 # the default since run 31 (3-9% faster at 1-64 tokens); entries 9-11 time the table decode ("ptx"). Run 33
 # (H100): with the slab gather's indices written out first, outputs="rows" 0.414 / 0.135 ms at 64 / 8 tokens
-# against 0.424 / 0.145 for "tiles", so `for_backend` picks "rows" for decode tiles since; the last entry is the
-# "tiles" form (the dataclass's own default) to time against it.
+# against 0.424 / 0.145 for "tiles", so `for_backend` picks "rows" for decode tiles since. The entries are built
+# with the dataclass, whose own default is still "tiles": entries 0-5 and 9 differ from the default call in their
+# outputs too, so compare them with entry 12 (the "tiles" form with every other setting the default's).
 HOPPER_SWEEP = [HopperMxfp4Blocks(block_k=bk, stages=st, splits=sp, mma_inputs=mi)
                 for bk, st, sp, mi in ((256, 3, 0, 16), (256, 3, 0, 0), (256, 3, 0, 32), (128, 4, 0, 16))] + [
     HopperMxfp4Blocks(activations="rows"), HopperMxfp4Blocks(splits=0, activations="rows"),

@@ -50,7 +50,8 @@ def read(text: str) -> tuple[list[dict], list[str]]:
     h = _header_index(rows)
     header = rows[h]
     source = _pick(header, "source")
-    samples = _pick(header, "sampling", "all") or _pick(header, "sampl")
+    samples = _pick(header, "all samples")          # not "Not-issued Samples" ("stall" holds "all")
+    samples = samples if samples is not None else _pick(header, "sampl")
     address = _pick(header, "address")
     stall_cols = [i for i, name in enumerate(header) if "stall" in name.lower() and "sampl" not in name.lower()]
     out = []

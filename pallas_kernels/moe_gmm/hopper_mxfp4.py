@@ -76,7 +76,8 @@ OUTPUTS = ("tiles", "rows")
 ALIGN = 8                         # rows of one tile of the activations' shared-memory buffer (copies start on one)
 # Decode tiles (at most this many rows) write their own rows out (`outputs="rows"`): H100, Kimi-Linear's experts
 # (benchmarks/RESULTS.md, run 33), 0.414 / 0.135 ms a call at 64 / 8 tokens against 0.424 / 0.145 with "tiles".
-# Larger tiles keep "tiles": untimed, and "rows" doubles the staged products' shared memory.
+# Larger tiles keep "tiles": untimed, and "rows" doubles the staged products' shared memory. Not yet timed with
+# "rows": 1 token and K3's latent widths.
 ROWS_OUT_UP_TO = 8
 
 
