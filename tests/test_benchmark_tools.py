@@ -1,0 +1,59 @@
+"""Helpers of the benchmark scripts that decide what a record says: the decode step's byte count
+(`benchmarks/decode.py`) and the Nsight Compute source-page summary (`benchmarks/ncu_source_summary.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from benchmarks.decode import step_bytes
+from benchmarks.ncu_source_summary import main as ncu_source_main
+from benchmarks.ncu_source_summary import opcode, read, summarise
+from k3jax.config import tiny_kimi_linear
+
+HEADER = ('"# Address","Source","Warp Stall Sampling (Not-issued Samples)","Warp Stall Sampling (All Samples)",'
+          '"stall_long_sb","stall_barrier"')
+ROWS = ['"0x00","MOV R1, c[0x0][0x28]","1","3","0","0"',
+        '"0x10","@P0 SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR4], R3","1,100","1,300","900","40"',
+        '"0x20","HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24","250","400","0","0"',
+        '"0x30","@!P1 HGMMA.64x64x16.F32.BF16 R56, gdesc[UR8], R56","20","97","0","0"']
+
+
+def test_packed_experts_are_counted_at_their_bytes():
+    """The routed experts' bytes at 2 bytes a weight against MXFP4's 1/2 + 1/32 (codes, one E8M0 scale per 32):
+    the difference over the touched experts, everything else unchanged."""
+    cfg = tiny_kimi_linear()
+    packed = cfg.replace(moe=dataclasses.replace(cfg.moe, packed_experts=True, packed_layout="columns"))
+    touched = 3.0
+    plain, mx = step_bytes(cfg, 2, 16, 2, touched=touched), step_bytes(packed, 2, 16, 2, touched=touched)
+    moe = cfg.moe
+    weights_touched = cfg.ffns.count("moe") * touched * 3 * moe.expert_input_size * moe.expert_intermediate_size
+    assert plain["weights"] - mx["weights"] == pytest.approx(weights_touched * (2 - 17 / 32), rel=1e-12)
+    assert (plain["kda_state"], plain["mla_kv"]) == (mx["kda_state"], mx["mla_kv"])
+    fp32 = step_bytes(cfg, 2, 16, 4, touched=touched)       # unpacked: every weight at the model dtype's bytes
+    assert fp32["weights"] == pytest.approx(2 * plain["weights"], rel=1e-12)
+
+
+def test_source_page_summary_takes_the_all_samples_column():
+    instructions, stall_columns = read("\n".join(['"Kernel Name","k"', HEADER, *ROWS]) + "\n")
+    assert [i["samples"] for i in instructions] == [3, 1300, 400, 97]      # not the not-issued column before it
+    assert stall_columns == ["stall_long_sb", "stall_barrier"]
+    s = summarise(instructions, top=2)
+    assert [t["address"] for t in s["top"]] == ["0x10", "0x20"]
+    assert s["top"][0]["stalls"] == {"stall_long_sb": 900.0, "stall_barrier": 40.0}
+    by_op = {o["opcode"]: o["samples"] for o in s["by_opcode"]}
+    assert by_op == {"SYNCS.PHASECHK.TRANS64.TRYWAIT": 1300, "HGMMA.64x64x16.F32.BF16": 497, "MOV": 3}
+    assert opcode("@!UP0 BRA 0x40") == "BRA"
+
+
+def test_source_page_summary_refuses_what_it_cannot_read(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("==ERROR== Could not open report file 'x.ncu-rep'.\n")
+    assert ncu_source_main([str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "no header row" in err and "Could not open report file" in err
+    good = tmp_path / "good.csv"
+    good.write_text("\n".join([HEADER, *ROWS]) + "\n")
+    assert ncu_source_main([str(good), "--top", "1", "--json", str(tmp_path / "s.json")]) == 0
+    assert "SYNCS.PHASECHK" in capsys.readouterr().out and (tmp_path / "s.json").exists()
