@@ -32,6 +32,10 @@ mkdir -p $TRITON_CACHE_DIR
 [ -f ".triton-autotune/$gpu_model.tgz" ] && tar xzf ".triton-autotune/$gpu_model.tgz" -C $TRITON_CACHE_DIR
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$W/gpu.txt"
 quiet() { grep -v "Triton backend is deprecated" ; }
+# Programs under ncu allocate GPU memory as they go instead of taking 97% of it up front: ncu saves and restores the
+# memory a profiled kernel may touch for each replay pass, and a whole preallocated H200 pool may be what kept it at
+# "Profiling: 0%" past its limit there (runs 2 and 33 on an H200; the H100 finished in about 75 s a launch).
+NCU_ENV="env XLA_PYTHON_CLIENT_PREALLOCATE=false"
 # ncu_profile NAME KERNEL_REGEX PROGRAM...: one launch (the second matching) profiled with the raw metrics of
 # ncu_summary.py and, in a second pass, the warp-state samples per SASS instruction (ncu_source_summary.py);
 # $W/NAME.md, NAME_sass.md and their JSON, the report itself as NAME.ncu-rep.
@@ -40,11 +44,11 @@ ncu_profile() {
   local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   [ -n "$ncu" ] || { echo "$name: no ncu on this machine" | tee "$W/$name.err"; return; }
   # a pass that fails (on some machines ncu hangs at "Profiling: 0%" until the limit) ends the step
-  timeout ${NCU_LIMIT:-120} $ncu --clock-control none -k regex:$regex --launch-skip 1 --launch-count 1 --csv \
+  $NCU_ENV timeout ${NCU_LIMIT:-120} $ncu --clock-control none -k regex:$regex --launch-skip 1 --launch-count 1 --csv \
       --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) "$@" > "$W/$name.csv" 2> "$W/$name.err" \
       || { echo "$name: the metrics pass failed" | tee -a "$W/$name.err"; tail -4 "$W/$name.csv"; return; }
   python3 benchmarks/ncu_summary.py "$W/$name.csv" --json "$W/$name.json" | tee "$W/$name.md"
-  timeout ${NCU_LIMIT:-120} $ncu --clock-control none -k regex:$regex --launch-skip 1 --launch-count 1 \
+  $NCU_ENV timeout ${NCU_LIMIT:-120} $ncu --clock-control none -k regex:$regex --launch-skip 1 --launch-count 1 \
       --section SourceCounters --section WarpStateStats -o "$W/$name" -f "$@" >> "$W/$name.err" 2>&1 \
       || { echo "$name: the source-counters pass failed" | tee -a "$W/$name.err"; tail -4 "$W/$name.err"; return; }
   $ncu --import "$W/$name.ncu-rep" --page source --csv --print-source sass > "$W/${name}_sass.csv" 2>> "$W/$name.err"
@@ -151,7 +155,8 @@ for step in "$@"; do
               --warps 4 --splits 0 --ceiling --iters 30 --name kda_decode_batches 2>&1 | quiet | tee "$W/kda_batches.log" ;;
     kda-ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
           [ -n "$NCU" ] || { echo "kda-ncu: no ncu on this machine" | tee "$W/kda_ncu.err"; continue; }
-          timeout ${NCU_LIMIT:-150} $NCU --clock-control none -k regex:${NCU_KERNELS:-kda_chunk} --launch-count ${NCU_COUNT:-4} \
+          $NCU_ENV timeout ${NCU_LIMIT:-150} $NCU --clock-control none -k regex:${NCU_KERNELS:-kda_chunk} \
+              --launch-count ${NCU_COUNT:-4} \
               --csv --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) python3 benchmarks/kda_prefill_once.py \
               --heads ${NCU_HEADS:-32} > "$W/kda_ncu.csv" 2> "$W/kda_ncu.err"; tail -3 "$W/kda_ncu.err"
           python3 benchmarks/ncu_summary.py "$W/kda_ncu.csv" --json "$W/kda_ncu.json" | tee "$W/kda_ncu.md" ;;
@@ -160,7 +165,8 @@ for step in "$@"; do
           # the Hopper MLA kernel's forms at one shape (MLA_NCU_SHAPE, HxBxCTX), each in its own program; the
           # second call of each is the profiled one (the first compiles)
           for impl in ${MLA_NCU_IMPLS:-hopper hopper-columns}; do
-            timeout ${NCU_LIMIT:-120} $NCU --clock-control none -k regex:mosaic --launch-skip 1 --launch-count 1 \
+            $NCU_ENV timeout ${NCU_LIMIT:-120} $NCU --clock-control none -k regex:mosaic --launch-skip 1 \
+                --launch-count 1 \
                 --csv --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) python3 \
                 benchmarks/mla_decode_once.py --impl $impl --shape ${MLA_NCU_SHAPE:-96x64x4096} \
                 > "$W/mla_ncu_$impl.csv" 2> "$W/mla_ncu_$impl.err"; tail -3 "$W/mla_ncu_$impl.err"
