@@ -74,8 +74,9 @@ A_OPERANDS = ("registers", "smem")
 ACTIVATIONS = ("slab", "rows")
 OUTPUTS = ("tiles", "rows")
 ALIGN = 8                         # rows of one tile of the activations' shared-memory buffer (copies start on one)
-# Decode tiles (at most this many rows) write their own rows out (`outputs="rows"`): H100, Kimi-Linear's experts
-# (benchmarks/RESULTS.md, run 33), 0.414 / 0.135 ms a call at 64 / 8 tokens against 0.424 / 0.145 with "tiles".
+# Decode tiles (at most this many rows) write their own rows out (`outputs="rows"`): Kimi-Linear's experts
+# (benchmarks/RESULTS.md, run 33), 0.414 / 0.135 ms a call at 64 / 8 tokens against 0.424 / 0.145 with "tiles" on an
+# H100, 0.414 / 0.129 against 0.413 / 0.134 on an H200.
 # Larger tiles keep "tiles": untimed, and "rows" doubles the staged products' shared memory. Not yet timed with
 # "rows": 1 token and K3's latent widths.
 ROWS_OUT_UP_TO = 8
