@@ -36,18 +36,25 @@ quiet() { grep -v "Triton backend is deprecated" ; }
 # memory a profiled kernel may touch for each replay pass, and a whole preallocated H200 pool may be what kept it at
 # "Profiling: 0%" past its limit there (runs 2 and 33 on an H200; the H100 finished in about 75 s a launch).
 NCU_ENV="env XLA_PYTHON_CLIENT_PREALLOCATE=false"
-# ncu_profile NAME KERNEL_REGEX PROGRAM...: one launch (the second matching) profiled with the raw metrics of
-# ncu_summary.py and, in a second pass, the warp-state samples per SASS instruction (ncu_source_summary.py);
-# $W/NAME.md, NAME_sass.md and their JSON, the report itself as NAME.ncu-rep.
-ncu_profile() {
+ncu_path() { command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1; }
+# ncu_metrics NAME KERNEL_REGEX PROGRAM...: one launch (the second matching) profiled with the raw metrics of
+# ncu_summary.py, summarised as $W/NAME.md and NAME.json; fails (status 1) when ncu is missing or its pass fails
+# (on some machines ncu hangs at "Profiling: 0%" until the limit).
+ncu_metrics() {
   local name=$1 regex=$2; shift 2
-  local ncu; ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  [ -n "$ncu" ] || { echo "$name: no ncu on this machine" | tee "$W/$name.err"; return; }
-  # a pass that fails (on some machines ncu hangs at "Profiling: 0%" until the limit) ends the step
+  local ncu; ncu=$(ncu_path)
+  [ -n "$ncu" ] || { echo "$name: no ncu on this machine" | tee "$W/$name.err"; return 1; }
   $NCU_ENV timeout ${NCU_LIMIT:-120} $ncu --clock-control none -k regex:$regex --launch-skip 1 --launch-count 1 --csv \
       --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) "$@" > "$W/$name.csv" 2> "$W/$name.err" \
-      || { echo "$name: the metrics pass failed" | tee -a "$W/$name.err"; tail -4 "$W/$name.csv"; return; }
+      || { echo "$name: the metrics pass failed" | tee -a "$W/$name.err"; tail -4 "$W/$name.csv"; return 1; }
   python3 benchmarks/ncu_summary.py "$W/$name.csv" --json "$W/$name.json" | tee "$W/$name.md"
+}
+# ncu_profile NAME KERNEL_REGEX PROGRAM...: ncu_metrics, then in a second pass the warp-state samples per SASS
+# instruction (ncu_source_summary.py): $W/NAME_sass.md and its JSON, the report itself as NAME.ncu-rep.
+ncu_profile() {
+  local name=$1 regex=$2; shift 2
+  ncu_metrics "$name" "$regex" "$@" || return
+  local ncu; ncu=$(ncu_path)
   $NCU_ENV timeout ${NCU_LIMIT:-120} $ncu --clock-control none -k regex:$regex --launch-skip 1 --launch-count 1 \
       --section SourceCounters --section WarpStateStats -o "$W/$name" -f "$@" >> "$W/$name.err" 2>&1 \
       || { echo "$name: the source-counters pass failed" | tee -a "$W/$name.err"; tail -4 "$W/$name.err"; return; }
@@ -153,25 +160,18 @@ for step in "$@"; do
               | tee "$W/kda_lengths.log"
           OUT=$W timeout ${KDA_DECODE_LIMIT:-240} python3 benchmarks/kda.py --decode-only --batches 1 8 16 32 64 128 256 \
               --warps 4 --splits 0 --ceiling --iters 30 --name kda_decode_batches 2>&1 | quiet | tee "$W/kda_batches.log" ;;
-    kda-ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    kda-ncu) NCU=$(ncu_path)
           [ -n "$NCU" ] || { echo "kda-ncu: no ncu on this machine" | tee "$W/kda_ncu.err"; continue; }
           $NCU_ENV timeout ${NCU_LIMIT:-150} $NCU --clock-control none -k regex:${NCU_KERNELS:-kda_chunk} \
               --launch-count ${NCU_COUNT:-4} \
               --csv --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) python3 benchmarks/kda_prefill_once.py \
               --heads ${NCU_HEADS:-32} > "$W/kda_ncu.csv" 2> "$W/kda_ncu.err"; tail -3 "$W/kda_ncu.err"
           python3 benchmarks/ncu_summary.py "$W/kda_ncu.csv" --json "$W/kda_ncu.json" | tee "$W/kda_ncu.md" ;;
-    mla-ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-          [ -n "$NCU" ] || { echo "mla-ncu: no ncu on this machine" | tee "$W/mla_ncu.err"; continue; }
-          # the Hopper MLA kernel's forms at one shape (MLA_NCU_SHAPE, HxBxCTX), each in its own program; the
+    mla-ncu) # the Hopper MLA kernel's forms at one shape (MLA_NCU_SHAPE, HxBxCTX), each in its own program; the
           # second call of each is the profiled one (the first compiles)
           for impl in ${MLA_NCU_IMPLS:-hopper hopper-columns}; do
-            $NCU_ENV timeout ${NCU_LIMIT:-120} $NCU --clock-control none -k regex:mosaic --launch-skip 1 \
-                --launch-count 1 \
-                --csv --page raw --metrics $(python3 benchmarks/ncu_summary.py --metrics) python3 \
-                benchmarks/mla_decode_once.py --impl $impl --shape ${MLA_NCU_SHAPE:-96x64x4096} \
-                > "$W/mla_ncu_$impl.csv" 2> "$W/mla_ncu_$impl.err"; tail -3 "$W/mla_ncu_$impl.err"
-            python3 benchmarks/ncu_summary.py "$W/mla_ncu_$impl.csv" --json "$W/mla_ncu_$impl.json" \
-                | tee "$W/mla_ncu_$impl.md"
+            ncu_metrics mla_ncu_$impl mosaic python3 benchmarks/mla_decode_once.py --impl $impl \
+                --shape ${MLA_NCU_SHAPE:-96x64x4096}
           done ;;
     mla-ncu-source) for impl in ${MLA_NCU_IMPLS:-hopper}; do
             ncu_profile mla_ncu_src_$impl mosaic python3 benchmarks/mla_decode_once.py --impl $impl \

@@ -18,15 +18,13 @@ import collections
 import csv
 import io
 import json
+import os
 import re
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def _number(text: str) -> float | None:
-    try:
-        return float(str(text).replace(",", "").strip())
-    except ValueError:
-        return None
+from benchmarks.ncu_summary import number  # noqa: E402
 
 
 def _header_index(rows: list[list[str]]) -> int:
@@ -60,10 +58,10 @@ def read(text: str) -> tuple[list[dict], list[str]]:
             if out:
                 break          # the next kernel's section, or the end
             continue           # a units row
-        n = _number(row[samples])
+        n = number(row[samples])
         if n is None:
             continue
-        stalls = {header[i]: v for i in stall_cols if (v := _number(row[i]))}
+        stalls = {header[i]: v for i in stall_cols if (v := number(row[i]))}
         out.append({"address": row[address] if address is not None else str(len(out)),
                     "source": row[source].strip(), "samples": n, "stalls": stalls})
     return out, [header[i] for i in stall_cols]

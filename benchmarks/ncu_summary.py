@@ -52,7 +52,8 @@ def metric_names() -> list[str]:
     return list(BASE) + list(PIPES) + [STALL_METRIC.format(s) for s in STALLS]
 
 
-def _number(text: str) -> float | None:
+def number(text: str) -> float | None:
+    """An ncu CSV cell as a float (thousands separators dropped), or None."""
     try:
         return float(text.replace(",", ""))
     except ValueError:
@@ -78,12 +79,12 @@ def summarise(rows: list[dict]) -> list[dict]:
         name = r.get("Kernel Name", "?")
         entry: dict = {"kernel": name[:60]}
         for metric, label in BASE.items():
-            entry[label] = _number(r.get(metric, ""))
+            entry[label] = number(r.get(metric, ""))
         if entry.get("us") is not None:
             unit = r["_units"].get("gpu__time_duration.sum", "nsecond")
             entry["us"] *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(unit, 1e-3)
-        entry["pipes"] = {label: _number(r.get(m, "")) for m, label in PIPES.items()}
-        stalls = {s: _number(r.get(STALL_METRIC.format(s), "")) for s in STALLS}
+        entry["pipes"] = {label: number(r.get(m, "")) for m, label in PIPES.items()}
+        stalls = {s: number(r.get(STALL_METRIC.format(s), "")) for s in STALLS}
         entry["stalls"] = {s: v for s, v in sorted(stalls.items(), key=lambda kv: -(kv[1] or 0)) if v}
         out.append(entry)
     return out
