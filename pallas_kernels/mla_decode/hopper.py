@@ -42,7 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.hopper_columns import column_smem_bytes, column_tile_rows, column_tiles, launch_columns
-from pallas_kernels.mla_decode.hopper_pieces import run_warpgroups, split_blocks, stream_cache_blocks, zero_value_tail
+from pallas_kernels.mla_decode.hopper_pieces import (run_scoring_warpgroups, run_warpgroups, split_blocks,
+                                                     stream_cache_blocks, zero_value_tail)
 from pallas_kernels.mla_decode.merge import MANY_SPLITS, merge_splits_pallas
 from pallas_kernels.mla_decode.reference import validate_inputs
 
@@ -51,9 +52,10 @@ _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 _SMEM_BYTES = 227 * 1024  # shared memory one H100/H200 block may take
 _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (measured: ~1.6 KB)
+_ZERO_COLUMNS = 64        # value columns a "dedicated" value warpgroup zeroes past a row's length at a time
 
 
-SCORINGS = ("alternate", "first", "each")
+SCORINGS = ("alternate", "first", "each", "dedicated")
 QUERY_SIDES = ("m", "n")
 MERGES = ("auto", "xla", "pallas")
 # "auto" merges this many splits or more in the one Pallas launch: the regime measured (H200, MLA merge sweep 2:
@@ -75,7 +77,11 @@ class HopperMLABlocks:
       the score MMA of its next block before it waits for the other's probabilities. Exact, but on
       the H200 it ran at half the speed of "first" (both warpgroups then hold a score tile beside
       their [64, 256] fp32 accumulator, and ptxas spills 1.3 KB per thread);
-    * "each": both score every block themselves (twice the score MMAs, no hand-off).
+    * "each": both score every block themselves (twice the score MMAs, no hand-off);
+    * "dedicated": a third compute warpgroup scores every block and does nothing else, and the two others
+      only add P @ V: it scores block i + 1 while they add block i, where with "first" warpgroup 1 waits
+      on warpgroup 0's score, softmax and half of P @ V in turn (four warpgroups: registers 120 for the
+      scorer, 184 for each value warpgroup, 24 for the memory warpgroup).
 
     `query_buffers`: 2 = the tile's q_lat and q_pe in two shared-memory buffers, copied from where
     they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score
@@ -232,13 +238,13 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
             plgpu.copy_smem_to_gmem(m_smem, lse_ref.at[row, split, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    def start_state():
+    def start_state(with_acc=True):
         q_rows = tile * TILE_ROWS + plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, bkv), 0, layout=layout)
         last = jnp.minimum(given_length - sq + jnp.minimum(q_rows // heads, sq - 1), n_slots - 1)
         limit = last.max(axis=1)             # each query row's last visible slot
         m = plgpu.layout_cast(jnp.full((TILE_ROWS,), _NEG, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((TILE_ROWS,), jnp.float32), row_layout)
-        acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout)
+        acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout) if with_acc else None
         return limit, acc, m, l
 
     def compute_one_scorer(w):
@@ -333,6 +339,69 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
                                   lambda _, c: take_other(n_blocks - 1, *c), carry)
         finish(w, acc, m, l + row_sums_meet(w, l))
 
+    def score_only():
+        """"dedicated", the scoring warpgroup: scores block i, releases its keys, and once the value warpgroups
+        are done with block i - 1's probabilities hands them block i's. At the end it posts the row sums (for
+        the value warpgroups) and writes the log-sum-exp."""
+        plgpu.barrier_wait(q_bar)
+        limit, _, m, l = start_state(with_acc=False)
+
+        def step(i, carry):
+            m, l = carry
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(kv_bars.at[slot])
+
+            def mma(s_ref):
+                issue_scores(s_ref, slot)
+                return s_ref[...]
+
+            s = pl.run_scoped(mma, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
+            plgpu.barrier_arrive(consumed.at[slot])      # its keys are read
+            p, alpha, m, l = softmax(s, i, limit, m, l)
+            pl.when(i > 0)(lambda: plgpu.barrier_wait(p_free))
+            publish(p, alpha, m, 0)
+            return m, l
+
+        m, l = lax.fori_loop(0, n_blocks, step, (m, l))
+        pl.when(n_blocks > 0)(lambda: plgpu.barrier_wait(p_free))    # the last rescale factor is taken
+        seen = l > 0
+        alpha_smem[...] = l
+        m_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), _NEG)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(done)
+        plgpu.copy_smem_to_gmem(m_smem, lse_ref.at[row, split, pl.ds(tile * TILE_ROWS, TILE_ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def values_only(h):
+        """"dedicated", value warpgroup h (0 or 1): adds P @ V of every block for its half of the output
+        columns, then (the scorer past its loop, the query tile free) normalises and writes that half."""
+        acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout)
+
+        def step(i, acc):
+            slot = lax.rem(i, stages)
+            plgpu.barrier_wait(kv_bars.at[slot])
+            plgpu.barrier_wait(ready.at[0])
+            alpha = plgpu.load(alpha_smem, layout=row_layout)
+            for c in range(0, half, _ZERO_COLUMNS):       # by column chunks: few registers beside the accumulator
+                zero_value_tail(kv_smem, slot, start + i * bkv, length, pl.ds(h * half + c, _ZERO_COLUMNS),
+                                bkv=bkv, layout=layout)
+            acc = add_values(acc, alpha, p_smem, slot, h)
+            plgpu.barrier_arrive(p_free)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc
+
+        acc = lax.fori_loop(0, n_blocks, step, acc)
+        plgpu.barrier_arrive(done)
+        plgpu.barrier_wait(done)
+        l = plgpu.load(alpha_smem, layout=row_layout)
+        seen = l > 0
+        inv = 1.0 / jnp.where(seen, l, 1.0)
+        out_smem.at[h][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[h], o_ref.at[row, split, pl.ds(tile * TILE_ROWS, TILE_ROWS),
+                                                          pl.ds(h * half, half)])
+        plgpu.wait_smem_to_gmem(0)
+
     compute = compute_alternating if scoring == "alternate" else compute_one_scorer
 
     def memory():
@@ -353,7 +422,10 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
         stream_cache_blocks(c_ref, kv_smem, kv_bars, consumed, row, start, n_blocks, bkv=bkv, stages=stages,
                             drain=False)
 
-    run_warpgroups(wg, compute, memory)
+    if scoring == "dedicated":
+        run_scoring_warpgroups(wg, score_only, values_only, memory)
+    else:
+        run_warpgroups(wg, compute, memory)
 
 
 def smem_bytes(width: int, blocks: HopperMLABlocks) -> int:
@@ -500,6 +572,8 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
     kernel = functools.partial(_kernel, heads=heads, sq=sq, r=r, bkv=bkv, stages=stages, split_len=split_len,
                                scale=scale, scoring=blocks.scoring, n_slots=s, q_copy_rows=q_copy_rows)
     n_parts = len(q_parts)
+    dedicated = blocks.scoring == "dedicated"
+    value_groups = 2
 
     def entry(len_ref, *refs):
         q_refs, (c_ref, o_ref, lse_ref) = refs[:n_parts], refs[n_parts:]
@@ -517,9 +591,9 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
              plgpu.SMEM((TILE_ROWS,), jnp.float32)),                 # running maximum handed over
             (plgpu.Barrier(num_arrivals=blocks.query_buffers), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=2),
-             plgpu.Barrier()),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2),
+             plgpu.Barrier(num_arrivals=value_groups if dedicated else 1)),     # p_free: the value warpgroups
+            plgpu.Barrier(num_arrivals=3 if dedicated else 2, num_barriers=stages),   # consumed: every reader
+            plgpu.Barrier(num_arrivals=3 if dedicated else 2),                       # done: the compute warpgroups
             collective_axes="wg",
         )
 
@@ -531,7 +605,7 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
         # tiles of one (row, split) run side by side, so the second tile's cache reads hit L2.
         grid=(b, splits, tiles),
         grid_names=("row", "split", "tile"),
-        num_threads=3,
+        num_threads=4 if dedicated else 3,
         thread_name="wg",
         # Row reductions of the WGMMA layout stay within warps: no reduction scratch is needed.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),

@@ -1,7 +1,6 @@
 """What the two Hopper MLA decode kernels (`hopper.py`, query rows on the MMAs' M side; `hopper_columns.py`, on
 their N side) share: a split's range of cache blocks, the values zeroed past a row's length, the memory
-warpgroup's ring of cache blocks, and the split of a program into two compute warpgroups and one memory
-warpgroup."""
+warpgroup's ring of cache blocks, and the split of a program into compute warpgroups and one memory warpgroup."""
 
 from __future__ import annotations
 
@@ -68,4 +67,30 @@ def run_warpgroups(wg, compute, memory) -> None:
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
+        memory()
+
+
+# "dedicated" scoring: four warpgroups of 128 threads share the 65,536 registers of a multiprocessor (128 a
+# thread at launch); the memory warpgroup gives back 104 a thread and the scorer 8, which the two value
+# warpgroups take (their [64, 256] fp32 accumulators are 128 registers a thread).
+SCORER_REGISTERS, VALUE_REGISTERS, MEMORY_REGISTERS = 120, 184, 24
+
+
+def run_scoring_warpgroups(wg, score, values, memory) -> None:
+    """Warpgroup 0 runs `score()`, warpgroups 1 and 2 run `values(0)` and `values(1)` with the most registers,
+    warpgroup 3 runs `memory()` with the fewest."""
+    @pl.when(wg == 0)
+    def _score():
+        plgpu.set_max_registers(SCORER_REGISTERS, action="decrease")
+        score()
+
+    @pl.when((wg == 1) | (wg == 2))
+    def _values():
+        plgpu.set_max_registers(VALUE_REGISTERS, action="increase")
+        for h in (0, 1):
+            pl.when(wg == h + 1)(functools.partial(values, h))
+
+    @pl.when(wg == 3)
+    def _memory():
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
         memory()

@@ -40,6 +40,8 @@ VARIANTS = {"default": HopperMLABlocks(), "splits3": HopperMLABlocks(num_splits=
             "alternate_splits1": HopperMLABlocks(scoring="alternate", num_splits=1),
             "alternate_splits2": HopperMLABlocks(scoring="alternate", num_splits=2),
             "each": HopperMLABlocks(scoring="each"), "each_stages1": HopperMLABlocks(block_kv=128, stages=1, scoring="each"),
+            "dedicated": HopperMLABlocks(scoring="dedicated"),
+            "dedicated_splits1": HopperMLABlocks(scoring="dedicated", num_splits=1),
             "one_query_buffer": HopperMLABlocks(query_buffers=1),
             "merge_pallas": HopperMLABlocks(merge="pallas"), "merge_xla": HopperMLABlocks(merge="xla"),
             "columns": HopperMLABlocks(query_side="n"),
@@ -136,7 +138,7 @@ def test_columns_form_refusals():
 
 
 @pytest.mark.parametrize("variant,sq,h", [(v, 2, 32) for v in VARIANTS]
-                         + [(v, sq, h) for v in ("default", "one_query_buffer", "columns", "columns_one_buffer")
+                         + [(v, sq, h) for v in ("default", "one_query_buffer", "dedicated", "columns", "columns_one_buffer")
                             for sq, h in ((1, 12), (3, 24), (1, 96), (1, 100))])
 def test_lowers_for_cuda_on_any_host(variant, sq, h):
     """The full Pallas -> Mosaic GPU lowering runs (no GPU needed) and emits the Mosaic GPU kernel, for
