@@ -78,10 +78,10 @@ class HopperMLABlocks:
       the H200 it ran at half the speed of "first" (both warpgroups then hold a score tile beside
       their [64, 256] fp32 accumulator, and ptxas spills 1.3 KB per thread);
     * "each": both score every block themselves (twice the score MMAs, no hand-off);
-    * "dedicated": a third compute warpgroup scores every block and does nothing else, and the two others
-      only add P @ V: it scores block i + 1 while they add block i, where with "first" warpgroup 1 waits
-      on warpgroup 0's score, softmax and half of P @ V in turn (four warpgroups: registers 120 for the
-      scorer, 184 for each value warpgroup, 24 for the memory warpgroup).
+    * "dedicated": warpgroup 0 scores every block and issues the copies (no memory warpgroup), and the two
+      others only add P @ V: it scores block i + 1 while they add block i, where with "first" warpgroup 1
+      waits on warpgroup 0's score, softmax and half of P @ V in turn. (A fourth warpgroup for the copies
+      would leave ptxas 128 registers a thread at launch, and it refuses the value MMAs then: they need 154.)
 
     `query_buffers`: 2 = the tile's q_lat and q_pe in two shared-memory buffers, copied from where
     they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score
@@ -339,10 +339,14 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
                                   lambda _, c: take_other(n_blocks - 1, *c), carry)
         finish(w, acc, m, l + row_sums_meet(w, l))
 
-    def score_only():
-        """"dedicated", the scoring warpgroup: scores block i, releases its keys, and once the value warpgroups
-        are done with block i - 1's probabilities hands them block i's. At the end it posts the row sums (for
-        the value warpgroups) and writes the log-sum-exp."""
+    def score_and_load():
+        """"dedicated", the scoring warpgroup, which also issues the copies: the queries and the first
+        `stages` blocks, then block i - 1 + stages once the value warpgroups are done with block i - 1 (its
+        keys it has read itself). It scores block i and hands its probabilities over once block i - 1's are
+        taken. At the end it posts the row sums (for the value warpgroups) and writes the log-sum-exp."""
+        copy_queries()
+        for j in range(stages):
+            pl.when(j < n_blocks)(functools.partial(copy_block, j))
         plgpu.barrier_wait(q_bar)
         limit, _, m, l = start_state(with_acc=False)
 
@@ -356,9 +360,13 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
                 return s_ref[...]
 
             s = pl.run_scoped(mma, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
-            plgpu.barrier_arrive(consumed.at[slot])      # its keys are read
             p, alpha, m, l = softmax(s, i, limit, m, l)
-            pl.when(i > 0)(lambda: plgpu.barrier_wait(p_free))
+
+            @pl.when(i > 0)
+            def _():
+                plgpu.barrier_wait(p_free)           # block i - 1 is added: its slot is free
+                pl.when(i - 1 + stages < n_blocks)(lambda: copy_block(i - 1 + stages))
+
             publish(p, alpha, m, 0)
             return m, l
 
@@ -387,7 +395,6 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
                                 bkv=bkv, layout=layout)
             acc = add_values(acc, alpha, p_smem, slot, h)
             plgpu.barrier_arrive(p_free)
-            plgpu.barrier_arrive(consumed.at[slot])
             return acc
 
         acc = lax.fori_loop(0, n_blocks, step, acc)
@@ -404,7 +411,7 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
 
     compute = compute_alternating if scoring == "alternate" else compute_one_scorer
 
-    def memory():
+    def copy_queries():
         # The tile's queries, from one laid-out array or two; rows past the last one are zeros (out of
         # bounds) or left as they are: padding either way.
         rows = pl.ds(tile * TILE_ROWS, q_copy_rows)
@@ -419,11 +426,18 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
             for src, buf in zip(srcs, q_bufs):
                 plgpu.copy_gmem_to_smem(src, buf.at[pl.ds(0, q_copy_rows)], q_bar)
 
+    def copy_block(i):
+        """Block i of the split into ring slot i % stages."""
+        slot = lax.rem(i, stages)
+        plgpu.copy_gmem_to_smem(c_ref.at[row, pl.ds(start + i * bkv, bkv)], kv_smem.at[slot], kv_bars.at[slot])
+
+    def memory():
+        copy_queries()
         stream_cache_blocks(c_ref, kv_smem, kv_bars, consumed, row, start, n_blocks, bkv=bkv, stages=stages,
                             drain=False)
 
     if scoring == "dedicated":
-        run_scoring_warpgroups(wg, score_only, values_only, memory)
+        run_scoring_warpgroups(wg, score_and_load, values_only)
     else:
         run_warpgroups(wg, compute, memory)
 
@@ -448,6 +462,8 @@ def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks, rows: int | None = N
                 f"R={r} a multiple of 128 and R + P={width} of 64")
     if blocks.scoring == "alternate" and blocks.stages < 2:
         return "scoring='alternate' needs stages >= 2 (a warpgroup scores block i before it takes block i - 1)"
+    if blocks.scoring == "dedicated" and blocks.stages < 2:
+        return "scoring='dedicated' needs stages >= 2 (block i + 1 is copied while block i is scored)"
     if blocks.query_side == "n" and rows is not None:
         need = column_smem_bytes(column_tile_rows(rows), width, blocks.block_kv, blocks.stages)
         if need > _SMEM_BYTES:
@@ -592,7 +608,7 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
             (plgpu.Barrier(num_arrivals=blocks.query_buffers), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=2),
              plgpu.Barrier(num_arrivals=value_groups if dedicated else 1)),     # p_free: the value warpgroups
-            plgpu.Barrier(num_arrivals=3 if dedicated else 2, num_barriers=stages),   # consumed: every reader
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # consumed (not with "dedicated")
             plgpu.Barrier(num_arrivals=3 if dedicated else 2),                       # done: the compute warpgroups
             collective_axes="wg",
         )
@@ -605,7 +621,7 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
         # tiles of one (row, split) run side by side, so the second tile's cache reads hit L2.
         grid=(b, splits, tiles),
         grid_names=("row", "split", "tile"),
-        num_threads=4 if dedicated else 3,
+        num_threads=3,
         thread_name="wg",
         # Row reductions of the WGMMA layout stay within warps: no reduction scratch is needed.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),

@@ -70,27 +70,22 @@ def run_warpgroups(wg, compute, memory) -> None:
         memory()
 
 
-# "dedicated" scoring: four warpgroups of 128 threads share the 65,536 registers of a multiprocessor (128 a
-# thread at launch); the memory warpgroup gives back 104 a thread and the scorer 8, which the two value
+# "dedicated" scoring: three warpgroups of 128 threads share the 65,536 registers of a multiprocessor (168 a
+# thread at launch); the scorer, which also issues the copies, gives back 56 a thread, which the two value
 # warpgroups take (their [64, 256] fp32 accumulators are 128 registers a thread).
-SCORER_REGISTERS, VALUE_REGISTERS, MEMORY_REGISTERS = 120, 184, 24
+SCORER_REGISTERS, VALUE_REGISTERS = 112, 200
 
 
-def run_scoring_warpgroups(wg, score, values, memory) -> None:
-    """Warpgroup 0 runs `score()`, warpgroups 1 and 2 run `values(0)` and `values(1)` with the most registers,
-    warpgroup 3 runs `memory()` with the fewest."""
+def run_scoring_warpgroups(wg, score, values) -> None:
+    """Warpgroup 0 runs `score()` with fewer registers, warpgroups 1 and 2 run `values(0)` and `values(1)` with
+    more."""
     @pl.when(wg == 0)
     def _score():
         plgpu.set_max_registers(SCORER_REGISTERS, action="decrease")
         score()
 
-    @pl.when((wg == 1) | (wg == 2))
+    @pl.when(wg > 0)
     def _values():
         plgpu.set_max_registers(VALUE_REGISTERS, action="increase")
         for h in (0, 1):
             pl.when(wg == h + 1)(functools.partial(values, h))
-
-    @pl.when(wg == 3)
-    def _memory():
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-        memory()

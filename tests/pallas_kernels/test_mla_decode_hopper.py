@@ -252,6 +252,9 @@ def test_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="stages >= 2"):
         mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
                           blocks=HopperMLABlocks(block_kv=128, stages=1, scoring="alternate"))
+    with pytest.raises(ValueError, match="'dedicated' needs stages >= 2"):
+        mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
+                          blocks=HopperMLABlocks(block_kv=128, stages=1, scoring="dedicated"))
     with pytest.raises(ValueError, match="scoring must be one of"):
         HopperMLABlocks(scoring="both")
     with pytest.raises(ValueError, match="query_buffers must be 1 or 2"):
