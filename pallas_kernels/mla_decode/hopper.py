@@ -146,7 +146,7 @@ class HopperMLABlocks:
 
 
 def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv, stages, split_len, scale, scoring,
-            n_slots, q_copy_rows):
+            n_slots, q_copy_rows, accumulate="state"):
     (q_or_out, kv_smem, p_smem, alpha_smem, m_smem), (q_bar, kv_bars, ready, p_free), consumed, done = scoped
     q_bufs, out_smem = q_or_out        # the query tile (one or two buffers), then (both done) the output
     tile, split, row = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("row")
@@ -187,10 +187,16 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
     def add_values(acc, alpha, p, slot, w):
         """acc * alpha + P @ V over this warpgroup's half of the value columns (P in registers or
         shared memory); waits for every MMA this warpgroup has in flight."""
-        def values(acc_ref):
-            plgpu.wgmma(acc_ref, p, kv_smem.at[slot, :, pl.ds(w * half, half)])
+        v = kv_smem.at[slot, :, pl.ds(w * half, half)]
+        scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        if accumulate == "state":
+            return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v))(plgpu.ACC.init(scaled))
 
-        return pl.run_state(values)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [0])))
+        def product(acc_ref):                # interpret mode (no run_state): a fresh accumulator, added
+            plgpu.wgmma(acc_ref, p, v)
+            return acc_ref[...]
+
+        return scaled + pl.run_scoped(product, plgpu.ACC((TILE_ROWS, half), jnp.float32))
 
     def publish(p, alpha, m, other):
         """Hands block probabilities, the rescale factor and (when `other` scores later blocks) the
@@ -505,15 +511,16 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
       cache: [B, S, R + P] bf16 or fp16, latents | k_pe per slot; S a multiple of block_kv.
       lengths: [B] int32 valid slots per row; query t of a row sees slots [0, lengths - Sq + t].
       scale: softmax scale. blocks: launch settings.
-      interpret: Mosaic GPU's interpret mode (the CPU); query_side="n" only.
+      interpret: Mosaic GPU's interpret mode (the CPU); query_side="n" and scoring="dedicated" only.
     Returns:
       [B, Sq, H, R] fp32.
     """
     validate_inputs(q_lat, q_pe, cache, lengths)
     b, sq, h, r = q_lat.shape
     rows = sq * h
-    if interpret and blocks.query_side != "n":
-        raise ValueError("mla_decode_hopper: interpret mode runs query_side='n' only (the 'm' form needs run_state)")
+    if interpret and blocks.query_side != "n" and blocks.scoring != "dedicated":
+        raise ValueError("mla_decode_hopper: interpret mode runs query_side='n' and scoring='dedicated' only (the "
+                         "others need run_state)")
     if blocks.query_side == "n":
         tile_rows, tiles = column_tile_rows(rows), column_tiles(rows)
     else:
@@ -533,7 +540,7 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
                                 out_rows=tiles * tile_rows, q_copy_rows=copy_rows, interpret=interpret)
     else:
         o, lse = _launch(parts, cache, lengths, heads=h, sq=sq, latent_dim=r, scale=scale, blocks=blocks,
-                         out_rows=query_rows(h, sq), q_copy_rows=copy_rows)
+                         out_rows=query_rows(h, sq), q_copy_rows=copy_rows, interpret=interpret)
     if o.shape[1] == 1:                      # one split: normalised already
         lat = o[:, 0, :rows].astype(jnp.float32)
     elif blocks.merge == "pallas" or (blocks.merge == "auto" and o.shape[1] >= PALLAS_MERGE_FROM_SPLITS):
@@ -572,7 +579,7 @@ def mla_decode_hopper_splits(q, cache, lengths, *, heads: int, sq: int, latent_d
                    out_rows=q.shape[1], q_copy_rows=TILE_ROWS)
 
 
-def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, out_rows, q_copy_rows):
+def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, out_rows, q_copy_rows, interpret=False):
     """The kernel launch. q_parts: (rows [B, >= whole tiles, R + P],) laid out, or (q_lat [B, Sq*H, R],
     q_pe [B, Sq*H, P]) copied side by side into each tile, `q_copy_rows` rows per copy (a whole tile,
     or all rows when there are fewer)."""
@@ -586,7 +593,8 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = blocks.stages
     kernel = functools.partial(_kernel, heads=heads, sq=sq, r=r, bkv=bkv, stages=stages, split_len=split_len,
-                               scale=scale, scoring=blocks.scoring, n_slots=s, q_copy_rows=q_copy_rows)
+                               scale=scale, scoring=blocks.scoring, n_slots=s, q_copy_rows=q_copy_rows,
+                               accumulate="add" if interpret else "state")
     n_parts = len(q_parts)
     dedicated = blocks.scoring == "dedicated"
     value_groups = 2
@@ -625,5 +633,6 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
         thread_name="wg",
         # Row reductions of the WGMMA layout stay within warps: no reduction scratch is needed.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(lengths.astype(jnp.int32), *q_parts, cache)
     return o, lse

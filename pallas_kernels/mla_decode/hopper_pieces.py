@@ -70,10 +70,11 @@ def run_warpgroups(wg, compute, memory) -> None:
         memory()
 
 
-# "dedicated" scoring: three warpgroups of 128 threads share the 65,536 registers of a multiprocessor (168 a
-# thread at launch); the scorer, which also issues the copies, gives back 56 a thread, which the two value
-# warpgroups take (their [64, 256] fp32 accumulators are 128 registers a thread).
-SCORER_REGISTERS, VALUE_REGISTERS = 112, 200
+# "dedicated" scoring: three warpgroups of 128 threads, 168 registers a thread at launch (65,536 a multiprocessor).
+# `setmaxnreg` moves registers within what the block was given at launch (3 x 168): the scorer, which also issues
+# the copies, gives back 48 a thread and the two value warpgroups take 24 each (their [64, 256] fp32 accumulators
+# are 128 registers a thread). Asking for more than was given back waits forever.
+SCORER_REGISTERS, VALUE_REGISTERS = 120, 192
 
 
 def run_scoring_warpgroups(wg, score, values) -> None:
