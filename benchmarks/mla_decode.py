@@ -36,7 +36,6 @@ from pallas_kernels.mla_decode.hopper_columns import column_tiles  # noqa: E402
 
 # --impl names of the Hopper kernel's forms -> their HopperMLABlocks settings (besides the splits).
 HOPPER_FORMS = {"hopper": {}, "hopper-alternate": {"scoring": "alternate"}, "hopper-each": {"scoring": "each"},
-                "hopper-dedicated": {"scoring": "dedicated"},
                 "hopper-one-buffer": {"query_buffers": 1}, "hopper-merge-pallas": {"merge": "pallas"},
                 "hopper-merge-xla": {"merge": "xla"}, "hopper-columns": {"query_side": "n"}}
 

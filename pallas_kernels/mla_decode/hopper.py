@@ -42,8 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.hopper_columns import column_smem_bytes, column_tile_rows, column_tiles, launch_columns
-from pallas_kernels.mla_decode.hopper_pieces import (run_scoring_warpgroups, run_warpgroups, split_blocks,
-                                                     stream_cache_blocks, zero_value_tail)
+from pallas_kernels.mla_decode.hopper_pieces import run_warpgroups, split_blocks, stream_cache_blocks, zero_value_tail
 from pallas_kernels.mla_decode.merge import MANY_SPLITS, merge_splits_pallas
 from pallas_kernels.mla_decode.reference import validate_inputs
 
@@ -52,10 +51,9 @@ _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 _SMEM_BYTES = 227 * 1024  # shared memory one H100/H200 block may take
 _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (measured: ~1.6 KB)
-_ZERO_COLUMNS = 64        # value columns a "dedicated" value warpgroup zeroes past a row's length at a time
 
 
-SCORINGS = ("alternate", "first", "each", "dedicated")
+SCORINGS = ("alternate", "first", "each")
 QUERY_SIDES = ("m", "n")
 MERGES = ("auto", "xla", "pallas")
 # "auto" merges this many splits or more in the one Pallas launch: the regime measured (H200, MLA merge sweep 2:
@@ -77,11 +75,7 @@ class HopperMLABlocks:
       the score MMA of its next block before it waits for the other's probabilities. Exact, but on
       the H200 it ran at half the speed of "first" (both warpgroups then hold a score tile beside
       their [64, 256] fp32 accumulator, and ptxas spills 1.3 KB per thread);
-    * "each": both score every block themselves (twice the score MMAs, no hand-off);
-    * "dedicated": warpgroup 0 scores every block and issues the copies (no memory warpgroup), and the two
-      others only add P @ V: it scores block i + 1 while they add block i, where with "first" warpgroup 1
-      waits on warpgroup 0's score, softmax and half of P @ V in turn. (A fourth warpgroup for the copies
-      would leave ptxas 128 registers a thread at launch, and it refuses the value MMAs then: they need 154.)
+    * "each": both score every block themselves (twice the score MMAs, no hand-off).
 
     `query_buffers`: 2 = the tile's q_lat and q_pe in two shared-memory buffers, copied from where
     they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score
@@ -146,7 +140,7 @@ class HopperMLABlocks:
 
 
 def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv, stages, split_len, scale, scoring,
-            n_slots, q_copy_rows, accumulate="state"):
+            n_slots, q_copy_rows):
     (q_or_out, kv_smem, p_smem, alpha_smem, m_smem), (q_bar, kv_bars, ready, p_free), consumed, done = scoped
     q_bufs, out_smem = q_or_out        # the query tile (one or two buffers), then (both done) the output
     tile, split, row = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("row")
@@ -187,16 +181,10 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
     def add_values(acc, alpha, p, slot, w):
         """acc * alpha + P @ V over this warpgroup's half of the value columns (P in registers or
         shared memory); waits for every MMA this warpgroup has in flight."""
-        v = kv_smem.at[slot, :, pl.ds(w * half, half)]
-        scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        if accumulate == "state":
-            return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, p, v))(plgpu.ACC.init(scaled))
+        def values(acc_ref):
+            plgpu.wgmma(acc_ref, p, kv_smem.at[slot, :, pl.ds(w * half, half)])
 
-        def product(acc_ref):                # interpret mode (no run_state): a fresh accumulator, added
-            plgpu.wgmma(acc_ref, p, v)
-            return acc_ref[...]
-
-        return scaled + pl.run_scoped(product, plgpu.ACC((TILE_ROWS, half), jnp.float32))
+        return pl.run_state(values)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [0])))
 
     def publish(p, alpha, m, other):
         """Hands block probabilities, the rescale factor and (when `other` scores later blocks) the
@@ -244,13 +232,13 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
             plgpu.copy_smem_to_gmem(m_smem, lse_ref.at[row, split, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    def start_state(with_acc=True):
+    def start_state():
         q_rows = tile * TILE_ROWS + plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, bkv), 0, layout=layout)
         last = jnp.minimum(given_length - sq + jnp.minimum(q_rows // heads, sq - 1), n_slots - 1)
         limit = last.max(axis=1)             # each query row's last visible slot
         m = plgpu.layout_cast(jnp.full((TILE_ROWS,), _NEG, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((TILE_ROWS,), jnp.float32), row_layout)
-        acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout) if with_acc else None
+        acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout)
         return limit, acc, m, l
 
     def compute_one_scorer(w):
@@ -345,79 +333,9 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
                                   lambda _, c: take_other(n_blocks - 1, *c), carry)
         finish(w, acc, m, l + row_sums_meet(w, l))
 
-    def score_and_load():
-        """"dedicated", the scoring warpgroup, which also issues the copies: the queries and the first
-        `stages` blocks, then block i - 1 + stages once the value warpgroups are done with block i - 1 (its
-        keys it has read itself). It scores block i and hands its probabilities over once block i - 1's are
-        taken. At the end it posts the row sums (for the value warpgroups) and writes the log-sum-exp."""
-        copy_queries()
-        for j in range(stages):
-            pl.when(j < n_blocks)(functools.partial(copy_block, j))
-        plgpu.barrier_wait(q_bar)
-        limit, _, m, l = start_state(with_acc=False)
-
-        def step(i, carry):
-            m, l = carry
-            slot = lax.rem(i, stages)
-            plgpu.barrier_wait(kv_bars.at[slot])
-
-            def mma(s_ref):
-                issue_scores(s_ref, slot)
-                return s_ref[...]
-
-            s = pl.run_scoped(mma, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
-            p, alpha, m, l = softmax(s, i, limit, m, l)
-
-            @pl.when(i > 0)
-            def _():
-                plgpu.barrier_wait(p_free)           # block i - 1 is added: its slot is free
-                pl.when(i - 1 + stages < n_blocks)(lambda: copy_block(i - 1 + stages))
-
-            publish(p, alpha, m, 0)
-            return m, l
-
-        m, l = lax.fori_loop(0, n_blocks, step, (m, l))
-        pl.when(n_blocks > 0)(lambda: plgpu.barrier_wait(p_free))    # the last rescale factor is taken
-        seen = l > 0
-        alpha_smem[...] = l
-        m_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), _NEG)
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(done)
-        plgpu.copy_smem_to_gmem(m_smem, lse_ref.at[row, split, pl.ds(tile * TILE_ROWS, TILE_ROWS)])
-        plgpu.wait_smem_to_gmem(0)
-
-    def values_only(h):
-        """"dedicated", value warpgroup h (0 or 1): adds P @ V of every block for its half of the output
-        columns, then (the scorer past its loop, the query tile free) normalises and writes that half."""
-        acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout)
-
-        def step(i, acc):
-            slot = lax.rem(i, stages)
-            plgpu.barrier_wait(kv_bars.at[slot])
-            plgpu.barrier_wait(ready.at[0])
-            alpha = plgpu.load(alpha_smem, layout=row_layout)
-            for c in range(0, half, _ZERO_COLUMNS):       # by column chunks: few registers beside the accumulator
-                zero_value_tail(kv_smem, slot, start + i * bkv, length, pl.ds(h * half + c, _ZERO_COLUMNS),
-                                bkv=bkv, layout=layout)
-            acc = add_values(acc, alpha, p_smem, slot, h)
-            plgpu.barrier_arrive(p_free)
-            return acc
-
-        acc = lax.fori_loop(0, n_blocks, step, acc)
-        plgpu.barrier_arrive(done)
-        plgpu.barrier_wait(done)
-        l = plgpu.load(alpha_smem, layout=row_layout)
-        seen = l > 0
-        inv = 1.0 / jnp.where(seen, l, 1.0)
-        out_smem.at[h][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_smem.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[h], o_ref.at[row, split, pl.ds(tile * TILE_ROWS, TILE_ROWS),
-                                                          pl.ds(h * half, half)])
-        plgpu.wait_smem_to_gmem(0)
-
     compute = compute_alternating if scoring == "alternate" else compute_one_scorer
 
-    def copy_queries():
+    def memory():
         # The tile's queries, from one laid-out array or two; rows past the last one are zeros (out of
         # bounds) or left as they are: padding either way.
         rows = pl.ds(tile * TILE_ROWS, q_copy_rows)
@@ -432,20 +350,10 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
             for src, buf in zip(srcs, q_bufs):
                 plgpu.copy_gmem_to_smem(src, buf.at[pl.ds(0, q_copy_rows)], q_bar)
 
-    def copy_block(i):
-        """Block i of the split into ring slot i % stages."""
-        slot = lax.rem(i, stages)
-        plgpu.copy_gmem_to_smem(c_ref.at[row, pl.ds(start + i * bkv, bkv)], kv_smem.at[slot], kv_bars.at[slot])
-
-    def memory():
-        copy_queries()
         stream_cache_blocks(c_ref, kv_smem, kv_bars, consumed, row, start, n_blocks, bkv=bkv, stages=stages,
                             drain=False)
 
-    if scoring == "dedicated":
-        run_scoring_warpgroups(wg, score_and_load, values_only)
-    else:
-        run_warpgroups(wg, compute, memory)
+    run_warpgroups(wg, compute, memory)
 
 
 def smem_bytes(width: int, blocks: HopperMLABlocks) -> int:
@@ -468,8 +376,6 @@ def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks, rows: int | None = N
                 f"R={r} a multiple of 128 and R + P={width} of 64")
     if blocks.scoring == "alternate" and blocks.stages < 2:
         return "scoring='alternate' needs stages >= 2 (a warpgroup scores block i before it takes block i - 1)"
-    if blocks.scoring == "dedicated" and blocks.stages < 2:
-        return "scoring='dedicated' needs stages >= 2 (block i + 1 is copied while block i is scored)"
     if blocks.query_side == "n" and rows is not None:
         need = column_smem_bytes(column_tile_rows(rows), width, blocks.block_kv, blocks.stages)
         if need > _SMEM_BYTES:
@@ -511,16 +417,15 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
       cache: [B, S, R + P] bf16 or fp16, latents | k_pe per slot; S a multiple of block_kv.
       lengths: [B] int32 valid slots per row; query t of a row sees slots [0, lengths - Sq + t].
       scale: softmax scale. blocks: launch settings.
-      interpret: Mosaic GPU's interpret mode (the CPU); query_side="n" and scoring="dedicated" only.
+      interpret: Mosaic GPU's interpret mode (the CPU); query_side="n" only.
     Returns:
       [B, Sq, H, R] fp32.
     """
     validate_inputs(q_lat, q_pe, cache, lengths)
     b, sq, h, r = q_lat.shape
     rows = sq * h
-    if interpret and blocks.query_side != "n" and blocks.scoring != "dedicated":
-        raise ValueError("mla_decode_hopper: interpret mode runs query_side='n' and scoring='dedicated' only (the "
-                         "others need run_state)")
+    if interpret and blocks.query_side != "n":
+        raise ValueError("mla_decode_hopper: interpret mode runs query_side='n' only (the 'm' form needs run_state)")
     if blocks.query_side == "n":
         tile_rows, tiles = column_tile_rows(rows), column_tiles(rows)
     else:
@@ -540,7 +445,7 @@ def mla_decode_hopper(q_lat, q_pe, cache, lengths, *, scale: float, blocks: Hopp
                                 out_rows=tiles * tile_rows, q_copy_rows=copy_rows, interpret=interpret)
     else:
         o, lse = _launch(parts, cache, lengths, heads=h, sq=sq, latent_dim=r, scale=scale, blocks=blocks,
-                         out_rows=query_rows(h, sq), q_copy_rows=copy_rows, interpret=interpret)
+                         out_rows=query_rows(h, sq), q_copy_rows=copy_rows)
     if o.shape[1] == 1:                      # one split: normalised already
         lat = o[:, 0, :rows].astype(jnp.float32)
     elif blocks.merge == "pallas" or (blocks.merge == "auto" and o.shape[1] >= PALLAS_MERGE_FROM_SPLITS):
@@ -579,7 +484,7 @@ def mla_decode_hopper_splits(q, cache, lengths, *, heads: int, sq: int, latent_d
                    out_rows=q.shape[1], q_copy_rows=TILE_ROWS)
 
 
-def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, out_rows, q_copy_rows, interpret=False):
+def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, out_rows, q_copy_rows):
     """The kernel launch. q_parts: (rows [B, >= whole tiles, R + P],) laid out, or (q_lat [B, Sq*H, R],
     q_pe [B, Sq*H, P]) copied side by side into each tile, `q_copy_rows` rows per copy (a whole tile,
     or all rows when there are fewer)."""
@@ -593,11 +498,8 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = blocks.stages
     kernel = functools.partial(_kernel, heads=heads, sq=sq, r=r, bkv=bkv, stages=stages, split_len=split_len,
-                               scale=scale, scoring=blocks.scoring, n_slots=s, q_copy_rows=q_copy_rows,
-                               accumulate="add" if interpret else "state")
+                               scale=scale, scoring=blocks.scoring, n_slots=s, q_copy_rows=q_copy_rows)
     n_parts = len(q_parts)
-    dedicated = blocks.scoring == "dedicated"
-    value_groups = 2
 
     def entry(len_ref, *refs):
         q_refs, (c_ref, o_ref, lse_ref) = refs[:n_parts], refs[n_parts:]
@@ -615,9 +517,9 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
              plgpu.SMEM((TILE_ROWS,), jnp.float32)),                 # running maximum handed over
             (plgpu.Barrier(num_arrivals=blocks.query_buffers), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=2),
-             plgpu.Barrier(num_arrivals=value_groups if dedicated else 1)),     # p_free: the value warpgroups
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),    # consumed (not with "dedicated")
-            plgpu.Barrier(num_arrivals=3 if dedicated else 2),                       # done: the compute warpgroups
+             plgpu.Barrier()),
+            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
         )
 
@@ -633,6 +535,5 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
         thread_name="wg",
         # Row reductions of the WGMMA layout stay within warps: no reduction scratch is needed.
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(lengths.astype(jnp.int32), *q_parts, cache)
     return o, lse

@@ -1,6 +1,7 @@
 """What the two Hopper MLA decode kernels (`hopper.py`, query rows on the MMAs' M side; `hopper_columns.py`, on
 their N side) share: a split's range of cache blocks, the values zeroed past a row's length, the memory
-warpgroup's ring of cache blocks, and the split of a program into compute warpgroups and one memory warpgroup."""
+warpgroup's ring of cache blocks, and the split of a program into two compute warpgroups and one memory
+warpgroup."""
 
 from __future__ import annotations
 
@@ -68,25 +69,3 @@ def run_warpgroups(wg, compute, memory) -> None:
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
         memory()
-
-
-# "dedicated" scoring: three warpgroups of 128 threads, 168 registers a thread at launch (65,536 a multiprocessor).
-# `setmaxnreg` moves registers within what the block was given at launch (3 x 168): the scorer, which also issues
-# the copies, gives back 48 a thread and the two value warpgroups take 24 each (their [64, 256] fp32 accumulators
-# are 128 registers a thread). Asking for more than was given back waits forever.
-SCORER_REGISTERS, VALUE_REGISTERS = 120, 192
-
-
-def run_scoring_warpgroups(wg, score, values) -> None:
-    """Warpgroup 0 runs `score()` with fewer registers, warpgroups 1 and 2 run `values(0)` and `values(1)` with
-    more."""
-    @pl.when(wg == 0)
-    def _score():
-        plgpu.set_max_registers(SCORER_REGISTERS, action="decrease")
-        score()
-
-    @pl.when(wg > 0)
-    def _values():
-        plgpu.set_max_registers(VALUE_REGISTERS, action="increase")
-        for h in (0, 1):
-            pl.when(wg == h + 1)(functools.partial(values, h))

@@ -40,8 +40,6 @@ VARIANTS = {"default": HopperMLABlocks(), "splits3": HopperMLABlocks(num_splits=
             "alternate_splits1": HopperMLABlocks(scoring="alternate", num_splits=1),
             "alternate_splits2": HopperMLABlocks(scoring="alternate", num_splits=2),
             "each": HopperMLABlocks(scoring="each"), "each_stages1": HopperMLABlocks(block_kv=128, stages=1, scoring="each"),
-            "dedicated": HopperMLABlocks(scoring="dedicated"),
-            "dedicated_splits1": HopperMLABlocks(scoring="dedicated", num_splits=1),
             "one_query_buffer": HopperMLABlocks(query_buffers=1),
             "merge_pallas": HopperMLABlocks(merge="pallas"), "merge_xla": HopperMLABlocks(merge="xla"),
             "columns": HopperMLABlocks(query_side="n"),
@@ -95,14 +93,10 @@ def test_splits_on_query_rows_as_laid_out(rng, sq, h, rows):
     (2, 1, 12, 128, [128, 50], HopperMLABlocks(query_side="n")),    # 12 rows: laid out by XLA into a 16-row tile
     (2, 1, 16, 128, [128, 77], HopperMLABlocks(query_side="n", query_buffers=1)),   # one [T, R + P] query buffer
     (1, 1, 8, 2048, [2000], HopperMLABlocks(query_side="n", merge="pallas")),       # 32 splits, the one-launch merge
-    (3, 1, 24, 192, [192, 70, 3], HopperMLABlocks(scoring="dedicated", num_splits=1)),  # the scorer's own copies
-    (2, 1, 96, 256, [256, 65], HopperMLABlocks(scoring="dedicated")),               # two 64-row tiles, splits
-    (2, 4, 8, 128, [128, 2], HopperMLABlocks(scoring="dedicated", block_kv=64, stages=3)),  # three ring slots
 ])
-def test_interpret_forms_match_reference(rng, b, sq, h, s, lengths, blocks):
-    """query_side="n" and scoring="dedicated" in Mosaic GPU's interpret mode (R = 128, P = 64 to keep it quick):
-    ragged lengths, the cache poisoned with NaN past each row's length, query rows not filling a tile, several
-    splits."""
+def test_columns_form_in_interpret_mode_matches_reference(rng, b, sq, h, s, lengths, blocks):
+    """query_side="n" in Mosaic GPU's interpret mode (R = 128, P = 64 to keep it quick): ragged lengths, the
+    cache poisoned with NaN past each row's length, query rows not filling a tile, several splits."""
     lengths = np.asarray(lengths, np.int32)
     q = jnp.asarray(rng.standard_normal((b, sq, h, 128)), jnp.bfloat16)
     qp = jnp.asarray(rng.standard_normal((b, sq, h, 64)), jnp.bfloat16)
@@ -113,7 +107,7 @@ def test_interpret_forms_match_reference(rng, b, sq, h, s, lengths, blocks):
     ref = mla_decode_reference(q, qp, clean, jnp.asarray(lengths), scale=0.09)
     out = mla_decode_hopper(q, qp, dirty, jnp.asarray(lengths), scale=0.09, blocks=blocks, interpret=True)
     for i in range(b):                        # row by row: a wrong short row is not hidden by the long ones
-        assert_close(f"row {i}", out[i], ref[i], dtype="bfloat16")
+        assert_close(f"columns row {i}", out[i], ref[i], dtype="bfloat16")
     blind = np.arange(sq)[None, :] < (sq - lengths)[:, None]     # query tokens that see no slot: exactly 0
     assert not np.any(np.asarray(out)[blind])
 
@@ -134,7 +128,7 @@ def test_columns_form_refusals():
     with pytest.raises(ValueError, match="query_side='n': .* shared memory for tiles of 32 query rows"):
         mla_decode_hopper(q, qp, cache, jnp.array([3]), scale=1.0, blocks=HopperMLABlocks(query_side="n", stages=3))
     assert column_smem_bytes(32, 576, 64, 3) > 227 * 1024 >= column_smem_bytes(64, 576, 64, 2)
-    with pytest.raises(ValueError, match="interpret mode runs query_side='n' and scoring='dedicated' only"):
+    with pytest.raises(ValueError, match="interpret mode runs query_side='n' only"):
         mla_decode_hopper(q, qp, cache, jnp.array([3]), scale=1.0, interpret=True)
     with pytest.raises(ValueError, match="64-row tiles"):
         mla_decode_hopper_splits(jnp.zeros((1, 64, 576), jnp.bfloat16), cache, jnp.array([3]), heads=32, sq=1,
@@ -142,7 +136,7 @@ def test_columns_form_refusals():
 
 
 @pytest.mark.parametrize("variant,sq,h", [(v, 2, 32) for v in VARIANTS]
-                         + [(v, sq, h) for v in ("default", "one_query_buffer", "dedicated", "columns", "columns_one_buffer")
+                         + [(v, sq, h) for v in ("default", "one_query_buffer", "columns", "columns_one_buffer")
                             for sq, h in ((1, 12), (3, 24), (1, 96), (1, 100))])
 def test_lowers_for_cuda_on_any_host(variant, sq, h):
     """The full Pallas -> Mosaic GPU lowering runs (no GPU needed) and emits the Mosaic GPU kernel, for
@@ -256,9 +250,6 @@ def test_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="stages >= 2"):
         mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
                           blocks=HopperMLABlocks(block_kv=128, stages=1, scoring="alternate"))
-    with pytest.raises(ValueError, match="'dedicated' needs stages >= 2"):
-        mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
-                          blocks=HopperMLABlocks(block_kv=128, stages=1, scoring="dedicated"))
     with pytest.raises(ValueError, match="scoring must be one of"):
         HopperMLABlocks(scoring="both")
     with pytest.raises(ValueError, match="query_buffers must be 1 or 2"):
