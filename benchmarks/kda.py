@@ -462,6 +462,9 @@ def decode_rows(batches, h, kd, layers, fla, iters, warps=(8,), state_dtype=jnp.
         for nwarps, split, col in launches:
             if (split and not value_blocks_fit(kd, split)) or (col and (col >= kd or kd % col)):
                 continue                 # a column block of the whole head (or more) is the whole-state launch
+            if nwarps > 4 and split in (0, 1) and not col:
+                print(f"skipped {nwarps}w/1v: DecodeBlocks refuses it (a state 3% off the reference, run 34)")
+                continue
             blocks = DecodeBlocks(num_warps=nwarps, value_blocks=split, column_block=col)
             label = (f"{nwarps}w/{blocks.value_blocks_for(b, h, kd)}v" + (" (auto)" if split == 0 else "")
                      + (f"/loop{col}" if col else ""))

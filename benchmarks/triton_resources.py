@@ -167,7 +167,7 @@ def _build_cases():
         "kda-chunk-tiles-ks64": kda(pairs="tiles", key_slice=64),
         "kda-decode-b1": kda_decode(1),
         "kda-decode-b64": kda_decode(64),
-        "kda-decode-b64-w8": kda_decode(64, num_warps=8),
+        "kda-decode-b64-w8-v2": kda_decode(64, num_warps=8, value_blocks=2),   # 8 warps over one program: refused
         "kda-decode-b64-loop32": kda_decode(64, column_block=32),
         "kda-decode-b64-loop64": kda_decode(64, column_block=64),
         "kda-state-stream-b64": (jax.jit(lambda d, st: state_stream(d, st, num_warps=4, interpret=False)),
