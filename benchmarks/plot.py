@@ -654,6 +654,58 @@ def plot_run33(out: str) -> str:
     return _save(fig, os.path.join(out, "run33.png"))
 
 
+MLA_RUN34 = "mla_decode_run34c_f9d7ee9_dedicated.json"
+MXFP4_RUN34 = "moe_mxfp4_run34d_df362e3_rows_1_8_tokens.json"
+KDA_W8_RUN34 = "kda_decode_run34d_df362e3_8warps.json"
+
+
+def plot_run34(out: str) -> str:
+    """Run 34, one H100. Left: the MLA kernel alone (device time) with warpgroup 0 scoring and adding half of
+    P @ V ("first", the default) against a scorer that only scores ("dedicated", measured and removed). Middle: the
+    KDA decode state's error against the XLA reference after two steps, by launch. Right: the MXFP4 call with
+    outputs "rows" (the decode default) and "tiles" at 1 and 8 tokens, Kimi-Linear and K3's 1/8 of the experts."""
+    import numpy as np
+
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4.2))
+    rows = _load(MLA_RUN34, H100)["rows"]
+    shapes = [(96, 1), (96, 4), (32, 1), (32, 4)]
+    x = np.arange(len(shapes))
+    for j, (impl, label) in enumerate([("hopper", '"first" (default)'), ("hopper-dedicated", '"dedicated"')]):
+        us = [next(r["kernel_ms"] for r in rows if r["impl"] == impl and r["H"] == h and r["q"] == q) * 1e3
+              for h, q in shapes]
+        left.bar(x + (j - 0.5) * 0.38, us, 0.38, label=label, color=f"C{j}")
+    left.set_xticks(x, [f"H = {h}, q = {q}" for h, q in shapes], fontsize=8)
+    left.set_ylabel("kernel us (device time)")
+    left.set_title("MLA decode, 64 x 4K, who scores a block (H100)", fontsize=10)
+    left.legend(fontsize=8)
+    left.grid(axis="y", alpha=0.3)
+    decode = next(r for r in _load(KDA_W8_RUN34, H100)["decode"] if r["B"] == 64)
+    errors = {"8 warps, 1 block": decode["err_state_vs_ref_by_launch"]["8w/1v"] * 100,
+              "8 warps, 2 blocks": decode["err_state_vs_ref_by_launch"]["8w/2v"] * 100}
+    mid.bar(list(errors), list(errors.values()), color=["C3", "C2"])
+    mid.set_ylabel("state error vs XLA reference, %")
+    mid.set_title("KDA decode, B = 64, after 2 steps (H100); 4 warps: 0.13%", fontsize=10)
+    mid.grid(axis="y", alpha=0.3)
+    entries = _load(MXFP4_RUN34, H100)["hopper"]
+    labels, default, tiles = [], [], []
+    for model in ("kimi-linear", "k3-latent-1/8"):
+        for tokens in (1, 8):
+            here = [r for r in entries if r["model"] == model and r["tokens"] == tokens and "ms" in r]
+            labels.append(f"{model}\n{tokens} token{'s' if tokens > 1 else ''}")
+            default.append(next(r["ms"] for r in here if r["blocks"] == "None"))
+            tiles.append(next(r["ms"] for r in here if "outputs='tiles'" in r["blocks"]))
+    x = np.arange(len(labels))
+    right.bar(x, [t / d for t, d in zip(tiles, default)], 0.5, label='"tiles" / "rows"', color="C5")
+    right.axhline(1, color="k", ls=":", lw=1)
+    right.set_xticks(x, labels, fontsize=8)
+    right.set_ylabel('time with outputs="tiles" / the default ("rows")')
+    right.set_ylim(0.9, 1.25)
+    right.set_title("MXFP4 experts, one call (H100)", fontsize=10)
+    right.legend(fontsize=8)
+    right.grid(axis="y", alpha=0.3)
+    return _save(fig, os.path.join(out, "run34.png"))
+
+
 KDA_LENGTHS = "kda_prefill_lengths_run22_182d874.json"         # RESULTS.md, KDA run 22: prefill over T, H = 32
 KDA_BATCHES = "kda_decode_run8_batches_b777e8c.json"    # KDA decode run 8: one layer's step over B, H = 32
 
@@ -757,7 +809,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
-                                      "kda-sweep", "kda-run30", "kda-run31", "run32", "run33",
+                                      "kda-sweep", "kda-run30", "kda-run31", "run32", "run33", "run34",
                                       "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
@@ -771,7 +823,7 @@ def main(argv=None) -> int:
                      ("kda-diagonal", plot_kda_diagonal), ("kda-band", plot_kda_band),
                      ("kda-tile-solve", plot_kda_tile_solve), ("kda-handoff", plot_kda_handoff),
                      ("kda-sweep", plot_kda_sweep), ("kda-run30", plot_kda_run30), ("kda-run31", plot_kda_run31),
-                     ("run32", plot_run32), ("run33", plot_run33),
+                     ("run32", plot_run32), ("run33", plot_run33), ("run34", plot_run34),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
