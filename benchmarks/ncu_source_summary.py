@@ -1,5 +1,5 @@
 """Summarises Nsight Compute's source page of one profiled kernel: the SASS instructions where its warps were
-most often sampled stalled, and the samples summed by opcode.
+most often sampled stalled, the samples summed by opcode, and the samples spent waiting on each mbarrier.
 
     ncu -k regex:mosaic --launch-skip 1 --launch-count 1 --section SourceCounters --section WarpStateStats \\
         -o rep -f python3 benchmarks/mla_decode_once.py --impl hopper
@@ -9,6 +9,12 @@ most often sampled stalled, and the samples summed by opcode.
 The sample column is ncu's "Warp Stall Sampling (All Samples)" (each sample: one warp found at that instruction,
 issuing or stalled); any per-reason stall columns ncu writes beside it are kept, the largest three per row.
 An input this parser does not recognise fails with its first lines shown, so the format can be read off them.
+
+A warp waiting on an mbarrier spins in `SYNCS.PHASECHK.TRANS64.TRYWAIT P, [bar], R` followed by `@!P BRA retry`,
+and the retry loop it branches to (`NANOSLEEP`, another check, a branch back). ncu files those samples under the
+branch, as "long scoreboard" stalls, so by opcode they read as `BRA`. The barrier waits table gives each wait site
+(its try-wait's address and barrier operand, whose constant is the barrier's shared-memory offset when the address
+is not all in registers) with the samples of the site and of its retry loop together.
 """
 
 from __future__ import annotations
@@ -72,6 +78,45 @@ def opcode(sass: str) -> str:
     return text.split(" ")[0] if text else "?"
 
 
+_BRANCH_WITHIN = 8          # instructions after a try-wait searched for the branch on its predicate
+_TRY_WAIT = re.compile(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT\s+(\w+),\s*(\[[^\]]*\])")
+
+
+def _address(text: str) -> int | None:
+    try:
+        return int(text, 16)
+    except ValueError:
+        return None
+
+
+def barrier_waits(instructions: list[dict]) -> list[dict]:
+    """One entry per mbarrier wait site (a try-wait followed, within a few instructions, by a branch on its failure):
+    {address, barrier (the operand), samples (the try-wait, the branch and the retry loop it branches to)}, most
+    first."""
+    at = {a: k for k, i in enumerate(instructions) if (a := _address(i["address"])) is not None}
+    waits = []
+    for k, ins in enumerate(instructions):
+        m = _TRY_WAIT.match(ins["source"])
+        if not m:
+            continue
+        b = branch = None
+        for branch in instructions[k + 1:k + 1 + _BRANCH_WITHIN]:    # the scheduler may put other work between
+            b = re.match(rf"@!{m.group(1)}\s+BRA\s+(0x[0-9a-fA-F]+)", branch["source"])
+            if b or re.match(rf"(@!?U?P\w+\s+)?\S+\s+{m.group(1)},", branch["source"]):
+                break                 # the branch, or the predicate written again (a retry loop's own check)
+        if not b:
+            continue
+        samples = ins["samples"] + branch["samples"]
+        j = at.get(int(b.group(1), 16))
+        while j is not None and j < len(instructions):     # the retry loop, up to its unconditional branch back
+            samples += instructions[j]["samples"]
+            if re.match(r"BRA\s", instructions[j]["source"]):
+                break
+            j += 1
+        waits.append({"address": ins["address"], "barrier": m.group(2), "samples": samples})
+    return sorted(waits, key=lambda w: -w["samples"])
+
+
 def summarise(instructions: list[dict], top: int) -> dict:
     total = sum(i["samples"] for i in instructions) or 1.0
     by_op = collections.Counter()
@@ -81,7 +126,8 @@ def summarise(instructions: list[dict], top: int) -> dict:
     return {"total_samples": total, "instructions": len(instructions),
             "top": [{**i, "pct": 100 * i["samples"] / total,
                      "stalls": dict(sorted(i["stalls"].items(), key=lambda kv: -kv[1])[:3])} for i in hot],
-            "by_opcode": [{"opcode": k, "samples": v, "pct": 100 * v / total} for k, v in by_op.most_common(15)]}
+            "by_opcode": [{"opcode": k, "samples": v, "pct": 100 * v / total} for k, v in by_op.most_common(15)],
+            "barrier_waits": [{**w, "pct": 100 * w["samples"] / total} for w in barrier_waits(instructions)]}
 
 
 def markdown(s: dict) -> str:
@@ -92,6 +138,9 @@ def markdown(s: dict) -> str:
         lines.append(f"| {i['address']} | `{i['source'][:72]}` | {i['pct']:.1f} | {stalls} |")
     lines += ["", "| opcode | samples % |", "|---|---|"]
     lines += [f"| {o['opcode']} | {o['pct']:.1f} |" for o in s["by_opcode"]]
+    if s.get("barrier_waits"):
+        lines += ["", "| barrier wait at | barrier | samples % (with its retry loop) |", "|---|---|---|"]
+        lines += [f"| {w['address']} | `{w['barrier']}` | {w['pct']:.1f} |" for w in s["barrier_waits"]]
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.decode import step_bytes
 from benchmarks.ncu_source_summary import main as ncu_source_main
-from benchmarks.ncu_source_summary import opcode, read, summarise
+from benchmarks.ncu_source_summary import barrier_waits, opcode, read, summarise
 from k3jax.config import tiny_kimi_linear
 
 HEADER = ('"# Address","Source","Warp Stall Sampling (Not-issued Samples)","Warp Stall Sampling (All Samples)",'
@@ -57,3 +57,26 @@ def test_source_page_summary_refuses_what_it_cannot_read(tmp_path, capsys):
     good.write_text("\n".join([HEADER, *ROWS]) + "\n")
     assert ncu_source_main([str(good), "--top", "1", "--json", str(tmp_path / "s.json")]) == 0
     assert "SYNCS.PHASECHK" in capsys.readouterr().out and (tmp_path / "s.json").exists()
+
+
+def test_source_page_summary_gives_each_barrier_wait_its_retry_loop():
+    """A try-wait, other work the scheduler put before its branch, and the retry loop the branch goes to: one wait
+    site with all their samples; the retry loop's own check is no site of its own."""
+    sass = [("0x100", "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR8+0x38818], R3", 2),
+            ("0x110", "ISETP.GT.AND P2, PT, R0, RZ, PT", 5),
+            ("0x120", "@!P1  BRA 0x200", 300),
+            ("0x130", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24", 50),
+            ("0x140", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R3+URZ], R2", 1),
+            ("0x150", "@!P0  BRA 0x240", 90),
+            ("0x200", "SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R9+URZ+0x38818], R3", 10),
+            ("0x210", "@!P1  NANOSLEEP.SYNCS 0x989680", 4),
+            ("0x220", "@!P1  SYNCS.PHASECHK.TRANS64 P1, [R9+URZ+0x38818], R3", 3),
+            ("0x230", "@!P1  BRA 0x200", 6),
+            ("0x238", "BRA 0x130", 1),
+            ("0x240", "BRA 0x160", 0)]
+    instructions = [{"address": a, "source": src, "samples": float(n), "stalls": {}} for a, src, n in sass]
+    waits = barrier_waits(instructions)
+    assert [(w["address"], w["barrier"], w["samples"]) for w in waits] == [
+        ("0x100", "[UR8+0x38818]", 2 + 300 + 10 + 4 + 3 + 6 + 1), ("0x140", "[R3+URZ]", 1 + 90)]
+    total = sum(n for _, _, n in sass)
+    assert summarise(instructions, top=3)["barrier_waits"][0]["pct"] == pytest.approx(100 * 326 / total)
