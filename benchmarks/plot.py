@@ -661,7 +661,8 @@ KDA_W8_RUN34 = "kda_decode_run34d_df362e3_8warps.json"
 
 def plot_run34(out: str) -> str:
     """Run 34, one H100. Left: the MLA kernel alone (device time) with warpgroup 0 scoring and adding half of
-    P @ V ("first", the default) against a scorer that only scores ("dedicated", measured and removed). Middle: the
+    P @ V ("first", the default) against warpgroup 0 scoring and issuing the copies while the two others only add
+    P @ V ("dedicated", measured and removed). Middle: the
     KDA decode state's error against the XLA reference after two steps, by launch. Right: the MXFP4 call with
     outputs "rows" (the decode default) and "tiles" at 1 and 8 tokens, Kimi-Linear and K3's 1/8 of the experts."""
     import numpy as np

@@ -77,8 +77,9 @@ ALIGN = 8                         # rows of one tile of the activations' shared-
 # Decode tiles (at most this many rows) write their own rows out (`outputs="rows"`): Kimi-Linear's experts
 # (benchmarks/RESULTS.md, run 33), 0.414 / 0.135 ms a call at 64 / 8 tokens against 0.424 / 0.145 with "tiles" on an
 # H100, 0.414 / 0.129 against 0.413 / 0.134 on an H200.
-# Larger tiles keep "tiles": untimed, and "rows" doubles the staged products' shared memory. Not yet timed with
-# "rows": 1 token and K3's latent widths.
+# Larger tiles keep "tiles": untimed, and "rows" doubles the staged products' shared memory. At 1 token (H100, run
+# 34) "tiles" took 1.20x the time of "rows" for Kimi-Linear and 1.08x at K3's latent widths (1/8 of the experts);
+# at 8 tokens the two were level for both.
 ROWS_OUT_UP_TO = 8
 
 

@@ -223,11 +223,15 @@ def test_decode_blocks_name_a_bad_split():
             DecodeBlocks(column_block=bad)
     with pytest.raises(ValueError, match="does not combine with value_blocks=2"):
         DecodeBlocks(column_block=32, value_blocks=2)
-    for whole_state in ({}, {"value_blocks": 1}):
-        with pytest.raises(ValueError, match="num_warps=8 with one program over a head's whole state"):
-            DecodeBlocks(num_warps=8, **whole_state)
-    DecodeBlocks(num_warps=8, value_blocks=2)
-    DecodeBlocks(num_warps=8, column_block=32)
+    whole_state = "num_warps=8 with one program over a head's whole state"
+    for settings in ({}, {"value_blocks": 1}):
+        with pytest.raises(ValueError, match=whole_state):
+            DecodeBlocks(num_warps=8, **settings)
+    assert DecodeBlocks(num_warps=8, value_blocks=2).value_blocks_for(1, 32, 128) == 2
+    auto = DecodeBlocks(num_warps=8, split_from=1024)      # auto: two blocks from 1,024 rows x heads on
+    assert auto.value_blocks_for(64, 32, 128) == 2
+    with pytest.raises(ValueError, match=whole_state):
+        auto.value_blocks_for(1, 32, 128)
     with pytest.raises(ValueError, match="value_blocks=8 does not split V=64"):
         DecodeBlocks(value_blocks=8).value_blocks_for(1, 2, 64)
     assert DecodeBlocks().value_blocks_for(1, 32, 128) == 1 and DecodeBlocks().value_blocks_for(256, 32, 128) == 1
