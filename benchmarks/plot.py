@@ -116,6 +116,16 @@ def _axes(ax, xlabel: str, ylabel: str, title: str, log_y: bool = True, title_si
     ax.grid(True, which="both", alpha=0.3)
 
 
+def _bar_axes(ax, x, labels, ylabel: str, title: str, legend: bool = True, tick_size=None) -> None:
+    """A bar panel's categories, y label, title (10 pt), legend (8 pt) and horizontal grid."""
+    ax.set_xticks(x, labels, **({} if tick_size is None else {"fontsize": tick_size}))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if legend:
+        ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
 def _finish(fig, ax, xlabel: str, ylabel: str, title: str, path: str, legend_below: bool = False) -> str:
     """Log-log axes, labels, grid and legend (inside, or under the axes); saves the PNG and returns
     its path."""
@@ -645,12 +655,8 @@ def plot_run33(out: str) -> str:
     x = np.arange(len(labels))
     right.bar(x - 0.19, tiles, 0.38, label='outputs="tiles"', color="C5")
     right.bar(x + 0.19, rows, 0.38, label='outputs="rows" (the decode default since)', color="C6")
-    right.set_xticks(x, labels, fontsize=8)
-    right.set_ylabel("ms a call")
     right.set_ylim(0, 0.52)
-    right.set_title("MXFP4 experts, Kimi-Linear, one call", fontsize=10)
-    right.legend(fontsize=8)
-    right.grid(axis="y", alpha=0.3)
+    _bar_axes(right, x, labels, "ms a call", "MXFP4 experts, Kimi-Linear, one call", tick_size=8)
     return _save(fig, os.path.join(out, "run33.png"))
 
 
@@ -662,9 +668,9 @@ KDA_W8_RUN34 = "kda_decode_run34d_df362e3_8warps.json"
 def plot_run34(out: str) -> str:
     """Run 34, one H100. Left: the MLA kernel alone (device time) with warpgroup 0 scoring and adding half of
     P @ V ("first", the default) against warpgroup 0 scoring and issuing the copies while the two others only add
-    P @ V ("dedicated", measured and removed). Middle: the
-    KDA decode state's error against the XLA reference after two steps, by launch. Right: the MXFP4 call with
-    outputs "rows" (the decode default) and "tiles" at 1 and 8 tokens, Kimi-Linear and K3's 1/8 of the experts."""
+    P @ V ("dedicated", measured and removed). Middle: the KDA decode state's error against the XLA reference after
+    two steps, by launch (4 warps from run 33 on the same GPU model). Right: the MXFP4 call with outputs "tiles"
+    over the decode default "rows" at 1 and 8 tokens, Kimi-Linear and K3's 1/8 of the experts."""
     import numpy as np
 
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -675,18 +681,17 @@ def plot_run34(out: str) -> str:
         us = [next(r["kernel_ms"] for r in rows if r["impl"] == impl and r["H"] == h and r["q"] == q) * 1e3
               for h, q in shapes]
         left.bar(x + (j - 0.5) * 0.38, us, 0.38, label=label, color=f"C{j}")
-    left.set_xticks(x, [f"H = {h}, q = {q}" for h, q in shapes], fontsize=8)
-    left.set_ylabel("kernel us (device time)")
-    left.set_title("MLA decode, 64 x 4K, who scores a block (H100)", fontsize=10)
-    left.legend(fontsize=8)
-    left.grid(axis="y", alpha=0.3)
-    decode = next(r for r in _load(KDA_W8_RUN34, H100)["decode"] if r["B"] == 64)
-    errors = {"8 warps, 1 block": decode["err_state_vs_ref_by_launch"]["8w/1v"] * 100,
-              "8 warps, 2 blocks": decode["err_state_vs_ref_by_launch"]["8w/2v"] * 100}
-    mid.bar(list(errors), list(errors.values()), color=["C3", "C2"])
-    mid.set_ylabel("state error vs XLA reference, %")
-    mid.set_title("KDA decode, B = 64, after 2 steps (H100); 4 warps: 0.13%", fontsize=10)
-    mid.grid(axis="y", alpha=0.3)
+    _bar_axes(left, x, [f"H = {h}, q = {q}" for h, q in shapes], "kernel us (device time)",
+              "MLA decode, 64 x 4K, who scores a block (H100)", tick_size=8)
+    errors = {}
+    for name, launches in ((KDA_B64_RUN33[0][1], {"4w/1v": "4 warps, 1 block (run 33)"}),
+                           (KDA_W8_RUN34, {"8w/1v": "8 warps, 1 block", "8w/2v": "8 warps, 2 blocks"})):
+        decode = next(r for r in _load(name, H100)["decode"] if r["B"] == 64)
+        errors.update({label: decode["err_state_vs_ref_by_launch"][k] * 100 for k, label in launches.items()})
+    x = np.arange(len(errors))
+    mid.bar(x, list(errors.values()), color=["C2", "C3", "C2"])
+    _bar_axes(mid, x, list(errors), "state error vs XLA reference, %", "KDA decode, B = 64, after 2 steps (H100)",
+              legend=False, tick_size=8)
     entries = _load(MXFP4_RUN34, H100)["hopper"]
     labels, default, tiles = [], [], []
     for model in ("kimi-linear", "k3-latent-1/8"):
@@ -698,12 +703,9 @@ def plot_run34(out: str) -> str:
     x = np.arange(len(labels))
     right.bar(x, [t / d for t, d in zip(tiles, default)], 0.5, label='"tiles" / "rows"', color="C5")
     right.axhline(1, color="k", ls=":", lw=1)
-    right.set_xticks(x, labels, fontsize=8)
-    right.set_ylabel('time with outputs="tiles" / the default ("rows")')
     right.set_ylim(0.9, 1.25)
-    right.set_title("MXFP4 experts, one call (H100)", fontsize=10)
-    right.legend(fontsize=8)
-    right.grid(axis="y", alpha=0.3)
+    _bar_axes(right, x, labels, 'time with outputs="tiles" / the default ("rows")', "MXFP4 experts, one call (H100)",
+              tick_size=8)
     return _save(fig, os.path.join(out, "run34.png"))
 
 
