@@ -53,7 +53,7 @@ _SMEM_BYTES = 227 * 1024  # shared memory one H100/H200 block may take
 _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (measured: ~1.6 KB)
 
 
-SCORINGS = ("alternate", "first", "each")
+SCORINGS = ("alternate", "first", "each", "ahead")
 QUERY_SIDES = ("m", "n")
 MERGES = ("auto", "xla", "pallas")
 # "auto" merges this many splits or more in the one Pallas launch: the regime measured (H200, MLA merge sweep 2:
@@ -75,7 +75,10 @@ class HopperMLABlocks:
       the score MMA of its next block before it waits for the other's probabilities. Exact, but on
       the H200 it ran at half the speed of "first" (both warpgroups then hold a score tile beside
       their [64, 256] fp32 accumulator, and ptxas spills 1.3 KB per thread);
-    * "each": both score every block themselves (twice the score MMAs, no hand-off).
+    * "each": both score every block themselves (twice the score MMAs, no hand-off);
+    * "ahead": as "first", but warpgroup 0 issues block i + 1's score MMA before block i's softmax, so the
+      tensor cores score the next block while it computes exponentials (needs stages >= 2; it holds two
+      score tiles beside its accumulator).
 
     `query_buffers`: 2 = the tile's q_lat and q_pe in two shared-memory buffers, copied from where
     they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score
@@ -241,10 +244,66 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
         acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout)
         return limit, acc, m, l
 
-    def compute_one_scorer(w):
-        """"first" (warpgroup 0 scores every block) and "each" (both do)."""
+    def scores_of(slot):
+        """Block scores (fp32 [64, bkv]) of the cache block in `slot`, waited for."""
+        def mma(s_ref):
+            issue_scores(s_ref, slot)
+            return s_ref[...]
+
+        return pl.run_scoped(mma, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
+
+    def hand_over(i, p, alpha, m):
+        """Warpgroup 0's probabilities and rescale factor to warpgroup 1, once it is done with block i - 1's."""
+        @pl.when(i > 0)
+        def _():
+            plgpu.barrier_wait(p_free)
+
+        publish(p, alpha, m, 1)
+
+    def score_ahead():
+        """"ahead", warpgroup 0: block i + 1's score MMA is issued before block i's softmax, so it runs on the
+        tensor cores while this warpgroup computes exponentials; its result is read after block i's P @ V (both
+        wait for the same MMA group). The last step issues it again for its own block (discarded), which keeps
+        the loop free of conditional MMAs."""
         plgpu.barrier_wait(q_bar)
-        shared = scoring == "first"
+        limit, acc, m, l = start_state()
+
+        @pl.when(n_blocks > 0)
+        def _():
+            plgpu.barrier_wait(kv_bars.at[0])
+
+        s = scores_of(0)
+
+        def step(i, carry):
+            acc, m, l, s = carry
+            slot = lax.rem(i, stages)
+            ahead = jnp.minimum(i + 1, n_blocks - 1)
+
+            @pl.when(i + 1 < n_blocks)
+            def _():
+                plgpu.barrier_wait(kv_bars.at[lax.rem(i + 1, stages)])
+
+            def overlapped(s_ref):
+                issue_scores(s_ref, lax.rem(ahead, stages))
+                p, alpha, m_new, l_new = softmax(s, i, limit, m, l)
+                hand_over(i, p, alpha, m_new)
+                zero_tail(slot, i, 0)
+                return s_ref[...], add_values(acc, alpha, p, slot, 0), m_new, l_new
+
+            s, acc, m, l = pl.run_scoped(overlapped, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
+            plgpu.barrier_arrive(consumed.at[slot])
+            return acc, m, l, s
+
+        acc, m, l, _ = lax.fori_loop(0, n_blocks, step, (acc, m, l, s))
+        row_sums_meet(0, l)
+        finish(0, acc, m, l)
+
+    def compute_one_scorer(w):
+        """"first" and "ahead" (warpgroup 0 scores every block) and "each" (both do)."""
+        if scoring == "ahead" and w == 0:
+            return score_ahead()
+        plgpu.barrier_wait(q_bar)
+        shared = scoring != "each"
         scorer = w == 0 or not shared
         limit, acc, m, l = start_state()
 
@@ -253,18 +312,9 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
             slot = lax.rem(i, stages)
             plgpu.barrier_wait(kv_bars.at[slot])
             if scorer:
-                def mma(s_ref):
-                    issue_scores(s_ref, slot)
-                    return s_ref[...]
-
-                s = pl.run_scoped(mma, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
-                p, alpha, m, l = softmax(s, i, limit, m, l)
+                p, alpha, m, l = softmax(scores_of(slot), i, limit, m, l)
                 if shared:                       # hand the probabilities and the rescale to warpgroup 1
-                    @pl.when(i > 0)
-                    def _():
-                        plgpu.barrier_wait(p_free)   # warpgroup 1 is done with the previous block's
-
-                    publish(p, alpha, m, 1)
+                    hand_over(i, p, alpha, m)
             else:
                 alpha, m = receive(w, m)
                 p = p_smem
@@ -376,6 +426,8 @@ def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks, rows: int | None = N
                 f"R={r} a multiple of 128 and R + P={width} of 64")
     if blocks.scoring == "alternate" and blocks.stages < 2:
         return "scoring='alternate' needs stages >= 2 (a warpgroup scores block i before it takes block i - 1)"
+    if blocks.scoring == "ahead" and blocks.stages < 2:
+        return "scoring='ahead' needs stages >= 2 (block i + 1 is scored while block i is still in its slot)"
     if blocks.query_side == "n" and rows is not None:
         need = column_smem_bytes(column_tile_rows(rows), width, blocks.block_kv, blocks.stages)
         if need > _SMEM_BYTES:

@@ -39,6 +39,7 @@ VARIANTS = {"default": HopperMLABlocks(), "splits3": HopperMLABlocks(num_splits=
             # one or two splits: many blocks per split, so the alternating steady state and ring reuse run
             "alternate_splits1": HopperMLABlocks(scoring="alternate", num_splits=1),
             "alternate_splits2": HopperMLABlocks(scoring="alternate", num_splits=2),
+            "ahead": HopperMLABlocks(scoring="ahead"), "ahead_splits1": HopperMLABlocks(scoring="ahead", num_splits=1),
             "each": HopperMLABlocks(scoring="each"), "each_stages1": HopperMLABlocks(block_kv=128, stages=1, scoring="each"),
             "one_query_buffer": HopperMLABlocks(query_buffers=1),
             "merge_pallas": HopperMLABlocks(merge="pallas"), "merge_xla": HopperMLABlocks(merge="xla"),
@@ -250,6 +251,9 @@ def test_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="stages >= 2"):
         mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
                           blocks=HopperMLABlocks(block_kv=128, stages=1, scoring="alternate"))
+    with pytest.raises(ValueError, match="'ahead' needs stages >= 2"):
+        mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
+                          blocks=HopperMLABlocks(block_kv=128, stages=1, scoring="ahead"))
     with pytest.raises(ValueError, match="scoring must be one of"):
         HopperMLABlocks(scoring="both")
     with pytest.raises(ValueError, match="query_buffers must be 1 or 2"):
