@@ -288,7 +288,8 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
                 p, alpha, m_new, l_new = softmax(s, i, limit, m, l)
                 hand_over(i, p, alpha, m_new)
                 zero_tail(slot, i, 0)
-                return s_ref[...], add_values(acc, alpha, p, slot, 0), m_new, l_new
+                acc_new = add_values(acc, alpha, p, slot, 0)      # issued before the scores are read
+                return s_ref[...], acc_new, m_new, l_new
 
             s, acc, m, l = pl.run_scoped(overlapped, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
             plgpu.barrier_arrive(consumed.at[slot])
