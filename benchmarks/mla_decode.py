@@ -38,7 +38,7 @@ from pallas_kernels.mla_decode.hopper_columns import column_tiles  # noqa: E402
 HOPPER_FORMS = {"hopper": {}, "hopper-alternate": {"scoring": "alternate"}, "hopper-each": {"scoring": "each"},
                 "hopper-one-buffer": {"query_buffers": 1}, "hopper-merge-pallas": {"merge": "pallas"},
                 "hopper-merge-xla": {"merge": "xla"}, "hopper-columns": {"query_side": "n"},
-                "hopper-ahead": {"scoring": "ahead"}}
+                "hopper-ahead": {"scoring": "ahead"}, "hopper-halves": {"scoring": "halves"}}
 
 
 def sweep(iters):
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                          "launch / by XLA (hopper merges by the one launch from 64 splits on, else by XLA); "
                          "-columns: the query rows on the MMAs' N side (tiles of up to 64 rows in multiples of 8: "
                          "96 heads as two of 48); -ahead: warpgroup 0 issues the next block's score MMA before this "
-                         "block's softmax")
+                         "block's softmax; -halves: each warpgroup scores half of a block's slots")
     ap.add_argument("--q", nargs="+", type=int, default=[1], help="query tokens per row")
     ap.add_argument("--shapes", nargs="*", default=None, help="HxBxCTX entries, e.g. 32x64x4096")
     ap.add_argument("--name", default=None, help="name of the JSON record (default mla_decode)")
