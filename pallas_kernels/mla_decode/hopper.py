@@ -53,7 +53,7 @@ _SMEM_BYTES = 227 * 1024  # shared memory one H100/H200 block may take
 _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (measured: ~1.6 KB)
 
 
-SCORINGS = ("alternate", "first", "each", "ahead", "halves")
+SCORINGS = ("alternate", "first", "each")
 QUERY_SIDES = ("m", "n")
 MERGES = ("auto", "xla", "pallas")
 # "auto" merges this many splits or more in the one Pallas launch: the regime measured (H200, MLA merge sweep 2:
@@ -75,13 +75,7 @@ class HopperMLABlocks:
       the score MMA of its next block before it waits for the other's probabilities. Exact, but on
       the H200 it ran at half the speed of "first" (both warpgroups then hold a score tile beside
       their [64, 256] fp32 accumulator, and ptxas spills 1.3 KB per thread);
-    * "each": both score every block themselves (twice the score MMAs, no hand-off);
-    * "halves": each warpgroup scores half of a block's slots (N = block_kv / 2), and the two share their row
-      maxima and probabilities through shared memory: the softmax's exponentials are split between them, no
-      warpgroup waits for the other's whole softmax; the operands then take a 64-byte swizzle;
-    * "ahead": as "first", but warpgroup 0 issues block i + 1's score MMA before block i's softmax, so the
-      tensor cores score the next block while it computes exponentials (needs stages >= 2; it holds two
-      score tiles beside its accumulator).
+    * "each": both score every block themselves (twice the score MMAs, no hand-off).
 
     `query_buffers`: 2 = the tile's q_lat and q_pe in two shared-memory buffers, copied from where
     they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score
@@ -157,14 +151,13 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
     layout = plgpu.Layout.WGMMA
     row_layout = layout.reduce(1)
 
-    def issue_scores(s_ref, slot, keys=pl.ds(0, bkv)):
-        """Q K^T for the block's slots `keys` into s_ref."""
+    def issue_scores(s_ref, slot):
         if len(q_bufs) == 1:
-            plgpu.wgmma(s_ref, q_bufs[0], kv_smem.at[slot, keys].transpose((1, 0)))
+            plgpu.wgmma(s_ref, q_bufs[0], kv_smem.at[slot].transpose((1, 0)))
         else:
             q_lat_smem, q_pe_smem = q_bufs
-            plgpu.wgmma(s_ref, q_lat_smem, kv_smem.at[slot, keys, pl.ds(0, r)].transpose((1, 0)))
-            plgpu.wgmma(s_ref, q_pe_smem, kv_smem.at[slot, keys, pl.ds(r, q_pe_smem.shape[1])].transpose((1, 0)))
+            plgpu.wgmma(s_ref, q_lat_smem, kv_smem.at[slot, :, pl.ds(0, r)].transpose((1, 0)))
+            plgpu.wgmma(s_ref, q_pe_smem, kv_smem.at[slot, :, pl.ds(r, q_pe_smem.shape[1])].transpose((1, 0)))
 
     def softmax(s, i, limit, m, l):
         """Block i's scores (fp32, Q K^T) masked, and the online-softmax step (base 2). `limit` [64]
@@ -248,67 +241,10 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
         acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout)
         return limit, acc, m, l
 
-    def scores_of(slot):
-        """Block scores (fp32 [64, bkv]) of the cache block in `slot`, waited for."""
-        def mma(s_ref):
-            issue_scores(s_ref, slot)
-            return s_ref[...]
-
-        return pl.run_scoped(mma, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
-
-    def hand_over(i, p, alpha, m):
-        """Warpgroup 0's probabilities and rescale factor to warpgroup 1, once it is done with block i - 1's."""
-        @pl.when(i > 0)
-        def _():
-            plgpu.barrier_wait(p_free)
-
-        publish(p, alpha, m, 1)
-
-    def score_ahead():
-        """"ahead", warpgroup 0: block i + 1's score MMA is issued before block i's softmax, so it runs on the
-        tensor cores while this warpgroup computes exponentials; its result is read after block i's P @ V (both
-        wait for the same MMA group). The last step issues it again for its own block (discarded), which keeps
-        the loop free of conditional MMAs."""
-        plgpu.barrier_wait(q_bar)
-        limit, acc, m, l = start_state()
-
-        @pl.when(n_blocks > 0)
-        def _():
-            plgpu.barrier_wait(kv_bars.at[0])
-
-        s = scores_of(0)
-
-        def step(i, carry):
-            acc, m, l, s = carry
-            slot = lax.rem(i, stages)
-            ahead = jnp.minimum(i + 1, n_blocks - 1)
-
-            @pl.when(i + 1 < n_blocks)
-            def _():
-                plgpu.barrier_wait(kv_bars.at[lax.rem(i + 1, stages)])
-
-            def overlapped(s_ref):
-                issue_scores(s_ref, lax.rem(ahead, stages))
-                p, alpha, m_new, l_new = softmax(s, i, limit, m, l)
-                hand_over(i, p, alpha, m_new)
-                zero_tail(slot, i, 0)
-                acc_new = add_values(acc, alpha, p, slot, 0)      # issued before the scores are read
-                return s_ref[...], acc_new, m_new, l_new
-
-            s, acc, m, l = pl.run_scoped(overlapped, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
-            plgpu.barrier_arrive(consumed.at[slot])
-            return acc, m, l, s
-
-        acc, m, l, _ = lax.fori_loop(0, n_blocks, step, (acc, m, l, s))
-        row_sums_meet(0, l)
-        finish(0, acc, m, l)
-
     def compute_one_scorer(w):
-        """"first" and "ahead" (warpgroup 0 scores every block) and "each" (both do)."""
-        if scoring == "ahead" and w == 0:
-            return score_ahead()
+        """"first" (warpgroup 0 scores every block) and "each" (both do)."""
         plgpu.barrier_wait(q_bar)
-        shared = scoring != "each"
+        shared = scoring == "first"
         scorer = w == 0 or not shared
         limit, acc, m, l = start_state()
 
@@ -317,9 +253,18 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
             slot = lax.rem(i, stages)
             plgpu.barrier_wait(kv_bars.at[slot])
             if scorer:
-                p, alpha, m, l = softmax(scores_of(slot), i, limit, m, l)
+                def mma(s_ref):
+                    issue_scores(s_ref, slot)
+                    return s_ref[...]
+
+                s = pl.run_scoped(mma, plgpu.ACC((TILE_ROWS, bkv), jnp.float32))
+                p, alpha, m, l = softmax(s, i, limit, m, l)
                 if shared:                       # hand the probabilities and the rescale to warpgroup 1
-                    hand_over(i, p, alpha, m)
+                    @pl.when(i > 0)
+                    def _():
+                        plgpu.barrier_wait(p_free)   # warpgroup 1 is done with the previous block's
+
+                    publish(p, alpha, m, 1)
             else:
                 alpha, m = receive(w, m)
                 p = p_smem
@@ -388,56 +333,7 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
                                   lambda _, c: take_other(n_blocks - 1, *c), carry)
         finish(w, acc, m, l + row_sums_meet(w, l))
 
-    def compute_halves(w):
-        """"halves": warpgroup w scores its half of every block's slots; the two meet twice a block, to share
-        their row maxima (each then computes the same running maximum and rescale factor) and to share their
-        probabilities (each adds P @ V for its half of the output columns over the whole block: its own half of
-        P from registers, the other's from shared memory). Each keeps the row sum of its own slots; the two are
-        added at the end."""
-        plgpu.barrier_wait(q_bar)
-        limit, acc, m, l = start_state()
-        hk = bkv // 2
-        own_keys = pl.ds(w * hk, hk)
-        own_max, other_max = (alpha_smem, m_smem) if w == 0 else (m_smem, alpha_smem)
-
-        def step(i, carry):
-            acc, m, l = carry
-            slot = lax.rem(i, stages)
-            plgpu.barrier_wait(kv_bars.at[slot])
-
-            def mma(s_ref):
-                issue_scores(s_ref, slot, own_keys)
-                return s_ref[...]
-
-            s = pl.run_scoped(mma, plgpu.ACC((TILE_ROWS, hk), jnp.float32))
-            cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=layout)
-            visible = start + i * bkv + w * hk + cols <= lax.broadcast_in_dim(limit, s.shape, [0])
-            s = jnp.where(visible, s * (scale * _LOG2E), _NEG)
-            block_max = s.max(axis=1)
-            own_max[...] = block_max
-            plgpu.barrier_arrive(ready.at[0])
-            plgpu.barrier_wait(ready.at[0])
-            m_new = jnp.maximum(m, jnp.maximum(block_max, plgpu.load(other_max, layout=row_layout)))
-            alpha = jnp.exp2(m - m_new)
-            shift = jnp.where(m_new > 0.5 * _NEG, m_new, 0.0)     # as in `softmax`: unseen rows give p = 0
-            p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            p_smem.at[:, own_keys][...] = p.astype(kv_smem.dtype)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(ready.at[1])
-            plgpu.barrier_wait(ready.at[1])
-            # Both score MMAs are done (each warpgroup waited for its own before the first meeting): the value
-            # tail may be zeroed now, although the other's keys share those slots' rows.
-            zero_tail(slot, i, w)
-
-            acc = add_values(acc, alpha, p_smem, slot, w)
-            plgpu.barrier_arrive(consumed.at[slot])
-            return acc, m_new, l
-
-        acc, m, l = lax.fori_loop(0, n_blocks, step, (acc, m, l))
-        finish(w, acc, m, l + row_sums_meet(w, l))
-
-    compute = {"alternate": compute_alternating, "halves": compute_halves}.get(scoring, compute_one_scorer)
+    compute = compute_alternating if scoring == "alternate" else compute_one_scorer
 
     def memory():
         # The tile's queries, from one laid-out array or two; rows past the last one are zeros (out of
@@ -469,24 +365,6 @@ def smem_bytes(width: int, blocks: HopperMLABlocks) -> int:
             + _SMEM_OVERHEAD)
 
 
-def _operand_transforms(blocks: HopperMLABlocks):
-    """Tiling and swizzle of the MMA operands in shared memory (the queries, the cache ring, the probabilities):
-    one swizzle for all, as Mosaic GPU's MMA takes one for both operands. With scoring="halves" each warpgroup
-    writes its half of a block's probabilities, so a tile column is half a block: 32 slots, a 64-byte swizzle;
-    else 64 columns and the 128-byte swizzle."""
-    cols = blocks.block_kv // 2 if blocks.scoring == "halves" else 64
-    return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
-
-
-def _probability_buffer(blocks: HopperMLABlocks, dtype):
-    """Shared memory for the probabilities handed between the compute warpgroups: one block's [64, block_kv]
-    (written by warpgroup 0, or by both, each its half of the slots, with scoring="halves"), or a placeholder
-    ("each")."""
-    if blocks.shares_probabilities:
-        return plgpu.SMEM((TILE_ROWS, blocks.block_kv), dtype, transforms=_operand_transforms(blocks))
-    return plgpu.SMEM((8,), jnp.float32)
-
-
 def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks, rows: int | None = None) -> str | None:
     """Why the kernel cannot take a cache of this [B, S, R + P] shape and dtype with latent width R and
     `rows` query rows a batch row (None: it can; rows=None: any count the "m" form takes)."""
@@ -498,11 +376,6 @@ def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks, rows: int | None = N
                 f"R={r} a multiple of 128 and R + P={width} of 64")
     if blocks.scoring == "alternate" and blocks.stages < 2:
         return "scoring='alternate' needs stages >= 2 (a warpgroup scores block i before it takes block i - 1)"
-    if blocks.scoring == "halves" and blocks.block_kv not in (64, 128):
-        return (f"scoring='halves' needs block_kv 64 or 128 (half a block is one swizzled tile column), "
-                f"got {blocks.block_kv}")
-    if blocks.scoring == "ahead" and blocks.stages < 2:
-        return "scoring='ahead' needs stages >= 2 (block i + 1 is scored while block i is still in its slot)"
     if blocks.query_side == "n" and rows is not None:
         need = column_smem_bytes(column_tile_rows(rows), width, blocks.block_kv, blocks.stages)
         if need > _SMEM_BYTES:
@@ -622,7 +495,7 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
     bkv = blocks.block_kv
     tiles = query_rows(heads, sq) // TILE_ROWS
     splits, split_len = blocks.split_layout(b * tiles, s)
-    transforms = _operand_transforms(blocks)
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = blocks.stages
     kernel = functools.partial(_kernel, heads=heads, sq=sq, r=r, bkv=bkv, stages=stages, split_len=split_len,
                                scale=scale, scoring=blocks.scoring, n_slots=s, q_copy_rows=q_copy_rows)
@@ -638,11 +511,12 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
                               plgpu.SMEM((TILE_ROWS, width - r), cache.dtype, transforms=transforms))),
                             plgpu.SMEM((2, TILE_ROWS, r // 2), cache.dtype, transforms=transforms)),
              plgpu.SMEM((stages, bkv, width), cache.dtype, transforms=transforms),
-             _probability_buffer(blocks, cache.dtype),
+             (plgpu.SMEM((TILE_ROWS, bkv), cache.dtype, transforms=transforms) if blocks.shares_probabilities
+              else plgpu.SMEM((8,), jnp.float32)),                   # unused when each warpgroup scores
              plgpu.SMEM((TILE_ROWS,), jnp.float32),                  # rescale factor handed over
              plgpu.SMEM((TILE_ROWS,), jnp.float32)),                 # running maximum handed over
             (plgpu.Barrier(num_arrivals=blocks.query_buffers), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_arrivals=2 if blocks.scoring == "halves" else 1, num_barriers=2),
+             plgpu.Barrier(num_barriers=2),
              plgpu.Barrier()),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2),
