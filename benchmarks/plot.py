@@ -709,6 +709,30 @@ def plot_run34(out: str) -> str:
     return _save(fig, os.path.join(out, "run34.png"))
 
 
+MLA_RUN35 = (("mla_decode_run35a_4a3fd2f_ahead.json", "hopper-ahead", '"ahead"', "C4"),
+             ("mla_decode_run35c_cc60ca2_halves.json", "hopper-halves", '"halves"', "C3"))
+
+
+def plot_run35(out: str) -> str:
+    """Run 35, one H100: the MLA kernel alone (device time) by shape, the default ("first") against the form
+    measured beside it in the same process: left, warpgroup 0 issuing block i + 1's score MMA before block i's
+    softmax ("ahead"); right, each warpgroup scoring half of a block's slots ("halves"). Both measured and removed."""
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, (name, impl, label, color) in zip(axes, MLA_RUN35):
+        rows = _load(name, H100)["rows"]
+        shapes = [(r["H"], r["B"], r["ctx"], r["q"]) for r in rows if r["impl"] == "hopper"]
+        x = np.arange(len(shapes))
+        for j, (form, text, c) in enumerate([("hopper", '"first" (default)', "C0"), (impl, label, color)]):
+            us = [next(r["kernel_ms"] for r in rows if r["impl"] == form and (r["H"], r["B"], r["ctx"], r["q"]) == s)
+                  * 1e3 for s in shapes]
+            ax.bar(x + (j - 0.5) * 0.38, us, 0.38, label=text, color=c)
+        _bar_axes(ax, x, [f"H {h}, q {q}\n{b} x {ctx // 1024}K" for h, b, ctx, q in shapes], "kernel us (device time)",
+                  f"MLA decode, {label} against the default (H100)", tick_size=7)
+    return _save(fig, os.path.join(out, "run35.png"))
+
+
 KDA_LENGTHS = "kda_prefill_lengths_run22_182d874.json"         # RESULTS.md, KDA run 22: prefill over T, H = 32
 KDA_BATCHES = "kda_decode_run8_batches_b777e8c.json"    # KDA decode run 8: one layer's step over B, H = 32
 
@@ -813,7 +837,7 @@ def main(argv=None) -> int:
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
                                       "kda-sweep", "kda-run30", "kda-run31", "run32", "run33", "run34",
-                                      "kda-scaling",
+                                      "run35", "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
                                       "mla-merge", "mxfp4", "load-processes",
@@ -827,7 +851,7 @@ def main(argv=None) -> int:
                      ("kda-tile-solve", plot_kda_tile_solve), ("kda-handoff", plot_kda_handoff),
                      ("kda-sweep", plot_kda_sweep), ("kda-run30", plot_kda_run30), ("kda-run31", plot_kda_run31),
                      ("run32", plot_run32), ("run33", plot_run33), ("run34", plot_run34),
-                     ("kda-scaling", plot_kda_scaling),
+                     ("run35", plot_run35), ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
         if args.which in (name, "all"):
