@@ -32,7 +32,6 @@ transposed kernel of `hopper_columns.py` instead, which also runs in interpret m
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import jax
@@ -42,18 +41,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.hopper_columns import column_smem_bytes, column_tile_rows, column_tiles, launch_columns
-from pallas_kernels.mla_decode.hopper_pieces import run_warpgroups, split_blocks, stream_cache_blocks, zero_value_tail
+from pallas_kernels.mla_decode.hopper_pieces import (NEG, TILE_ROWS, query_limits, run_warpgroups, softmax_step,
+                                                    split_blocks, stream_cache_blocks, zero_value_tail)
+from pallas_kernels.mla_decode.hopper_scorer import launch_scorer, scorer_smem_bytes
 from pallas_kernels.mla_decode.merge import MANY_SPLITS, merge_splits_pallas
 from pallas_kernels.mla_decode.reference import validate_inputs
 
-TILE_ROWS = 64            # query rows per program: the M side of one warpgroup MMA
-_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
-_LOG2E = math.log2(math.e)
+_NEG = NEG
 _SMEM_BYTES = 227 * 1024  # shared memory one H100/H200 block may take
 _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (measured: ~1.6 KB)
 
 
-SCORINGS = ("alternate", "first", "each")
+SCORINGS = ("alternate", "first", "each", "scorer")
 QUERY_SIDES = ("m", "n")
 MERGES = ("auto", "xla", "pallas")
 # "auto" merges this many splits or more in the one Pallas launch: the regime measured (H200, MLA merge sweep 2:
@@ -75,7 +74,10 @@ class HopperMLABlocks:
       the score MMA of its next block before it waits for the other's probabilities. Exact, but on
       the H200 it ran at half the speed of "first" (both warpgroups then hold a score tile beside
       their [64, 256] fp32 accumulator, and ptxas spills 1.3 KB per thread);
-    * "each": both score every block themselves (twice the score MMAs, no hand-off).
+    * "each": both score every block themselves (twice the score MMAs, no hand-off);
+    * "scorer": warpgroup 0 only scores (its queries in registers) and issues the copies; warpgroups 1 and 2
+      only add P @ V, each for half of the output columns; the ring may then take three slots
+      (`hopper_scorer.py`; needs block_kv = 64).
 
     `query_buffers`: 2 = the tile's q_lat and q_pe in two shared-memory buffers, copied from where
     they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score
@@ -160,19 +162,8 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
             plgpu.wgmma(s_ref, q_pe_smem, kv_smem.at[slot, :, pl.ds(r, q_pe_smem.shape[1])].transpose((1, 0)))
 
     def softmax(s, i, limit, m, l):
-        """Block i's scores (fp32, Q K^T) masked, and the online-softmax step (base 2). `limit` [64]
-        is each query row's last visible slot; the [64, bkv] mask is rebuilt per block (keeping it
-        live across blocks would cost registers the accumulators need)."""
-        cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=layout)
-        visible = start + i * bkv + cols <= lax.broadcast_in_dim(limit, s.shape, [0])
-        s = jnp.where(visible, s * (scale * _LOG2E), _NEG)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        # A query row that has seen no visible slot yet (its last slot is before this split, or
-        # before slot 0) keeps m = -huge: subtract 0 there so its masked scores give p = 0, not 1.
-        shift = jnp.where(m_new > 0.5 * _NEG, m_new, 0.0)
-        p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
-        return p.astype(kv_smem.dtype), alpha, m_new, l * alpha + p.sum(axis=1)
+        """Block i's online-softmax step (`hopper_pieces.softmax_step`)."""
+        return softmax_step(s, start + i * bkv, limit, m, l, scale=scale, dtype=kv_smem.dtype, layout=layout)
 
     def zero_tail(slot, i, w):
         """Values of slots at or past the row's length become 0 in this warpgroup's half of the block."""
@@ -233,9 +224,7 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
         plgpu.wait_smem_to_gmem(0)
 
     def start_state():
-        q_rows = tile * TILE_ROWS + plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, bkv), 0, layout=layout)
-        last = jnp.minimum(given_length - sq + jnp.minimum(q_rows // heads, sq - 1), n_slots - 1)
-        limit = last.max(axis=1)             # each query row's last visible slot
+        limit = query_limits(tile, given_length, heads=heads, sq=sq, n_slots=n_slots, layout=layout)
         m = plgpu.layout_cast(jnp.full((TILE_ROWS,), _NEG, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((TILE_ROWS,), jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout)
@@ -382,6 +371,13 @@ def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks, rows: int | None = N
             return (f"query_side='n': {need} bytes of shared memory for tiles of {column_tile_rows(rows)} query rows, "
                     f"block_kv={blocks.block_kv}, stages={blocks.stages}; at most {_SMEM_BYTES} "
                     f"(fewer stages or a smaller block_kv fit)")
+    elif blocks.scoring == "scorer":
+        if blocks.block_kv != TILE_ROWS or width - r != blocks.block_kv or blocks.stages < 2:
+            return (f"scoring='scorer' writes a block's probabilities over its rope columns: it needs block_kv = 64 = "
+                    f"R + P - R and stages >= 2, got block_kv={blocks.block_kv}, P={width - r}, stages={blocks.stages}")
+        if (need := scorer_smem_bytes(width, r, blocks.block_kv, blocks.stages)) > _SMEM_BYTES:
+            return (f"scoring='scorer': {need} bytes of shared memory for block_kv={blocks.block_kv}, "
+                    f"stages={blocks.stages}; at most {_SMEM_BYTES}")
     elif smem_bytes(width, blocks) > _SMEM_BYTES:
         return (f"{smem_bytes(width, blocks)} bytes of shared memory for block_kv={blocks.block_kv}, "
                 f"stages={blocks.stages}; at most {_SMEM_BYTES}")
@@ -495,6 +491,10 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
     bkv = blocks.block_kv
     tiles = query_rows(heads, sq) // TILE_ROWS
     splits, split_len = blocks.split_layout(b * tiles, s)
+    if blocks.scoring == "scorer":
+        return launch_scorer(q_parts, cache, lengths, heads=heads, sq=sq, latent_dim=r, scale=scale, block_kv=bkv,
+                             stages=blocks.stages, splits=splits, split_len=split_len, out_rows=out_rows,
+                             q_copy_rows=q_copy_rows)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = blocks.stages
     kernel = functools.partial(_kernel, heads=heads, sq=sq, r=r, bkv=bkv, stages=stages, split_len=split_len,

@@ -1,11 +1,13 @@
-"""What the two Hopper MLA decode kernels (`hopper.py`, query rows on the MMAs' M side; `hopper_columns.py`, on
-their N side) share: a split's range of cache blocks, the values zeroed past a row's length, the memory
-warpgroup's ring of cache blocks, and the split of a program into two compute warpgroups and one memory
-warpgroup."""
+"""What the Hopper MLA decode kernels (`hopper.py`, query rows on the MMAs' M side; `hopper_scorer.py`, the same
+with one warpgroup that only scores; `hopper_columns.py`, on their N side) share: a split's range of cache blocks,
+the query rows' last visible slots and the online-softmax step of a 64-row tile, the values zeroed past a row's
+length, the memory warpgroup's ring of cache blocks, and the split of a program into two compute warpgroups and one
+memory warpgroup."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -21,6 +23,36 @@ def split_blocks(len_ref, row, split, *, split_len: int, bkv: int, n_slots: int)
     start = split * split_len
     stop = jnp.minimum(start + split_len, length)
     return given_length, length, start, jnp.maximum(0, (stop - start + bkv - 1) // bkv)
+
+
+TILE_ROWS = 64            # query rows a program of the M-side kernels holds: the M side of one warpgroup MMA
+NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+LOG2E = math.log2(math.e)
+
+
+def query_limits(tile, given_length, *, heads: int, sq: int, n_slots: int, layout):
+    """[64] fp32-row-layout int32: the last slot each query row of the tile may see (row t * heads + h is query
+    token t: it sees slots up to given_length - sq + t, clamped to the cache)."""
+    q_rows = tile * TILE_ROWS + plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, 64), 0, layout=layout)
+    last = jnp.minimum(given_length - sq + jnp.minimum(q_rows // heads, sq - 1), n_slots - 1)
+    return last.max(axis=1)
+
+
+def softmax_step(s, first_slot, limit, m, l, *, scale: float, dtype, layout):
+    """One block's online-softmax step in the exp2 domain. s [64, bkv] fp32 scores (Q K^T) of the block whose first
+    slot is `first_slot`, masked past each row's `limit`; m, l [64] the running maximum and row sum. Returns (bf16
+    probabilities, the rescale factor exp2(m - m_new), m_new, the rescaled row sum plus the block's). The [64, bkv]
+    mask is rebuilt per block (keeping it live across blocks would cost registers the accumulators need)."""
+    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=layout)
+    visible = first_slot + cols <= lax.broadcast_in_dim(limit, s.shape, [0])
+    s = jnp.where(visible, s * (scale * LOG2E), NEG)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    # A query row that has seen no visible slot yet (its last slot is before this split, or before slot 0) keeps
+    # m = -huge: subtract 0 there so its masked scores give p = 0, not 1.
+    shift = jnp.where(m_new > 0.5 * NEG, m_new, 0.0)
+    p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+    return p.astype(dtype), alpha, m_new, l * alpha + p.sum(axis=1)
 
 
 def zero_value_tail(kv_smem, slot, base, length, columns, *, bkv: int, layout):
