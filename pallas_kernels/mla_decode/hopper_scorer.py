@@ -19,6 +19,10 @@ The rope-part queries ([64, P]) stay in shared memory. Splits, ragged lengths, t
 length and the outputs ([B, splits, rows, R] normalised bf16, [B, splits, rows] base-2 log-sum-exp) are as in
 `hopper.py`. Runs on NVIDIA Hopper GPUs only (the value products need `run_state`, which Mosaic GPU's interpret
 mode lacks); its lowering for CUDA is checked on any host.
+
+Not yet compiled on a GPU nor timed (RESULTS.md, after run 35): its compiled tests and `benchmarks/mla_decode.py
+--impl hopper hopper-scorer` come first. The register split (SCORER_REGISTERS, VALUE_REGISTERS) is an estimate
+that ptxas has not seen.
 """
 
 from __future__ import annotations
