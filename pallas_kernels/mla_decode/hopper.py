@@ -77,7 +77,8 @@ class HopperMLABlocks:
     * "each": both score every block themselves (twice the score MMAs, no hand-off);
     * "scorer": warpgroup 0 only scores (its queries in registers) and issues the copies; warpgroups 1 and 2
       only add P @ V, each for half of the output columns; the ring may then take three slots
-      (`hopper_scorer.py`; needs block_kv = 64).
+      (`hopper_scorer.py`; needs block_kv = P = 64 and stages >= 2, and stages=3 for the third slot; the
+      queries are always copied into two buffers, whatever `query_buffers` says).
 
     `query_buffers`: 2 = the tile's q_lat and q_pe in two shared-memory buffers, copied from where
     they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score
@@ -373,8 +374,8 @@ def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks, rows: int | None = N
                     f"(fewer stages or a smaller block_kv fit)")
     elif blocks.scoring == "scorer":
         if blocks.block_kv != TILE_ROWS or width - r != blocks.block_kv or blocks.stages < 2:
-            return (f"scoring='scorer' writes a block's probabilities over its rope columns: it needs block_kv = 64 = "
-                    f"R + P - R and stages >= 2, got block_kv={blocks.block_kv}, P={width - r}, stages={blocks.stages}")
+            return (f"scoring='scorer' writes a block's probabilities over its rope columns: it needs block_kv = P = "
+                    f"64 and stages >= 2, got block_kv={blocks.block_kv}, P={width - r}, stages={blocks.stages}")
         if (need := scorer_smem_bytes(width, r, blocks.block_kv, blocks.stages)) > _SMEM_BYTES:
             return (f"scoring='scorer': {need} bytes of shared memory for block_kv={blocks.block_kv}, "
                     f"stages={blocks.stages}; at most {_SMEM_BYTES}")
@@ -493,7 +494,7 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
     splits, split_len = blocks.split_layout(b * tiles, s)
     if blocks.scoring == "scorer":
         return launch_scorer(q_parts, cache, lengths, heads=heads, sq=sq, latent_dim=r, scale=scale, block_kv=bkv,
-                             stages=blocks.stages, splits=splits, split_len=split_len, out_rows=out_rows,
+                             stages=blocks.stages, splits=splits, split_len=split_len, tiles=tiles, out_rows=out_rows,
                              q_copy_rows=q_copy_rows)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = blocks.stages

@@ -31,7 +31,7 @@ LOG2E = math.log2(math.e)
 
 
 def query_limits(tile, given_length, *, heads: int, sq: int, n_slots: int, layout):
-    """[64] fp32-row-layout int32: the last slot each query row of the tile may see (row t * heads + h is query
+    """[64] int32 in the WGMMA row layout: the last slot each query row of the tile may see (row t * heads + h is query
     token t: it sees slots up to given_length - sq + t, clamped to the cache)."""
     q_rows = tile * TILE_ROWS + plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, 64), 0, layout=layout)
     last = jnp.minimum(given_length - sq + jnp.minimum(q_rows // heads, sq - 1), n_slots - 1)

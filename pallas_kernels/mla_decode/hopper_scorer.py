@@ -6,12 +6,13 @@ score block i + 1 during block i's softmax) does not fit beside warpgroup 0's [6
 roles are split so that the scorer holds no accumulator:
 
 * warpgroup 0 holds the tile's latent queries in registers (A operand of the score MMA: 128 registers a thread
-  instead of 73.7 KB of shared memory), scores each block, runs the online softmax and writes the bf16
+  instead of 64 KiB of shared memory), scores each block, runs the online softmax and writes the bf16
   probabilities over the block's rope columns (read only by that block's score MMA, so dead once it is done; 64
   slots x 64 columns, the shape and swizzle of P), with the rescale factor beside; it also issues the copies;
 * warpgroups 1 and 2 each add P @ V for half of the 512 value columns ([64, 256] fp32 in registers), and release
   the block's slot;
-* the shared memory freed by the queries holds a third ring slot (3 x 73.7 KB at block_kv = 64): the scorer can
+* the shared memory freed by the queries and by P (now over the rope columns) holds a third ring slot (3 x 72 KiB
+  at block_kv = 64, with `stages=3`): the scorer can
   run a block ahead of the value products while a copy is in flight. The queries are staged through slot 0 before
   the cache blocks reach it (block i goes to slot (i + 1) % stages).
 
@@ -146,9 +147,12 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
 
         def step(i, acc):
             slot = slot_of(i)
+            plgpu.barrier_wait(kv_bars.at[slot])     # complete already (the scorer waited): observes the copy
             plgpu.barrier_wait(ready.at[slot])
             alpha = plgpu.load(alpha_smem.at[slot], layout=row_layout)
-            zero_value_tail(kv_smem, slot, start + i * bkv, length, columns, bkv=bkv, layout=layout)
+            for piece in range(half // 64):        # 64 columns at a time: few registers beside the accumulator
+                zero_value_tail(kv_smem, slot, start + i * bkv, length, pl.ds(w * half + piece * 64, 64), bkv=bkv,
+                                layout=layout)
 
             def add(acc_ref):
                 plgpu.wgmma(acc_ref, probabilities(slot), kv_smem.at[slot, :, columns])
@@ -179,13 +183,12 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
 
 
 def launch_scorer(q_parts, cache, lengths, *, heads: int, sq: int, latent_dim: int, scale: float, block_kv: int,
-                  stages: int, splits: int, split_len: int, out_rows: int, q_copy_rows: int):
-    """The kernel launch over a grid (B, splits, tiles of 64 query rows). q_parts: (rows [B, >= whole tiles, R + P],)
-    laid out, or (q_lat [B, Sq*H, R], q_pe [B, Sq*H, P]) read in place, `q_copy_rows` rows a copy. Returns (o [B,
+                  stages: int, splits: int, split_len: int, tiles: int, out_rows: int, q_copy_rows: int):
+    """The kernel launch over a grid (B, splits, `tiles` of 64 query rows). q_parts: (rows [B, >= whole tiles, R +
+    P],) laid out, or (q_lat [B, Sq*H, R], q_pe [B, Sq*H, P]) read in place, `q_copy_rows` rows a copy. Returns (o [B,
     splits, out_rows, R] in the cache dtype, lse [B, splits, out_rows] fp32), `hopper.combine_splits`'s inputs."""
     b, s, width = cache.shape
     r = latent_dim
-    tiles = out_rows // TILE_ROWS
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = functools.partial(_kernel, heads=heads, sq=sq, r=r, bkv=block_kv, stages=stages, split_len=split_len,
                                scale=scale, n_slots=s, q_copy_rows=q_copy_rows)
@@ -195,7 +198,9 @@ def launch_scorer(q_parts, cache, lengths, *, heads: int, sq: int, latent_dim: i
         q_refs, (c_ref, o_ref, lse_ref) = refs[:n_parts], refs[n_parts:]
         pl.run_scoped(
             lambda *scoped: kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped),
-            # The queries' staging buffer and the output's overlap the ring's slot 0 (at its start).
+            # The queries' staging buffer and the output's overlap the ring's slot 0: every member of a union starts
+            # at its start (Mosaic GPU today), and both are smaller than a slot, so blocks copied into slots 1 and up
+            # while the queries are staged do not touch them.
             plgpu.RefUnion(plgpu.SMEM((stages, block_kv, width), cache.dtype, transforms=transforms),
                            plgpu.SMEM((TILE_ROWS, r), cache.dtype, transforms=transforms),
                            plgpu.SMEM((2, TILE_ROWS, r // 2), cache.dtype, transforms=transforms)),

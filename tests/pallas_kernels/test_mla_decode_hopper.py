@@ -187,11 +187,12 @@ def test_merge_kernel_lowers_for_cuda(triton_for_hopper, b, splits, rows):
     assert module.mlir_module().count("__gpu$xla.gpu.triton") == 1
 
 
-def test_lowers_laid_out_rows_for_cuda_on_any_host():
+@pytest.mark.parametrize("variant", ["default", "scorer"])
+def test_lowers_laid_out_rows_for_cuda_on_any_host(variant):
     args = (jax.ShapeDtypeStruct((2, 1024, 576), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
     # Query rows laid out by the caller, past whole tiles (12 heads: 16 token slots x 12 = 192 rows).
-    splits = jax.export.export(jax.jit(lambda q, c, n: mla_decode_hopper_splits(q, c, n, heads=12, sq=1, latent_dim=512,
-                                                                                 scale=0.1)), platforms=["cuda"])(
+    splits = jax.export.export(jax.jit(lambda q, c, n: mla_decode_hopper_splits(
+        q, c, n, heads=12, sq=1, latent_dim=512, scale=0.1, blocks=VARIANTS[variant])), platforms=["cuda"])(
         jax.ShapeDtypeStruct((2, 192, 576), jnp.bfloat16), *args)
     assert splits.out_avals[0].shape[2] == 192
 
