@@ -5,6 +5,7 @@ only what its devices hold."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -109,8 +110,10 @@ def _process_box(axes, shape, mesh: MeshSpec, process: int) -> tuple[tuple[int, 
                  for axis, n in zip(spec, shape))
 
 
+@functools.cache
 def _abstract_params(cfg) -> dict[str, tuple[tuple, tuple]]:
-    """Parameter name -> (logical axes, shape) of the model `cfg` builds."""
+    """Parameter name -> (logical axes, shape) of the model `cfg` builds (traced once per config: the
+    expected reads ask for it per mesh, process and format)."""
     return {".".join(str(k) for k in p): (tuple(v.get_metadata()["logical_axes"]), tuple(v.get_value().shape))
             for p, v in nnx.to_flat_state(nnx.state(abstract_model(cfg, "float32")))}
 
