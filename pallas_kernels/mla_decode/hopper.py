@@ -41,13 +41,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mla_decode.hopper_columns import column_smem_bytes, column_tile_rows, column_tiles, launch_columns
-from pallas_kernels.mla_decode.hopper_pieces import (NEG, TILE_ROWS, query_limits, run_warpgroups, softmax_step,
-                                                    split_blocks, stream_cache_blocks, zero_value_tail)
+from pallas_kernels.mla_decode.hopper_pieces import (NEG, TILE_ROWS, launch_over_tiles, query_limits, run_warpgroups,
+                                                    softmax_step, split_blocks, stream_cache_blocks, zero_value_tail)
 from pallas_kernels.mla_decode.hopper_scorer import launch_scorer, scorer_smem_bytes
 from pallas_kernels.mla_decode.merge import MANY_SPLITS, merge_splits_pallas
 from pallas_kernels.mla_decode.reference import validate_inputs
 
-_NEG = NEG
 _SMEM_BYTES = 227 * 1024  # shared memory one H100/H200 block may take
 _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (measured: ~1.6 KB)
 
@@ -216,7 +215,7 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
         inv = 1.0 / jnp.where(seen, l, 1.0)
         out_smem.at[w][...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(out_smem.dtype)
         if w == 0:
-            m_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), _NEG)
+            m_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), NEG)
         plgpu.commit_smem()
         rows = pl.ds(tile * TILE_ROWS, TILE_ROWS)
         plgpu.copy_smem_to_gmem(out_smem.at[w], o_ref.at[row, split, rows, pl.ds(w * half, half)])
@@ -226,7 +225,7 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
 
     def start_state():
         limit = query_limits(tile, given_length, heads=heads, sq=sq, n_slots=n_slots, layout=layout)
-        m = plgpu.layout_cast(jnp.full((TILE_ROWS,), _NEG, jnp.float32), row_layout)
+        m = plgpu.layout_cast(jnp.full((TILE_ROWS,), NEG, jnp.float32), row_layout)
         l = plgpu.layout_cast(jnp.zeros((TILE_ROWS,), jnp.float32), row_layout)
         acc = plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), layout)
         return limit, acc, m, l
@@ -393,7 +392,7 @@ def hopper_takes(cache_shape, cache_dtype, latent_dim: int, blocks: HopperMLABlo
 
 def combine_splits(o, lse):
     """Merge per-split outputs. o [B, splits, rows, R] (normalised), lse [B, splits, rows] (base 2)
-    -> [B, rows, R] fp32. Splits that saw nothing carry lse = _NEG and weigh zero."""
+    -> [B, rows, R] fp32. Splits that saw nothing carry lse = NEG and weigh zero."""
     top = jnp.max(lse, axis=1, keepdims=True)
     w = jnp.exp2(lse - top)
     return jnp.sum(o.astype(jnp.float32) * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]
@@ -524,17 +523,5 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
             collective_axes="wg",
         )
 
-    o, lse = plgpu.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct((b, splits, out_rows, r), cache.dtype),
-                  jax.ShapeDtypeStruct((b, splits, out_rows), jnp.float32)),
-        # The last grid axis varies fastest in the launch order (Mosaic GPU maps it to blockIdx.x): the
-        # tiles of one (row, split) run side by side, so the second tile's cache reads hit L2.
-        grid=(b, splits, tiles),
-        grid_names=("row", "split", "tile"),
-        num_threads=3,
-        thread_name="wg",
-        # Row reductions of the WGMMA layout stay within warps: no reduction scratch is needed.
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-    )(lengths.astype(jnp.int32), *q_parts, cache)
-    return o, lse
+    return launch_over_tiles(entry, lengths, q_parts, cache, splits=splits, tiles=tiles, out_rows=out_rows,
+                             latent_dim=r)

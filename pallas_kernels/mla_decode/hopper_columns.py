@@ -35,13 +35,13 @@ from __future__ import annotations
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla_decode.hopper_pieces import run_warpgroups, split_blocks, stream_cache_blocks, zero_value_tail
+from pallas_kernels.mla_decode.hopper_pieces import (launch_over_tiles, run_warpgroups, split_blocks, stream_cache_blocks,
+                                                    zero_value_tail)
 
 MAX_TILE_ROWS = 64       # query rows a tile holds at most: 2T fp32 accumulator registers a thread
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -209,7 +209,7 @@ def launch_columns(q_parts, cache, lengths, *, heads: int, sq: int, latent_dim: 
     """The kernel launch over a grid (B, splits, tiles). q_parts: (rows [B, >= tiles x T, R + P],) laid out, or
     (q_lat [B, Sq*H, R], q_pe [B, Sq*H, P]) read in place, `q_copy_rows` rows a copy. Returns (o [B, splits,
     out_rows, R] in the cache dtype, lse [B, splits, out_rows] fp32), `hopper.combine_splits`'s inputs."""
-    b, s, width = cache.shape
+    _, s, width = cache.shape
     r = latent_dim
     t_rows = column_tile_rows(heads * sq)
     tiles = column_tiles(heads * sq)
@@ -237,14 +237,5 @@ def launch_columns(q_parts, cache, lengths, *, heads: int, sq: int, latent_dim: 
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct((b, splits, out_rows, r), cache.dtype),
-                  jax.ShapeDtypeStruct((b, splits, out_rows), jnp.float32)),
-        grid=(b, splits, tiles),          # the tiles of one (row, split) side by side: the later ones hit L2
-        grid_names=("row", "split", "tile"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=_REDUCTION_BYTES),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
-    )(lengths.astype(jnp.int32), *q_parts, cache)
+    return launch_over_tiles(entry, lengths, q_parts, cache, splits=splits, tiles=tiles, out_rows=out_rows,
+                             latent_dim=r, reduction_bytes=_REDUCTION_BYTES, interpret=interpret)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -101,3 +102,24 @@ def run_warpgroups(wg, compute, memory) -> None:
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
         memory()
+
+
+def launch_over_tiles(entry, lengths, q_parts, cache, *, splits: int, tiles: int, out_rows: int, latent_dim: int,
+                      reduction_bytes: int = 0, interpret: bool = False):
+    """Launches `entry` (the kernel body over three warpgroups named "wg") on a grid (row, split, tile) and returns
+    (o [B, splits, out_rows, R] in the cache dtype, lse [B, splits, out_rows] fp32). The last grid axis varies
+    fastest in the launch order (Mosaic GPU maps it to blockIdx.x): the tiles of one (row, split) run side by side,
+    so the later tiles' cache reads hit L2. `reduction_bytes`: scratch for reductions across warps (none when rows
+    reduce within warps, as in the WGMMA layout)."""
+    b = cache.shape[0]
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((b, splits, out_rows, latent_dim), cache.dtype),
+                  jax.ShapeDtypeStruct((b, splits, out_rows), jnp.float32)),
+        grid=(b, splits, tiles),
+        grid_names=("row", "split", "tile"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=reduction_bytes),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(lengths.astype(jnp.int32), *q_parts, cache)

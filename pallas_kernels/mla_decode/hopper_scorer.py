@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla_decode.hopper_pieces import NEG, TILE_ROWS, query_limits, softmax_step, split_blocks, zero_value_tail
+from pallas_kernels.mla_decode.hopper_pieces import (NEG, TILE_ROWS, launch_over_tiles, query_limits, softmax_step,
+                                                    split_blocks, zero_value_tail)
 
 # Registers a thread after `setmaxnreg`: the scorer's queries take 128, each value warpgroup's accumulator 128. The
 # three warpgroups share what the launch gave (3 x 168: 65,536 registers over 384 threads, in steps of 8); asking
@@ -187,7 +187,7 @@ def launch_scorer(q_parts, cache, lengths, *, heads: int, sq: int, latent_dim: i
     """The kernel launch over a grid (B, splits, `tiles` of 64 query rows). q_parts: (rows [B, >= whole tiles, R +
     P],) laid out, or (q_lat [B, Sq*H, R], q_pe [B, Sq*H, P]) read in place, `q_copy_rows` rows a copy. Returns (o [B,
     splits, out_rows, R] in the cache dtype, lse [B, splits, out_rows] fp32), `hopper.combine_splits`'s inputs."""
-    b, s, width = cache.shape
+    _, s, width = cache.shape
     r = latent_dim
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     kernel = functools.partial(_kernel, heads=heads, sq=sq, r=r, bkv=block_kv, stages=stages, split_len=split_len,
@@ -211,13 +211,5 @@ def launch_scorer(q_parts, cache, lengths, *, heads: int, sq: int, latent_dim: i
             collective_axes="wg",
         )
 
-    return plgpu.kernel(
-        entry,
-        out_type=(jax.ShapeDtypeStruct((b, splits, out_rows, r), cache.dtype),
-                  jax.ShapeDtypeStruct((b, splits, out_rows), jnp.float32)),
-        grid=(b, splits, tiles),          # the tiles of one (row, split) side by side: the later ones hit L2
-        grid_names=("row", "split", "tile"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-    )(lengths.astype(jnp.int32), *q_parts, cache)
+    return launch_over_tiles(entry, lengths, q_parts, cache, splits=splits, tiles=tiles, out_rows=out_rows,
+                             latent_dim=r)
