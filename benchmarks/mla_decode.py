@@ -83,8 +83,8 @@ def main(argv=None) -> int:
                          "[64, 576] buffer, one score MMA; -merge-pallas / -merge-xla: the splits merged in one Pallas "
                          "launch / by XLA (hopper merges by the one launch from 64 splits on, else by XLA); "
                          "-columns: the query rows on the MMAs' N side (tiles of up to 64 rows in multiples of 8: "
-                         "96 heads as two of 48); -scorer: warpgroup 0 only scores, its queries in registers, over a ring of three "
-                         "blocks")
+                         "96 heads as two of 48); -scorer: warpgroup 0 only scores, its queries in registers, "
+                         "over a ring of three blocks")
     ap.add_argument("--q", nargs="+", type=int, default=[1], help="query tokens per row")
     ap.add_argument("--shapes", nargs="*", default=None, help="HxBxCTX entries, e.g. 32x64x4096")
     ap.add_argument("--name", default=None, help="name of the JSON record (default mla_decode)")

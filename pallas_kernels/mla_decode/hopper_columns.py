@@ -40,8 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla_decode.hopper_pieces import (launch_over_tiles, run_warpgroups, split_blocks, stream_cache_blocks,
-                                                    zero_value_tail)
+from pallas_kernels.mla_decode.hopper_pieces import (launch_over_tiles, run_warpgroups, split_blocks,
+                                                    stream_cache_blocks, zero_value_tail)
 
 MAX_TILE_ROWS = 64       # query rows a tile holds at most: 2T fp32 accumulator registers a thread
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)

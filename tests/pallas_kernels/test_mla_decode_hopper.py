@@ -140,7 +140,8 @@ def test_columns_form_refusals():
 
 
 @pytest.mark.parametrize("variant,sq,h", [(v, 2, 32) for v in VARIANTS]
-                         + [(v, sq, h) for v in ("default", "one_query_buffer", "columns", "columns_one_buffer", "scorer")
+                         + [(v, sq, h)
+                            for v in ("default", "one_query_buffer", "columns", "columns_one_buffer", "scorer")
                             for sq, h in ((1, 12), (3, 24), (1, 96), (1, 100))])
 def test_lowers_for_cuda_on_any_host(variant, sq, h):
     """The full Pallas -> Mosaic GPU lowering runs (no GPU needed) and emits the Mosaic GPU kernel, for
