@@ -38,7 +38,7 @@ from pallas_kernels.mla_decode.hopper_columns import column_tiles  # noqa: E402
 HOPPER_FORMS = {"hopper": {}, "hopper-alternate": {"scoring": "alternate"}, "hopper-each": {"scoring": "each"},
                 "hopper-one-buffer": {"query_buffers": 1}, "hopper-merge-pallas": {"merge": "pallas"},
                 "hopper-merge-xla": {"merge": "xla"}, "hopper-columns": {"query_side": "n"},
-                "hopper-scorer": {"scoring": "scorer", "stages": 3}}
+                "hopper-scorer": {"scoring": "scorer", "stages": 3}, "hopper-scorer-smem": {"scoring": "scorer"}}
 
 
 def sweep(iters):

@@ -74,10 +74,11 @@ class HopperMLABlocks:
       the H200 it ran at half the speed of "first" (both warpgroups then hold a score tile beside
       their [64, 256] fp32 accumulator, and ptxas spills 1.3 KB per thread);
     * "each": both score every block themselves (twice the score MMAs, no hand-off);
-    * "scorer": warpgroup 0 only scores (its queries in registers) and issues the copies; warpgroups 1 and 2
-      only add P @ V, each for half of the output columns; the ring may then take three slots
-      (`hopper_scorer.py`; needs block_kv = P = 64 and stages >= 2, and stages=3 for the third slot; the
-      queries are always copied into two buffers, whatever `query_buffers` says).
+    * "scorer": warpgroup 0 only scores and issues the copies; warpgroups 1 and 2 only add P @ V, each
+      for half of the output columns (`hopper_scorer.py`; needs block_kv = P = 64 and stages >= 2). At
+      stages=3 the scorer keeps its latent queries in registers so that the ring takes a third slot; at
+      stages=2 they stay in shared memory. The queries are always copied into two buffers, whatever
+      `query_buffers` says.
 
     `query_buffers`: 2 = the tile's q_lat and q_pe in two shared-memory buffers, copied from where
     they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score

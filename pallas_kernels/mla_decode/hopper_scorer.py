@@ -38,35 +38,48 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.mla_decode.hopper_pieces import (NEG, TILE_ROWS, launch_over_tiles, query_limits, softmax_step,
                                                     split_blocks, zero_value_tail)
 
-# Registers a thread after `setmaxnreg`: the scorer's queries take 128, each value warpgroup's accumulator 128. The
-# three warpgroups share what the launch gave (3 x 168: 65,536 registers over 384 threads, in steps of 8); asking
-# for more than that waits forever.
-SCORER_REGISTERS = 200
-VALUE_REGISTERS = 152
+# Registers a thread after `setmaxnreg` (scorer, each value warpgroup), by where the scorer's latent queries live.
+# The three warpgroups share what the launch gave (3 x 168: 65,536 registers over 384 threads, in steps of 8);
+# asking for more than that waits forever. ptxas ignores every `setmaxnreg` when one of them is below what its code
+# needs: 200 / 152 was ignored (the value code needs more than 152), so all ran at 168 and ptxas serialised every
+# MMA. 184 / 160 is honoured, but 184 still spills beside 128 registers of queries (local ptxas 13.0 on the PTX
+# of run 36). With the queries in shared memory the scorer holds one [64, 64] fp32 score tile.
+REGISTERS = {True: (184, 160), False: (120, 192)}
+LAUNCH_REGISTERS = 168
+
+
+def queries_in_registers(stages: int) -> bool:
+    """Whether the scorer keeps its latent queries in registers: only where the ring leaves no shared memory for
+    them (stages >= 3 at block_kv = 64)."""
+    return stages >= 3
 
 
 def scorer_smem_bytes(width: int, latent_dim: int, block_kv: int, stages: int) -> int:
-    """Shared memory of one program: the ring, the rope-part queries, a rescale factor per slot, and barriers and
-    alignment (2 KB)."""
-    return 2 * stages * block_kv * width + 2 * TILE_ROWS * (width - latent_dim) + 4 * stages * TILE_ROWS + 2048
+    """Shared memory of one program: the ring, the queries (only the rope part when the latent part is kept in
+    registers), a rescale factor per slot, and barriers and alignment (2 KB)."""
+    queries = width - latent_dim if queries_in_registers(stages) else width
+    return 2 * stages * block_kv * width + 2 * TILE_ROWS * queries + 4 * stages * TILE_ROWS + 2048
 
 
 def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv, stages, split_len, scale, n_slots,
             q_copy_rows):
-    (kv_smem, q_lat_staged, out_smem), q_pe_smem, alpha_smem, (q_bar, kv_bars, ready, consumed, done) = scoped
+    (kv_smem, *staged, out_smem), q_pe_smem, alpha_smem, (q_bar, kv_bars, ready, consumed, done), *own = scoped
+    registers = bool(staged)             # the latent queries staged through slot 0, then held in registers
+    q_lat_smem = (staged + own)[0]
+    pe = q_pe_smem.shape[1]
     tile, split, row = lax.axis_index("tile"), lax.axis_index("split"), lax.axis_index("row")
     wg = lax.axis_index("wg")
     given_length, length, start, n_blocks = split_blocks(len_ref, row, split, split_len=split_len, bkv=bkv,
                                                          n_slots=n_slots)
-    pe = q_pe_smem.shape[1]
     half = r // 2
     layout = plgpu.Layout.WGMMA
     row_layout = layout.reduce(1)
-    staging = stages - 1                 # blocks copied before the queries are in registers
+    offset = 1 if registers else 0
+    staging = stages - offset            # blocks copied before the queries are read
 
     def slot_of(i):
-        """Block i's ring slot: slot 0 (where the queries are staged) takes block stages - 1 first."""
-        return lax.rem(i + 1, stages)
+        """Block i's ring slot; with staged queries slot 0 takes block stages - 1 first."""
+        return lax.rem(i + offset, stages)
 
     def copy_block(i):
         slot = slot_of(i)
@@ -82,7 +95,7 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
             srcs = q_refs[0].at[row, rows, pl.ds(0, r)], q_refs[0].at[row, rows, pl.ds(r, pe)]
         else:
             srcs = q_refs[0].at[row, rows], q_refs[1].at[row, rows]
-        for src, buf in zip(srcs, (q_lat_staged, q_pe_smem)):
+        for src, buf in zip(srcs, (q_lat_smem, q_pe_smem)):
             plgpu.copy_gmem_to_smem(src, buf.at[pl.ds(0, q_copy_rows)], q_bar)
 
         @pl.loop(0, jnp.minimum(n_blocks, staging))
@@ -90,12 +103,14 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
             copy_block(i)
 
         plgpu.barrier_wait(q_bar)
-        q_lat = plgpu.load(q_lat_staged, layout=layout)
-        plgpu.commit_smem()              # every thread has read the staged queries before the slot is refilled
+        q_lat = q_lat_smem
+        if registers:
+            q_lat = plgpu.load(q_lat_smem, layout=layout)
+            plgpu.commit_smem()          # every thread has read the staged queries before the slot is refilled
 
-        @pl.when(n_blocks > staging)
-        def _():
-            copy_block(staging)
+            @pl.when(n_blocks > staging)
+            def _():
+                copy_block(staging)
 
         limit = query_limits(tile, given_length, heads=heads, sq=sq, n_slots=n_slots, layout=layout)
         m = plgpu.layout_cast(jnp.full((TILE_ROWS,), NEG, jnp.float32), row_layout)
@@ -118,7 +133,7 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
             alpha_smem.at[slot][...] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(ready.at[slot])
-            nxt = i + staging            # into the slot of block i - 1, once both value warpgroups released it
+            nxt = i - 1 + stages         # into the slot of block i - 1, once both value warpgroups released it
 
             @pl.when((i >= 1) & (nxt < n_blocks))
             def _():
@@ -170,14 +185,17 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, bkv
         plgpu.copy_smem_to_gmem(out_smem.at[w], o_ref.at[row, split, pl.ds(tile * TILE_ROWS, TILE_ROWS), columns])
         plgpu.wait_smem_to_gmem(0)
 
+    def set_registers(n):
+        plgpu.set_max_registers(n, action="increase" if n > LAUNCH_REGISTERS else "decrease")
+
     @pl.when(wg == 0)
     def _scorer():
-        plgpu.set_max_registers(SCORER_REGISTERS, action="increase")
+        set_registers(REGISTERS[registers][0])
         scorer()
 
     @pl.when(wg > 0)
     def _values():
-        plgpu.set_max_registers(VALUE_REGISTERS, action="decrease")
+        set_registers(REGISTERS[registers][1])
         for w in (0, 1):
             pl.when(wg == w + 1)(functools.partial(values, w))
 
@@ -193,6 +211,9 @@ def launch_scorer(q_parts, cache, lengths, *, heads: int, sq: int, latent_dim: i
     kernel = functools.partial(_kernel, heads=heads, sq=sq, r=r, bkv=block_kv, stages=stages, split_len=split_len,
                                scale=scale, n_slots=s, q_copy_rows=q_copy_rows)
     n_parts = len(q_parts)
+    registers = queries_in_registers(stages)
+    q_lat = [plgpu.SMEM((TILE_ROWS, r), cache.dtype, transforms=transforms)]
+    staged_queries, own_queries = (q_lat, []) if registers else ([], q_lat)
 
     def entry(len_ref, *refs):
         q_refs, (c_ref, o_ref, lse_ref) = refs[:n_parts], refs[n_parts:]
@@ -202,12 +223,13 @@ def launch_scorer(q_parts, cache, lengths, *, heads: int, sq: int, latent_dim: i
             # at its start (Mosaic GPU today), and both are smaller than a slot, so blocks copied into slots 1 and up
             # while the queries are staged do not touch them.
             plgpu.RefUnion(plgpu.SMEM((stages, block_kv, width), cache.dtype, transforms=transforms),
-                           plgpu.SMEM((TILE_ROWS, r), cache.dtype, transforms=transforms),
+                           *staged_queries,
                            plgpu.SMEM((2, TILE_ROWS, r // 2), cache.dtype, transforms=transforms)),
             plgpu.SMEM((TILE_ROWS, width - r), cache.dtype, transforms=transforms),
             plgpu.SMEM((stages, TILE_ROWS), jnp.float32),
             (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_arrivals=2, num_barriers=stages), plgpu.Barrier()),
+            *own_queries,
             collective_axes="wg",
         )
 
