@@ -37,8 +37,7 @@ from pallas_kernels.mla_decode.hopper_columns import column_tiles  # noqa: E402
 # --impl names of the Hopper kernel's forms -> their HopperMLABlocks settings (besides the splits).
 HOPPER_FORMS = {"hopper": {}, "hopper-alternate": {"scoring": "alternate"}, "hopper-each": {"scoring": "each"},
                 "hopper-one-buffer": {"query_buffers": 1}, "hopper-merge-pallas": {"merge": "pallas"},
-                "hopper-merge-xla": {"merge": "xla"}, "hopper-columns": {"query_side": "n"},
-                "hopper-scorer": {"scoring": "scorer", "stages": 3}, "hopper-scorer-smem": {"scoring": "scorer"}}
+                "hopper-merge-xla": {"merge": "xla"}, "hopper-columns": {"query_side": "n"}}
 
 
 def sweep(iters):
@@ -83,8 +82,7 @@ def main(argv=None) -> int:
                          "[64, 576] buffer, one score MMA; -merge-pallas / -merge-xla: the splits merged in one Pallas "
                          "launch / by XLA (hopper merges by the one launch from 64 splits on, else by XLA); "
                          "-columns: the query rows on the MMAs' N side (tiles of up to 64 rows in multiples of 8: "
-                         "96 heads as two of 48); -scorer: warpgroup 0 only scores, its queries in registers, "
-                         "over a ring of three blocks")
+                         "96 heads as two of 48)")
     ap.add_argument("--q", nargs="+", type=int, default=[1], help="query tokens per row")
     ap.add_argument("--shapes", nargs="*", default=None, help="HxBxCTX entries, e.g. 32x64x4096")
     ap.add_argument("--name", default=None, help="name of the JSON record (default mla_decode)")

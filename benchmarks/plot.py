@@ -713,14 +713,13 @@ MLA_RUN35 = (("mla_decode_run35a_4a3fd2f_ahead.json", "hopper-ahead", '"ahead"',
              ("mla_decode_run35c_cc60ca2_halves.json", "hopper-halves", '"halves"', "C3"))
 
 
-def plot_run35(out: str) -> str:
-    """Run 35, one H100: the MLA kernel alone (device time) by shape, the default ("first") against the form
-    measured beside it in the same process: left, warpgroup 0 issuing block i + 1's score MMA before block i's
-    softmax ("ahead"); right, each warpgroup scoring half of a block's slots ("halves"). Both measured and removed."""
+def _form_pairs(out: str, png: str, pairs, title: str) -> str:
+    """One panel a (record, --impl form, label, colour) of `pairs`: the MLA kernel alone (device time) by shape, the
+    default ("first") against that form, measured beside it in the same process on an H100."""
     import numpy as np
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    for ax, (name, impl, label, color) in zip(axes, MLA_RUN35):
+    fig, axes = plt.subplots(1, len(pairs), figsize=(6 * len(pairs), 4.2))
+    for ax, (name, impl, label, color) in zip(np.atleast_1d(axes), pairs):
         rows = _load(name, H100)["rows"]
         shapes = [(r["H"], r["B"], r["ctx"], r["q"]) for r in rows if r["impl"] == "hopper"]
         x = np.arange(len(shapes))
@@ -729,8 +728,24 @@ def plot_run35(out: str) -> str:
                   * 1e3 for s in shapes]
             ax.bar(x + (j - 0.5) * 0.38, us, 0.38, label=text, color=c)
         _bar_axes(ax, x, [f"H {h}, q {q}\n{b} x {ctx // 1024}K" for h, b, ctx, q in shapes], "kernel us (device time)",
-                  f"MLA decode, {label} against the default (H100)", tick_size=7)
-    return _save(fig, os.path.join(out, "run35.png"))
+                  title.format(label=label), tick_size=7)
+    return _save(fig, os.path.join(out, png))
+
+
+def plot_run35(out: str) -> str:
+    """Run 35, one H100: left, warpgroup 0 issuing block i + 1's score MMA before block i's softmax ("ahead");
+    right, each warpgroup scoring half of a block's slots ("halves"). Both measured and removed."""
+    return _form_pairs(out, "run35.png", MLA_RUN35, "MLA decode, {label} against the default (H100)")
+
+
+MLA_RUN36 = (("mla_decode_run36a_ce457f6_scorer.json", "hopper-scorer", '"scorer", 200 / 152 (ignored)', "C4"),
+             ("mla_decode_run36b_scorer184.json", "hopper-scorer", '"scorer", 184 / 160', "C3"))
+
+
+def plot_run36(out: str) -> str:
+    """Run 36, one H100: the scorer form (warpgroup 0 only scores, its latent queries in registers, three ring
+    slots) at two register splits, each against the default measured in the same process."""
+    return _form_pairs(out, "run36.png", MLA_RUN36, "MLA decode, {label} against the default (H100)")
 
 
 KDA_LENGTHS = "kda_prefill_lengths_run22_182d874.json"         # RESULTS.md, KDA run 22: prefill over T, H = 32
@@ -837,7 +852,7 @@ def main(argv=None) -> int:
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
                                       "kda-sweep", "kda-run30", "kda-run31", "run32", "run33", "run34",
-                                      "run35", "kda-scaling",
+                                      "run35", "run36", "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
                                       "mla-merge", "mxfp4", "load-processes",
@@ -851,7 +866,8 @@ def main(argv=None) -> int:
                      ("kda-tile-solve", plot_kda_tile_solve), ("kda-handoff", plot_kda_handoff),
                      ("kda-sweep", plot_kda_sweep), ("kda-run30", plot_kda_run30), ("kda-run31", plot_kda_run31),
                      ("run32", plot_run32), ("run33", plot_run33), ("run34", plot_run34),
-                     ("run35", plot_run35), ("kda-scaling", plot_kda_scaling),
+                     ("run35", plot_run35), ("run36", plot_run36),
+                     ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
         if args.which in (name, "all"):

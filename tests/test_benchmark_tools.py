@@ -80,3 +80,21 @@ def test_source_page_summary_gives_each_barrier_wait_its_retry_loop():
         ("0x100", "[UR8+0x38818]", 2 + 300 + 10 + 4 + 3 + 6 + 1), ("0x140", "[R3+URZ]", 1 + 90)]
     total = sum(n for _, _, n in sass)
     assert summarise(instructions, top=3)["barrier_waits"][0]["pct"] == pytest.approx(100 * 326 / total)
+
+
+def test_ptxas_summary_reads_the_recorded_logs():
+    """The ptxas logs Mosaic GPU wrote for the MLA kernels on an H100 (run 35's default, run 36's scorer form):
+    the default kept its register split; the scorer's first split was dropped and its MMAs serialised."""
+    import os
+
+    from benchmarks.mla_ptxas import summarise
+
+    here = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h100")
+    with open(os.path.join(here, "mla_ptxas_run35", "first.ptxas")) as f:
+        first = summarise(f.read())
+    with open(os.path.join(here, "mla_ptxas_run36", "scorer_regs_200_152.ptxas")) as f:
+        scorer = summarise(f.read())
+    assert first == {"registers": 168, "spill_stores": 128, "spill_loads": 204, "setmaxnreg_ignored": False,
+                     "mma_serialised": False}
+    assert scorer == {"registers": 168, "spill_stores": 148, "spill_loads": 144, "setmaxnreg_ignored": True,
+                      "mma_serialised": True}

@@ -43,7 +43,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.mla_decode.hopper_columns import column_smem_bytes, column_tile_rows, column_tiles, launch_columns
 from pallas_kernels.mla_decode.hopper_pieces import (NEG, TILE_ROWS, launch_over_tiles, query_limits, run_warpgroups,
                                                     softmax_step, split_blocks, stream_cache_blocks, zero_value_tail)
-from pallas_kernels.mla_decode.hopper_scorer import launch_scorer, scorer_smem_bytes
 from pallas_kernels.mla_decode.merge import MANY_SPLITS, merge_splits_pallas
 from pallas_kernels.mla_decode.reference import validate_inputs
 
@@ -51,7 +50,7 @@ _SMEM_BYTES = 227 * 1024  # shared memory one H100/H200 block may take
 _SMEM_OVERHEAD = 2048     # barriers and the alignment of swizzled buffers (measured: ~1.6 KB)
 
 
-SCORINGS = ("alternate", "first", "each", "scorer")
+SCORINGS = ("alternate", "first", "each")
 QUERY_SIDES = ("m", "n")
 MERGES = ("auto", "xla", "pallas")
 # "auto" merges this many splits or more in the one Pallas launch: the regime measured (H200, MLA merge sweep 2:
@@ -73,12 +72,7 @@ class HopperMLABlocks:
       the score MMA of its next block before it waits for the other's probabilities. Exact, but on
       the H200 it ran at half the speed of "first" (both warpgroups then hold a score tile beside
       their [64, 256] fp32 accumulator, and ptxas spills 1.3 KB per thread);
-    * "each": both score every block themselves (twice the score MMAs, no hand-off);
-    * "scorer": warpgroup 0 only scores and issues the copies; warpgroups 1 and 2 only add P @ V, each
-      for half of the output columns (`hopper_scorer.py`; needs block_kv = P = 64 and stages >= 2). At
-      stages=3 the scorer keeps its latent queries in registers so that the ring takes a third slot; at
-      stages=2 they stay in shared memory. The queries are always copied into two buffers, whatever
-      `query_buffers` says.
+    * "each": both score every block themselves (twice the score MMAs, no hand-off).
 
     `query_buffers`: 2 = the tile's q_lat and q_pe in two shared-memory buffers, copied from where
     they are (no concatenation in XLA), scored by two MMAs; 1 = one [64, R + P] buffer and one score
@@ -372,13 +366,6 @@ def _refusal(shape, dtype, r: int, blocks: HopperMLABlocks, rows: int | None = N
             return (f"query_side='n': {need} bytes of shared memory for tiles of {column_tile_rows(rows)} query rows, "
                     f"block_kv={blocks.block_kv}, stages={blocks.stages}; at most {_SMEM_BYTES} "
                     f"(fewer stages or a smaller block_kv fit)")
-    elif blocks.scoring == "scorer":
-        if blocks.block_kv != TILE_ROWS or width - r != blocks.block_kv or blocks.stages < 2:
-            return (f"scoring='scorer' writes a block's probabilities over its rope columns: it needs block_kv = P = "
-                    f"64 and stages >= 2, got block_kv={blocks.block_kv}, P={width - r}, stages={blocks.stages}")
-        if (need := scorer_smem_bytes(width, r, blocks.block_kv, blocks.stages)) > _SMEM_BYTES:
-            return (f"scoring='scorer': {need} bytes of shared memory for block_kv={blocks.block_kv}, "
-                    f"stages={blocks.stages}; at most {_SMEM_BYTES}")
     elif smem_bytes(width, blocks) > _SMEM_BYTES:
         return (f"{smem_bytes(width, blocks)} bytes of shared memory for block_kv={blocks.block_kv}, "
                 f"stages={blocks.stages}; at most {_SMEM_BYTES}")
@@ -492,10 +479,6 @@ def _launch(q_parts, cache, lengths, *, heads, sq, latent_dim, scale, blocks, ou
     bkv = blocks.block_kv
     tiles = query_rows(heads, sq) // TILE_ROWS
     splits, split_len = blocks.split_layout(b * tiles, s)
-    if blocks.scoring == "scorer":
-        return launch_scorer(q_parts, cache, lengths, heads=heads, sq=sq, latent_dim=r, scale=scale, block_kv=bkv,
-                             stages=blocks.stages, splits=splits, split_len=split_len, tiles=tiles, out_rows=out_rows,
-                             q_copy_rows=q_copy_rows)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     stages = blocks.stages
     kernel = functools.partial(_kernel, heads=heads, sq=sq, r=r, bkv=bkv, stages=stages, split_len=split_len,

@@ -1,5 +1,5 @@
-"""What the Hopper MLA decode kernels (`hopper.py`, query rows on the MMAs' M side; `hopper_scorer.py`, the same
-with one warpgroup that only scores; `hopper_columns.py`, on their N side) share: a split's range of cache blocks,
+"""What the Hopper MLA decode kernels (`hopper.py`, query rows on the MMAs' M side; `hopper_columns.py`, on their N
+side) share: a split's range of cache blocks,
 the query rows' last visible slots and the online-softmax step of a 64-row tile, the values zeroed past a row's
 length, the memory warpgroup's ring of cache blocks, and the split of a program into two compute warpgroups and one
 memory warpgroup."""

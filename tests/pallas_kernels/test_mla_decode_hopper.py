@@ -39,10 +39,6 @@ VARIANTS = {"default": HopperMLABlocks(), "splits3": HopperMLABlocks(num_splits=
             # one or two splits: many blocks per split, so the alternating steady state and ring reuse run
             "alternate_splits1": HopperMLABlocks(scoring="alternate", num_splits=1),
             "alternate_splits2": HopperMLABlocks(scoring="alternate", num_splits=2),
-            "scorer": HopperMLABlocks(scoring="scorer", stages=3),
-            "scorer_stages2": HopperMLABlocks(scoring="scorer"),
-            "scorer_splits1": HopperMLABlocks(scoring="scorer", stages=3, num_splits=1),
-            "scorer_one_buffer": HopperMLABlocks(scoring="scorer", stages=3, query_buffers=1),
             "each": HopperMLABlocks(scoring="each"), "each_stages1": HopperMLABlocks(block_kv=128, stages=1, scoring="each"),
             "one_query_buffer": HopperMLABlocks(query_buffers=1),
             "merge_pallas": HopperMLABlocks(merge="pallas"), "merge_xla": HopperMLABlocks(merge="xla"),
@@ -141,7 +137,7 @@ def test_columns_form_refusals():
 
 @pytest.mark.parametrize("variant,sq,h", [(v, 2, 32) for v in VARIANTS]
                          + [(v, sq, h)
-                            for v in ("default", "one_query_buffer", "columns", "columns_one_buffer", "scorer")
+                            for v in ("default", "one_query_buffer", "columns", "columns_one_buffer")
                             for sq, h in ((1, 12), (3, 24), (1, 96), (1, 100))])
 def test_lowers_for_cuda_on_any_host(variant, sq, h):
     """The full Pallas -> Mosaic GPU lowering runs (no GPU needed) and emits the Mosaic GPU kernel, for
@@ -188,7 +184,7 @@ def test_merge_kernel_lowers_for_cuda(triton_for_hopper, b, splits, rows):
     assert module.mlir_module().count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("variant", ["default", "scorer"])
+@pytest.mark.parametrize("variant", ["default", "alternate"])
 def test_lowers_laid_out_rows_for_cuda_on_any_host(variant):
     args = (jax.ShapeDtypeStruct((2, 1024, 576), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
     # Query rows laid out by the caller, past whole tiles (12 heads: 16 token slots x 12 = 192 rows).
@@ -256,12 +252,6 @@ def test_rejects_what_it_cannot_run():
     with pytest.raises(ValueError, match="stages >= 2"):
         mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
                           blocks=HopperMLABlocks(block_kv=128, stages=1, scoring="alternate"))
-    with pytest.raises(ValueError, match="'scorer' writes a block's probabilities over its rope columns"):
-        mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
-                          blocks=HopperMLABlocks(block_kv=128, stages=1, scoring="scorer"))
-    with pytest.raises(ValueError, match="scoring='scorer': .* bytes of shared memory"):
-        mla_decode_hopper(q, qp, jnp.zeros((1, 256, 576), jnp.bfloat16), jnp.array([3]), scale=1.0,
-                          blocks=HopperMLABlocks(stages=4, scoring="scorer"))
     with pytest.raises(ValueError, match="scoring must be one of"):
         HopperMLABlocks(scoring="both")
     with pytest.raises(ValueError, match="query_buffers must be 1 or 2"):
