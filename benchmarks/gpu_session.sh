@@ -180,7 +180,7 @@ for step in "$@"; do
     kda-decode-ncu) ncu_profile kda_decode_ncu_b${KDA_NCU_BATCH:-64} kda_decode python3 benchmarks/kda_decode_once.py \
               --batch ${KDA_NCU_BATCH:-64} --warps ${KDA_NCU_WARPS:-4} --splits ${KDA_NCU_SPLITS:-1} ;;
     mla) OUT=$W timeout ${MLA_LIMIT:-300} python3 benchmarks/mla_decode.py ${MLA_ARGS:-} 2>&1 | quiet | tee "$W/mla.log" ;;
-    mla-ptxas) OUT=$W timeout 300 python3 benchmarks/mla_ptxas.py ${MLA_PTXAS_ARGS:---impl hopper hopper-columns} 2>&1 \
+    mla-ptxas) OUT=$W timeout 600 python3 benchmarks/mla_ptxas.py ${MLA_PTXAS_ARGS:---impl hopper hopper-columns} 2>&1 \
               | quiet | tee "$W/mla_ptxas.log" ;;
     moe-ep) OUT=$W timeout 300 python3 benchmarks/moe_ep.py 2>&1 | quiet | tee "$W/moe_ep.log" ;;
     decode-ep2) for d in gather ragged; do

@@ -2,22 +2,31 @@
 serialised the warpgroup MMAs (GPU only: Mosaic GPU builds its PTX when a kernel is compiled).
 
     python benchmarks/mla_ptxas.py --impl hopper hopper-columns --heads 96    # $OUT/mla_ptxas/<form>/ and a table
+    python benchmarks/mla_ptxas.py --ptx benchmarks/results/h100/mla_ptxas_run36/scorer_regs_200_152.ptx.gz \
+        --setmaxnreg 184 160 --ptxas /usr/local/bin/ptxas                     # any host: a recorded PTX again
 
 Each form is compiled once (B = 4, a 1K cache, one query token) with Mosaic GPU's dumps on; its ptxas log and PTX
 stay under $OUT/mla_ptxas/<form>/. Two ptxas notes matter most (run 36): C7507, "'setmaxnreg' ignored to maintain
 minimum register requirements" (a warpgroup asked for fewer registers than its code needs, and every `setmaxnreg`
 of the kernel was dropped), and C7512, "wgmma.mma_async instructions are serialized due to insufficient register
 resources" (a wait after every MMA of the kernel: no MMA overlaps the next).
+
+`--ptx` runs a local ptxas (sm_90a) on a PTX file that such a run recorded, with `--setmaxnreg INC DEC` replacing the
+counts of its `setmaxnreg.inc` and `setmaxnreg.dec` instructions: which register split ptxas would honour, no GPU
+needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,9 +48,39 @@ def summarise(log: str) -> dict:
     return row
 
 
-def compile_one(form: str, heads: int, where: str) -> None:
-    """Compiles `form` once in a child process with the dumps on (the dump settings are read at import time)."""
-    os.makedirs(where, exist_ok=True)
+def with_registers(ptx: str, increase: int, decrease: int) -> str:
+    """`ptx` with the counts of its `setmaxnreg.inc` / `setmaxnreg.dec` instructions replaced."""
+    counts = {"inc": increase, "dec": decrease}
+    found = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 \d+;", ptx)
+    if not found:
+        raise ValueError("mla_ptxas: the PTX has no setmaxnreg instruction to change")
+    return re.sub(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 \d+;",
+                  lambda m: f"setmaxnreg.{m.group(1)}.sync.aligned.u32 {counts[m.group(1)]};", ptx)
+
+
+def recompile(path: str, ptxas: str, registers: tuple[int, int] | None) -> dict:
+    """ptxas -v for sm_90a on a recorded PTX file (plain or .gz), optionally with other setmaxnreg counts."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        ptx = f.read()
+    if registers is not None:
+        ptx = with_registers(ptx, *registers)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "kernel.ptx")
+        with open(source, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas, "-arch=sm_90a", "-v", source, "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"mla_ptxas: ptxas failed on {path}: {done.stderr.strip().splitlines()[-1:]}")
+    return summarise(done.stdout + done.stderr)
+
+
+def compile_one(form: str, heads: int, where: str) -> str | None:
+    """Compiles `form` once in a child process with the dumps on (Mosaic GPU reads them as it compiles each kernel;
+    MOSAIC_GPU_DUMP_TO alone turns on all of its dumps, the MLIR passes and SASS too, which `main` deletes)."""
+    shutil.rmtree(where, ignore_errors=True)     # no log of an earlier run in the table
+    os.makedirs(where)
     env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=where)
     program = f"""
 import jax, jax.numpy as jnp
@@ -54,23 +93,41 @@ blocks = HopperMLABlocks(**{HOPPER_FORMS[form]!r})
 jax.block_until_ready(mla_decode_hopper(q, qp, c, jnp.full((4,), 1000, jnp.int32), scale=0.1, blocks=blocks))
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    subprocess.run([sys.executable, "-c", program], env=env, check=True, timeout=300)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run([sys.executable, "-c", program], env=env, timeout=300)
+    except subprocess.TimeoutExpired:
+        return f"mla_ptxas: compiling {form} took more than 300 s"
+    return f"mla_ptxas: compiling {form} failed (exit status {done.returncode})" if done.returncode else None
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--impl", nargs="+", default=["hopper"], choices=list(HOPPER_FORMS))
     ap.add_argument("--heads", type=int, default=96)
+    ap.add_argument("--ptx", default=None, help="a recorded PTX file (.ptx or .ptx.gz) to run a local ptxas on")
+    ap.add_argument("--setmaxnreg", nargs=2, type=int, default=None, metavar=("INC", "DEC"),
+                    help="with --ptx: the counts of its setmaxnreg.inc and .dec instructions")
+    ap.add_argument("--ptxas", default=shutil.which("ptxas"), help="with --ptx: the ptxas to run (default: on PATH)")
     args = ap.parse_args(argv)
+    if args.ptx is not None:
+        if not args.ptxas:
+            raise SystemExit("mla_ptxas: --ptx needs a ptxas (--ptxas PATH, or one on PATH)")
+        row = {"ptx": os.path.basename(args.ptx), "setmaxnreg": " / ".join(map(str, args.setmaxnreg or ["as is"])),
+               **recompile(args.ptx, args.ptxas, args.setmaxnreg)}
+        print(table([row], list(row)))
+        return 0
+    if args.setmaxnreg is not None:
+        raise SystemExit("mla_ptxas: --setmaxnreg applies to --ptx only")
     out = os.path.join(os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"), "mla_ptxas")
-    rows = []
+    rows, status = [], 0
     for form in args.impl:
         where = os.path.join(out, form)
-        compile_one(form, args.heads, where)
+        failed = compile_one(form, args.heads, where)
         logs = sorted(glob.glob(os.path.join(where, "*.ptxas")))
-        if not logs:
-            raise SystemExit(f"mla_ptxas: compiling {form} left no ptxas log in {where}")
+        if failed or not logs:
+            print(failed or f"mla_ptxas: compiling {form} left no ptxas log in {where}", flush=True)
+            status = 1
         for log in logs:
             with open(log) as f:
                 rows.append({"form": form, "kernel": os.path.basename(log), **summarise(f.read())})
@@ -78,7 +135,7 @@ def main(argv=None) -> int:
             if not name.endswith((".ptx", ".ptxas")):
                 os.remove(os.path.join(where, name))
     print(table(rows, ["form", "kernel", "registers", "spill_stores", "spill_loads", *NOTES.values()]))
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -98,3 +98,25 @@ def test_ptxas_summary_reads_the_recorded_logs():
                      "mma_serialised": False}
     assert scorer == {"registers": 168, "spill_stores": 148, "spill_loads": 144, "setmaxnreg_ignored": True,
                       "mma_serialised": True}
+
+
+def test_ptxas_register_counts_are_replaced_in_a_recorded_ptx():
+    """The run-36 PTX asks for 200 / 152 registers; the rewrite gives every setmaxnreg its new count, and a PTX
+    without one is refused."""
+    import gzip
+    import os
+    import re
+
+    from benchmarks.mla_ptxas import with_registers
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h100", "mla_ptxas_run36",
+                        "scorer_regs_200_152.ptx.gz")
+    with gzip.open(path, "rt") as f:
+        ptx = f.read()
+    counts = lambda text: re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 (\d+);", text)  # noqa: E731
+    assert counts(ptx) == [("inc", "200"), ("dec", "152")]
+    changed = with_registers(ptx, 184, 160)
+    assert counts(changed) == [("inc", "184"), ("dec", "160")]
+    assert len(changed) == len(ptx)
+    with pytest.raises(ValueError, match="no setmaxnreg"):
+        with_registers(".version 8.0\n", 184, 160)
