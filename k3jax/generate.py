@@ -118,6 +118,11 @@ class _Background:
         return self._value
 
 
+def _read_timed(view, placement):
+    """(the host view read back, the time it arrived)."""
+    return read_host_view(view, placement), time.perf_counter()
+
+
 def _spec_chunk_with_view(graphdef, params, **kwargs):
     """`spec_decode_chunk` -> (carry, host_view(carry))."""
     carry = spec_decode_chunk(graphdef, params, **kwargs)
@@ -265,7 +270,8 @@ class Generator:
             carry, view = self._prefill_plain(**run)
             if overlap:     # a helper thread reads the first token (and times it) while the chunk starts here
                 view.copy_to_host_async()
-                first_read = _Background(lambda: (read_host_view(view, self.model.placement), time.perf_counter()))
+                # The view is bound now: `view` is rebound to the first chunk's below, maybe before the thread runs.
+                first_read = _Background(functools.partial(_read_timed, view, self.model.placement))
             else:   # the time to first token ends with the first token on the host
                 host = read_host_view(view, self.model.placement)
         else:

@@ -136,6 +136,30 @@ def test_unrolled_loop_equals_one_step_per_iteration(model, generator, rng, unro
     assert want[0].finish_reason == "stop" and len(want[0].token_ids) == free.index(free[5]) + 1
 
 
+def test_first_token_read_after_the_first_chunk_returned(model, rng, monkeypatch):
+    """With loop_start="overlap" the helper thread that reads the first token back may run only after the
+    first chunk has returned (a busy host): it still reads the prefill's view, not the chunk's. The helper
+    is made to start only when its result is asked for."""
+    generate_module = sys.modules["k3jax.generate"]
+    background = generate_module._Background
+
+    class Late:
+        def __init__(self, fn):
+            self._fn = fn
+
+        def result(self):
+            return background(self._fn).result()
+
+    monkeypatch.setattr(generate_module, "_Background", Late)
+    prompts = [rng.integers(3, 512, n).tolist() for n in (5, 13, 8)]
+    params = [k3jax.SamplingParams(max_new_tokens=10), k3jax.SamplingParams(max_new_tokens=7, temperature=1.0, seed=1),
+              k3jax.SamplingParams(max_new_tokens=4)]
+    want = k3jax.Generator(model.with_impls(loop_start="serial")).generate(prompts, params)
+    got = k3jax.Generator(model.with_impls(loop_start="overlap")).generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [len(g.token_ids) for g in got] == [10, 7, 4]
+
+
 def test_overlapped_first_chunk_equals_serial(model, rng, monkeypatch):
     """loop_start="overlap" (the first chunk dispatched while a helper thread reads the first token
     back) against "serial": the same tokens, counts, finish reasons and log-probabilities, with rows of
