@@ -33,19 +33,16 @@ memory by both warpgroups) costs more than the padding rows it saves; "m" stays 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla_decode.hopper_pieces import (launch_over_tiles, run_warpgroups, split_blocks,
+from pallas_kernels.mla_decode.hopper_pieces import (LOG2E, NEG, launch_over_tiles, run_warpgroups, split_blocks,
                                                     stream_cache_blocks, zero_value_tail)
 
 MAX_TILE_ROWS = 64       # query rows a tile holds at most: 2T fp32 accumulator registers a thread
-_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
-_LOG2E = math.log2(math.e)
 _REDUCTION_BYTES = 4 * 4 * MAX_TILE_ROWS     # cross-warp column reductions: 4 warps x T fp32
 
 
@@ -102,12 +99,12 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, t_r
         q_rows = tile * t_rows + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=layout)
         last = jnp.minimum(given_length - sq + jnp.minimum(q_rows // heads, sq - 1), n_slots - 1)
         slots = start + i * bkv + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=layout)
-        s = jnp.where(slots <= last, s * (scale * _LOG2E), _NEG)
+        s = jnp.where(slots <= last, s * (scale * LOG2E), NEG)
         m_new = jnp.maximum(m, s.max(axis=0))
         alpha = jnp.exp2(m - m_new)
         # A query row that has seen no visible slot yet keeps m = -huge: subtract 0 there so that its masked
         # scores give p = 0, not 1.
-        shift = jnp.where(m_new > 0.5 * _NEG, m_new, 0.0)
+        shift = jnp.where(m_new > 0.5 * NEG, m_new, 0.0)
         p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [1]))
         return p.astype(kv_smem.dtype), alpha, m_new, l * alpha + p.sum(axis=0)
 
@@ -138,7 +135,7 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, t_r
         o_t = (acc * lax.broadcast_in_dim(inv, acc.shape, [1])).astype(out_smem.dtype)
         out_smem.at[w].transpose((1, 0))[...] = o_t
         if w == 0:
-            lse_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), _NEG)
+            lse_smem[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), NEG)
         plgpu.commit_smem()
         rows = pl.ds(tile * t_rows, t_rows)
         plgpu.copy_smem_to_gmem(out_smem.at[w], o_ref.at[row, split, rows, pl.ds(w * half, half)])
@@ -148,7 +145,7 @@ def _kernel(len_ref, q_refs, c_ref, o_ref, lse_ref, scoped, *, heads, sq, r, t_r
 
     def compute(w):
         plgpu.barrier_wait(q_bar)
-        m = plgpu.layout_cast(jnp.full((t_rows,), _NEG, jnp.float32), col_layout)
+        m = plgpu.layout_cast(jnp.full((t_rows,), NEG, jnp.float32), col_layout)
         l = plgpu.layout_cast(jnp.zeros((t_rows,), jnp.float32), col_layout)
         acc = plgpu.layout_cast(jnp.zeros((half, t_rows), jnp.float32), layout)
 

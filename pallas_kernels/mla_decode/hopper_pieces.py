@@ -1,7 +1,7 @@
 """What the Hopper MLA decode kernels (`hopper.py`, query rows on the MMAs' M side; `hopper_columns.py`, on their N
 side) share: a split's range of cache blocks, the query rows' last visible slots and the online-softmax step of a
 64-row tile, the values zeroed past a row's length, the memory warpgroup's ring of cache blocks, and the split of a
-program into two compute warpgroups and one memory warpgroup."""
+program into two compute warpgroups and one memory warpgroup, and their launch over (row, split, tile)."""
 
 from __future__ import annotations
 
