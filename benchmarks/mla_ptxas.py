@@ -28,7 +28,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from benchmarks.common import table  # noqa: E402
 from benchmarks.mla_decode import HOPPER_FORMS  # noqa: E402
@@ -51,11 +52,11 @@ def summarise(log: str) -> dict:
 def with_registers(ptx: str, increase: int, decrease: int) -> str:
     """`ptx` with the counts of its `setmaxnreg.inc` / `setmaxnreg.dec` instructions replaced."""
     counts = {"inc": increase, "dec": decrease}
-    found = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 \d+;", ptx)
+    ptx, found = re.subn(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 \d+;",
+                         lambda m: f"setmaxnreg.{m.group(1)}.sync.aligned.u32 {counts[m.group(1)]};", ptx)
     if not found:
         raise ValueError("mla_ptxas: the PTX has no setmaxnreg instruction to change")
-    return re.sub(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32 \d+;",
-                  lambda m: f"setmaxnreg.{m.group(1)}.sync.aligned.u32 {counts[m.group(1)]};", ptx)
+    return ptx
 
 
 def recompile(path: str, ptxas: str, registers: tuple[int, int] | None) -> dict:
@@ -92,8 +93,7 @@ c = jax.random.normal(k[2], (4, 1024, 576), jnp.bfloat16)
 blocks = HopperMLABlocks(**{HOPPER_FORMS[form]!r})
 jax.block_until_ready(mla_decode_hopper(q, qp, c, jnp.full((4,), 1000, jnp.int32), scale=0.1, blocks=blocks))
 """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     try:
         done = subprocess.run([sys.executable, "-c", program], env=env, timeout=300)
     except subprocess.TimeoutExpired:
