@@ -28,9 +28,9 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels.moe_gmm.hopper_mxfp4 import _PTX_DECODE, _PTX_DECODE_BITS  # noqa: E402
+from pallas_kernels.moe_gmm.hopper_mxfp4_decode import PTX_DECODE, PTX_DECODE_BITS  # noqa: E402
 
-DECODES = {"ptx": _PTX_DECODE, "bits": _PTX_DECODE_BITS}
+DECODES = {"ptx": PTX_DECODE, "bits": PTX_DECODE_BITS}
 BASELINE = "{\nmov.b32 $0, $2;\nmov.b32 $1, $2;\n}"     # the loop with no decode: subtracted from each
 ALU = {"LOP3", "PRMT", "SHF", "IADD3", "LEA", "SEL", "ISETP", "BFE", "BFI", "FLO", "POPC", "LOP"}
 MULTIPLY_ADD = {"IMAD"}   # integer multiply-adds, and ptxas's moves and shifts as IMAD.MOV / IMAD.SHL: FMA pipe

@@ -16,7 +16,7 @@ group's 16 even inputs before its 16 odd ones (reordered once by XLA), so the pi
 order and the nibbles are never interleaved: no register moves between lanes. An MMA call takes one
 piece, a group's two, or the whole step's (`HopperMxfp4Blocks.mma_inputs`).
 
-Decodes (`HopperMxfp4Blocks.decode`):
+Decodes (`HopperMxfp4Blocks.decode`, in `hopper_mxfp4_decode`):
 * "exact": integer ops on each code, the magnitude built as an integer (0, 1, 2, 3, 4, 6, 8, 12 halves)
   and converted: runs everywhere, also in Mosaic GPU's interpret mode on the CPU;
 * "ptx": nine PTX instructions per four codes (two byte tables read by `prmt`, the signs placed by
@@ -59,21 +59,23 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._util import default_interpret
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
+from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import launch_persistent, persistent_takes
+from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import smem_bytes as persistent_smem_bytes
+from pallas_kernels.moe_gmm.hopper_mxfp4_step import (ALIGN, CODE_TRANSFORMS, COLUMNS, PER_GROUP, X_TRANSFORMS,
+                                                      copy_out_rows, multiply_step)
 from pallas_kernels.moe_gmm.mxfp4 import GROUP, Mxfp4Weight
 from pallas_kernels.moe_gmm.mxfp4 import validate as validate_mxfp4
 from pallas_kernels.moe_gmm.schedule import tile_schedule
 
-COLUMNS = 64                      # output columns per program: the M side of one warpgroup MMA
 _SMEM_BYTES = 227 * 1024          # shared memory one H100 / H200 block may take
 _SMEM_OVERHEAD = 2048             # barriers and the alignment of swizzled buffers
 _SMS = 132                        # multiprocessors of an H100 / H200 (SXM)
 _SPLIT_TARGET = 2                 # programs per multiprocessor that `splits=0` reaches for
-PER_GROUP = GROUP // 2            # packed bytes of one scale group along a column
 DECODES = ("exact", "ptx", "bits")
 A_OPERANDS = ("registers", "smem")
 ACTIVATIONS = ("slab", "rows")
 OUTPUTS = ("tiles", "rows")
-ALIGN = 8                         # rows of one tile of the activations' shared-memory buffer (copies start on one)
+LAUNCHES = ("grid", "persistent")
 # Decode tiles (at most this many rows) write their own rows out (`outputs="rows"`): Kimi-Linear's experts
 # (benchmarks/RESULTS.md, run 33), 0.414 / 0.135 ms a call at 64 / 8 tokens against 0.424 / 0.145 with "tiles" on an
 # H100, 0.414 / 0.129 against 0.413 / 0.134 on an H200.
@@ -162,8 +164,11 @@ class HopperMxfp4Blocks:
     each program copies its [64, window] block of fp32 products out and XLA gathers every row's products from
     its tile's block; or "rows", each program transposes its block in shared memory and copies out only its
     own rows' products, straight into their rows of [M, N] (at most one copy per power of two up to `rows`),
-    so XLA gathers nothing. `for_backend` picks what runs; `smem_bytes` must stay within one block's
-    shared memory."""
+    so XLA gathers nothing. `launch`: "grid", a program per tile, 64-column block and split, or "persistent",
+    one warp-specialized program per multiprocessor (or `programs` of them) walking its share of tiles x
+    128-column blocks in one pipeline (`hopper_mxfp4_persistent`; sorted rows in slabs, no splits, N a
+    multiple of 128, compiled only; pairs keep the grid launch). `for_backend` picks what runs; `smem_bytes`
+    must stay within one block's shared memory."""
 
     rows: int = 8
     block_k: int = 256
@@ -174,6 +179,8 @@ class HopperMxfp4Blocks:
     mma_inputs: int = 16
     activations: str = "slab"
     outputs: str = "tiles"
+    launch: str = "grid"
+    programs: int = 0
 
     def __post_init__(self):
         if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -182,6 +189,13 @@ class HopperMxfp4Blocks:
             raise ValueError(f"HopperMxfp4Blocks: activations must be one of {ACTIVATIONS}, got {self.activations!r}")
         if self.outputs not in OUTPUTS:
             raise ValueError(f"HopperMxfp4Blocks: outputs must be one of {OUTPUTS}, got {self.outputs!r}")
+        if self.launch not in LAUNCHES:
+            raise ValueError(f"HopperMxfp4Blocks: launch must be one of {LAUNCHES}, got {self.launch!r}")
+        if self.programs < 0:
+            raise ValueError(f"HopperMxfp4Blocks: programs must be >= 0 (0: one a multiprocessor), got {self.programs}")
+        if self.launch == "persistent" and (self.activations != "slab" or self.splits != 1):
+            raise ValueError(f"HopperMxfp4Blocks: launch='persistent' takes activations='slab' and splits=1, got "
+                             f"activations={self.activations!r}, splits={self.splits}")
         if self.window > 256:
             raise ValueError(f"HopperMxfp4Blocks: activations='rows' reads rows + {ALIGN} rows a tile, at most 256; "
                              f"got rows={self.rows}")
@@ -223,7 +237,10 @@ class HopperMxfp4Blocks:
         """Shared memory of one program with `n_weights` weights: per buffer in flight the tile's
         activations (bf16) and each weight's codes and scales; the fp32 products staged for their copy out;
         with `a_operand="smem"` the decoded operand's buffer; with `outputs="rows"` the products transposed;
-        barriers and alignment."""
+        barriers and alignment. The persistent launch: `hopper_mxfp4_persistent.smem_bytes`."""
+        if self.launch == "persistent":
+            return persistent_smem_bytes(self.rows, self.block_k, self.stages, n_weights, self.outputs,
+                                         self.a_operand, self.inputs_per_mma)
         per_stage = self.window * self.block_k * 2 + n_weights * COLUMNS * (self.block_k // 2 + self.block_k // GROUP)
         operand = COLUMNS * self.inputs_per_mma * 2 if self.a_operand == "smem" else 0
         staged = n_weights * COLUMNS * self.window * 4 * (2 if self.outputs == "rows" else 1)
@@ -252,117 +269,6 @@ class HopperMxfp4Blocks:
 
 
 # ----------------------------------------------------------------------------------------------
-# Decodes: packed codes [64, C] uint8 (WGMMA layout) -> (low nibbles, high nibbles) as bf16 [64, C]
-# ----------------------------------------------------------------------------------------------
-
-def _decode_exact(codes):
-    """E2M1 codes of both nibbles to exact bf16 with integer ops: the magnitude in halves is
-    (2 + mantissa) << (exponent - 1) for exponents >= 1 and the code itself below (0 or 1)."""
-    c = codes.astype(jnp.int32)
-
-    def one(nibble):
-        m = nibble & 7
-        halves = jnp.where(m < 2, m, (2 + (m & 1)) << jnp.maximum((m >> 1) - 1, 0))
-        half = jnp.where((nibble & 8) != 0, -0.5, 0.5)
-        return (halves.astype(jnp.float32) * half).astype(jnp.bfloat16)
-
-    return one(c & 15), one(c >> 4)
-
-
-# bf16 bits of the E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6: low bytes and high bytes, each an
-# 8-entry byte table in two registers (entries 0-3, then 4-7) for `prmt`.
-_LOW_BYTES = (0xC0800000, 0xC0804000)
-_HIGH_BYTES = (0x3F3F3F00, 0x40404040)
-
-# One 16-bit chunk [byte0, byte1] of codes (byte j: low nibble input 2j, high nibble 2j + 1) -> $0 the
-# bf16 pair of the low nibbles, $1 the pair of the high nibbles. The selector's nibbles are the
-# chunk's four codes with the sign bits cleared (prmt reads 4 selector nibbles, each a byte index
-# 0-7); two table reads give the low and the high bytes of all four values, two permutes pair them;
-# the sign bits (3 and 7 of each byte) are moved to bits 15 and 31 and ORed in.
-_PTX_DECODE = f"""
-{{
-.reg .b32 sel, lo_bytes, hi_bytes, low_pair, high_pair, spread, spread_lo;
-and.b32 sel, $2, 0x7777;
-prmt.b32 lo_bytes, {_LOW_BYTES[0]:#x}, {_LOW_BYTES[1]:#x}, sel;
-prmt.b32 hi_bytes, {_HIGH_BYTES[0]:#x}, {_HIGH_BYTES[1]:#x}, sel;
-prmt.b32 low_pair, lo_bytes, hi_bytes, 0x6240;
-prmt.b32 high_pair, lo_bytes, hi_bytes, 0x7351;
-prmt.b32 spread, $2, 0, 0x1404;
-shl.b32 spread_lo, spread, 4;
-lop3.b32 $0, low_pair, spread_lo, 0x80008000, 0xF8;
-lop3.b32 $1, high_pair, spread, 0x80008000, 0xF8;
-}}
-"""
-
-# The same chunk -> the same two bf16 pairs by placing bits ("bits"). A code s e1 e0 m whose magnitude bits
-# e1 e0 m sit in bits 8-6 of a bf16 and its sign in bit 15 is the code's value times 2^-126 (exponent
-# field e1 e0; for e1 e0 = 0 a subnormal, 0 or 0.5 x 2^-126), so one exact multiply by 2^126 gives the
-# value. The pair's two bytes are spread to bits 0-7 and 16-23; each nibble, masked, is copied to two places
-# by one integer multiply (x (2^6 + 2^12) for the low nibbles, x (2^2 + 2^8) for the high ones: the copies
-# do not overlap, so no carries), and a mask keeps the magnitude from the first copy and the sign from
-# the second. Five instructions on the integer ALU (prmt, four and) where the tables take eight:
-# the multiplies issue to the multiply-add pipe, as do the two bf16 multiplies. Their addend is -0.0, so that
-# code 8 (-0) stays -0: (+0) + (-0) would round to +0.
-_PTX_DECODE_BITS = """
-{
-.reg .b32 pair, low, high, unit, zero;
-prmt.b32 pair, $2, 0, 0x4140;
-and.b32 low, pair, 0x000F000F;
-and.b32 high, pair, 0x00F000F0;
-mul.lo.u32 low, low, 0x1040;
-mul.lo.u32 high, high, 0x0104;
-and.b32 low, low, 0x81C081C0;
-and.b32 high, high, 0x81C081C0;
-mov.b32 unit, 0x7E807E80;
-mov.b32 zero, 0x80008000;
-fma.rn.bf16x2 $0, low, unit, zero;
-fma.rn.bf16x2 $1, high, unit, zero;
-}
-"""
-
-
-def decode_table_bits() -> np.ndarray:
-    """The bf16 bit patterns the PTX tables hold for magnitude codes 0-7 (checked against
-    `mxfp4.E2M1` by the tests, since the PTX itself runs only on a GPU)."""
-    low = np.array(_LOW_BYTES, np.uint32).view(np.uint8)
-    high = np.array(_HIGH_BYTES, np.uint32).view(np.uint8)
-    return (high.astype(np.uint16) << 8) | low
-
-
-def _decode_ptx(codes, text: str = _PTX_DECODE):
-    """`text` (`_PTX_DECODE` or `_PTX_DECODE_BITS`) on every register of `codes` (WGMMA layout: two bytes
-    per register, columns 2c and 2c + 1 of a row); the outputs keep the registers' places, so they are in
-    the WGMMA layout too."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm
-    from jax.experimental import mosaic as _  # noqa: F401  (registers the dialects)
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    out_type = plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, plgpu.Layout.WGMMA)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out_type, out_type))
-    def decode(_, array):
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        pair = ir.VectorType.get((2,), ir.BF16Type.get())
-        two_i32 = llvm.StructType.get_literal([i32, i32])
-        low, high = np.empty_like(array.registers), np.empty_like(array.registers)
-        for idx, reg in np.ndenumerate(array.registers):
-            chunk = arith.extui(i32, mgpu_utils.bitcast(reg, i16))
-            both = llvm.inline_asm(two_i32, [chunk], text, "=r,=r,r")
-            low[idx] = mgpu_utils.bitcast(llvm.extractvalue(i32, both, [0]), pair)
-            high[idx] = mgpu_utils.bitcast(llvm.extractvalue(i32, both, [1]), pair)
-        return (fa.FragmentedArray(_registers=low, _layout=array.layout, _is_signed=None),
-                fa.FragmentedArray(_registers=high, _layout=array.layout, _is_signed=None))
-
-    return decode(codes)
-
-
-_DECODERS = {"exact": _decode_exact, "ptx": _decode_ptx,
-             "bits": functools.partial(_decode_ptx, text=_PTX_DECODE_BITS)}
-
-
-# ----------------------------------------------------------------------------------------------
 # The kernel
 # ----------------------------------------------------------------------------------------------
 
@@ -383,11 +289,7 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bo
     first_step = split * steps
     group, first, last, out_first = (sched_ref[i, tile] for i in range(4))
     half, groups = blocks.block_k // 2, blocks.block_k // GROUP
-    layout = plgpu.Layout.WGMMA
-    row_layout = layout.reduce(1)
-    decode = _DECODERS[blocks.decode]
 
-    per_mma = blocks.inputs_per_mma // PER_GROUP       # [64, 16] pieces (low or high nibbles of a group) a call
     if in_place:    # the copies into tiled shared memory start on whole 8-row tiles: the window starts on one
         x_rows = x_ref.at[pl.ds(pl.multiple_of(first // ALIGN * ALIGN, ALIGN), window)]
     else:
@@ -395,35 +297,12 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bo
 
     def products(acc_refs):
         def step(idx, x_smem, *w_smem):
-            (kk,) = idx
-            for w, acc_ref in enumerate(acc_refs):
-                p_smem, s_smem = w_smem[2 * w], w_smem[2 * w + 1]
-                codes = plgpu.load(p_smem, layout=layout)                           # [64, bk/2] u8
-                pieces, issued = [], 0   # piece 2j: group j's low nibbles (its even inputs), 2j + 1: its odd
-                for j in range(groups):
-                    factor = plgpu.load(s_smem.at[j], layout=row_layout)            # [64] u8 E8M0
-                    factor = lax.bitcast_convert_type(factor.astype(jnp.int16) << 7, jnp.bfloat16)
-                    factor = lax.broadcast_in_dim(factor, (COLUMNS, PER_GROUP), [0])
-                    lo, hi = decode(codes[:, PER_GROUP * j:PER_GROUP * (j + 1)])
-                    pieces += [lo * factor, hi * factor]
-                    while len(pieces) - issued >= per_mma:     # x_smem's columns 16 p .. 16 p + 15: piece p's
-                        run = pieces[issued:issued + per_mma]
-                        a = run[0] if per_mma == 1 else jnp.concatenate(run, axis=1)
-                        if blocks.a_operand == "smem":
-                            plgpu.wgmma_wait(0)          # the previous MMA is done reading the buffer
-                            a_smem[0][...] = a
-                            plgpu.commit_smem()
-                            a = a_smem[0]
-                        x_part = x_smem.at[:, pl.ds(PER_GROUP * issued, PER_GROUP * per_mma)]
-                        plgpu.wgmma(acc_ref, a, x_part.transpose((1, 0)))
-                        issued += per_mma
-            plgpu.wgmma_wait(0)
+            multiply_step(x_smem, w_smem, acc_refs, block_k=blocks.block_k, decode=blocks.decode,
+                          mma_inputs=blocks.inputs_per_mma, a_smem=a_smem[0] if a_smem else None)
 
-        x_transforms = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32))
-        code_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
         x_spec = plgpu.BlockSpec((window, blocks.block_k), lambda kk: (0, first_step + kk),
-                                 transforms=x_transforms)
-        w_specs = (plgpu.BlockSpec((COLUMNS, half), lambda kk: (col, first_step + kk), transforms=code_transforms),
+                                 transforms=X_TRANSFORMS)
+        w_specs = (plgpu.BlockSpec((COLUMNS, half), lambda kk: (col, first_step + kk), transforms=CODE_TRANSFORMS),
                    plgpu.BlockSpec((groups, COLUMNS), lambda kk: (first_step + kk, col)))
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=[x_spec, *(w_specs * n_weights)],
                             max_concurrent_steps=blocks.stages)(x_rows, *(w.at[group] for w in w_refs))
@@ -437,32 +316,12 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bo
             o_smem.at[w][...] = acc
         plgpu.commit_smem()
         if blocks.outputs == "rows":
-            _copy_out_rows(o_smem, t_smem, out_ref.at[split], first % ALIGN if in_place else 0, last - first,
+            copy_out_rows(o_smem, t_smem, out_ref.at[split], first % ALIGN if in_place else 0, last - first,
                            out_first, col, window, blocks.rows)
         else:
             for w in range(n_weights):
                 plgpu.copy_smem_to_gmem(o_smem.at[w], out_ref.at[w, split, tile, pl.ds(col * COLUMNS, COLUMNS)])
         plgpu.wait_smem_to_gmem(0)
-
-
-def _copy_out_rows(o_smem, t_smem, out_ref, start, count, out_first, col, window: int, rows: int):
-    """The products of a tile's `count` rows (from column `start` of each weight's [64, window] block in
-    `o_smem`) into rows out_first .. out_first + count - 1 of `out_ref` [rows out, weights, N], columns of
-    block `col`: the blocks transposed into `t_smem` [window, weights, 64] in one strided read of shared
-    memory (a value a thread and load, window x weights x 64 / 128 loads a thread), then one copy per power
-    of two in `count` (16 + 4 + 1 rows for 21), so no copy writes a row of another tile."""
-    n_weights = o_smem.shape[0]
-    t_smem[...] = plgpu.load(o_smem.transpose((2, 0, 1)),
-                             layout=plgpu.Layout.WG_STRIDED((window, n_weights, COLUMNS), 1))
-    plgpu.commit_smem()
-    size = 1 << (rows.bit_length() - 1)                 # the largest power of two <= rows (count <= rows)
-    while size:
-        @pl.when((count & size) != 0)
-        def _(size=size):
-            done = count & ~(2 * size - 1)              # the rows the larger pieces took
-            plgpu.copy_smem_to_gmem(t_smem.at[pl.ds(start + done, size)],
-                                    out_ref.at[pl.ds(out_first + done, size), :, pl.ds(col * COLUMNS, COLUMNS)])
-        size //= 2
 
 
 def _even_odd(x):
@@ -472,13 +331,15 @@ def _even_odd(x):
     return x.reshape(*lead, k // GROUP, PER_GROUP, 2).swapaxes(-1, -2).reshape(*lead, k)
 
 
-def _launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool):
+def _launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool, sorted_rows: bool):
     """The kernel over `sched` [4, T] (group, first, end row per tile, first >= end: nothing to do; the
     output row of its first row) with the activations in `_even_odd` order, bf16: each tile's own slab `x`
     [T, rows, K], or the sorted rows `x` [M', K] read in place (`_in_place_rows`: M' >= the largest first row
     rounded down to 8, plus `blocks.window`, and a multiple of 8) -> fp32 products: per tile
     [weights, T, N, rows] (slabs) or [weights, T, N, window] (column c: the product of row first // 8 * 8 + c);
-    with `blocks.outputs="rows"` per row, [weights, rows_out, N] (rows no tile covers: not written)."""
+    with `blocks.outputs="rows"` per row, [weights, rows_out, N] (rows no tile covers: not written).
+    `sorted_rows`: the tiles are the schedule of sorted rows (live tiles first), which the persistent launch
+    (`blocks.launch`) needs; pairs run the grid launch."""
     tiles, k = sched.shape[1], x.shape[-1]
     in_place = x.ndim == 2
     window = blocks.window if in_place else blocks.rows
@@ -491,9 +352,22 @@ def _launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpr
                          f"block_k={blocks.block_k}")
     kernel = functools.partial(_kernel, n_weights=n_weights, steps=steps // splits, window=window,
                                in_place=in_place, blocks=blocks)
-    a_transforms = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32))
     by_rows = blocks.outputs == "rows"
-    partial = plgpu.kernel(
+    if blocks.launch == "persistent" and sorted_rows:
+        partial = launch_persistent(sched, x, weights, rows_out, blocks, interpret, blocks.programs or _SMS)
+    else:
+        partial = _launch_grid(kernel, sched, x, weights, rows_out, blocks, interpret, splits, window)
+    if by_rows:
+        return jnp.moveaxis(jnp.sum(partial, axis=0), 1, 0)
+    return jnp.sum(partial, axis=1)
+
+
+def _launch_grid(kernel, sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool,
+                 splits: int, window: int):
+    """A program per tile, 64-column block and split -> `_launch`'s fp32 parts before the splits are added."""
+    tiles, n, n_weights = sched.shape[1], weights[0].shape[2], len(weights)
+    by_rows = blocks.outputs == "rows"
+    return plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((splits, rows_out, n_weights, n) if by_rows
                                       else (n_weights, splits, tiles, n, window), jnp.float32),
@@ -501,13 +375,10 @@ def _launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpr
         grid_names=("tile", "col", "split"),
         scratch_types=[plgpu.SMEM((n_weights, COLUMNS, window), jnp.float32)]
         + ([plgpu.SMEM((window, n_weights, COLUMNS), jnp.float32)] if by_rows else [])
-        + ([plgpu.SMEM((COLUMNS, blocks.inputs_per_mma), jnp.bfloat16, transforms=a_transforms)]
+        + ([plgpu.SMEM((COLUMNS, blocks.inputs_per_mma), jnp.bfloat16, transforms=X_TRANSFORMS)]
            if blocks.a_operand == "smem" else []),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(sched, x, *(part for w in weights for part in (w.packed, w.scale)))
-    if by_rows:
-        return jnp.moveaxis(jnp.sum(partial, axis=0), 1, 0)
-    return jnp.sum(partial, axis=1)
 
 
 def _in_place_rows(x, rows: int):
@@ -547,7 +418,7 @@ def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: b
         if blocks.outputs == "rows":
             ordered, source, live = _settled(ordered, source, live)
         x, origin = jnp.where(live[..., None], ordered[source], 0), sched[1]
-    out = _launch(sched, x, weights, m, blocks, interpret)
+    out = _launch(sched, x, weights, m, blocks, interpret, sorted_rows=True)
     if blocks.outputs == "rows":
         return jnp.where(covered[None, :, None], out, 0.0)
     # Row r of the output is column r - origin of its tile's [N, window] block.
@@ -568,13 +439,14 @@ def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4B
     sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), token, token + valid.astype(jnp.int32), index])
     ordered = _even_odd(lhs.astype(jnp.bfloat16))          # before the repeat and the padding rows
     if blocks.activations == "rows":
-        out = _launch(sched, _in_place_rows(ordered, blocks.rows), weights, pairs, blocks, interpret)
+        out = _launch(sched, _in_place_rows(ordered, blocks.rows), weights, pairs, blocks, interpret,
+                      sorted_rows=False)
         if blocks.outputs == "tiles":
             out = jnp.moveaxis(out[:, index, :, token % ALIGN], 0, 1)       # column: token - token // 8 * 8
     else:
         slabs = jnp.zeros((pairs, blocks.rows, lhs.shape[1]), jnp.bfloat16).at[:, 0].set(
             jnp.repeat(ordered, repeat, axis=0))
-        out = _launch(sched, slabs, weights, pairs, blocks, interpret)
+        out = _launch(sched, slabs, weights, pairs, blocks, interpret, sorted_rows=False)
         if blocks.outputs == "tiles":
             out = out[..., 0]
     return jnp.where(valid[None, :, None], out, 0.0)
@@ -598,6 +470,8 @@ def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
         raise ValueError(f"hopper MXFP4 matmul: K={k} must be a multiple of block_k={blocks.block_k}")
     if n % COLUMNS:
         raise ValueError(f"hopper MXFP4 matmul: N={n} must be a multiple of {COLUMNS}")
+    if blocks.launch == "persistent" and group_sizes is not None and not persistent_takes(n):
+        raise ValueError(f"hopper MXFP4 matmul: launch='persistent' needs N a multiple of 128, got N={n}")
     if blocks.smem_bytes(len(weights)) > _SMEM_BYTES:
         raise ValueError(f"hopper MXFP4 matmul: {blocks} needs {blocks.smem_bytes(len(weights))} bytes of shared "
                          f"memory for {len(weights)} weight(s); at most {_SMEM_BYTES} (fewer rows, stages or block_k)")
@@ -608,6 +482,9 @@ def _blocks(blocks, interpret, k_dim: int, rows_per_group: float = 1.0, n_weight
     if interpreted and blocks is not None and blocks.decode != "exact":
         raise ValueError(f"HopperMxfp4Blocks: decode={blocks.decode!r} is inline PTX, which runs compiled only; "
                          f"interpret mode needs decode='exact'")
+    if interpreted and blocks is not None and blocks.launch == "persistent":
+        raise ValueError("HopperMxfp4Blocks: launch='persistent' runs compiled only (interpret mode cannot run its "
+                         "accumulators through the item loop); interpret mode needs launch='grid'")
     return (blocks or HopperMxfp4Blocks.for_backend(interpreted, k_dim, rows_per_group, n_weights)), interpreted
 
 

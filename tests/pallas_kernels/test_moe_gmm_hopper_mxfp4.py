@@ -20,11 +20,11 @@ from tolerances import assert_close, kernel_dtype
 
 from pallas_kernels.moe_gmm import (GluSpec, Mxfp4Weight, grouped_glu, grouped_glu_reference, grouped_matmul_reference,
                                     pair_glu_reference, pair_matmul_reference)
-from pallas_kernels.moe_gmm.hopper_mxfp4 import (_PTX_DECODE, _PTX_DECODE_BITS, HopperMxfp4Blocks, Mxfp4Columns,
-                                                 _decode_exact, decode_table_bits, from_checkpoint_columns,
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, from_checkpoint_columns,
                                                  grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4,
                                                  pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4, runs_here,
                                                  to_columns)
+from pallas_kernels.moe_gmm.hopper_mxfp4_decode import PTX_DECODE, PTX_DECODE_BITS, decode_exact, decode_table_bits
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, dequantize, from_checkpoint_layout
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
@@ -43,6 +43,16 @@ FORMS = {"bits_registers": HopperMxfp4Blocks(), "exact_registers": HopperMxfp4Bl
          "rows_in_place_out": HopperMxfp4Blocks(activations="rows", outputs="rows"),
          "rows24_in_place_out_splits_auto": HopperMxfp4Blocks(rows=24, block_k=128, splits=0, activations="rows",
                                                               outputs="rows")}
+# The persistent launch (N a multiple of 128); `programs=3`: each program walks many items, so its pipeline
+# runs from one item into the next and its accumulators are cleared between them.
+PERSISTENT = {"persistent_rows_out": HopperMxfp4Blocks(launch="persistent", outputs="rows"),
+              "persistent_tiles_out": HopperMxfp4Blocks(launch="persistent"),
+              "persistent_3_programs": HopperMxfp4Blocks(launch="persistent", outputs="rows", programs=3),
+              "persistent_3_programs_tiles_k128": HopperMxfp4Blocks(launch="persistent", programs=3, block_k=128,
+                                                                    stages=6),
+              "persistent_rows16_mma_step": HopperMxfp4Blocks(launch="persistent", rows=16, mma_inputs=0,
+                                                              programs=5),
+              "persistent_ptx_stages2": HopperMxfp4Blocks(launch="persistent", decode="ptx", stages=2, programs=7)}
 
 
 def _weight(rng, g, k, n) -> Mxfp4Weight:
@@ -164,7 +174,7 @@ def test_checkpoint_columns_keep_the_stored_codes(rng):
 
 def test_exact_decode_is_the_e2m1_table():
     codes = jnp.arange(256, dtype=jnp.uint8).reshape(16, 16)
-    lo, hi = _decode_exact(codes)
+    lo, hi = decode_exact(codes)
     table = np.asarray(E2M1, np.float32)
     np.testing.assert_array_equal(np.asarray(lo, np.float32), table[np.arange(256).reshape(16, 16) & 15])
     np.testing.assert_array_equal(np.asarray(hi, np.float32), table[np.arange(256).reshape(16, 16) >> 4])
@@ -257,9 +267,9 @@ def _bf16_bits(values) -> np.ndarray:
 def test_ptx_decode_text_gives_every_code_pair_its_e2m1_value():
     """All 65,536 chunks of two code bytes through the PTX text: output 0 holds the low nibbles' bf16
     values (byte 0 in bits 0-15, byte 1 in 16-31), output 1 the high nibbles'."""
-    assert set(re.findall(r"^\s*([a-z0-9]+)\.", _PTX_DECODE, re.M)) <= {"and", "prmt", "shl", "lop3"}
+    assert set(re.findall(r"^\s*([a-z0-9]+)\.", PTX_DECODE, re.M)) <= {"and", "prmt", "shl", "lop3"}
     chunks = np.arange(1 << 16, dtype=np.int64)
-    regs = _run_ptx(_PTX_DECODE, {"$2": chunks})
+    regs = _run_ptx(PTX_DECODE, {"$2": chunks})
     table = _bf16_bits(E2M1)
     nib = [(chunks >> s) & 15 for s in (0, 4, 8, 12)]              # low0, high0, low1, high1
     np.testing.assert_array_equal(regs["$0"], table[nib[0]] | (table[nib[2]] << 16))
@@ -269,12 +279,12 @@ def test_ptx_decode_text_gives_every_code_pair_its_e2m1_value():
 def test_bits_decode_text_gives_every_code_pair_its_e2m1_value():
     """The bit-placing decode on all 65,536 chunks gives the table decode's bits exactly (signed zeros
     included), also with junk above the chunk's 16 bits, which its first prmt must ignore."""
-    assert set(re.findall(r"^\s*([a-z0-9]+)\.", _PTX_DECODE_BITS, re.M)) <= {"and", "prmt", "mul", "mov", "fma"}
+    assert set(re.findall(r"^\s*([a-z0-9]+)\.", PTX_DECODE_BITS, re.M)) <= {"and", "prmt", "mul", "mov", "fma"}
     chunks = np.arange(1 << 16, dtype=np.int64)
     table = _bf16_bits(E2M1)
     nib = [(chunks >> s) & 15 for s in (0, 4, 8, 12)]
     for junk in (0, 0x5A3C0000):
-        regs = _run_ptx(_PTX_DECODE_BITS, {"$2": chunks | junk})
+        regs = _run_ptx(PTX_DECODE_BITS, {"$2": chunks | junk})
         np.testing.assert_array_equal(regs["$0"], table[nib[0]] | (table[nib[2]] << 16))
         np.testing.assert_array_equal(regs["$1"], table[nib[1]] | (table[nib[3]] << 16))
 
@@ -310,6 +320,40 @@ def test_every_form_lowers_for_cuda_on_any_host(form):
 
     pair_args = (jax.ShapeDtypeStruct((3, k), jnp.bfloat16), *args[1:3], jax.ShapeDtypeStruct((6,), jnp.int32))
     assert "mosaic_gpu" in jax.export.export(jax.jit(pairs), platforms=["cuda"])(*pair_args).mlir_module()
+
+
+@pytest.mark.parametrize("form", list(PERSISTENT))
+def test_persistent_forms_lower_for_cuda_on_any_host(form):
+    """Interpret mode cannot run this launch (its accumulators pass through the item loop), so off the GPU the
+    kernel is only lowered; `test_compiled_persistent_forms_equal_the_reference` runs it."""
+    k, n = 1024, 256
+    args = (jax.ShapeDtypeStruct((37, k), jnp.bfloat16), jax.ShapeDtypeStruct((4, n, k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((4, k // 32, n), jnp.uint8), jax.ShapeDtypeStruct((4,), jnp.int32))
+
+    def mlp(x, p, s, sizes):
+        h = grouped_glu_hopper_mxfp4(x, Mxfp4Columns(p, s), Mxfp4Columns(p, s), sizes, blocks=PERSISTENT[form],
+                                     interpret=False)
+        return grouped_matmul_hopper_mxfp4(h[:, :k // 4].repeat(4, axis=1), Mxfp4Columns(p, s), sizes,
+                                           blocks=PERSISTENT[form], interpret=False)
+
+    module = jax.export.export(jax.jit(mlp), platforms=["cuda"])(*args).mlir_module()
+    assert module.count("mosaic_gpu") >= 2
+
+
+def test_persistent_launch_refuses_what_it_cannot_run(rng):
+    for bad, match in (({"activations": "rows"}, "activations='slab'"), ({"splits": 2}, "splits=1"),
+                       ({"programs": -1}, "programs")):
+        with pytest.raises(ValueError, match=match):
+            HopperMxfp4Blocks(**({"launch": "persistent"} | bad))
+    with pytest.raises(ValueError, match="launch"):
+        HopperMxfp4Blocks(launch="cluster")
+    w = to_columns(_weight(rng, 2, 256, 192))
+    x, sizes = jnp.ones((4, 256), jnp.bfloat16), jnp.asarray([2, 2], jnp.int32)
+    with pytest.raises(ValueError, match="N a multiple of 128, got N=192"):
+        grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(launch="persistent"), interpret=False)
+    with pytest.raises(ValueError, match="runs compiled only"):
+        grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(launch="persistent", decode="exact"),
+                                    interpret=True)
 
 
 def test_settings_follow_the_rows_and_shared_memory():
@@ -394,6 +438,27 @@ def test_compiled_forms_equal_the_reference(rng, form, sizes, m):
     assert_close("glu", out, grouped_glu_reference(x.astype(jnp.float32), dg, du, group_sizes), dtype=jnp.bfloat16)
     mm = grouped_matmul_hopper_mxfp4(x, to_columns(wg), group_sizes, blocks=blocks, interpret=False)
     assert_close("matmul", mm, grouped_matmul_reference(x.astype(jnp.float32), dg, group_sizes), dtype=jnp.bfloat16)
+
+
+@on_gpu
+@pytest.mark.parametrize("form", list(PERSISTENT))
+@pytest.mark.parametrize("sizes,m", [([3, 0, 5, 3], 12), ([0, 19, 1, 0, 40, 7, 0, 30], 100), ([1] * 4, 4)])
+def test_compiled_persistent_forms_equal_the_reference(rng, form, sizes, m):
+    """N = 256 (two items a tile) and 384 (three); 100 rows over 8 experts: up to 19 tiles, 57 items, so 3, 5 or
+    7 programs walk many each."""
+    g, k, f = len(sizes), 1024, 256
+    wg, wu = _weight(rng, g, k, f), _weight(rng, g, k, f)
+    wd = _weight(rng, g, f, 384)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 0.05, jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    blocks = PERSISTENT[form]
+    dg, du, dd = (dequantize(w, jnp.float32) for w in (wg, wu, wd))
+    h = grouped_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group_sizes, blocks=blocks, interpret=False)
+    h_ref = grouped_glu_reference(x.astype(jnp.float32), dg, du, group_sizes)
+    assert_close("glu", h, h_ref, dtype=jnp.bfloat16)
+    hb = h_ref.astype(jnp.bfloat16)
+    y = grouped_matmul_hopper_mxfp4(hb, to_columns(wd), group_sizes, blocks=blocks, interpret=False)
+    assert_close("matmul", y, grouped_matmul_reference(hb.astype(jnp.float32), dd, group_sizes), dtype=jnp.bfloat16)
 
 
 @on_gpu
