@@ -76,14 +76,13 @@ HOPPER_SWEEP = [HopperMxfp4Blocks(block_k=bk, stages=st, splits=sp, mma_inputs=m
     HopperMxfp4Blocks(splits=0, activations="rows", outputs="rows"),
     HopperMxfp4Blocks(decode="ptx"), HopperMxfp4Blocks(decode="ptx", activations="rows", outputs="rows"),
     HopperMxfp4Blocks(decode="ptx", splits=0, activations="rows", outputs="rows"), HopperMxfp4Blocks(outputs="tiles")]
-# Entries 13-18: the persistent launch (one warp-specialized program a multiprocessor walking tiles x 128-column
+# Entries 13-17: the persistent launch (one warp-specialized program a multiprocessor walking tiles x 128-column
 # blocks in one pipeline; sorted rows only, so above 8 tokens), at ring depths whose shared memory holds both
-# the gate and up weights; entry 18 with four compute warpgroups (256-column blocks).
+# the gate and up weights.
 HOPPER_SWEEP += [HopperMxfp4Blocks(launch="persistent", outputs="rows", stages=st, block_k=bk)
                  for st, bk in ((3, 256), (5, 256), (8, 128))] + [
     HopperMxfp4Blocks(launch="persistent", stages=4), HopperMxfp4Blocks(launch="persistent", outputs="rows",
-                                                                        stages=4, mma_inputs=32),
-    HopperMxfp4Blocks(launch="persistent", outputs="rows", block_k=128, stages=4, compute_warpgroups=4)]
+                                                                        stages=4, mma_inputs=32)]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:

@@ -166,9 +166,9 @@ class HopperMxfp4Blocks:
     own rows' products, straight into their rows of [M, N] (at most one copy per power of two up to `rows`),
     so XLA gathers nothing. `launch`: "grid", a program per tile, 64-column block and split, or "persistent",
     one warp-specialized program per multiprocessor (or `programs` of them) walking its share of tiles x
-    blocks of 64 x `compute_warpgroups` columns in one pipeline (`hopper_mxfp4_persistent`; sorted rows in
-    slabs, no splits, N a multiple of the block, compiled only; pairs keep the grid launch). `for_backend`
-    picks what runs; `smem_bytes` must stay within one block's shared memory."""
+    128-column blocks in one pipeline (`hopper_mxfp4_persistent`; sorted rows in slabs, no splits, N a
+    multiple of 128, compiled only; pairs keep the grid launch). `for_backend` picks what runs; `smem_bytes`
+    must stay within one block's shared memory."""
 
     rows: int = 8
     block_k: int = 256
@@ -181,7 +181,6 @@ class HopperMxfp4Blocks:
     outputs: str = "tiles"
     launch: str = "grid"
     programs: int = 0
-    compute_warpgroups: int = 2
 
     def __post_init__(self):
         if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -192,8 +191,6 @@ class HopperMxfp4Blocks:
             raise ValueError(f"HopperMxfp4Blocks: outputs must be one of {OUTPUTS}, got {self.outputs!r}")
         if self.launch not in LAUNCHES:
             raise ValueError(f"HopperMxfp4Blocks: launch must be one of {LAUNCHES}, got {self.launch!r}")
-        if self.compute_warpgroups not in (2, 4):
-            raise ValueError(f"HopperMxfp4Blocks: compute_warpgroups must be 2 or 4, got {self.compute_warpgroups}")
         if self.programs < 0:
             raise ValueError(f"HopperMxfp4Blocks: programs must be >= 0 (0: one a multiprocessor), got {self.programs}")
         if self.launch == "persistent" and (self.activations != "slab" or self.splits != 1):
@@ -243,7 +240,7 @@ class HopperMxfp4Blocks:
         barriers and alignment. The persistent launch: `hopper_mxfp4_persistent.smem_bytes`."""
         if self.launch == "persistent":
             return persistent_smem_bytes(self.rows, self.block_k, self.stages, n_weights, self.outputs,
-                                         self.a_operand, self.inputs_per_mma, self.compute_warpgroups)
+                                         self.a_operand, self.inputs_per_mma)
         per_stage = self.window * self.block_k * 2 + n_weights * COLUMNS * (self.block_k // 2 + self.block_k // GROUP)
         operand = COLUMNS * self.inputs_per_mma * 2 if self.a_operand == "smem" else 0
         staged = n_weights * COLUMNS * self.window * 4 * (2 if self.outputs == "rows" else 1)
@@ -473,9 +470,8 @@ def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
         raise ValueError(f"hopper MXFP4 matmul: K={k} must be a multiple of block_k={blocks.block_k}")
     if n % COLUMNS:
         raise ValueError(f"hopper MXFP4 matmul: N={n} must be a multiple of {COLUMNS}")
-    if blocks.launch == "persistent" and group_sizes is not None and not persistent_takes(n, blocks.compute_warpgroups):
-        raise ValueError(f"hopper MXFP4 matmul: launch='persistent' with {blocks.compute_warpgroups} compute "
-                         f"warpgroups needs N a multiple of {blocks.compute_warpgroups * COLUMNS}, got N={n}")
+    if blocks.launch == "persistent" and group_sizes is not None and not persistent_takes(n):
+        raise ValueError(f"hopper MXFP4 matmul: launch='persistent' needs N a multiple of 128, got N={n}")
     if blocks.smem_bytes(len(weights)) > _SMEM_BYTES:
         raise ValueError(f"hopper MXFP4 matmul: {blocks} needs {blocks.smem_bytes(len(weights))} bytes of shared "
                          f"memory for {len(weights)} weight(s); at most {_SMEM_BYTES} (fewer rows, stages or block_k)")

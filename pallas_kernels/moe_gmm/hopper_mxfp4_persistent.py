@@ -5,13 +5,13 @@ The grid launch (`hopper_mxfp4`) starts a program per tile and 64-column block: 
 streams only a few pipeline steps (K / block_k: 9 for Kimi-Linear's gate and up, 4 for its down
 projection), so every program pays the latency of its first copies and leaves its ring empty at the end,
 and one warpgroup both waits for the copies and decodes. Here each of `programs` programs walks its share
-of the work items (a tile of sorted rows x a block of 64 x `compute_warpgroups` columns; item i of program
-p is p + i x programs, so programs read neighbouring items at the same time) as one pipeline of items x
-steps, so the copies of an item's first steps are in flight while the item before it is multiplied:
+of the work items (a tile of sorted rows x a block of 128 columns; item i of program p is p + i x programs,
+so programs read neighbouring items at the same time) as one pipeline of items x steps, so the copies of an
+item's first steps are in flight while the item before it is multiplied:
 
 * a memory warpgroup issues the TMA copies of the tile's activations and the block's codes and scales into
   a ring of `stages` buffers, item after item without a pause;
-* `compute_warpgroups` (2 or 4) compute warpgroups each decode and multiply 64 of the block's columns
+* two compute warpgroups each decode and multiply 64 of the block's 128 columns
   (`hopper_mxfp4_step.multiply_step`, the grid launch's step), and at an item's last step write its products
   out (a [64, rows] fp32 block per weight, or its rows: `HopperMxfp4Blocks.outputs`) and clear their
   accumulators.
@@ -34,24 +34,25 @@ from pallas_kernels.moe_gmm.hopper_mxfp4_step import (CODE_TRANSFORMS, COLUMNS, 
                                                       multiply_step)
 from pallas_kernels.moe_gmm.mxfp4 import GROUP
 
+COMPUTE_WARPGROUPS = 2            # each takes 64 of an item's columns
+BLOCK_COLUMNS = COMPUTE_WARPGROUPS * COLUMNS
 MEMORY_REGISTERS = 40             # the copy-issuing warpgroup's registers a thread (as JAX's Hopper matmuls)
 
 
-def persistent_takes(n_dim: int, compute_warpgroups: int) -> bool:
-    """Whether N splits into whole blocks of the compute warpgroups' 64 columns each."""
-    return n_dim % (compute_warpgroups * COLUMNS) == 0
+def persistent_takes(n_dim: int) -> bool:
+    """Whether N splits into whole blocks of the two compute warpgroups' columns."""
+    return n_dim % BLOCK_COLUMNS == 0
 
 
 def smem_bytes(rows: int, block_k: int, stages: int, n_weights: int, outputs: str, a_operand: str,
-               inputs_per_mma: int, compute_warpgroups: int) -> int:
+               inputs_per_mma: int) -> int:
     """Shared memory of one program: the ring (per buffer the tile's activations and each weight's codes and
-    scales for the block's columns), each compute warpgroup's staged products (and their transposed copy with
+    scales for 128 columns), each compute warpgroup's staged products (and their transposed copy with
     `outputs="rows"`, the decoded-operand buffer with `a_operand="smem"`), and barriers and alignment."""
-    block_columns = compute_warpgroups * COLUMNS
-    per_stage = rows * block_k * 2 + n_weights * block_columns * (block_k // 2 + block_k // GROUP)
+    per_stage = rows * block_k * 2 + n_weights * BLOCK_COLUMNS * (block_k // 2 + block_k // GROUP)
     staged = n_weights * COLUMNS * rows * 4 * (2 if outputs == "rows" else 1)
     operand = COLUMNS * inputs_per_mma * 2 if a_operand == "smem" else 0
-    return stages * per_stage + compute_warpgroups * (staged + operand) + 2048
+    return stages * per_stage + COMPUTE_WARPGROUPS * (staged + operand) + 2048
 
 
 def _kernel(sched_ref, count_ref, x_ref, *refs, n_weights: int, steps: int, column_blocks: int, programs: int,
@@ -60,19 +61,18 @@ def _kernel(sched_ref, count_ref, x_ref, *refs, n_weights: int, steps: int, colu
     live tiles first; count_ref [1]: how many are live; x_ref [tiles, rows, K] bf16 slabs (inputs in
     `_even_odd` order); refs: per weight packed [G, N, K/2] and scale [G, K/32, N], then the output
     (fp32 [weights, 1, tiles, N, rows], or with `outputs="rows"` [1, rows out, weights, N]) and the scratch:
-    staged products [C, weights, 64, rows], their transposed copy [C, rows, weights, 64] (`outputs="rows"`),
-    the decoded operand [C, 64, inputs] (`a_operand="smem"`); the leading C: the compute warpgroup."""
+    staged products [2, weights, 64, rows], their transposed copy [2, rows, weights, 64] (`outputs="rows"`),
+    the decoded operand [2, 64, inputs] (`a_operand="smem"`); the leading 2: the compute warpgroup."""
     w_refs, (out_ref, o_smem, *scratch) = refs[:2 * n_weights], refs[2 * n_weights:]
     t_smem = scratch.pop(0) if blocks.outputs == "rows" else None
     a_smem = scratch.pop(0) if blocks.a_operand == "smem" else None
     program, wg = lax.axis_index("program"), lax.axis_index("wg")
-    window, wgs = blocks.rows, blocks.compute_warpgroups
-    block_columns = wgs * COLUMNS
+    window = blocks.rows
     items = count_ref[0] * column_blocks
     mine = (items - program + programs - 1) // programs      # program <= programs - 1: never negative
 
     def place(i):
-        """Item i of this program -> (its tile, its block of `block_columns` columns)."""
+        """Item i of this program -> (its tile, its block of 128 columns)."""
         item = program + i * programs
         return item // column_blocks, item % column_blocks
 
@@ -83,14 +83,14 @@ def _kernel(sched_ref, count_ref, x_ref, *refs, n_weights: int, steps: int, colu
     in_specs = [plgpu.BlockSpec((None, window, blocks.block_k), lambda i, kk: (place(i)[0], 0, kk),
                                 transforms=X_TRANSFORMS)]
     for _ in range(n_weights):
-        in_specs += [plgpu.BlockSpec((None, block_columns, half), lambda i, kk: (group(i), place(i)[1], kk),
+        in_specs += [plgpu.BlockSpec((None, BLOCK_COLUMNS, half), lambda i, kk: (group(i), place(i)[1], kk),
                                      transforms=CODE_TRANSFORMS),
-                     plgpu.BlockSpec((None, groups, block_columns), lambda i, kk: (group(i), kk, place(i)[1]))]
+                     plgpu.BlockSpec((None, groups, BLOCK_COLUMNS), lambda i, kk: (group(i), kk, place(i)[1]))]
     columns = pl.ds(pl.multiple_of(wg * COLUMNS, COLUMNS), COLUMNS)
 
     def write_out(i, accs):
         tile, block = place(i)
-        col = block * wgs + wg                  # this warpgroup's 64-column block of N
+        col = block * COMPUTE_WARPGROUPS + wg                  # this warpgroup's 64-column block of N
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)        # its copies of the item before have read o_smem
         for w, acc in enumerate(accs):
             o_smem.at[wg, w][...] = acc
@@ -125,7 +125,7 @@ def _kernel(sched_ref, count_ref, x_ref, *refs, n_weights: int, steps: int, colu
 
     pipeline = plgpu.emit_pipeline_warp_specialized(
         body, grid=(mine, steps), memory_registers=MEMORY_REGISTERS, in_specs=in_specs,
-        max_concurrent_steps=blocks.stages, wg_axis="wg", num_compute_wgs=wgs,
+        max_concurrent_steps=blocks.stages, wg_axis="wg", num_compute_wgs=COMPUTE_WARPGROUPS,
         compute_context=compute)
     pipeline(x_ref, *w_refs)
 
@@ -138,15 +138,13 @@ def launch_persistent(sched, x, weights, rows_out: int, blocks, interpret: bool,
     n, n_weights, window = weights[0].shape[2], len(weights), blocks.rows
     count = jnp.sum(sched[1] < sched[2]).astype(jnp.int32)[None]
     kernel = functools.partial(_kernel, n_weights=n_weights, steps=k // blocks.block_k,
-                               column_blocks=n // (blocks.compute_warpgroups * COLUMNS), programs=programs,
-                               blocks=blocks)
+                               column_blocks=n // BLOCK_COLUMNS, programs=programs, blocks=blocks)
     by_rows = blocks.outputs == "rows"
-    wgs = blocks.compute_warpgroups
-    scratch = [plgpu.SMEM((wgs, n_weights, COLUMNS, window), jnp.float32)]
+    scratch = [plgpu.SMEM((COMPUTE_WARPGROUPS, n_weights, COLUMNS, window), jnp.float32)]
     if by_rows:
-        scratch.append(plgpu.SMEM((wgs, window, n_weights, COLUMNS), jnp.float32))
+        scratch.append(plgpu.SMEM((COMPUTE_WARPGROUPS, window, n_weights, COLUMNS), jnp.float32))
     if blocks.a_operand == "smem":
-        scratch.append(plgpu.SMEM((wgs, COLUMNS, blocks.inputs_per_mma), jnp.bfloat16,
+        scratch.append(plgpu.SMEM((COMPUTE_WARPGROUPS, COLUMNS, blocks.inputs_per_mma), jnp.bfloat16,
                                   transforms=X_TRANSFORMS))
     return plgpu.kernel(
         kernel,
@@ -154,7 +152,7 @@ def launch_persistent(sched, x, weights, rows_out: int, blocks, interpret: bool,
                                       else (n_weights, 1, tiles, n, window), jnp.float32),
         grid=(programs,),
         grid_names=("program",),
-        num_threads=wgs + 1,
+        num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name="wg",
         scratch_types=scratch,
         interpret=plgpu.InterpretGPUParams() if interpret else False,

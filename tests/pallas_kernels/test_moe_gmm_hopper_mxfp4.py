@@ -52,9 +52,7 @@ PERSISTENT = {"persistent_rows_out": HopperMxfp4Blocks(launch="persistent", outp
                                                                     stages=6),
               "persistent_rows16_mma_step": HopperMxfp4Blocks(launch="persistent", rows=16, mma_inputs=0,
                                                               programs=5),
-              "persistent_ptx_stages2": HopperMxfp4Blocks(launch="persistent", decode="ptx", stages=2, programs=7),
-              "persistent_4_warpgroups": HopperMxfp4Blocks(launch="persistent", outputs="rows", block_k=128,
-                                                           stages=4, compute_warpgroups=4, programs=4)}
+              "persistent_ptx_stages2": HopperMxfp4Blocks(launch="persistent", decode="ptx", stages=2, programs=7)}
 
 
 def _weight(rng, g, k, n) -> Mxfp4Weight:
@@ -344,7 +342,7 @@ def test_persistent_forms_lower_for_cuda_on_any_host(form):
 
 def test_persistent_launch_refuses_what_it_cannot_run(rng):
     for bad, match in (({"activations": "rows"}, "activations='slab'"), ({"splits": 2}, "splits=1"),
-                       ({"programs": -1}, "programs"), ({"compute_warpgroups": 3}, "compute_warpgroups")):
+                       ({"programs": -1}, "programs")):
         with pytest.raises(ValueError, match=match):
             HopperMxfp4Blocks(**({"launch": "persistent"} | bad))
     with pytest.raises(ValueError, match="launch"):
@@ -446,15 +444,14 @@ def test_compiled_forms_equal_the_reference(rng, form, sizes, m):
 @pytest.mark.parametrize("form", list(PERSISTENT))
 @pytest.mark.parametrize("sizes,m", [([3, 0, 5, 3], 12), ([0, 19, 1, 0, 40, 7, 0, 30], 100), ([1] * 4, 4)])
 def test_compiled_persistent_forms_equal_the_reference(rng, form, sizes, m):
-    """N = 256 (two or one items a tile) and 384 (three; with 4 compute warpgroups the down projection
-    refuses it, so the form runs it at N = 512); 100 rows over 8 experts: up to 19 tiles, 57 items, so 3, 5 or
+    """N = 256 (two items a tile) and 384 (three); 100 rows over 8 experts: up to 19 tiles, 57 items, so 3, 5 or
     7 programs walk many each."""
     g, k, f = len(sizes), 1024, 256
     wg, wu = _weight(rng, g, k, f), _weight(rng, g, k, f)
-    blocks = PERSISTENT[form]
-    wd = _weight(rng, g, f, 512 if blocks.compute_warpgroups == 4 else 384)
+    wd = _weight(rng, g, f, 384)
     x = jnp.asarray(rng.standard_normal((m, k)) * 0.05, jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
+    blocks = PERSISTENT[form]
     dg, du, dd = (dequantize(w, jnp.float32) for w in (wg, wu, wd))
     h = grouped_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group_sizes, blocks=blocks, interpret=False)
     h_ref = grouped_glu_reference(x.astype(jnp.float32), dg, du, group_sizes)
