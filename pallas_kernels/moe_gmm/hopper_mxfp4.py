@@ -354,7 +354,8 @@ def _launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpr
                                in_place=in_place, blocks=blocks)
     by_rows = blocks.outputs == "rows"
     if blocks.launch == "persistent" and sorted_rows:
-        partial = launch_persistent(sched, x, weights, rows_out, blocks, interpret, blocks.programs or _SMS)
+        partial = launch_persistent(sched, x, weights, rows_out, blocks, interpret,
+                                    blocks.programs or _multiprocessors())
     else:
         partial = _launch_grid(kernel, sched, x, weights, rows_out, blocks, interpret, splits, window)
     if by_rows:
@@ -379,6 +380,11 @@ def _launch_grid(kernel, sched, x, weights, rows_out: int, blocks: HopperMxfp4Bl
            if blocks.a_operand == "smem" else []),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(sched, x, *(part for w in weights for part in (w.packed, w.scale)))
+
+
+def _multiprocessors() -> int:
+    """The GPU's multiprocessors (132 on an H100 / H200 SXM; 132 off the GPU, where the launch is only lowered)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or _SMS) if jax.default_backend() == "gpu" else _SMS
 
 
 def _in_place_rows(x, rows: int):
@@ -472,6 +478,8 @@ def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
         raise ValueError(f"hopper MXFP4 matmul: N={n} must be a multiple of {COLUMNS}")
     if blocks.launch == "persistent" and group_sizes is not None and not persistent_takes(n):
         raise ValueError(f"hopper MXFP4 matmul: launch='persistent' needs N a multiple of 128, got N={n}")
+    if group_sizes is None and blocks.launch == "persistent":   # pairs run the grid launch
+        blocks = dataclasses.replace(blocks, launch="grid")
     if blocks.smem_bytes(len(weights)) > _SMEM_BYTES:
         raise ValueError(f"hopper MXFP4 matmul: {blocks} needs {blocks.smem_bytes(len(weights))} bytes of shared "
                          f"memory for {len(weights)} weight(s); at most {_SMEM_BYTES} (fewer rows, stages or block_k)")

@@ -19,12 +19,13 @@ import pytest
 from tolerances import assert_close, kernel_dtype
 
 from pallas_kernels.moe_gmm import (GluSpec, Mxfp4Weight, grouped_glu, grouped_glu_reference, grouped_matmul_reference,
-                                    pair_glu_reference, pair_matmul_reference)
+                                    hopper_mxfp4, pair_glu_reference, pair_matmul_reference)
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, from_checkpoint_columns,
                                                  grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4,
                                                  pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4, runs_here,
                                                  to_columns)
 from pallas_kernels.moe_gmm.hopper_mxfp4_decode import PTX_DECODE, PTX_DECODE_BITS, decode_exact, decode_table_bits
+from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import launch_persistent
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, dequantize, from_checkpoint_layout
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
@@ -323,12 +324,22 @@ def test_every_form_lowers_for_cuda_on_any_host(form):
 
 
 @pytest.mark.parametrize("form", list(PERSISTENT))
-def test_persistent_forms_lower_for_cuda_on_any_host(form):
+def test_persistent_forms_lower_for_cuda_on_any_host(form, monkeypatch):
     """Interpret mode cannot run this launch (its accumulators pass through the item loop), so off the GPU the
-    kernel is only lowered; `test_compiled_persistent_forms_equal_the_reference` runs it."""
+    kernel is only lowered; `test_compiled_persistent_forms_equal_the_reference` runs it. Both projections
+    must go through the persistent launch, not fall back to the grid one."""
     k, n = 1024, 256
     args = (jax.ShapeDtypeStruct((37, k), jnp.bfloat16), jax.ShapeDtypeStruct((4, n, k // 2), jnp.uint8),
             jax.ShapeDtypeStruct((4, k // 32, n), jnp.uint8), jax.ShapeDtypeStruct((4,), jnp.int32))
+    launched = []
+
+    def spy(sched, x, weights, *rest):
+        launched.append(len(weights))
+        return launch_persistent(sched, x, weights, *rest)
+
+    monkeypatch.setattr(hopper_mxfp4, "launch_persistent", spy)
+    for fn in (grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4):
+        fn.clear_cache()                                        # traced anew, so through the spy
 
     def mlp(x, p, s, sizes):
         h = grouped_glu_hopper_mxfp4(x, Mxfp4Columns(p, s), Mxfp4Columns(p, s), sizes, blocks=PERSISTENT[form],
@@ -338,6 +349,7 @@ def test_persistent_forms_lower_for_cuda_on_any_host(form):
 
     module = jax.export.export(jax.jit(mlp), platforms=["cuda"])(*args).mlir_module()
     assert module.count("mosaic_gpu") >= 2
+    assert launched == [2, 1]                                   # gate and up together, then the down projection
 
 
 def test_persistent_launch_refuses_what_it_cannot_run(rng):
@@ -444,8 +456,9 @@ def test_compiled_forms_equal_the_reference(rng, form, sizes, m):
 @pytest.mark.parametrize("form", list(PERSISTENT))
 @pytest.mark.parametrize("sizes,m", [([3, 0, 5, 3], 12), ([0, 19, 1, 0, 40, 7, 0, 30], 100), ([1] * 4, 4)])
 def test_compiled_persistent_forms_equal_the_reference(rng, form, sizes, m):
-    """N = 256 (two items a tile) and 384 (three); 100 rows over 8 experts: up to 19 tiles, 57 items, so 3, 5 or
-    7 programs walk many each."""
+    """N = 256 (two items a tile) and 384 (three); 100 rows over 8 experts: 14 tiles of 8 rows (9 of 16), so 28
+    items for gate and up and 42 for the down projection, which the forms with 3, 5 or 7 programs walk several at
+    a time (their accumulators cleared between items); with one program a multiprocessor each walks one."""
     g, k, f = len(sizes), 1024, 256
     wg, wu = _weight(rng, g, k, f), _weight(rng, g, k, f)
     wd = _weight(rng, g, f, 384)
