@@ -340,11 +340,23 @@ def _launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpr
     with `blocks.outputs="rows"` per row, [weights, rows_out, N] (rows no tile covers: not written).
     `sorted_rows`: the tiles are the schedule of sorted rows (live tiles first), which the persistent launch
     (`blocks.launch`) needs; pairs run the grid launch."""
+    if blocks.launch == "persistent" and sorted_rows:
+        partial = launch_persistent(sched, x, weights, rows_out, blocks, interpret,
+                                    blocks.programs or _multiprocessors())
+    else:
+        partial = _launch_grid(sched, x, weights, rows_out, blocks, interpret)
+    if blocks.outputs == "rows":
+        return jnp.moveaxis(jnp.sum(partial, axis=0), 1, 0)
+    return jnp.sum(partial, axis=1)
+
+
+def _launch_grid(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool):
+    """A program per tile, 64-column block and split -> `_launch`'s fp32 parts before the splits are added:
+    [splits, rows_out, weights, N] (`outputs="rows"`) or [weights, splits, T, N, window]."""
     tiles, k = sched.shape[1], x.shape[-1]
     in_place = x.ndim == 2
     window = blocks.window if in_place else blocks.rows
-    n = weights[0].shape[2]
-    n_weights = len(weights)
+    n, n_weights = weights[0].shape[2], len(weights)
     steps = k // blocks.block_k
     splits = blocks.splits_for(tiles * (n // COLUMNS), steps)
     if steps % splits:
@@ -352,21 +364,6 @@ def _launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpr
                          f"block_k={blocks.block_k}")
     kernel = functools.partial(_kernel, n_weights=n_weights, steps=steps // splits, window=window,
                                in_place=in_place, blocks=blocks)
-    by_rows = blocks.outputs == "rows"
-    if blocks.launch == "persistent" and sorted_rows:
-        partial = launch_persistent(sched, x, weights, rows_out, blocks, interpret,
-                                    blocks.programs or _multiprocessors())
-    else:
-        partial = _launch_grid(kernel, sched, x, weights, rows_out, blocks, interpret, splits, window)
-    if by_rows:
-        return jnp.moveaxis(jnp.sum(partial, axis=0), 1, 0)
-    return jnp.sum(partial, axis=1)
-
-
-def _launch_grid(kernel, sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool,
-                 splits: int, window: int):
-    """A program per tile, 64-column block and split -> `_launch`'s fp32 parts before the splits are added."""
-    tiles, n, n_weights = sched.shape[1], weights[0].shape[2], len(weights)
     by_rows = blocks.outputs == "rows"
     return plgpu.kernel(
         kernel,
