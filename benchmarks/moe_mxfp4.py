@@ -44,6 +44,7 @@ from pallas_kernels.moe_gmm import (grouped_glu_pallas, grouped_matmul_pallas, p
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, grouped_glu_hopper_mxfp4,  # noqa: E402
                                                   grouped_matmul_hopper_mxfp4, pair_glu_hopper_mxfp4,
                                                   pair_matmul_hopper_mxfp4, to_columns)
+from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4  # noqa: E402
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize  # noqa: E402
 from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
@@ -118,6 +119,17 @@ def experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks=None):
     return experts_mlp(x, weights, experts, c1, c3, c2, blocks, HOPPER_KERNELS)
 
 
+def experts_mlp_handoff(x, weights, experts, c1, c3, c2, blocks=None):
+    """`experts_mlp_hopper` with the gated launch handing its tiles to the down launch
+    (`grouped_mlp_hopper_mxfp4`) above 8 tokens."""
+    n, k = experts.shape
+    if n <= 8:
+        return experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks)
+    order, sizes, _ = sort_by_expert(experts, c1.shape[0])
+    y = grouped_mlp_hopper_mxfp4(x[order // k], c1, c3, c2, sizes, weights.reshape(-1)[order], blocks=blocks)
+    return unsort_and_sum(y, order, k)
+
+
 def profile(fn, args) -> dict:
     """The device microseconds of each kernel one call launches (the 8 longest) and the call's device span
     (kernels plus the gaps between them); {} off a GPU, the error where the trace fails."""
@@ -131,41 +143,45 @@ def profile(fn, args) -> dict:
 
 
 def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: bool, small: bool,
-                with_profile: bool = False, pick: list[int] | None = None) -> list[dict]:
+                with_profile: bool = False, pick: list[int] | None = None, handoff: bool = False) -> list[dict]:
     """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
-    HOPPER_SWEEP setting (those at the indices `pick`, default all). A setting that fails to compile or run
+    HOPPER_SWEEP setting (those at the indices `pick`, default all); with `handoff`, one more row per setting
+    that reads slabs, through `experts_mlp_handoff` (marked "handoff"). A setting that fails to compile or run
     (K not a multiple of its block_k, say) is recorded with its error."""
     chosen = HOPPER_SWEEP if pick is None else [HOPPER_SWEEP[i] for i in pick]
     settings = [None] + (chosen if sweep else [])
     if small:                        # interpret mode runs the exact decode through shared memory only
         settings = [HopperMxfp4Blocks.for_backend(True, block_k=128)]
+    runs = [(experts_mlp_hopper, b) for b in settings]
+    if handoff:
+        runs += [(experts_mlp_handoff, b) for b in settings if b is None or b.activations == "slab"]
     out = []
-    for blocks in settings:
+    for mlp, blocks in runs:
+        label = f"{blocks}" + (" handoff" if mlp is experts_mlp_handoff else "")
         try:
-            y = jax.jit(experts_mlp_hopper, static_argnames="blocks")(x, weights, experts, *columns, blocks=blocks)
-            t = chained_time(lambda *a, b=blocks: experts_mlp_hopper(*a, blocks=b), (x, weights, experts, *columns),
+            y = jax.jit(mlp, static_argnames="blocks")(x, weights, experts, *columns, blocks=blocks)
+            t = chained_time(lambda *a, b=blocks, f=mlp: f(*a, blocks=b), (x, weights, experts, *columns),
                              reps=5 if small else 20, iters=2 if small else 10)
         except Exception as exc:  # noqa: BLE001
-            print(f"  hopper {blocks}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            if blocks is None:
+            print(f"  hopper {label}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            if blocks is None and mlp is experts_mlp_hopper:
                 row["hopper_ms"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-            out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks),
+            out.append({"model": row["model"], "tokens": row["tokens"], "blocks": label,
                         "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
             continue
         a, b = np.asarray(y, np.float64), np.asarray(reference, np.float64)
         err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
         pct = nbytes / t / HBM_ACHIEVABLE * 100
-        if blocks is None or small:
+        if (blocks is None or small) and mlp is experts_mlp_hopper:
             row.update(hopper_ms=t * 1e3, **{"hopper_pct_4.3TB_s": pct}, hopper_err_vs_bf16=err,
                        hopper_vs_mxfp4=row["mxfp4_ms"] / (t * 1e3))
             if with_profile:
                 row["hopper_profile"] = profile(experts_mlp_hopper, (x, weights, experts, *columns))
-        print(f"  hopper {blocks}: {t * 1e3:.4f} ms, {pct:.1f}%, err {err:.2e}", flush=True)
-        out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks), "ms": t * 1e3,
+        print(f"  hopper {label}: {t * 1e3:.4f} ms, {pct:.1f}%, err {err:.2e}", flush=True)
+        out.append({"model": row["model"], "tokens": row["tokens"], "blocks": label, "ms": t * 1e3,
                     "pct_4.3TB_s": pct, "err_vs_bf16": err})
-        if with_profile and blocks is not None and not small:
-            out[-1]["profile"] = profile(functools.partial(experts_mlp_hopper, blocks=blocks),
-                                         (x, weights, experts, *columns))
+        if with_profile and (blocks is not None or mlp is not experts_mlp_hopper) and not small:
+            out[-1]["profile"] = profile(functools.partial(mlp, blocks=blocks), (x, weights, experts, *columns))
     return out
 
 
@@ -234,6 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokamax", action="store_true", help="also one projection against tokamax (quantized)")
     ap.add_argument("--hopper", action="store_true", help="also the Mosaic GPU kernel")
     ap.add_argument("--hopper-sweep", action="store_true", help="also the Mosaic GPU kernel over HOPPER_SWEEP")
+    ap.add_argument("--hopper-handoff", action="store_true",
+                    help="also each Mosaic GPU setting that reads slabs with the gated launch handing its tiles to "
+                         "the down launch (grouped_mlp_hopper_mxfp4)")
     ap.add_argument("--hopper-pick", nargs="+", type=int,
                     help="only these indices of HOPPER_SWEEP (implies --hopper-sweep)")
     ap.add_argument("--profile", action="store_true",
@@ -244,7 +263,7 @@ def main(argv=None) -> int:
         if bad:
             ap.error(f"--hopper-pick: indices {bad} are outside HOPPER_SWEEP's 0..{len(HOPPER_SWEEP) - 1}")
         args.hopper_sweep = True
-    args.hopper = args.hopper or args.hopper_sweep
+    args.hopper = args.hopper or args.hopper_sweep or args.hopper_handoff
     models = {"tiny": (8, 128, 128, 2)} if args.small else {m: MODELS[m] for m in (args.models or MODELS)}
     token_counts = args.tokens or ([1, 16] if args.small else [1, 8, 64, 256, 4096])
     rows, sweep_rows, tokamax_rows, hopper_rows = [], [], [], []
@@ -283,7 +302,7 @@ def main(argv=None) -> int:
             if args.hopper:
                 hopper_rows += time_hopper(row, x, weights, experts, columns, 3 * touched * d * f * (0.5 + 1 / 32),
                                            out["bf16"], args.hopper_sweep and tokens in args.sweep_tokens,
-                                           args.small, args.profile, args.hopper_pick)
+                                           args.small, args.profile, args.hopper_pick, args.hopper_handoff)
             if args.sweep and tokens in args.sweep_tokens:
                 best = None
                 for blocks in (SWEEP if tokens <= 8 else GROUPED_SWEEP):

@@ -274,7 +274,7 @@ class HopperMxfp4Blocks:
 
 def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bool, blocks: HopperMxfp4Blocks):
     """x_ref: activations with each scale group's 32 inputs as its 16 even then its 16 odd ones
-    (`_even_odd`): a slab per tile [tiles, window, K], or (`in_place`) the rows themselves [M', K], each
+    (`even_odd`): a slab per tile [tiles, window, K], or (`in_place`) the rows themselves [M', K], each
     tile reading `window` rows from its first row rounded down to a multiple of `ALIGN`;
     refs: per weight packed [G, N, K/2] and scale [G, K/32, N]; out fp32 [weights, splits, tiles, N, window],
     or with `outputs="rows"` [splits, rows out, weights, N]; scratch: the products' staging buffer, their
@@ -324,16 +324,16 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bo
         plgpu.wait_smem_to_gmem(0)
 
 
-def _even_odd(x):
+def even_odd(x):
     """[..., K] -> [..., K] with each scale group's 32 inputs reordered as its 16 even then its 16 odd ones,
     the order of the decoded pieces (low nibbles = even inputs, high nibbles = odd ones)."""
     *lead, k = x.shape
     return x.reshape(*lead, k // GROUP, PER_GROUP, 2).swapaxes(-1, -2).reshape(*lead, k)
 
 
-def _launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool, sorted_rows: bool):
+def launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool, sorted_rows: bool):
     """The kernel over `sched` [4, T] (group, first, end row per tile, first >= end: nothing to do; the
-    output row of its first row) with the activations in `_even_odd` order, bf16: each tile's own slab `x`
+    output row of its first row) with the activations in `even_odd` order, bf16: each tile's own slab `x`
     [T, rows, K], or the sorted rows `x` [M', K] read in place (`_in_place_rows`: M' >= the largest first row
     rounded down to 8, plus `blocks.window`, and a multiple of 8) -> fp32 products: per tile
     [weights, T, N, rows] (slabs) or [weights, T, N, window] (column c: the product of row first // 8 * 8 + c);
@@ -351,7 +351,7 @@ def _launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpr
 
 
 def _launch_grid(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool):
-    """A program per tile, 64-column block and split -> `_launch`'s fp32 parts before the splits are added:
+    """A program per tile, 64-column block and split -> `launch`'s fp32 parts before the splits are added:
     [splits, rows_out, weights, N] (`outputs="rows"`) or [weights, splits, T, N, window]."""
     tiles, k = sched.shape[1], x.shape[-1]
     in_place = x.ndim == 2
@@ -397,39 +397,59 @@ def _settled(*arrays):
     return lax.optimization_barrier(arrays)
 
 
-def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: bool):
-    """Per row r of `lhs` (sorted by group) and each weight w: lhs[r] @ W_w[g(r)] in fp32 -> [W, M, N]."""
-    m = lhs.shape[0]
-    tm = blocks.rows
-    sched = tile_schedule(group_sizes, m, tm)
-    sched = jnp.concatenate([sched, sched[1:2]])               # a tile's rows are its output rows
+def sorted_schedule(group_sizes, m: int, rows: int):
+    """[4, T] int32: `schedule.tile_schedule` of `m` sorted rows in tiles of `rows`, with each tile's first
+    output row (a tile's rows are its output rows)."""
+    sched = tile_schedule(group_sizes, m, rows)
+    return jnp.concatenate([sched, sched[1:2]])
+
+
+def sorted_inputs(lhs, sched, blocks: HopperMxfp4Blocks):
+    """The activations a launch over `sched` reads, bf16 in `even_odd` order: per tile its own slab
+    [T, rows, K] (zeros past the tile's last row), or with `blocks.activations="rows"` the sorted rows in place;
+    and the row of lhs each tile's output column 0 holds [T]."""
+    m, tm = lhs.shape[0], blocks.rows
+    ordered = even_odd(lhs.astype(jnp.bfloat16))
+    if blocks.activations == "rows":
+        return _in_place_rows(ordered, tm), sched[1] // ALIGN * ALIGN
     rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
     live = rows < sched[2][:, None]                            # [T, rows]: the rows each tile holds
-    ordered = _even_odd(lhs.astype(jnp.bfloat16))
+    # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
+    # reads start on a whole tile, as the copies into the tiled shared-memory buffers need. The rows are
+    # reordered before the gather: the slabs (every tile padded to `rows`) can be several times larger.
+    # With outputs="rows" the reordered rows and each slab row's source are written out first (`_settled`):
+    # fused into the gather, XLA recomputed the row index and the schedule's cumulative sums for every
+    # element of the slabs (run 32, 64 tokens of Kimi-Linear: the gate/up and down slabs took 36 and 16 us
+    # there, 8 and 4 with "tiles", whose fused form is kept until the written-out one is timed against it).
+    source = jnp.minimum(rows, m - 1)
+    if blocks.outputs == "rows":
+        ordered, source, live = _settled(ordered, source, live)
+    return jnp.where(live[..., None], ordered[source], 0), sched[1]
+
+
+def products_by_row(out, sched, origin, group_sizes, m: int, blocks: HopperMxfp4Blocks):
+    """`launch`'s products over sorted rows -> [W, M, N] fp32, row r the products of lhs row r (zero past
+    sum(group_sizes)); `origin`: `sorted_inputs`'s row of each tile's column 0."""
     covered = jnp.arange(m) < jnp.sum(group_sizes)
-    if blocks.activations == "rows":
-        x, origin = _in_place_rows(ordered, tm), sched[1] // ALIGN * ALIGN    # the row of each tile's column 0
-    else:
-        # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
-        # reads start on a whole tile, as the copies into the tiled shared-memory buffers need. The rows are
-        # reordered before the gather: the slabs (every tile padded to `rows`) can be several times larger.
-        # With outputs="rows" the reordered rows and each slab row's source are written out first (`_settled`):
-        # fused into the gather, XLA recomputed the row index and the schedule's cumulative sums for every
-        # element of the slabs (run 32, 64 tokens of Kimi-Linear: the gate/up and down slabs took 36 and 16 us
-        # there, 8 and 4 with "tiles", whose fused form is kept until the written-out one is timed against it).
-        source = jnp.minimum(rows, m - 1)
-        if blocks.outputs == "rows":
-            ordered, source, live = _settled(ordered, source, live)
-        x, origin = jnp.where(live[..., None], ordered[source], 0), sched[1]
-    out = _launch(sched, x, weights, m, blocks, interpret, sorted_rows=True)
     if blocks.outputs == "rows":
         return jnp.where(covered[None, :, None], out, 0.0)
     # Row r of the output is column r - origin of its tile's [N, window] block.
+    rows = sched[1][:, None] + jnp.arange(blocks.rows, dtype=jnp.int32)[None, :]
+    live = rows < sched[2][:, None]
     tile_of = jnp.zeros((m,), jnp.int32).at[jnp.where(live, rows, m)].set(
         jnp.broadcast_to(jnp.arange(sched.shape[1], dtype=jnp.int32)[:, None], rows.shape), mode="drop")
     column = jnp.clip(jnp.arange(m) - origin[tile_of], 0, out.shape[-1] - 1)
     per_row = out[:, tile_of, :, column]                                                     # [M, W, N]
     return jnp.where(covered[None, :, None], jnp.moveaxis(per_row, 1, 0), 0.0)
+
+
+def _products(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, interpret: bool):
+    """Per row r of `lhs` (sorted by group) and each weight w: lhs[r] @ W_w[g(r)] in fp32 -> [W, M, N]."""
+    m = lhs.shape[0]
+    sched = sorted_schedule(group_sizes, m, blocks.rows)
+    x, origin = sorted_inputs(lhs, sched, blocks)
+    out = launch(sched, x, weights, m, blocks, interpret, sorted_rows=True)
+    return products_by_row(out, sched, origin, group_sizes, m, blocks)
 
 
 def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4Blocks, interpret: bool):
@@ -440,16 +460,16 @@ def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4B
     index = jnp.arange(pairs, dtype=jnp.int32)
     token = index // repeat
     sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), token, token + valid.astype(jnp.int32), index])
-    ordered = _even_odd(lhs.astype(jnp.bfloat16))          # before the repeat and the padding rows
+    ordered = even_odd(lhs.astype(jnp.bfloat16))          # before the repeat and the padding rows
     if blocks.activations == "rows":
-        out = _launch(sched, _in_place_rows(ordered, blocks.rows), weights, pairs, blocks, interpret,
+        out = launch(sched, _in_place_rows(ordered, blocks.rows), weights, pairs, blocks, interpret,
                       sorted_rows=False)
         if blocks.outputs == "tiles":
             out = jnp.moveaxis(out[:, index, :, token % ALIGN], 0, 1)       # column: token - token // 8 * 8
     else:
         slabs = jnp.zeros((pairs, blocks.rows, lhs.shape[1]), jnp.bfloat16).at[:, 0].set(
             jnp.repeat(ordered, repeat, axis=0))
-        out = _launch(sched, slabs, weights, pairs, blocks, interpret, sorted_rows=False)
+        out = launch(sched, slabs, weights, pairs, blocks, interpret, sorted_rows=False)
         if blocks.outputs == "tiles":
             out = out[..., 0]
     return jnp.where(valid[None, :, None], out, 0.0)

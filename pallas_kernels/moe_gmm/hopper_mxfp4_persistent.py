@@ -59,7 +59,7 @@ def _kernel(sched_ref, count_ref, x_ref, *refs, n_weights: int, steps: int, colu
             blocks):
     """sched_ref [4, tiles]: each tile's group, first and end row and the output row of its first row, the
     live tiles first; count_ref [1]: how many are live; x_ref [tiles, rows, K] bf16 slabs (inputs in
-    `_even_odd` order); refs: per weight packed [G, N, K/2] and scale [G, K/32, N], then the output
+    `hopper_mxfp4.even_odd` order); refs: per weight packed [G, N, K/2] and scale [G, K/32, N], then the output
     (fp32 [weights, 1, tiles, N, rows], or with `outputs="rows"` [1, rows out, weights, N]) and the scratch:
     staged products [2, weights, 64, rows], their transposed copy [2, rows, weights, 64] (`outputs="rows"`),
     the decoded operand [2, 64, inputs] (`a_operand="smem"`); the leading 2: the compute warpgroup."""
@@ -131,7 +131,7 @@ def _kernel(sched_ref, count_ref, x_ref, *refs, n_weights: int, steps: int, colu
 
 
 def launch_persistent(sched, x, weights, rows_out: int, blocks, interpret: bool, programs: int):
-    """The persistent launch of `hopper_mxfp4._launch` for sorted rows in slabs: sched [4, T] (live tiles
+    """The persistent launch of `hopper_mxfp4.launch` for sorted rows in slabs: sched [4, T] (live tiles
     first), x [T, rows, K] bf16 -> fp32 [weights, 1, T, N, rows] (`outputs="tiles"`) or [1, rows_out,
     weights, N] (`outputs="rows"`), `programs` programs."""
     tiles, k = sched.shape[1], x.shape[-1]

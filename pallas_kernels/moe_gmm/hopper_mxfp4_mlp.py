@@ -1,0 +1,76 @@
+"""The routed experts' whole MLP over sorted rows through the Hopper MXFP4 kernel, the gated half handing its
+products to the down projection tile by tile (`grouped_mlp_hopper_mxfp4`).
+
+Run as two calls (`grouped_glu_hopper_mxfp4`, then `grouped_matmul_hopper_mxfp4`), XLA builds the rows of h
+from the gated launch's products, applies the GLU, then gathers those rows again into the down launch's
+per-tile slabs. Both launches cut the same sorted rows into the same tiles, so here the gated launch writes
+each tile's [F, rows] products (`outputs="tiles"`) and one elementwise pass turns them into the down launch's
+slabs: act(gate, up), rounded to bf16, transposed to [rows, F] and put in `even_odd` order. No gather sits
+between the launches. Rows past a tile's last row are act(0, 0) = 0, as the slabs' padding is; tiles past
+the live ones are never read by either launch.
+
+Same results, bit for bit, as the two calls with the same settings (the GLU in fp32, h rounded to bf16 for
+the MMA in both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe_gmm.activation import GluSpec, glu
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, _blocks, _check, even_odd, launch,
+                                                 products_by_row, sorted_inputs, sorted_schedule)
+
+
+def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns):
+    """(gated launch's settings, down launch's settings, interpreted): `blocks` for both (the gated one
+    writing tiles), or each projection's `HopperMxfp4Blocks.for_backend` default; both cut the same tiles."""
+    rows_per_group = lhs.shape[0] / w_gate.shape[0]
+    up, interpreted = _blocks(blocks, interpret, lhs.shape[-1], rows_per_group, 2)
+    down, _ = _blocks(blocks, interpret, w_down.shape[1], rows_per_group, 1)
+    if up.activations != "slab" or down.activations != "slab":
+        raise ValueError(f"grouped_mlp_hopper_mxfp4: the hand-off builds slabs; activations must be 'slab', got "
+                         f"{up.activations!r}")
+    up = dataclasses.replace(up, outputs="tiles")
+    if up.rows != down.rows:
+        raise ValueError(f"grouped_mlp_hopper_mxfp4: both launches must cut the same tiles; rows {up.rows} and "
+                         f"{down.rows}")
+    return up, down, interpreted
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret"))
+def grouped_mlp_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, w_down: Mxfp4Columns, group_sizes,
+                             row_scale=None, *, spec: GluSpec = GluSpec(), blocks: HopperMxfp4Blocks | None = None,
+                             interpret: bool | None = None):
+    """out[r] = act(lhs[r] @ W_gate[g(r)], lhs[r] @ W_up[g(r)]) @ W_down[g(r)] (times row_scale[r]) for rows
+    sorted by group.
+
+    Args:
+      lhs: [M, D] rows sorted by group (rounded to bf16 for the MMA). w_gate, w_up: Mxfp4Columns of [G, D, F];
+        w_down: of [G, F, D']. group_sizes: [G] int32 (sum <= M). row_scale: optional [M] per-row factor.
+      blocks: settings of both launches (the gated one always writes tiles, `outputs="tiles"`); default each
+        projection's `HopperMxfp4Blocks.for_backend`. interpret: default off the GPU.
+    Returns:
+      [M, D'] fp32 with row_scale, else lhs's dtype; rows past sum(group_sizes) are zero.
+    """
+    up_blocks, down_blocks, interpreted = _settings(blocks, interpret, lhs, w_gate, w_down)
+    _check(lhs, (w_gate, w_up), group_sizes, up_blocks)
+    g, f = w_gate.shape[0], w_gate.shape[2]
+    if w_down.shape[:2] != (g, f):
+        raise ValueError(f"grouped_mlp_hopper_mxfp4: w_down must be [{g}, {f}, D'] after w_gate {w_gate.shape}, got "
+                         f"{w_down.shape}")
+    _check(jax.ShapeDtypeStruct((lhs.shape[0], f), jnp.bfloat16), (w_down,), group_sizes, down_blocks)
+    m = lhs.shape[0]
+    sched = sorted_schedule(group_sizes, m, up_blocks.rows)
+    x, _ = sorted_inputs(lhs, sched, up_blocks)
+    gate, up = launch(sched, x, (w_gate, w_up), m, up_blocks, interpreted, sorted_rows=True)   # [T, F, rows]
+    h = even_odd(jnp.swapaxes(glu(gate, up, spec).astype(lhs.dtype).astype(jnp.bfloat16), 1, 2))
+    out = launch(sched, h, (w_down,), m, down_blocks, interpreted, sorted_rows=True)
+    out = products_by_row(out, sched, sched[1], group_sizes, m, down_blocks)[0]
+    if row_scale is None:
+        return out.astype(lhs.dtype)
+    return out * row_scale.astype(jnp.float32)[:, None]

@@ -1,0 +1,103 @@
+"""The routed experts' MLP with the gated launch handing its tiles to the down launch
+(`hopper_mxfp4_mlp.grouped_mlp_hopper_mxfp4`): bit for bit the two calls it replaces (`grouped_glu_hopper_mxfp4`
+then `grouped_matmul_hopper_mxfp4`, same settings), and close to the dense reference on the dequantised weights.
+Interpret mode on the CPU; compiled on a GPU, the persistent launch too."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tolerances import assert_close
+
+from pallas_kernels.moe_gmm import GluSpec, Mxfp4Weight, grouped_glu_reference, grouped_matmul_reference
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, grouped_glu_hopper_mxfp4,
+                                                 grouped_matmul_hopper_mxfp4, to_columns)
+from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4
+from pallas_kernels.moe_gmm.mxfp4 import dequantize
+
+on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
+
+
+def _weight(rng, g, k, n) -> Mxfp4Weight:
+    """Every E2M1 code, scales around 2^0."""
+    return Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (g, k // 2, n), dtype=np.uint8)),
+                       jnp.asarray(rng.integers(124, 131, (g, k // 32, n), dtype=np.uint8)))
+
+
+def _experts(rng, sizes, m, d, f, d_out):
+    g = len(sizes)
+    wg, wu, wd = _weight(rng, g, d, f), _weight(rng, g, d, f), _weight(rng, g, f, d_out)
+    x = jnp.asarray(rng.standard_normal((m, d)) * 0.05, jnp.bfloat16)
+    scale = jnp.asarray(rng.uniform(0.1, 1.0, (m,)), jnp.float32)
+    return x, scale, jnp.asarray(sizes, jnp.int32), (wg, wu, wd)
+
+
+def _two_calls(x, columns, sizes, scale, spec, blocks, interpret):
+    wg, wu, wd = columns
+    h = grouped_glu_hopper_mxfp4(x, wg, wu, sizes, spec=spec, blocks=blocks, interpret=interpret)
+    return grouped_matmul_hopper_mxfp4(h, wd, sizes, scale, blocks=blocks, interpret=interpret)
+
+
+def _reference(x, weights, sizes, scale, spec):
+    """The dense MLP on the dequantised weights, h rounded to bf16 as the kernel's MMA takes it."""
+    dg, du, dd = (dequantize(w, jnp.float32) for w in weights)
+    h = grouped_glu_reference(x.astype(jnp.float32), dg, du, sizes, spec=spec).astype(jnp.bfloat16)
+    return grouped_matmul_reference(h.astype(jnp.float32), dd, sizes, scale)
+
+
+# Group sizes: an empty group, a group longer than a tile, rows past the groups (zeros).
+CASES = [([3, 0, 5, 3], 12, 8), ([0, 19, 1, 0, 4], 26, 8), ([2, 0, 0, 17], 20, 16)]
+
+
+@pytest.mark.parametrize("outputs", ["rows", "tiles"])
+@pytest.mark.parametrize("sizes,m,rows", CASES)
+def test_hand_off_equals_the_two_calls_and_the_reference(rng, interpret, sizes, m, rows, outputs):
+    """outputs: how the down launch writes its products (the gated launch writes tiles either way)."""
+    spec = GluSpec("situ", situ_beta=4.0, situ_linear_beta=8.0) if rows == 16 else GluSpec()
+    x, scale, group_sizes, weights = _experts(rng, sizes, m, 256, 128, 128)
+    columns = tuple(to_columns(w) for w in weights)
+    blocks = HopperMxfp4Blocks.for_backend(interpret, rows=rows, block_k=128, outputs=outputs)
+    out = grouped_mlp_hopper_mxfp4(x, *columns, group_sizes, scale, spec=spec, blocks=blocks, interpret=interpret)
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(_two_calls(x, columns, group_sizes, scale, spec,
+                                                                         blocks, interpret)))
+    assert_close("mlp", out, _reference(x, weights, group_sizes, scale, spec), dtype=jnp.bfloat16)
+    assert not np.asarray(out[sum(sizes):]).any()
+    unscaled = grouped_mlp_hopper_mxfp4(x, *columns, group_sizes, spec=spec, blocks=blocks, interpret=interpret)
+    assert unscaled.dtype == jnp.bfloat16
+    assert_close("unscaled", unscaled, _reference(x, weights, group_sizes, None, spec), dtype=jnp.bfloat16)
+
+
+def test_default_settings_equal_the_two_calls(rng, interpret):
+    """No settings given: each projection's own default (the same tiles), as the two calls take them."""
+    x, scale, group_sizes, weights = _experts(rng, [5, 0, 9], 16, 256, 256, 128)
+    columns = tuple(to_columns(w) for w in weights)
+    out = grouped_mlp_hopper_mxfp4(x, *columns, group_sizes, scale, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(_two_calls(x, columns, group_sizes, scale, GluSpec(),
+                                                                         None, interpret)))
+
+
+def test_refuses_what_it_cannot_hand_off(rng):
+    x, _, sizes, (wg, wu, wd) = _experts(rng, [2, 2], 4, 256, 128, 128)
+    wg, wu, wd = to_columns(wg), to_columns(wu), to_columns(wd)
+    with pytest.raises(ValueError, match="activations must be 'slab'"):
+        grouped_mlp_hopper_mxfp4(x, wg, wu, wd, sizes, blocks=HopperMxfp4Blocks(activations="rows", decode="exact",
+                                                                                  a_operand="smem"), interpret=True)
+    with pytest.raises(ValueError, match=r"w_down must be \[2, 128, D'\]"):
+        grouped_mlp_hopper_mxfp4(x, wg, wu, wg, sizes, interpret=True)
+
+
+@on_gpu
+@pytest.mark.parametrize("blocks", [None, HopperMxfp4Blocks(launch="persistent", outputs="rows"),
+                                    HopperMxfp4Blocks(launch="persistent", programs=5)],
+                         ids=["default", "persistent_rows_out", "persistent_5_programs"])
+@pytest.mark.parametrize("sizes,m", [([3, 0, 5, 3], 12), ([0, 19, 1, 0, 40, 7, 0, 30], 100)])
+def test_compiled_hand_off_equals_the_two_calls(rng, blocks, sizes, m):
+    x, scale, group_sizes, weights = _experts(rng, sizes, m, 1024, 256, 384)
+    columns = tuple(to_columns(w) for w in weights)
+    out = grouped_mlp_hopper_mxfp4(x, *columns, group_sizes, scale, blocks=blocks, interpret=False)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(_two_calls(x, columns, group_sizes, scale, GluSpec(),
+                                                                         blocks, False)))
+    assert_close("mlp", out, _reference(x, weights, group_sizes, scale, GluSpec()), dtype=jnp.bfloat16)
