@@ -145,16 +145,15 @@ def profile(fn, args) -> dict:
 def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: bool, small: bool,
                 with_profile: bool = False, pick: list[int] | None = None, handoff: bool = False) -> list[dict]:
     """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
-    HOPPER_SWEEP setting (those at the indices `pick`, default all); with `handoff`, one more row per setting
-    that reads slabs, through `experts_mlp_handoff` (marked "handoff"). A setting that fails to compile or run
+    HOPPER_SWEEP setting (those at the indices `pick`, default all); with `handoff`, after each setting that reads
+    slabs one more row through `experts_mlp_handoff` (marked "handoff"). A setting that fails to compile or run
     (K not a multiple of its block_k, say) is recorded with its error."""
     chosen = HOPPER_SWEEP if pick is None else [HOPPER_SWEEP[i] for i in pick]
     settings = [None] + (chosen if sweep else [])
     if small:                        # interpret mode runs the exact decode through shared memory only
         settings = [HopperMxfp4Blocks.for_backend(True, block_k=128)]
-    runs = [(experts_mlp_hopper, b) for b in settings]
-    if handoff:
-        runs += [(experts_mlp_handoff, b) for b in settings if b is None or b.activations == "slab"]
+    runs = [(mlp, b) for b in settings for mlp in (experts_mlp_hopper, experts_mlp_handoff)
+            if mlp is experts_mlp_hopper or (handoff and (b is None or b.activations == "slab"))]
     out = []
     for mlp, blocks in runs:
         label = f"{blocks}" + (" handoff" if mlp is experts_mlp_handoff else "")
