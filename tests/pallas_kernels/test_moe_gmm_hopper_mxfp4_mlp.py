@@ -47,14 +47,14 @@ def _reference(x, weights, sizes, scale, spec):
     return grouped_matmul_reference(h.astype(jnp.float32), dd, sizes, scale)
 
 
-# Group sizes: an empty group, a group longer than a tile, rows past the groups (zeros).
-CASES = [([3, 0, 5, 3], 12, 8), ([0, 19, 1, 0, 4], 26, 8), ([2, 0, 0, 17], 20, 16)]
+# Group sizes: an empty group, a group longer than a tile, rows past the groups (zeros); how the down launch
+# writes its products (the gated launch writes tiles either way).
+CASES = [([3, 0, 5, 3], 12, 8, "tiles"), ([0, 19, 1, 0, 4], 26, 8, "rows"), ([2, 0, 0, 17], 20, 16, "rows")]
 
 
-@pytest.mark.parametrize("outputs", ["rows", "tiles"])
-@pytest.mark.parametrize("sizes,m,rows", CASES)
+@pytest.mark.parametrize("sizes,m,rows,outputs", CASES)
 def test_hand_off_equals_the_two_calls_and_the_reference(rng, interpret, sizes, m, rows, outputs):
-    """outputs: how the down launch writes its products (the gated launch writes tiles either way)."""
+    """16-row tiles with K3's SiTU, 8-row ones with SiLU."""
     spec = GluSpec("situ", situ_beta=4.0, situ_linear_beta=8.0) if rows == 16 else GluSpec()
     x, scale, group_sizes, weights = _experts(rng, sizes, m, 256, 128, 128)
     columns = tuple(to_columns(w) for w in weights)
