@@ -86,7 +86,7 @@ for step in "$@"; do
               | tee "$W/moe_mxfp4_tests.log"
           OUT=$W timeout ${MXFP4_LIMIT:-240} python3 benchmarks/moe_mxfp4.py ${MXFP4_ARGS:-} 2>&1 | quiet | tee "$W/moe_mxfp4.log" ;;
     moe-hopper) [ "${HOPPER_TEST_LIMIT:-200}" = 0 ] || K3JAX_TEST_DEVICE=gpu timeout -s INT -k 30 ${HOPPER_TEST_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-              tests/pallas_kernels/test_moe_gmm_hopper_mxfp4.py ${HOPPER_TEST_K:+-k} ${HOPPER_TEST_K:+"$HOPPER_TEST_K"} \
+              ${HOPPER_TEST_FILES:-tests/pallas_kernels/test_moe_gmm_hopper_mxfp4.py} ${HOPPER_TEST_K:+-k} ${HOPPER_TEST_K:+"$HOPPER_TEST_K"} \
               2>&1 | quiet | tee "$W/moe_hopper_tests_full.log" \
               | grep -E "passed|failed|FAILED|Interrupt|Error" | tail -30 | tee "$W/moe_hopper_tests.log"
           OUT=$W timeout ${HOPPER_LIMIT:-300} python3 benchmarks/moe_mxfp4.py ${HOPPER_FLAGS:---hopper-sweep} --tokens ${HOPPER_TOKENS:-1 8 64} \

@@ -5,6 +5,7 @@
     python benchmarks/moe_mxfp4.py --tokamax  # also one projection against tokamax's quantized ragged_dot
     python benchmarks/moe_mxfp4.py --hopper   # also the Mosaic GPU kernel (`moe_gmm/hopper_mxfp4.py`)
     python benchmarks/moe_mxfp4.py --hopper-sweep   # ... over HOPPER_SWEEP's settings too
+    python benchmarks/moe_mxfp4.py --hopper-handoff # ... and each through grouped_mlp_hopper_mxfp4 (> 8 tokens)
     python benchmarks/moe_mxfp4.py --hopper --profile   # ... with each call's kernels from a profiler trace
     python benchmarks/moe_mxfp4.py --small    # CPU smoke run (interpret mode)
 
@@ -20,7 +21,9 @@ values, bf16 per-32 scales: its sm90 kernel reads 4-bit values and scales the de
 
 `--hopper` times the same routed-expert MLP through the Mosaic GPU kernel on the same packed values (pairs
 up to 8 tokens, sorted rows above), beside the Pallas-Triton MXFP4 kernels of the same run
-(`hopper_vs_mxfp4` > 1: the Mosaic GPU kernel is faster); `--hopper-sweep` also over HOPPER_SWEEP.
+(`hopper_vs_mxfp4` > 1: the Mosaic GPU kernel is faster); `--hopper-sweep` also over HOPPER_SWEEP;
+`--hopper-handoff` also each setting that reads slabs with the gated launch handing its tiles to the down launch
+(`hopper_mxfp4_mlp.grouped_mlp_hopper_mxfp4`), rows marked "handoff".
 """
 
 from __future__ import annotations
@@ -146,12 +149,13 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
                 with_profile: bool = False, pick: list[int] | None = None, handoff: bool = False) -> list[dict]:
     """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
     HOPPER_SWEEP setting (those at the indices `pick`, default all); with `handoff`, after each setting that reads
-    slabs one more row through `experts_mlp_handoff` (marked "handoff"). A setting that fails to compile or run
-    (K not a multiple of its block_k, say) is recorded with its error."""
+    slabs one more row through `experts_mlp_handoff` ("handoff": true; above 8 tokens only). A setting that
+    fails to compile or run (K not a multiple of its block_k, say) is recorded with its error."""
     chosen = HOPPER_SWEEP if pick is None else [HOPPER_SWEEP[i] for i in pick]
     settings = [None] + (chosen if sweep else [])
     if small:                        # interpret mode runs the exact decode through shared memory only
         settings = [HopperMxfp4Blocks.for_backend(True, block_k=128)]
+    handoff = handoff and experts.shape[0] > 8              # up to 8 tokens the pairs run, with no hand-off
     runs = [(mlp, b) for b in settings for mlp in (experts_mlp_hopper, experts_mlp_handoff)
             if mlp is experts_mlp_hopper or (handoff and (b is None or b.activations == "slab"))]
     out = []
@@ -165,8 +169,8 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
             print(f"  hopper {label}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             if blocks is None and mlp is experts_mlp_hopper:
                 row["hopper_ms"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-            out.append({"model": row["model"], "tokens": row["tokens"], "blocks": label,
-                        "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks),
+                        "handoff": mlp is experts_mlp_handoff, "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
             continue
         a, b = np.asarray(y, np.float64), np.asarray(reference, np.float64)
         err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -177,8 +181,8 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
             if with_profile:
                 row["hopper_profile"] = profile(experts_mlp_hopper, (x, weights, experts, *columns))
         print(f"  hopper {label}: {t * 1e3:.4f} ms, {pct:.1f}%, err {err:.2e}", flush=True)
-        out.append({"model": row["model"], "tokens": row["tokens"], "blocks": label, "ms": t * 1e3,
-                    "pct_4.3TB_s": pct, "err_vs_bf16": err})
+        out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks), "ms": t * 1e3,
+                    "pct_4.3TB_s": pct, "err_vs_bf16": err, "handoff": mlp is experts_mlp_handoff})
         if with_profile and (blocks is not None or mlp is not experts_mlp_hopper) and not small:
             out[-1]["profile"] = profile(functools.partial(mlp, blocks=blocks), (x, weights, experts, *columns))
     return out

@@ -460,10 +460,10 @@ def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4B
     index = jnp.arange(pairs, dtype=jnp.int32)
     token = index // repeat
     sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), token, token + valid.astype(jnp.int32), index])
-    ordered = even_odd(lhs.astype(jnp.bfloat16))          # before the repeat and the padding rows
+    ordered = even_odd(lhs.astype(jnp.bfloat16))           # before the repeat and the padding rows
     if blocks.activations == "rows":
         out = launch(sched, _in_place_rows(ordered, blocks.rows), weights, pairs, blocks, interpret,
-                      sorted_rows=False)
+                     sorted_rows=False)
         if blocks.outputs == "tiles":
             out = jnp.moveaxis(out[:, index, :, token % ALIGN], 0, 1)       # column: token - token // 8 * 8
     else:
@@ -475,7 +475,7 @@ def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4B
     return jnp.where(valid[None, :, None], out, 0.0)
 
 
-def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
+def check_operands(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
     """Refuses weights, activations, group sizes (None: pairs, checked by `_check_pairs`) and settings
     the kernel cannot take, in one line each."""
     for w in weights:
@@ -502,7 +502,9 @@ def _check(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
                          f"memory for {len(weights)} weight(s); at most {_SMEM_BYTES} (fewer rows, stages or block_k)")
 
 
-def _blocks(blocks, interpret, k_dim: int, rows_per_group: float = 1.0, n_weights: int = 1):
+def resolve_blocks(blocks, interpret, k_dim: int, rows_per_group: float = 1.0, n_weights: int = 1):
+    """(`blocks`, or the default of `HopperMxfp4Blocks.for_backend` for this K, rows per group and weights;
+    whether the kernel runs interpreted), refusing settings interpret mode cannot run."""
     interpreted = default_interpret() if interpret is None else interpret
     if interpreted and blocks is not None and blocks.decode != "exact":
         raise ValueError(f"HopperMxfp4Blocks: decode={blocks.decode!r} is inline PTX, which runs compiled only; "
@@ -526,8 +528,8 @@ def grouped_matmul_hopper_mxfp4(lhs, rhs: Mxfp4Columns, group_sizes, row_scale=N
     Returns:
       [M, N] in lhs's dtype (fp32 with row_scale); rows past sum(group_sizes) are zero.
     """
-    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1], lhs.shape[0] / rhs.shape[0], 1)
-    _check(lhs, (rhs,), group_sizes, blocks)
+    blocks, interpreted = resolve_blocks(blocks, interpret, lhs.shape[-1], lhs.shape[0] / rhs.shape[0], 1)
+    check_operands(lhs, (rhs,), group_sizes, blocks)
     out = _products(lhs, (rhs,), group_sizes, blocks, interpreted)[0]
     if row_scale is None:
         return out.astype(lhs.dtype)
@@ -541,14 +543,14 @@ def grouped_glu_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, grou
     """act(lhs[r] @ W_gate[g(r)], lhs[r] @ W_up[g(r)]) for rows sorted by group: both products from one
     launch (each program streams both weights' columns). Shapes as `grouped_matmul_hopper_mxfp4`;
     -> [M, F] in lhs's dtype, rows past sum(group_sizes) zero."""
-    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1], lhs.shape[0] / w_gate.shape[0], 2)
-    _check(lhs, (w_gate, w_up), group_sizes, blocks)
+    blocks, interpreted = resolve_blocks(blocks, interpret, lhs.shape[-1], lhs.shape[0] / w_gate.shape[0], 2)
+    check_operands(lhs, (w_gate, w_up), group_sizes, blocks)
     gate, up = _products(lhs, (w_gate, w_up), group_sizes, blocks, interpreted)
     return glu(gate, up, spec).astype(lhs.dtype)
 
 
 def _check_pairs(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4Blocks):
-    _check(lhs, weights, None, blocks)
+    check_operands(lhs, weights, None, blocks)
     if repeat < 1 or group.ndim != 1 or group.shape != valid.shape or group.shape[0] != lhs.shape[0] * repeat:
         raise ValueError(f"hopper MXFP4 pairs: expected group and valid [M] with M = lhs rows x repeat; got lhs "
                          f"{lhs.shape}, group {group.shape}, valid {valid.shape}, repeat {repeat}")
@@ -566,7 +568,7 @@ def pair_matmul_hopper_mxfp4(lhs, rhs: Mxfp4Columns, group, valid, row_scale=Non
     Returns:
       [M, N] in lhs's dtype (fp32 with row_scale).
     """
-    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1])
+    blocks, interpreted = resolve_blocks(blocks, interpret, lhs.shape[-1])
     _check_pairs(lhs, (rhs,), group, valid, repeat, blocks)
     out = _pair_products(lhs, (rhs,), group, valid, repeat, blocks, interpreted)[0]
     if row_scale is None:
@@ -579,7 +581,7 @@ def pair_glu_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, group, 
                           repeat: int = 1, blocks: HopperMxfp4Blocks | None = None, interpret: bool | None = None):
     """Unsorted pairs: act(x @ W_gate[group[p]], x @ W_up[group[p]]) with x = lhs[p // repeat] where valid[p],
     else 0. Shapes as `pair_matmul_hopper_mxfp4`; -> [M, F] in lhs's dtype."""
-    blocks, interpreted = _blocks(blocks, interpret, lhs.shape[-1], n_weights=2)
+    blocks, interpreted = resolve_blocks(blocks, interpret, lhs.shape[-1], n_weights=2)
     _check_pairs(lhs, (w_gate, w_up), group, valid, repeat, blocks)
     gate, up = _pair_products(lhs, (w_gate, w_up), group, valid, repeat, blocks, interpreted)
     return glu(gate, up, spec).astype(lhs.dtype)

@@ -10,7 +10,10 @@ between the launches. Rows past a tile's last row are act(0, 0) = 0, as the slab
 the live ones are never read by either launch.
 
 Same results, bit for bit, as the two calls with the same settings (the GLU in fp32, h rounded to bf16 for
-the MMA in both).
+the MMA in both). What it trades, untimed: the gated launch writes fp32 products for every row of a live tile
+(8 a tile at decode, where the rows form writes only the tile's own) and the pass reads them for every tile of
+the schedule's bound, against the gather and the GLU pass it removes. A GLU in the gated launch's epilogue,
+writing the bf16 slabs itself, would remove both.
 """
 
 from __future__ import annotations
@@ -22,24 +25,21 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
-from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, _blocks, _check, even_odd, launch,
-                                                 products_by_row, sorted_inputs, sorted_schedule)
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, check_operands, even_odd, launch,
+                                                 products_by_row, resolve_blocks, sorted_inputs, sorted_schedule)
 
 
 def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns):
     """(gated launch's settings, down launch's settings, interpreted): `blocks` for both (the gated one
-    writing tiles), or each projection's `HopperMxfp4Blocks.for_backend` default; both cut the same tiles."""
+    writing tiles), or each projection's `HopperMxfp4Blocks.for_backend` default. Both cut the same tiles:
+    the defaults take their rows from the rows per group alone, the same for both."""
     rows_per_group = lhs.shape[0] / w_gate.shape[0]
-    up, interpreted = _blocks(blocks, interpret, lhs.shape[-1], rows_per_group, 2)
-    down, _ = _blocks(blocks, interpret, w_down.shape[1], rows_per_group, 1)
+    up, interpreted = resolve_blocks(blocks, interpret, lhs.shape[-1], rows_per_group, 2)
+    down, _ = resolve_blocks(blocks, interpret, w_down.shape[1], rows_per_group, 1)
     if up.activations != "slab" or down.activations != "slab":
         raise ValueError(f"grouped_mlp_hopper_mxfp4: the hand-off builds slabs; activations must be 'slab', got "
                          f"{up.activations!r}")
-    up = dataclasses.replace(up, outputs="tiles")
-    if up.rows != down.rows:
-        raise ValueError(f"grouped_mlp_hopper_mxfp4: both launches must cut the same tiles; rows {up.rows} and "
-                         f"{down.rows}")
-    return up, down, interpreted
+    return dataclasses.replace(up, outputs="tiles"), down, interpreted
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret"))
@@ -58,12 +58,12 @@ def grouped_mlp_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, w_do
       [M, D'] fp32 with row_scale, else lhs's dtype; rows past sum(group_sizes) are zero.
     """
     up_blocks, down_blocks, interpreted = _settings(blocks, interpret, lhs, w_gate, w_down)
-    _check(lhs, (w_gate, w_up), group_sizes, up_blocks)
+    check_operands(lhs, (w_gate, w_up), group_sizes, up_blocks)
     g, f = w_gate.shape[0], w_gate.shape[2]
     if w_down.shape[:2] != (g, f):
         raise ValueError(f"grouped_mlp_hopper_mxfp4: w_down must be [{g}, {f}, D'] after w_gate {w_gate.shape}, got "
                          f"{w_down.shape}")
-    _check(jax.ShapeDtypeStruct((lhs.shape[0], f), jnp.bfloat16), (w_down,), group_sizes, down_blocks)
+    check_operands(jax.ShapeDtypeStruct((lhs.shape[0], f), jnp.bfloat16), (w_down,), group_sizes, down_blocks)
     m = lhs.shape[0]
     sched = sorted_schedule(group_sizes, m, up_blocks.rows)
     x, _ = sorted_inputs(lhs, sched, up_blocks)

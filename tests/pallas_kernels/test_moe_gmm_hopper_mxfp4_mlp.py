@@ -26,10 +26,10 @@ def _weight(rng, g, k, n) -> Mxfp4Weight:
                        jnp.asarray(rng.integers(124, 131, (g, k // 32, n), dtype=np.uint8)))
 
 
-def _experts(rng, sizes, m, d, f, d_out):
+def _experts(rng, sizes, m, d, f, d_out, dtype=jnp.bfloat16):
     g = len(sizes)
     wg, wu, wd = _weight(rng, g, d, f), _weight(rng, g, d, f), _weight(rng, g, f, d_out)
-    x = jnp.asarray(rng.standard_normal((m, d)) * 0.05, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((m, d)) * 0.05, dtype)
     scale = jnp.asarray(rng.uniform(0.1, 1.0, (m,)), jnp.float32)
     return x, scale, jnp.asarray(sizes, jnp.int32), (wg, wu, wd)
 
@@ -41,24 +41,28 @@ def _two_calls(x, columns, sizes, scale, spec, blocks, interpret):
 
 
 def _reference(x, weights, sizes, scale, spec):
-    """The dense MLP on the dequantised weights, h rounded to bf16 as the kernel's MMA takes it."""
+    """The dense MLP on the dequantised weights, x and h rounded to bf16 as the kernel's MMA takes them."""
     dg, du, dd = (dequantize(w, jnp.float32) for w in weights)
-    h = grouped_glu_reference(x.astype(jnp.float32), dg, du, sizes, spec=spec).astype(jnp.bfloat16)
+    xb = x.astype(jnp.bfloat16).astype(jnp.float32)
+    h = grouped_glu_reference(xb, dg, du, sizes, spec=spec).astype(jnp.bfloat16)
     return grouped_matmul_reference(h.astype(jnp.float32), dd, sizes, scale)
 
 
 # Group sizes: an empty group, a group longer than a tile, rows past the groups (zeros); how the down launch
-# writes its products (the gated launch writes tiles either way).
-CASES = [([3, 0, 5, 3], 12, 8, "tiles"), ([0, 19, 1, 0, 4], 26, 8, "rows"), ([2, 0, 0, 17], 20, 16, "rows")]
+# writes its products (the gated launch writes tiles either way); K splits (both launches' two steps, their
+# parts added after each); the activations' dtype (fp32: rounded to bf16 for the MMA, h in fp32 before its own
+# rounding).
+CASES = [([3, 0, 5, 3], 12, 8, "tiles", 1, jnp.bfloat16), ([0, 19, 1, 0, 4], 26, 8, "rows", 2, jnp.bfloat16),
+         ([2, 0, 0, 17], 20, 16, "rows", 1, jnp.float32)]
 
 
-@pytest.mark.parametrize("sizes,m,rows,outputs", CASES)
-def test_hand_off_equals_the_two_calls_and_the_reference(rng, interpret, sizes, m, rows, outputs):
+@pytest.mark.parametrize("sizes,m,rows,outputs,splits,dtype", CASES)
+def test_hand_off_equals_the_two_calls_and_the_reference(rng, interpret, sizes, m, rows, outputs, splits, dtype):
     """16-row tiles with K3's SiTU, 8-row ones with SiLU."""
     spec = GluSpec("situ", situ_beta=4.0, situ_linear_beta=8.0) if rows == 16 else GluSpec()
-    x, scale, group_sizes, weights = _experts(rng, sizes, m, 256, 128, 128)
+    x, scale, group_sizes, weights = _experts(rng, sizes, m, 256, 256, 128, dtype)
     columns = tuple(to_columns(w) for w in weights)
-    blocks = HopperMxfp4Blocks.for_backend(interpret, rows=rows, block_k=128, outputs=outputs)
+    blocks = HopperMxfp4Blocks.for_backend(interpret, rows=rows, block_k=128, outputs=outputs, splits=splits)
     out = grouped_mlp_hopper_mxfp4(x, *columns, group_sizes, scale, spec=spec, blocks=blocks, interpret=interpret)
     assert out.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(out), np.asarray(_two_calls(x, columns, group_sizes, scale, spec,
@@ -66,7 +70,7 @@ def test_hand_off_equals_the_two_calls_and_the_reference(rng, interpret, sizes, 
     assert_close("mlp", out, _reference(x, weights, group_sizes, scale, spec), dtype=jnp.bfloat16)
     assert not np.asarray(out[sum(sizes):]).any()
     unscaled = grouped_mlp_hopper_mxfp4(x, *columns, group_sizes, spec=spec, blocks=blocks, interpret=interpret)
-    assert unscaled.dtype == jnp.bfloat16
+    assert unscaled.dtype == dtype
     assert_close("unscaled", unscaled, _reference(x, weights, group_sizes, None, spec), dtype=jnp.bfloat16)
 
 
@@ -87,6 +91,10 @@ def test_refuses_what_it_cannot_hand_off(rng):
                                                                                   a_operand="smem"), interpret=True)
     with pytest.raises(ValueError, match=r"w_down must be \[2, 128, D'\]"):
         grouped_mlp_hopper_mxfp4(x, wg, wu, wg, sizes, interpret=True)
+    narrow = to_columns(_weight(rng, 2, 128, 192))             # D' = 192: not whole 128-column blocks
+    with pytest.raises(ValueError, match="N a multiple of 128, got N=192"):
+        grouped_mlp_hopper_mxfp4(x, wg, wu, narrow, sizes, interpret=False,
+                                 blocks=HopperMxfp4Blocks(launch="persistent", block_k=128))
 
 
 @on_gpu
