@@ -404,6 +404,12 @@ def sorted_schedule(group_sizes, m: int, rows: int):
     return jnp.concatenate([sched, sched[1:2]])
 
 
+def _tile_rows(sched, rows: int):
+    """([T, rows] the row of lhs at each slab row of each tile, [T, rows] whether the tile holds it)."""
+    index = sched[1][:, None] + jnp.arange(rows, dtype=jnp.int32)[None, :]
+    return index, index < sched[2][:, None]
+
+
 def sorted_inputs(lhs, sched, blocks: HopperMxfp4Blocks):
     """The activations a launch over `sched` reads, bf16 in `even_odd` order: per tile its own slab
     [T, rows, K] (zeros past the tile's last row), or with `blocks.activations="rows"` the sorted rows in place;
@@ -412,8 +418,7 @@ def sorted_inputs(lhs, sched, blocks: HopperMxfp4Blocks):
     ordered = even_odd(lhs.astype(jnp.bfloat16))
     if blocks.activations == "rows":
         return _in_place_rows(ordered, tm), sched[1] // ALIGN * ALIGN
-    rows = sched[1][:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]
-    live = rows < sched[2][:, None]                            # [T, rows]: the rows each tile holds
+    rows, live = _tile_rows(sched, tm)
     # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
     # reads start on a whole tile, as the copies into the tiled shared-memory buffers need. The rows are
     # reordered before the gather: the slabs (every tile padded to `rows`) can be several times larger.
@@ -434,8 +439,7 @@ def products_by_row(out, sched, origin, group_sizes, m: int, blocks: HopperMxfp4
     if blocks.outputs == "rows":
         return jnp.where(covered[None, :, None], out, 0.0)
     # Row r of the output is column r - origin of its tile's [N, window] block.
-    rows = sched[1][:, None] + jnp.arange(blocks.rows, dtype=jnp.int32)[None, :]
-    live = rows < sched[2][:, None]
+    rows, live = _tile_rows(sched, blocks.rows)
     tile_of = jnp.zeros((m,), jnp.int32).at[jnp.where(live, rows, m)].set(
         jnp.broadcast_to(jnp.arange(sched.shape[1], dtype=jnp.int32)[:, None], rows.shape), mode="drop")
     column = jnp.clip(jnp.arange(m) - origin[tile_of], 0, out.shape[-1] - 1)

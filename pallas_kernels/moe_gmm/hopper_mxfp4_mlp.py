@@ -10,9 +10,10 @@ between the launches. Rows past a tile's last row are act(0, 0) = 0, as the slab
 the live ones are never read by either launch.
 
 Same results, bit for bit, as the two calls with the same settings (the GLU in fp32, h rounded to bf16 for
-the MMA in both; with three or more K splits, up to the order XLA adds their parts in). What it trades, untimed: the gated launch writes fp32 products for every row of a live tile
-(8 a tile at decode, where the rows form writes only the tile's own) and the pass reads them for every tile of
-the schedule's bound, against the gather and the GLU pass it removes. A GLU in the gated launch's epilogue,
+the MMA in both; with three or more K splits, up to the order XLA adds their parts in). What it trades,
+untimed: the gated launch writes fp32 products for every row of a live tile (8 a tile at decode, where the
+rows form writes only the tile's own) and the pass reads them for every tile of the schedule's bound, against
+the gather and the GLU pass it removes. A GLU in the gated launch's epilogue,
 writing the bf16 slabs itself, would remove both.
 """
 
