@@ -3,12 +3,13 @@ the recurrent reference, fresh random inputs."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from kda_decode_inputs import decode_inputs
+from kernel_matrix import covering_rows
 from tolerances import TOLERANCES, assert_close, kernel_dtype
 
 from pallas_kernels.kda import (ChunkBlocks, DecodeBlocks, KDADecodeWeights, kda_chunk_pallas,
@@ -20,7 +21,8 @@ def _l2(x):
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-@pytest.mark.parametrize("b,t,h,kd,vd,chunk,gates,init,dtype,intra", [
+# b, t, h, kd, vd, chunk, gates, init, dtype, intra (the form, then its options: see the test)
+CHUNK_ROWS = [
     (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "blocked"),     # T not a multiple of the chunk
     (1, 64, 3, 16, 32, 64, (-0.5, 0.0), False, "float32", "blocked"),    # three heads, V != K
     (1, 50, 1, 32, 16, 32, (-40.0, -5.0), True, "float32", "blocked"),   # gates at and far past K3's floor
@@ -114,7 +116,19 @@ def _l2(x):
     (2, 37, 2, 16, 16, 32, (-1.0, 0.0), True, "float32", "parallel/qg-in-pairs"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "float32", "parallel/qg-in-pairs/pairs-exp-e/pairs-per-block"),
     (2, 24, 2, 16, 16, 16, (-1.0, 0.0), False, "float32", "parallel/qg-in-pairs"),
-])
+]
+
+
+def _chunk_row_features(b, t, h, kd, vd, chunk, gates, init, dtype, intra):
+    form, *options = intra.split("/")
+    return [("form", form), *(("option", o) for o in options), ("shape", (b, t, h, kd, vd, chunk)),
+            ("gates", gates), ("dtype", dtype, init)]
+
+
+# In interpret mode: every row of the default form ("parallel" alone), and each other row that brings a form, an
+# option, a shape, a gate range or a dtype no earlier row did (kernel_matrix).
+@pytest.mark.parametrize("b,t,h,kd,vd,chunk,gates,init,dtype,intra", covering_rows(
+    CHUNK_ROWS, _chunk_row_features, keep=lambda *row: row[-1] == "parallel"))
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     q = _l2(rng.standard_normal((b, t, h, kd)))
     k = _l2(rng.standard_normal((b, t, h, kd)))
@@ -424,17 +438,22 @@ def test_sequential_pass_pipelines_its_loads_when_its_grid_is_one_wave():
     assert ChunkBlocks(inter_num_stages=2).sequential_stages(384, 132, fp32_stage) == 2
 
 
-@pytest.mark.parametrize("chunk", [64, 32])
-@pytest.mark.parametrize("form", [dict(pairs="tiles"), dict(pairs="diagonal", solve="whole"),
-                                  dict(pairs="diagonal", solve="sliced"), dict(pairs="joint", solve="sliced"),
-                                  dict(solve="sliced", factors_slice=16, factors_num_warps=2,   # 2 programs
-                                       factors_loop=False),
-                                  dict(pairs="diagonal", diagonal_band=False),
-                                  dict(across="tiles"), dict(across="tiles", diagonal_band=False),
-                                  dict(across="levels"), dict(across="levels", factors_loop=False),
-                                  dict(factors_loop=True, factors_slice=16),    # 2 key, 1 value slice in a loop
-                                  dict(factors_loop=True, factors_slice=16, factors_num_stages=2,
-                                       across="tiles", pairs_num_warps=1, pairs_num_stages=3)])
+PAIR_AND_SOLVE_FORMS = [dict(pairs="tiles"), dict(pairs="diagonal", solve="whole"),
+                        dict(pairs="diagonal", solve="sliced"), dict(pairs="joint", solve="sliced"),
+                        dict(solve="sliced", factors_slice=16, factors_num_warps=2,   # 2 programs
+                             factors_loop=False),
+                        dict(pairs="diagonal", diagonal_band=False),
+                        dict(across="tiles"), dict(across="tiles", diagonal_band=False),
+                        dict(across="levels"), dict(across="levels", factors_loop=False),
+                        dict(factors_loop=True, factors_slice=16),    # 2 key, 1 value slice in a loop
+                        dict(factors_loop=True, factors_slice=16, factors_num_stages=2,
+                             across="tiles", pairs_num_warps=1, pairs_num_stages=3)]
+
+
+# In interpret mode: every form at 64-token chunks, and 32-token chunks once (kernel_matrix).
+@pytest.mark.parametrize("chunk,form", covering_rows(
+    [(chunk, form) for chunk in (64, 32) for form in PAIR_AND_SOLVE_FORMS],
+    lambda chunk, form: [("chunk", chunk), ("form", tuple(sorted(form.items())))]))
 def test_pair_and_solve_forms_equal_joint_pairs(rng, interpret, chunk, form):
     """Each pairs / solve form gives the joint pairs' six outputs after the one-launch solve (W, U, A_qk
     with its zero upper half, q e^G, k e^(G_C - G), e^(G_C)) to fp32 rounding, with gates weak enough that
@@ -494,7 +513,7 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
             assert np.abs(band).sum() > 0
 
 
-@pytest.mark.parametrize("dtype,blocks", [
+NORMALISED_ROWS = [
     ("bfloat16", ChunkBlocks()),                                   # inside the per-token launch, tokens layout
     ("float32", ChunkBlocks(layout="chunked", diagonal_band=False)),   # ... chunked layout, whole rows
     ("bfloat16", ChunkBlocks(diagonal_heads=1, cumsum="pallas")),
@@ -513,7 +532,17 @@ def test_diagonal_launch_writes_the_local_cumsum(rng, interpret, gates):
     ("float32", ChunkBlocks(across="levels", qk_norm="scales-after", layout="chunked")),
     ("bfloat16", ChunkBlocks(qg_in_pairs=True)),                   # q e^G written by the pairs launch
     ("float32", ChunkBlocks(qg_in_pairs=True, pairs_one_loop=False, layout="chunked")),
-])
+]
+
+
+def _settings(blocks: ChunkBlocks) -> list[tuple]:
+    """The fields set away from their defaults, as (name, value)."""
+    return [(f.name, getattr(blocks, f.name)) for f in fields(blocks) if getattr(blocks, f.name) != f.default]
+
+
+# In interpret mode: each row that brings a dtype or a setting no earlier row did (kernel_matrix).
+@pytest.mark.parametrize("dtype,blocks", covering_rows(
+    NORMALISED_ROWS, lambda dtype, blocks: [("dtype", dtype), *_settings(blocks)]))
 def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     """normalize_qk=True takes q and k as they leave the conv (any scale, a zero row among them) and gives the
     result of the reference on q / |q| and k / |k|; where the per-token launch runs it equals the call on
@@ -601,12 +630,14 @@ def test_normalising_inside_needs_the_per_token_launch(rng):
                     blocks=ChunkBlocks(chunk=16, pairs="joint").resolve("float32"))
 
 
-@pytest.mark.parametrize("t,dtype,cumsum,pairs", [
+# In interpret mode: each row that brings a length, a dtype, a cumsum or a pairs launch no earlier row did
+# (kernel_matrix).
+@pytest.mark.parametrize("t,dtype,cumsum,pairs", covering_rows([
     (200, "bfloat16", "pallas", "joint"), (128, "float32", "pallas", "joint"),
     (70, "bfloat16", "pallas", "separate"), (70, "bfloat16", "xla", "joint"), (200, "bfloat16", "pallas", "tiles"),
     (200, "bfloat16", "pallas", "diagonal"), (128, "float32", "pallas", "diagonal"),
     (200, "bfloat16", "diagonal", "diagonal"),
-])
+], lambda t, dtype, cumsum, pairs: [("t", t), ("dtype", dtype), ("cumsum", cumsum), ("pairs", pairs)]))
 def test_tokens_layout_equals_chunked_layout(rng, interpret, t, dtype, cumsum, pairs):
     """layout="tokens" (the kernels read q, k, v, g, beta and write o in [B, T, H, ...]) gives the
     chunked layout's outputs bit for bit: T off the chunk (a padded tail) and on it (no copy), bf16 and

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_matrix import covering_rows
 from tolerances import assert_close, kernel_dtype
 
 from pallas_kernels.moe_gmm import (GluSpec, Mxfp4Weight, grouped_glu, grouped_glu_reference, grouped_matmul_reference,
@@ -70,9 +71,15 @@ def _blocks(interpret: bool, **fields) -> HopperMxfp4Blocks:
 CASES = [([3, 0, 5, 3], 12, 8), ([0, 19, 1, 0, 4], 26, 8), ([2, 0, 0, 17], 20, 16)]
 
 
-@pytest.mark.parametrize("activations,outputs", [("slab", "tiles"), ("rows", "tiles"), ("slab", "rows"),
-                                                 ("rows", "rows")])
-@pytest.mark.parametrize("sizes,m,rows", CASES)
+IO_FORMS = [("slab", "tiles"), ("rows", "tiles"), ("slab", "rows"), ("rows", "rows")]   # activations, outputs
+
+
+# In interpret mode: every form on the first case, then each row that brings a case or, for outputs="rows", a tile
+# height no earlier row did (kernel_matrix).
+@pytest.mark.parametrize("sizes,m,rows,activations,outputs", covering_rows(
+    [(*case, *form) for case in CASES for form in IO_FORMS],
+    lambda sizes, m, rows, activations, outputs: [("case", tuple(sizes), m, rows), ("form", activations, outputs),
+                                                  ("written by rows", rows, outputs)]))
 def test_grouped_matmul_equals_the_reference(rng, interpret, sizes, m, rows, activations, outputs):
     """activations="rows": each tile reads a window of rows + 8 sorted rows from an 8-row boundary, the
     rows of its neighbours included (their products discarded); outputs="rows": each tile writes its own
@@ -93,8 +100,7 @@ def test_grouped_matmul_equals_the_reference(rng, interpret, sizes, m, rows, act
     assert not np.asarray(out[sum(sizes):]).any()
 
 
-@pytest.mark.parametrize("activations,outputs", [("slab", "tiles"), ("rows", "tiles"), ("slab", "rows"),
-                                                 ("rows", "rows")])
+@pytest.mark.parametrize("activations,outputs", IO_FORMS)
 def test_tiles_in_reverse_order_and_uneven_row_counts(rng, interpret, monkeypatch, activations, outputs):
     """24-row tiles (not a power of two: outputs="rows" copies 7 rows as 4 + 2 + 1, 23 as 16 + 4 + 2 + 1, 24 as
     16 + 8) with the schedule's tiles in reverse order: interpret mode runs the programs in grid order, so a
@@ -136,8 +142,7 @@ def test_grouped_glu_equals_the_reference_over_several_steps(rng, interpret, spe
     assert_close("glu", out, ref, dtype=kernel_dtype("float32", interpret))
 
 
-@pytest.mark.parametrize("activations,outputs", [("slab", "tiles"), ("rows", "tiles"), ("slab", "rows"),
-                                                 ("rows", "rows")])
+@pytest.mark.parametrize("activations,outputs", IO_FORMS)
 def test_pairs_equal_the_reference(rng, interpret, activations, outputs):
     """Unsorted pairs (two experts per token, one pair not valid), both entry points; 11 tokens: the last
     pairs' windows start on row 8."""
