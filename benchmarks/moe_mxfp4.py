@@ -23,7 +23,8 @@ values, bf16 per-32 scales: its sm90 kernel reads 4-bit values and scales the de
 up to 8 tokens, sorted rows above), beside the Pallas-Triton MXFP4 kernels of the same run
 (`hopper_vs_mxfp4` > 1: the Mosaic GPU kernel is faster); `--hopper-sweep` also over HOPPER_SWEEP;
 `--hopper-handoff` also each setting that reads slabs with the gated launch handing its tiles to the down launch
-(`hopper_mxfp4_mlp.grouped_mlp_hopper_mxfp4`), rows marked "handoff".
+(`hopper_mxfp4_mlp.grouped_mlp_hopper_mxfp4`), rows marked "handoff": "products"; and with the GLU in the gated
+launch's epilogue, "handoff": "glu".
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from pallas_kernels.moe_gmm import (grouped_glu_pallas, grouped_matmul_pallas, p
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, grouped_glu_hopper_mxfp4,  # noqa: E402
                                                   grouped_matmul_hopper_mxfp4, pair_glu_hopper_mxfp4,
                                                   pair_matmul_hopper_mxfp4, to_columns)
-from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4  # noqa: E402
+from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4, hand_off_columns  # noqa: E402
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize  # noqa: E402
 from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
@@ -122,15 +123,22 @@ def experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks=None):
     return experts_mlp(x, weights, experts, c1, c3, c2, blocks, HOPPER_KERNELS)
 
 
-def experts_mlp_handoff(x, weights, experts, c1, c3, c2, blocks=None):
-    """`experts_mlp_hopper` with the gated launch handing its tiles to the down launch
+def experts_mlp_handoff(x, weights, experts, c1, c3, c2, blocks=None, hand_off="products"):
+    """`experts_mlp_hopper` with the gated launch handing its tiles (`hand_off="products"`) or h's slabs with
+    the GLU in its epilogue ("glu": c1, c3 as `hand_off_columns` gives them) to the down launch
     (`grouped_mlp_hopper_mxfp4`) above 8 tokens."""
     n, k = experts.shape
     if n <= 8:
         return experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks)
     order, sizes, _ = sort_by_expert(experts, c1.shape[0])
-    y = grouped_mlp_hopper_mxfp4(x[order // k], c1, c3, c2, sizes, weights.reshape(-1)[order], blocks=blocks)
+    y = grouped_mlp_hopper_mxfp4(x[order // k], c1, c3, c2, sizes, weights.reshape(-1)[order], blocks=blocks,
+                                 hand_off=hand_off)
     return unsort_and_sum(y, order, k)
+
+
+def experts_mlp_handoff_glu(x, weights, experts, c1, c3, c2, blocks=None):
+    """`experts_mlp_handoff` with the GLU in the gated launch's epilogue."""
+    return experts_mlp_handoff(x, weights, experts, c1, c3, c2, blocks, hand_off="glu")
 
 
 def profile(fn, args) -> dict:
@@ -149,28 +157,33 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
                 with_profile: bool = False, pick: list[int] | None = None, handoff: bool = False) -> list[dict]:
     """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
     HOPPER_SWEEP setting (those at the indices `pick`, default all); with `handoff`, after each setting that reads
-    slabs one more row through `experts_mlp_handoff` ("handoff": true; above 8 tokens only). A setting that
-    fails to compile or run (K not a multiple of its block_k, say) is recorded with its error."""
+    slabs two more rows, through `experts_mlp_handoff` ("handoff": "products") and `experts_mlp_handoff_glu`
+    ("glu": the gate and up columns permuted once, outside the timed call, as the loader would); above 8 tokens
+    only. A setting that fails to compile or run (K not a multiple of its block_k, say) is recorded with its
+    error."""
     chosen = HOPPER_SWEEP if pick is None else [HOPPER_SWEEP[i] for i in pick]
     settings = [None] + (chosen if sweep else [])
     if small:                        # interpret mode runs the exact decode through shared memory only
         settings = [HopperMxfp4Blocks.for_backend(True, block_k=128)]
     handoff = handoff and experts.shape[0] > 8              # up to 8 tokens the pairs run, with no hand-off
-    runs = [(mlp, b) for b in settings for mlp in (experts_mlp_hopper, experts_mlp_handoff)
+    forms = {experts_mlp_hopper: False, experts_mlp_handoff: "products", experts_mlp_handoff_glu: "glu"}
+    runs = [(mlp, b) for b in settings for mlp in forms
             if mlp is experts_mlp_hopper or (handoff and (b is None or b.activations == "slab"))]
+    glu_columns = (hand_off_columns(columns[0]), hand_off_columns(columns[1]), columns[2]) if handoff else None
     out = []
     for mlp, blocks in runs:
-        label = f"{blocks}" + (" handoff" if mlp is experts_mlp_handoff else "")
+        label = f"{blocks}" + (f" handoff {forms[mlp]}" if forms[mlp] else "")
+        cols = glu_columns if mlp is experts_mlp_handoff_glu else columns
         try:
-            y = jax.jit(mlp, static_argnames="blocks")(x, weights, experts, *columns, blocks=blocks)
-            t = chained_time(lambda *a, b=blocks, f=mlp: f(*a, blocks=b), (x, weights, experts, *columns),
+            y = jax.jit(mlp, static_argnames="blocks")(x, weights, experts, *cols, blocks=blocks)
+            t = chained_time(lambda *a, b=blocks, f=mlp: f(*a, blocks=b), (x, weights, experts, *cols),
                              reps=5 if small else 20, iters=2 if small else 10)
         except Exception as exc:  # noqa: BLE001
             print(f"  hopper {label}: failed {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             if blocks is None and mlp is experts_mlp_hopper:
                 row["hopper_ms"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
             out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks),
-                        "handoff": mlp is experts_mlp_handoff, "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                        "handoff": forms[mlp], "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
             continue
         a, b = np.asarray(y, np.float64), np.asarray(reference, np.float64)
         err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -182,9 +195,9 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
                 row["hopper_profile"] = profile(experts_mlp_hopper, (x, weights, experts, *columns))
         print(f"  hopper {label}: {t * 1e3:.4f} ms, {pct:.1f}%, err {err:.2e}", flush=True)
         out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks), "ms": t * 1e3,
-                    "pct_4.3TB_s": pct, "err_vs_bf16": err, "handoff": mlp is experts_mlp_handoff})
+                    "pct_4.3TB_s": pct, "err_vs_bf16": err, "handoff": forms[mlp]})
         if with_profile and (blocks is not None or mlp is not experts_mlp_hopper) and not small:
-            out[-1]["profile"] = profile(functools.partial(mlp, blocks=blocks), (x, weights, experts, *columns))
+            out[-1]["profile"] = profile(functools.partial(mlp, blocks=blocks), (x, weights, experts, *cols))
     return out
 
 

@@ -62,7 +62,7 @@ from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import launch_persistent, persistent_takes
 from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import smem_bytes as persistent_smem_bytes
 from pallas_kernels.moe_gmm.hopper_mxfp4_step import (ALIGN, CODE_TRANSFORMS, COLUMNS, PER_GROUP, X_TRANSFORMS,
-                                                      copy_out_rows, multiply_step)
+                                                      copy_out_rows, multiply_step, write_glu_slab)
 from pallas_kernels.moe_gmm.mxfp4 import GROUP, Mxfp4Weight
 from pallas_kernels.moe_gmm.mxfp4 import validate as validate_mxfp4
 from pallas_kernels.moe_gmm.schedule import tile_schedule
@@ -272,18 +272,20 @@ class HopperMxfp4Blocks:
 # The kernel
 # ----------------------------------------------------------------------------------------------
 
-def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bool, blocks: HopperMxfp4Blocks):
+def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bool, blocks: HopperMxfp4Blocks,
+            glu_spec: GluSpec | None = None):
     """x_ref: activations with each scale group's 32 inputs as its 16 even then its 16 odd ones
     (`even_odd`): a slab per tile [tiles, window, K], or (`in_place`) the rows themselves [M', K], each
     tile reading `window` rows from its first row rounded down to a multiple of `ALIGN`;
     refs: per weight packed [G, N, K/2] and scale [G, K/32, N]; out fp32 [weights, splits, tiles, N, window],
-    or with `outputs="rows"` [splits, rows out, weights, N]; scratch: the products' staging buffer, their
-    transposed copy (`outputs="rows"`) and the decoded operand buffer. sched_ref [4, tiles]: each tile's
+    or with `outputs="rows"` [splits, rows out, weights, N], or with `glu_spec` (gate and up, one split) h's bf16
+    slabs [tiles, window, N]; scratch: the products' staging buffer, their transposed copy (`outputs="rows"`)
+    or h's (`glu_spec`), and the decoded operand buffer. sched_ref [4, tiles]: each tile's
     group, its first and end row in x's rows (sorted rows; for pairs the token's row, end = first + valid) and
     the output row of its first row.
     `steps`: the pipeline steps of one split (its K range starts at split x steps x block_k)."""
     w_refs, (out_ref, o_smem, *scratch) = refs[:2 * n_weights], refs[2 * n_weights:]
-    t_smem = scratch.pop(0) if blocks.outputs == "rows" else None
+    t_smem = scratch.pop(0) if blocks.outputs == "rows" or glu_spec is not None else None
     a_smem = scratch
     tile, col, split = lax.axis_index("tile"), lax.axis_index("col"), lax.axis_index("split")
     first_step = split * steps
@@ -315,7 +317,9 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bo
         for w, acc in enumerate(accs):
             o_smem.at[w][...] = acc
         plgpu.commit_smem()
-        if blocks.outputs == "rows":
+        if glu_spec is not None:
+            write_glu_slab(o_smem, t_smem, out_ref.at[tile, :, pl.ds(col * COLUMNS, COLUMNS)], glu_spec, window)
+        elif blocks.outputs == "rows":
             copy_out_rows(o_smem, t_smem, out_ref.at[split], first % ALIGN if in_place else 0, last - first,
                            out_first, col, window, blocks.rows)
         else:
@@ -331,7 +335,8 @@ def even_odd(x):
     return x.reshape(*lead, k // GROUP, PER_GROUP, 2).swapaxes(-1, -2).reshape(*lead, k)
 
 
-def launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool, sorted_rows: bool):
+def launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool, sorted_rows: bool,
+           glu_spec: GluSpec | None = None):
     """The kernel over `sched` [4, T] (group, first, end row per tile, first >= end: nothing to do; the
     output row of its first row) with the activations in `even_odd` order, bf16: each tile's own slab `x`
     [T, rows, K], or the sorted rows `x` [M', K] read in place (`_in_place_rows`: M' >= the largest first row
@@ -339,7 +344,15 @@ def launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpre
     [weights, T, N, rows] (slabs) or [weights, T, N, window] (column c: the product of row first // 8 * 8 + c);
     with `blocks.outputs="rows"` per row, [weights, rows_out, N] (rows no tile covers: not written).
     `sorted_rows`: the tiles are the schedule of sorted rows (live tiles first), which the persistent launch
-    (`blocks.launch`) needs; pairs run the grid launch."""
+    (`blocks.launch`) needs; pairs run the grid launch. `glu_spec` (weights gate and up, slabs in, one split,
+    the grid launch): each program applies the GLU to its products and writes them in bf16 as h's slabs
+    [T, rows, N] (`hopper_mxfp4_step.write_glu_slab`; rows past a tile's last are act(0, 0) = 0; tiles with
+    nothing to do are not written)."""
+    if glu_spec is not None:
+        if len(weights) != 2 or x.ndim != 3 or blocks.launch != "grid":
+            raise ValueError(f"hopper MXFP4: the GLU epilogue takes gate and up weights, slabs in and the grid launch; "
+                             f"got {len(weights)} weights, activations {x.shape}, launch={blocks.launch!r}")
+        return _launch_grid(sched, x, weights, rows_out, blocks, interpret, glu_spec)
     if blocks.launch == "persistent" and sorted_rows:
         partial = launch_persistent(sched, x, weights, rows_out, blocks, interpret,
                                     blocks.programs or _multiprocessors())
@@ -350,9 +363,11 @@ def launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpre
     return jnp.sum(partial, axis=1)
 
 
-def _launch_grid(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool):
+def _launch_grid(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool,
+                 glu_spec: GluSpec | None = None):
     """A program per tile, 64-column block and split -> `launch`'s fp32 parts before the splits are added:
-    [splits, rows_out, weights, N] (`outputs="rows"`) or [weights, splits, T, N, window]."""
+    [splits, rows_out, weights, N] (`outputs="rows"`) or [weights, splits, T, N, window]; with `glu_spec`, h's
+    bf16 slabs [T, window, N] (one split)."""
     tiles, k = sched.shape[1], x.shape[-1]
     in_place = x.ndim == 2
     window = blocks.window if in_place else blocks.rows
@@ -362,17 +377,28 @@ def _launch_grid(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, in
     if steps % splits:
         raise ValueError(f"hopper MXFP4 matmul: splits={splits} must divide the {steps} steps of K={k} at "
                          f"block_k={blocks.block_k}")
+    if glu_spec is not None and splits != 1:
+        raise ValueError(f"hopper MXFP4: the GLU epilogue needs each tile's whole K in one program; got "
+                         f"splits={splits}")
+    if glu_spec is not None and blocks.smem_bytes(2) + window * COLUMNS * 2 > _SMEM_BYTES:
+        raise ValueError(f"hopper MXFP4: {blocks} with the GLU epilogue's [{window}, {COLUMNS}] bf16 buffer needs "
+                         f"more than {_SMEM_BYTES} bytes of shared memory; take fewer stages or rows")
     kernel = functools.partial(_kernel, n_weights=n_weights, steps=steps // splits, window=window,
-                               in_place=in_place, blocks=blocks)
-    by_rows = blocks.outputs == "rows"
+                               in_place=in_place, blocks=blocks, glu_spec=glu_spec)
+    by_rows = blocks.outputs == "rows" and glu_spec is None
+    if glu_spec is not None:
+        out_type = jax.ShapeDtypeStruct((tiles, window, n), jnp.bfloat16)
+    else:
+        out_type = jax.ShapeDtypeStruct((splits, rows_out, n_weights, n) if by_rows
+                                        else (n_weights, splits, tiles, n, window), jnp.float32)
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((splits, rows_out, n_weights, n) if by_rows
-                                      else (n_weights, splits, tiles, n, window), jnp.float32),
+        out_type=out_type,
         grid=(tiles, n // COLUMNS, splits),
         grid_names=("tile", "col", "split"),
         scratch_types=[plgpu.SMEM((n_weights, COLUMNS, window), jnp.float32)]
         + ([plgpu.SMEM((window, n_weights, COLUMNS), jnp.float32)] if by_rows else [])
+        + ([plgpu.SMEM((window, COLUMNS), jnp.bfloat16)] if glu_spec is not None else [])
         + ([plgpu.SMEM((COLUMNS, blocks.inputs_per_mma), jnp.bfloat16, transforms=X_TRANSFORMS)]
            if blocks.a_operand == "smem" else []),
         interpret=plgpu.InterpretGPUParams() if interpret else False,

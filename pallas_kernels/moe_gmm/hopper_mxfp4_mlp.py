@@ -13,8 +13,15 @@ Same results, bit for bit, as the two calls with the same settings (the GLU in f
 the MMA in both; with three or more K splits, up to the order XLA adds their parts in). What it trades,
 untimed: the gated launch writes fp32 products for every row of a live tile (8 a tile at decode, where the
 rows form writes only the tile's own) and the pass reads them for every tile of the schedule's bound, against
-the gather and the GLU pass it removes. A GLU in the gated launch's epilogue,
-writing the bf16 slabs itself, would remove both.
+the gather and the GLU pass it removes.
+
+`hand_off="glu"` removes both: each program of the gated launch applies the GLU to its tile's products and
+writes them in bf16 as the down launch's slabs ([T, rows, F], `hopper_mxfp4_step.write_glu_slab`), so nothing
+runs between the two launches. The slabs must be in `even_odd` order along F, and a program holds 64 consecutive
+columns, so the gate and up weights come with their columns in that order (`hand_off_columns`, once, where the
+weights are loaded): column j of the gated launch is then column even_odd(j) of h. Same math as the two calls;
+the GLU runs in the kernel (compiled: the GPU's exp and tanh), so results agree to rounding, not bit for bit.
+The grid launch for the gated half (one split); untimed.
 """
 
 from __future__ import annotations
@@ -28,6 +35,15 @@ import jax.numpy as jnp
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, check_operands, even_odd, launch,
                                                  products_by_row, resolve_blocks, sorted_inputs, sorted_schedule)
+
+HAND_OFFS = ("products", "glu")
+
+
+def hand_off_columns(w: Mxfp4Columns) -> Mxfp4Columns:
+    """A gate or up weight [G, K, N] with its output columns in `even_odd` order, as `hand_off="glu"` takes
+    them: a permutation of whole columns (codes and scales), done once where the weights are loaded."""
+    order = even_odd(jnp.arange(w.shape[2]))
+    return Mxfp4Columns(w.packed[:, order], w.scale[:, :, order])
 
 
 def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns):
@@ -43,21 +59,25 @@ def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns
     return dataclasses.replace(up, outputs="tiles"), down, interpreted
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret", "hand_off"))
 def grouped_mlp_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, w_down: Mxfp4Columns, group_sizes,
                              row_scale=None, *, spec: GluSpec = GluSpec(), blocks: HopperMxfp4Blocks | None = None,
-                             interpret: bool | None = None):
+                             interpret: bool | None = None, hand_off: str = "products"):
     """out[r] = act(lhs[r] @ W_gate[g(r)], lhs[r] @ W_up[g(r)]) @ W_down[g(r)] (times row_scale[r]) for rows
     sorted by group.
 
     Args:
-      lhs: [M, D] rows sorted by group (rounded to bf16 for the MMA). w_gate, w_up: Mxfp4Columns of [G, D, F];
-        w_down: of [G, F, D']. group_sizes: [G] int32 (sum <= M). row_scale: optional [M] per-row factor.
+      lhs: [M, D] rows sorted by group (rounded to bf16 for the MMA). w_gate, w_up: Mxfp4Columns of [G, D, F]
+        (with `hand_off="glu"`, as `hand_off_columns` gives them); w_down: of [G, F, D']. group_sizes: [G] int32
+        (sum <= M). row_scale: optional [M] per-row factor.
       blocks: settings of both launches (the gated one always writes tiles, `outputs="tiles"`); default each
         projection's `HopperMxfp4Blocks.for_backend`. interpret: default off the GPU.
+      hand_off: "products" (the gated launch's fp32 products, the GLU by XLA) or "glu" (in its epilogue).
     Returns:
       [M, D'] fp32 with row_scale, else lhs's dtype; rows past sum(group_sizes) are zero.
     """
+    if hand_off not in HAND_OFFS:
+        raise ValueError(f"grouped_mlp_hopper_mxfp4: hand_off must be one of {HAND_OFFS}, got {hand_off!r}")
     up_blocks, down_blocks, interpreted = _settings(blocks, interpret, lhs, w_gate, w_down)
     check_operands(lhs, (w_gate, w_up), group_sizes, up_blocks)
     g, f = w_gate.shape[0], w_gate.shape[2]
@@ -68,8 +88,11 @@ def grouped_mlp_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, w_do
     m = lhs.shape[0]
     sched = sorted_schedule(group_sizes, m, up_blocks.rows)
     x, _ = sorted_inputs(lhs, sched, up_blocks)
-    gate, up = launch(sched, x, (w_gate, w_up), m, up_blocks, interpreted, sorted_rows=True)   # [T, F, rows]
-    h = even_odd(jnp.swapaxes(glu(gate, up, spec).astype(lhs.dtype).astype(jnp.bfloat16), 1, 2))
+    if hand_off == "glu":                                                                   # [T, rows, F]
+        h = launch(sched, x, (w_gate, w_up), m, up_blocks, interpreted, sorted_rows=True, glu_spec=spec)
+    else:
+        gate, up = launch(sched, x, (w_gate, w_up), m, up_blocks, interpreted, sorted_rows=True)   # [T, F, rows]
+        h = even_odd(jnp.swapaxes(glu(gate, up, spec).astype(lhs.dtype).astype(jnp.bfloat16), 1, 2))
     out = launch(sched, h, (w_down,), m, down_blocks, interpreted, sorted_rows=True)
     out = products_by_row(out, sched, sched[1], group_sizes, m, down_blocks)[0]
     if row_scale is None:

@@ -1,6 +1,7 @@
-"""The pieces both Hopper MXFP4 launches share: one pipeline step's decode and MMAs, and the copy of a tile's
-products out by rows. `hopper_mxfp4` (a program per tile and column block) and `hopper_mxfp4_persistent` (a
-program per multiprocessor walking its share of the work) call them; `hopper_mxfp4`'s docstring has the math.
+"""The pieces both Hopper MXFP4 launches share: one pipeline step's decode and MMAs, the copy of a tile's
+products out by rows, and the gated launch's GLU epilogue. `hopper_mxfp4` (a program per tile and column block)
+and `hopper_mxfp4_persistent` (a program per multiprocessor walking its share of the work) call them;
+`hopper_mxfp4`'s docstring has the math.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.moe_gmm.activation import glu
 from pallas_kernels.moe_gmm.hopper_mxfp4_decode import DECODERS
 from pallas_kernels.moe_gmm.mxfp4 import GROUP
 
@@ -78,3 +80,16 @@ def copy_out_rows(o_smem, t_smem, out_ref, start, count, out_first, col, window:
             plgpu.copy_smem_to_gmem(t_smem.at[pl.ds(start + done, size)],
                                     out_ref.at[pl.ds(out_first + done, size), :, pl.ds(col * COLUMNS, COLUMNS)])
         size //= 2
+
+
+def write_glu_slab(o_smem, h_smem, out_ref, spec, window: int):
+    """The gated launch's epilogue when it hands h to the down launch (`hopper_mxfp4_mlp`, hand_off="glu"):
+    the gate and up products of a tile's 64 columns (`o_smem` [2, 64, window] fp32) read transposed (one strided
+    read of shared memory, as `copy_out_rows`), act(gate, up) in fp32, rounded to bf16 into `h_smem`
+    [window, 64] and copied to `out_ref` [window, 64]: the tile's slab rows, these 64 columns."""
+    layout = plgpu.Layout.WG_STRIDED((window, COLUMNS), 1)
+    gate = plgpu.load(o_smem.at[0].transpose((1, 0)), layout=layout)
+    up = plgpu.load(o_smem.at[1].transpose((1, 0)), layout=layout)
+    h_smem[...] = glu(gate, up, spec).astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(h_smem, out_ref)

@@ -12,9 +12,9 @@ import pytest
 from tolerances import assert_close
 
 from pallas_kernels.moe_gmm import GluSpec, Mxfp4Weight, grouped_glu_reference, grouped_matmul_reference
-from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, grouped_glu_hopper_mxfp4,
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, grouped_glu_hopper_mxfp4,
                                                  grouped_matmul_hopper_mxfp4, to_columns)
-from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4
+from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4, hand_off_columns
 from pallas_kernels.moe_gmm.mxfp4 import dequantize
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
@@ -74,6 +74,54 @@ def test_hand_off_equals_the_two_calls_and_the_reference(rng, interpret, sizes, 
     assert_close("unscaled", unscaled, _reference(x, weights, group_sizes, None, spec), dtype=jnp.bfloat16)
 
 
+SITU = GluSpec("situ", situ_beta=4.0, situ_linear_beta=8.0)
+
+
+@pytest.mark.parametrize("sizes,m,rows,spec,dtype", [([3, 0, 5, 3], 12, 8, GluSpec(), jnp.bfloat16),
+                                                     ([0, 19, 1, 0, 4], 26, 16, SITU, jnp.float32)])
+def test_glu_in_the_gated_launch_equals_the_products_hand_off(rng, interpret, sizes, m, rows, spec, dtype):
+    """hand_off="glu" on gate and up weights with their columns in `even_odd` order: the products hand-off's
+    result (same kernels, the GLU moved into the gated launch) and the dense reference; rows past the groups zero."""
+    x, scale, group_sizes, weights = _experts(rng, sizes, m, 256, 256, 128, dtype)
+    wg, wu, wd = (to_columns(w) for w in weights)
+    blocks = HopperMxfp4Blocks.for_backend(interpret, rows=rows, block_k=128)
+    run = lambda hand_off, gate, up, scale: grouped_mlp_hopper_mxfp4(
+        x, gate, up, wd, group_sizes, scale, spec=spec, blocks=blocks, interpret=interpret, hand_off=hand_off)
+    out = run("glu", hand_off_columns(wg), hand_off_columns(wu), scale)
+    assert out.dtype == jnp.float32
+    assert_close("glu in the gated launch", out, run("products", wg, wu, scale), dtype=jnp.bfloat16)
+    assert_close("mlp", out, _reference(x, weights, group_sizes, scale, spec), dtype=jnp.bfloat16)
+    assert not np.asarray(out[sum(sizes):]).any()
+    unscaled = run("glu", hand_off_columns(wg), hand_off_columns(wu), None)
+    assert unscaled.dtype == dtype
+    assert_close("unscaled", unscaled, _reference(x, weights, group_sizes, None, spec), dtype=jnp.bfloat16)
+
+
+def test_hand_off_columns_permute_whole_columns(rng):
+    """Column j of the permuted weight is column even_odd(j): codes and scales move together."""
+    w = to_columns(_weight(rng, 2, 64, 64))
+    moved = hand_off_columns(w)
+    order = np.arange(64).reshape(2, 16, 2).swapaxes(1, 2).reshape(64)       # each 32: the even, then the odd
+    np.testing.assert_array_equal(np.asarray(moved.packed), np.asarray(w.packed)[:, order])
+    np.testing.assert_array_equal(np.asarray(moved.scale), np.asarray(w.scale)[:, :, order])
+
+
+def test_glu_hand_off_lowers_for_cuda_on_any_host():
+    """The gated launch with the GLU epilogue, then the down launch, lowered for CUDA (interpret mode runs the
+    epilogue's math, not its shared-memory layouts)."""
+    k, f, d = 512, 256, 128
+    args = (jax.ShapeDtypeStruct((37, k), jnp.bfloat16), jax.ShapeDtypeStruct((4, f, k // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((4, k // 32, f), jnp.uint8), jax.ShapeDtypeStruct((4, d, f // 2), jnp.uint8),
+            jax.ShapeDtypeStruct((4, f // 32, d), jnp.uint8), jax.ShapeDtypeStruct((4,), jnp.int32))
+    for spec, blocks in ((GluSpec(), None), (SITU, HopperMxfp4Blocks(rows=16, block_k=128))):
+        def mlp(x, p, s, p_down, s_down, sizes):
+            return grouped_mlp_hopper_mxfp4(x, Mxfp4Columns(p, s), Mxfp4Columns(p, s), Mxfp4Columns(p_down, s_down),
+                                            sizes, spec=spec, blocks=blocks, interpret=False, hand_off="glu")
+
+        module = jax.export.export(jax.jit(mlp), platforms=["cuda"])(*args).mlir_module()
+        assert module.count("mosaic_gpu") >= 2
+
+
 def test_default_settings_equal_the_two_calls(rng, interpret):
     """No settings given: each projection's own default (the same tiles), as the two calls take them."""
     x, scale, group_sizes, weights = _experts(rng, [5, 0, 9], 16, 256, 256, 128)
@@ -89,6 +137,14 @@ def test_refuses_what_it_cannot_hand_off(rng):
     with pytest.raises(ValueError, match="activations must be 'slab'"):
         grouped_mlp_hopper_mxfp4(x, wg, wu, wd, sizes, blocks=HopperMxfp4Blocks(activations="rows", decode="exact",
                                                                                   a_operand="smem"), interpret=True)
+    with pytest.raises(ValueError, match="hand_off must be one of"):
+        grouped_mlp_hopper_mxfp4(x, wg, wu, wd, sizes, interpret=True, hand_off="rows")
+    with pytest.raises(ValueError, match="GLU epilogue needs each tile's whole K in one program; got splits=2"):
+        grouped_mlp_hopper_mxfp4(x, wg, wu, wd, sizes, interpret=True, hand_off="glu",
+                                 blocks=HopperMxfp4Blocks(block_k=128, splits=2, decode="exact", a_operand="smem"))
+    with pytest.raises(ValueError, match="the GLU epilogue takes gate and up weights, slabs in and the grid launch"):
+        grouped_mlp_hopper_mxfp4(x, wg, wu, wd, sizes, interpret=False, hand_off="glu",
+                                 blocks=HopperMxfp4Blocks(launch="persistent", block_k=128))
     with pytest.raises(ValueError, match=r"w_down must be \[2, 128, D'\]"):
         grouped_mlp_hopper_mxfp4(x, wg, wu, wg, sizes, interpret=True)
     narrow = to_columns(_weight(rng, 2, 128, 192))             # D' = 192: not whole 128-column blocks
@@ -109,3 +165,17 @@ def test_compiled_hand_off_equals_the_two_calls(rng, blocks, sizes, m):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(_two_calls(x, columns, group_sizes, scale, GluSpec(),
                                                                          blocks, False)))
     assert_close("mlp", out, _reference(x, weights, group_sizes, scale, GluSpec()), dtype=jnp.bfloat16)
+
+
+@on_gpu
+@pytest.mark.parametrize("spec", [GluSpec(), SITU], ids=["silu", "situ"])
+@pytest.mark.parametrize("sizes,m", [([3, 0, 5, 3], 12), ([0, 19, 1, 0, 40, 7, 0, 30], 100)])
+def test_compiled_glu_hand_off_equals_the_products_hand_off(rng, spec, sizes, m):
+    x, scale, group_sizes, weights = _experts(rng, sizes, m, 1024, 256, 384)
+    wg, wu, wd = (to_columns(w) for w in weights)
+    out = grouped_mlp_hopper_mxfp4(x, hand_off_columns(wg), hand_off_columns(wu), wd, group_sizes, scale, spec=spec,
+                                   interpret=False, hand_off="glu")
+    products = grouped_mlp_hopper_mxfp4(x, wg, wu, wd, group_sizes, scale, spec=spec, interpret=False)
+    assert_close("glu in the gated launch", out, products, dtype=jnp.bfloat16)
+    assert_close("mlp", out, _reference(x, weights, group_sizes, scale, spec), dtype=jnp.bfloat16)
+    assert not np.asarray(out[sum(sizes):]).any()
