@@ -279,13 +279,13 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bo
     tile reading `window` rows from its first row rounded down to a multiple of `ALIGN`;
     refs: per weight packed [G, N, K/2] and scale [G, K/32, N]; out fp32 [weights, splits, tiles, N, window],
     or with `outputs="rows"` [splits, rows out, weights, N], or with `glu_spec` (gate and up, one split) h's bf16
-    slabs [tiles, window, N]; scratch: the products' staging buffer, their transposed copy (`outputs="rows"`)
-    or h's (`glu_spec`), and the decoded operand buffer. sched_ref [4, tiles]: each tile's
+    slabs [tiles, window, N]; scratch: the products' staging buffer (with `glu_spec`: h's, [window, 64] bf16),
+    their transposed copy (`outputs="rows"`) and the decoded operand buffer. sched_ref [4, tiles]: each tile's
     group, its first and end row in x's rows (sorted rows; for pairs the token's row, end = first + valid) and
     the output row of its first row.
     `steps`: the pipeline steps of one split (its K range starts at split x steps x block_k)."""
     w_refs, (out_ref, o_smem, *scratch) = refs[:2 * n_weights], refs[2 * n_weights:]
-    t_smem = scratch.pop(0) if blocks.outputs == "rows" or glu_spec is not None else None
+    t_smem = scratch.pop(0) if blocks.outputs == "rows" else None     # with glu_spec, o_smem is h's buffer
     a_smem = scratch
     tile, col, split = lax.axis_index("tile"), lax.axis_index("col"), lax.axis_index("split")
     first_step = split * steps
@@ -314,12 +314,14 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bo
     def _():
         accs = pl.run_scoped(lambda *accs: products(accs),
                              *(plgpu.ACC((COLUMNS, window), jnp.float32) for _ in range(n_weights)))
+        if glu_spec is not None:
+            write_glu_slab(*accs, o_smem, out_ref.at[tile, :, pl.ds(col * COLUMNS, COLUMNS)], glu_spec)
+            plgpu.wait_smem_to_gmem(0)
+            return
         for w, acc in enumerate(accs):
             o_smem.at[w][...] = acc
         plgpu.commit_smem()
-        if glu_spec is not None:
-            write_glu_slab(o_smem, t_smem, out_ref.at[tile, :, pl.ds(col * COLUMNS, COLUMNS)], glu_spec, window)
-        elif blocks.outputs == "rows":
+        if blocks.outputs == "rows":
             copy_out_rows(o_smem, t_smem, out_ref.at[split], first % ALIGN if in_place else 0, last - first,
                            out_first, col, window, blocks.rows)
         else:
@@ -380,9 +382,6 @@ def _launch_grid(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, in
     if glu_spec is not None and splits != 1:
         raise ValueError(f"hopper MXFP4: the GLU epilogue needs each tile's whole K in one program; got "
                          f"splits={splits}")
-    if glu_spec is not None and blocks.smem_bytes(2) + window * COLUMNS * 2 > _SMEM_BYTES:
-        raise ValueError(f"hopper MXFP4: {blocks} with the GLU epilogue's [{window}, {COLUMNS}] bf16 buffer needs "
-                         f"more than {_SMEM_BYTES} bytes of shared memory; take fewer stages or rows")
     kernel = functools.partial(_kernel, n_weights=n_weights, steps=steps // splits, window=window,
                                in_place=in_place, blocks=blocks, glu_spec=glu_spec)
     by_rows = blocks.outputs == "rows" and glu_spec is None
@@ -396,9 +395,9 @@ def _launch_grid(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, in
         out_type=out_type,
         grid=(tiles, n // COLUMNS, splits),
         grid_names=("tile", "col", "split"),
-        scratch_types=[plgpu.SMEM((n_weights, COLUMNS, window), jnp.float32)]
+        scratch_types=[plgpu.SMEM((window, COLUMNS), jnp.bfloat16) if glu_spec is not None
+                       else plgpu.SMEM((n_weights, COLUMNS, window), jnp.float32)]
         + ([plgpu.SMEM((window, n_weights, COLUMNS), jnp.float32)] if by_rows else [])
-        + ([plgpu.SMEM((window, COLUMNS), jnp.bfloat16)] if glu_spec is not None else [])
         + ([plgpu.SMEM((COLUMNS, blocks.inputs_per_mma), jnp.bfloat16, transforms=X_TRANSFORMS)]
            if blocks.a_operand == "smem" else []),
         interpret=plgpu.InterpretGPUParams() if interpret else False,
