@@ -158,17 +158,19 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
     """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
     HOPPER_SWEEP setting (those at the indices `pick`, default all); with `handoff`, after each setting that reads
     slabs two more rows, through `experts_mlp_handoff` ("handoff": "products") and `experts_mlp_handoff_glu`
-    ("glu": the gate and up columns permuted once, outside the timed call, as the loader would); above 8 tokens
-    only. A setting that fails to compile or run (K not a multiple of its block_k, say) is recorded with its
-    error."""
+    ("glu": the gate and up columns permuted once, outside the timed call, as the loader would; grid launches
+    without a K split only); above 8 tokens only. A setting that fails to compile or run (K not a multiple of its
+    block_k, say) is recorded with its error."""
     chosen = HOPPER_SWEEP if pick is None else [HOPPER_SWEEP[i] for i in pick]
     settings = [None] + (chosen if sweep else [])
     if small:                        # interpret mode runs the exact decode through shared memory only
         settings = [HopperMxfp4Blocks.for_backend(True, block_k=128)]
     handoff = handoff and experts.shape[0] > 8              # up to 8 tokens the pairs run, with no hand-off
     forms = {experts_mlp_hopper: False, experts_mlp_handoff: "products", experts_mlp_handoff_glu: "glu"}
+    glu_takes = lambda b: b is None or (b.launch == "grid" and b.splits in (0, 1))   # the GLU epilogue's launch
     runs = [(mlp, b) for b in settings for mlp in forms
-            if mlp is experts_mlp_hopper or (handoff and (b is None or b.activations == "slab"))]
+            if mlp is experts_mlp_hopper or (handoff and (b is None or b.activations == "slab")
+                                             and (mlp is not experts_mlp_handoff_glu or glu_takes(b)))]
     glu_columns = (hand_off_columns(columns[0]), hand_off_columns(columns[1]), columns[2]) if handoff else None
     out = []
     for mlp, blocks in runs:

@@ -285,7 +285,7 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bo
     the output row of its first row.
     `steps`: the pipeline steps of one split (its K range starts at split x steps x block_k)."""
     w_refs, (out_ref, o_smem, *scratch) = refs[:2 * n_weights], refs[2 * n_weights:]
-    t_smem = scratch.pop(0) if blocks.outputs == "rows" else None     # with glu_spec, o_smem is h's buffer
+    t_smem = scratch.pop(0) if blocks.outputs == "rows" and glu_spec is None else None   # glu: o_smem holds h
     a_smem = scratch
     tile, col, split = lax.axis_index("tile"), lax.axis_index("col"), lax.axis_index("split")
     first_step = split * steps

@@ -19,9 +19,10 @@ the gather and the GLU pass it removes.
 writes them in bf16 as the down launch's slabs ([T, rows, F], `hopper_mxfp4_step.write_glu_slab`), so nothing
 runs between the two launches. The slabs must be in `even_odd` order along F, and a program holds 64 consecutive
 columns, so the gate and up weights come with their columns in that order (`hand_off_columns`, once, where the
-weights are loaded): column j of the gated launch is then column even_odd(j) of h. Same math as the two calls;
-the GLU runs in the kernel (compiled: the GPU's exp and tanh), so results agree to rounding, not bit for bit.
-The grid launch for the gated half (one split); untimed.
+weights are loaded): column j of the gated launch is then column even_odd(j) of h; nothing checks that the
+weights were permuted. Same math as the two calls for bf16 and fp32 activations (fp16 ones: the two calls round
+h to fp16 first); the GLU runs in the kernel (compiled: the GPU's exp and tanh), so results agree to rounding,
+not bit for bit. The grid launch for the gated half, in one split; untimed.
 """
 
 from __future__ import annotations
@@ -46,17 +47,19 @@ def hand_off_columns(w: Mxfp4Columns) -> Mxfp4Columns:
     return Mxfp4Columns(w.packed[:, order], w.scale[:, :, order])
 
 
-def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns):
+def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns, hand_off: str):
     """(gated launch's settings, down launch's settings, interpreted): `blocks` for both (the gated one
-    writing tiles), or each projection's `HopperMxfp4Blocks.for_backend` default. Both cut the same tiles:
-    the defaults take their rows from the rows per group alone, the same for both."""
+    writing tiles; with hand_off="glu" in one split where `splits` is 0, automatic), or each projection's
+    `HopperMxfp4Blocks.for_backend` default. Both cut the same tiles: the defaults take their rows from the rows
+    per group alone, the same for both."""
     rows_per_group = lhs.shape[0] / w_gate.shape[0]
     up, interpreted = resolve_blocks(blocks, interpret, lhs.shape[-1], rows_per_group, 2)
     down, _ = resolve_blocks(blocks, interpret, w_down.shape[1], rows_per_group, 1)
     if up.activations != "slab" or down.activations != "slab":
         raise ValueError(f"grouped_mlp_hopper_mxfp4: the hand-off builds slabs; activations must be 'slab', got "
                          f"{up.activations!r}")
-    return dataclasses.replace(up, outputs="tiles"), down, interpreted
+    up = dataclasses.replace(up, outputs="tiles", splits=1 if hand_off == "glu" and up.splits == 0 else up.splits)
+    return up, down, interpreted
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret", "hand_off"))
@@ -78,7 +81,7 @@ def grouped_mlp_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, w_do
     """
     if hand_off not in HAND_OFFS:
         raise ValueError(f"grouped_mlp_hopper_mxfp4: hand_off must be one of {HAND_OFFS}, got {hand_off!r}")
-    up_blocks, down_blocks, interpreted = _settings(blocks, interpret, lhs, w_gate, w_down)
+    up_blocks, down_blocks, interpreted = _settings(blocks, interpret, lhs, w_gate, w_down, hand_off)
     check_operands(lhs, (w_gate, w_up), group_sizes, up_blocks)
     g, f = w_gate.shape[0], w_gate.shape[2]
     if w_down.shape[:2] != (g, f):

@@ -87,7 +87,7 @@ def write_glu_slab(gate, up, h_smem, out_ref, spec):
     act(gate, up) on the tile's accumulators ([64, window] fp32 each, in the MMA's register layout), rounded to
     bf16, stored transposed into `h_smem` [window, 64] and copied to `out_ref` [window, 64]: the tile's slab
     rows, these 64 columns. (Read back from shared memory transposed and then rounded, the same epilogue took
-    Mosaic GPU 60-130 s to lower on the CPU; this one 3-4 s.)"""
+    Mosaic GPU 60-135 s to lower on the CPU; this one 3-4 s.)"""
     h_smem.transpose((1, 0))[...] = glu(gate, up, spec).astype(jnp.bfloat16)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(h_smem, out_ref)

@@ -122,11 +122,12 @@ CHUNK_ROWS = [
 def _chunk_row_features(b, t, h, kd, vd, chunk, gates, init, dtype, intra):
     form, *options = intra.split("/")
     return [("form", form), *(("option", o) for o in options), ("shape", (b, t, h, kd, vd, chunk)),
-            ("gates", gates), ("dtype", dtype, init)]
+            ("gates", gates), ("dtype", dtype, init), *(("sub-blocks", o, chunk // 16) for o in (form, *options))]
 
 
 # In interpret mode: every row of the default form ("parallel" alone), and each other row that brings a form, an
-# option, a shape, a gate range or a dtype no earlier row did (kernel_matrix).
+# option, a form or option at a number of 16-row sub-blocks a chunk, a shape, a gate range or a dtype no earlier row
+# did (kernel_matrix).
 @pytest.mark.parametrize("b,t,h,kd,vd,chunk,gates,init,dtype,intra", covering_rows(
     CHUNK_ROWS, _chunk_row_features, keep=lambda *row: row[-1] == "parallel"))
 def test_chunk_kernel_matches_recurrent_reference(rng, interpret, b, t, h, kd, vd, chunk, gates, init, dtype, intra):
@@ -540,9 +541,11 @@ def _settings(blocks: ChunkBlocks) -> list[tuple]:
     return [(f.name, getattr(blocks, f.name)) for f in fields(blocks) if getattr(blocks, f.name) != f.default]
 
 
-# In interpret mode: each row that brings a dtype or a setting no earlier row did (kernel_matrix).
+# In interpret mode: each row that brings a dtype, a setting, or a norm's form with a pairs launch (across) no
+# earlier row did (kernel_matrix).
 @pytest.mark.parametrize("dtype,blocks", covering_rows(
-    NORMALISED_ROWS, lambda dtype, blocks: [("dtype", dtype), *_settings(blocks)]))
+    NORMALISED_ROWS, lambda dtype, blocks: [("dtype", dtype), *_settings(blocks),
+                                            ("norm across", blocks.qk_norm, blocks.across)]))
 def test_q_and_k_normalised_in_the_call(rng, interpret, dtype, blocks):
     """normalize_qk=True takes q and k as they leave the conv (any scale, a zero row among them) and gives the
     result of the reference on q / |q| and k / |k|; where the per-token launch runs it equals the call on
