@@ -4,7 +4,7 @@ from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, grouped_glu_hopper_mxfp4,
                                                  grouped_matmul_hopper_mxfp4, pair_glu_hopper_mxfp4,
                                                  pair_matmul_hopper_mxfp4, to_columns)
-from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4
+from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import HandOffColumns, grouped_mlp_hopper_mxfp4, hand_off_columns
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
 from pallas_kernels.moe_gmm.kernel import grouped_glu_pallas, grouped_matmul_pallas, pair_glu_pallas, pair_matmul_pallas
 from pallas_kernels.moe_gmm.ops import (GMM_IMPLS, GmmImpl, dense_weight, grouped_glu, grouped_matmul, pair_glu,
@@ -26,4 +26,5 @@ __all__ = [
     # Packed MXFP4 weights (pallas_kernels.moe_gmm.mxfp4) and the Hopper kernel on them (hopper_mxfp4)
     "Mxfp4Weight", "Mxfp4Columns", "to_columns", "HopperMxfp4Blocks", "grouped_glu_hopper_mxfp4",
     "grouped_matmul_hopper_mxfp4", "pair_glu_hopper_mxfp4", "pair_matmul_hopper_mxfp4", "grouped_mlp_hopper_mxfp4",
+    "HandOffColumns", "hand_off_columns",
 ]

@@ -19,8 +19,9 @@ the gather and the GLU pass it removes.
 writes them in bf16 as the down launch's slabs ([T, rows, F], `hopper_mxfp4_step.write_glu_slab`), so nothing
 runs between the two launches. The slabs must be in `even_odd` order along F, and a program holds 64 consecutive
 columns, so the gate and up weights come with their columns in that order (`hand_off_columns`, once, where the
-weights are loaded): column j of the gated launch is then column even_odd(j) of h; nothing checks that the
-weights were permuted. Same math as the two calls for bf16 and fp32 activations (fp16 ones: the two calls round
+weights are loaded): column j of the gated launch is then column even_odd(j) of h. The permuted weights carry
+their own type (`HandOffColumns`), so each hand-off refuses the other's weights instead of computing wrong rows.
+Same math as the two calls for bf16 and fp32 activations (fp16 ones: the two calls round
 h to fp16 first); the GLU runs in the kernel (compiled: the GPU's exp and tanh), so results agree to rounding,
 not bit for bit. The grid launch for the gated half, in one split; untimed.
 """
@@ -40,11 +41,28 @@ from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns
 HAND_OFFS = ("products", "glu")
 
 
-def hand_off_columns(w: Mxfp4Columns) -> Mxfp4Columns:
+class HandOffColumns(Mxfp4Columns):
+    """`Mxfp4Columns` whose output columns are in `even_odd` order (`hand_off_columns`): what `hand_off="glu"`
+    takes for the gate and up weights, and the products hand-off refuses."""
+
+    __slots__ = ()
+
+
+def hand_off_columns(w: Mxfp4Columns) -> HandOffColumns:
     """A gate or up weight [G, K, N] with its output columns in `even_odd` order, as `hand_off="glu"` takes
     them: a permutation of whole columns (codes and scales), done once where the weights are loaded."""
+    if isinstance(w, HandOffColumns):
+        raise ValueError("hand_off_columns: the weight's columns are already in even_odd order")
     order = even_odd(jnp.arange(w.shape[2]))
-    return Mxfp4Columns(w.packed[:, order], w.scale[:, :, order])
+    return HandOffColumns(w.packed[:, order], w.scale[:, :, order])
+
+
+def _check_column_order(w_gate, w_up, hand_off: str) -> None:
+    """The glu hand-off takes gate and up weights from `hand_off_columns`; the products one takes them as stored."""
+    for name, w in (("w_gate", w_gate), ("w_up", w_up)):
+        if isinstance(w, HandOffColumns) != (hand_off == "glu"):
+            need = "from hand_off_columns" if hand_off == "glu" else "in stored order, not from hand_off_columns"
+            raise ValueError(f"grouped_mlp_hopper_mxfp4: hand_off={hand_off!r} takes {name} {need}")
 
 
 def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns, hand_off: str):
@@ -71,8 +89,8 @@ def grouped_mlp_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, w_do
 
     Args:
       lhs: [M, D] rows sorted by group (rounded to bf16 for the MMA). w_gate, w_up: Mxfp4Columns of [G, D, F]
-        (with `hand_off="glu"`, as `hand_off_columns` gives them); w_down: of [G, F, D']. group_sizes: [G] int32
-        (sum <= M). row_scale: optional [M] per-row factor.
+        (with `hand_off="glu"`, `HandOffColumns` from `hand_off_columns`); w_down: of [G, F, D'].
+        group_sizes: [G] int32 (sum <= M). row_scale: optional [M] per-row factor.
       blocks: settings of both launches (the gated one always writes tiles, `outputs="tiles"`); default each
         projection's `HopperMxfp4Blocks.for_backend`. interpret: default off the GPU.
       hand_off: "products" (the gated launch's fp32 products, the GLU by XLA) or "glu" (in its epilogue).
@@ -81,6 +99,7 @@ def grouped_mlp_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, w_do
     """
     if hand_off not in HAND_OFFS:
         raise ValueError(f"grouped_mlp_hopper_mxfp4: hand_off must be one of {HAND_OFFS}, got {hand_off!r}")
+    _check_column_order(w_gate, w_up, hand_off)
     up_blocks, down_blocks, interpreted = _settings(blocks, interpret, lhs, w_gate, w_down, hand_off)
     check_operands(lhs, (w_gate, w_up), group_sizes, up_blocks)
     g, f = w_gate.shape[0], w_gate.shape[2]

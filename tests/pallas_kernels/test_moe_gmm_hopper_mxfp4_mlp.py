@@ -14,7 +14,7 @@ from tolerances import assert_close
 from pallas_kernels.moe_gmm import GluSpec, Mxfp4Weight, grouped_glu_reference, grouped_matmul_reference
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, grouped_glu_hopper_mxfp4,
                                                  grouped_matmul_hopper_mxfp4, to_columns)
-from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4, hand_off_columns
+from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import HandOffColumns, grouped_mlp_hopper_mxfp4, hand_off_columns
 from pallas_kernels.moe_gmm.mxfp4 import dequantize
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
@@ -99,6 +99,9 @@ def test_hand_off_columns_permute_whole_columns(rng):
     """Column j of the permuted weight is column even_odd(j): codes and scales move together."""
     w = to_columns(_weight(rng, 2, 64, 64))
     moved = hand_off_columns(w)
+    assert isinstance(moved, HandOffColumns) and moved.shape == w.shape
+    with pytest.raises(ValueError, match="already in even_odd order"):
+        hand_off_columns(moved)
     order = np.arange(64).reshape(2, 16, 2).swapaxes(1, 2).reshape(64)       # each 32: the even, then the odd
     np.testing.assert_array_equal(np.asarray(moved.packed), np.asarray(w.packed)[:, order])
     np.testing.assert_array_equal(np.asarray(moved.scale), np.asarray(w.scale)[:, :, order])
@@ -113,8 +116,9 @@ def test_glu_hand_off_lowers_for_cuda_on_any_host():
             jax.ShapeDtypeStruct((4, f // 32, d), jnp.uint8), jax.ShapeDtypeStruct((4,), jnp.int32))
     for spec, blocks in ((GluSpec(), HopperMxfp4Blocks()), (SITU, None)):      # 8-row tiles; the defaults: 16 rows
         def mlp(x, p, s, p_down, s_down, sizes):
-            return grouped_mlp_hopper_mxfp4(x, Mxfp4Columns(p, s), Mxfp4Columns(p, s), Mxfp4Columns(p_down, s_down),
-                                            sizes, spec=spec, blocks=blocks, interpret=False, hand_off="glu")
+            return grouped_mlp_hopper_mxfp4(x, HandOffColumns(p, s), HandOffColumns(p, s),
+                                            Mxfp4Columns(p_down, s_down), sizes, spec=spec, blocks=blocks,
+                                            interpret=False, hand_off="glu")
 
         module = jax.export.export(jax.jit(mlp), platforms=["cuda"])(*args).mlir_module()
         assert module.count("mosaic_gpu") >= 2
@@ -137,11 +141,18 @@ def test_refuses_what_it_cannot_hand_off(rng):
                                                                                   a_operand="smem"), interpret=True)
     with pytest.raises(ValueError, match="hand_off must be one of"):
         grouped_mlp_hopper_mxfp4(x, wg, wu, wd, sizes, interpret=True, hand_off="rows")
+    pg, pu = hand_off_columns(wg), hand_off_columns(wu)
+    with pytest.raises(ValueError, match="hand_off='glu' takes w_gate from hand_off_columns"):
+        grouped_mlp_hopper_mxfp4(x, wg, wu, wd, sizes, interpret=True, hand_off="glu")
+    with pytest.raises(ValueError, match="hand_off='glu' takes w_up from hand_off_columns"):
+        grouped_mlp_hopper_mxfp4(x, pg, wu, wd, sizes, interpret=True, hand_off="glu")
+    with pytest.raises(ValueError, match="hand_off='products' takes w_gate in stored order"):
+        grouped_mlp_hopper_mxfp4(x, pg, pu, wd, sizes, interpret=True)
     with pytest.raises(ValueError, match="GLU epilogue needs each tile's whole K in one program; got splits=2"):
-        grouped_mlp_hopper_mxfp4(x, wg, wu, wd, sizes, interpret=True, hand_off="glu",
+        grouped_mlp_hopper_mxfp4(x, pg, pu, wd, sizes, interpret=True, hand_off="glu",
                                  blocks=HopperMxfp4Blocks(block_k=128, splits=2, decode="exact", a_operand="smem"))
     with pytest.raises(ValueError, match="the GLU epilogue takes gate and up weights, slabs in and the grid launch"):
-        grouped_mlp_hopper_mxfp4(x, wg, wu, wd, sizes, interpret=False, hand_off="glu",
+        grouped_mlp_hopper_mxfp4(x, pg, pu, wd, sizes, interpret=False, hand_off="glu",
                                  blocks=HopperMxfp4Blocks(launch="persistent", block_k=128))
     with pytest.raises(ValueError, match=r"w_down must be \[2, 128, D'\]"):
         grouped_mlp_hopper_mxfp4(x, wg, wu, wg, sizes, interpret=True)
