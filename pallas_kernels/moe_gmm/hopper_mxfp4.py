@@ -346,14 +346,17 @@ def launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpre
     [weights, T, N, rows] (slabs) or [weights, T, N, window] (column c: the product of row first // 8 * 8 + c);
     with `blocks.outputs="rows"` per row, [weights, rows_out, N] (rows no tile covers: not written).
     `sorted_rows`: the tiles are the schedule of sorted rows (live tiles first), which the persistent launch
-    (`blocks.launch`) needs; pairs run the grid launch. `glu_spec` (weights gate and up, slabs in, one split,
-    the grid launch): each program applies the GLU to its products and writes them in bf16 as h's slabs
-    [T, rows, N] (`hopper_mxfp4_step.write_glu_slab`; rows past a tile's last are act(0, 0) = 0; tiles with
-    nothing to do are not written)."""
+    (`blocks.launch`) needs; pairs run the grid launch. `glu_spec` (weights gate and up, slabs in, sorted rows;
+    the grid launch in one split, or the persistent one): each program applies the GLU to its products and
+    writes them in bf16 as h's slabs [T, rows, N] (`hopper_mxfp4_step.write_glu_slab`; rows past a tile's last
+    are act(0, 0) = 0; tiles with nothing to do are not written)."""
     if glu_spec is not None:
-        if len(weights) != 2 or x.ndim != 3 or blocks.launch != "grid":
-            raise ValueError(f"hopper MXFP4: the GLU epilogue takes gate and up weights, slabs in and the grid launch; "
-                             f"got {len(weights)} weights, activations {x.shape}, launch={blocks.launch!r}")
+        if len(weights) != 2 or x.ndim != 3 or not sorted_rows:
+            raise ValueError(f"hopper MXFP4: the GLU epilogue takes gate and up weights and sorted rows in slabs; "
+                             f"got {len(weights)} weights, activations {x.shape}, sorted_rows={sorted_rows}")
+        if blocks.launch == "persistent":
+            return launch_persistent(sched, x, weights, rows_out, blocks, interpret,
+                                     blocks.programs or _multiprocessors(), glu_spec)
         return _launch_grid(sched, x, weights, rows_out, blocks, interpret, glu_spec)
     if blocks.launch == "persistent" and sorted_rows:
         partial = launch_persistent(sched, x, weights, rows_out, blocks, interpret,

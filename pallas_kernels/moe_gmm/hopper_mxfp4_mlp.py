@@ -23,7 +23,7 @@ weights are loaded): column j of the gated launch is then column even_odd(j) of 
 their own type (`HandOffColumns`), so each hand-off refuses the other's weights instead of computing wrong rows.
 Same math as the two calls for bf16 and fp32 activations (fp16 ones: the two calls round
 h to fp16 first); the GLU runs in the kernel (compiled: the GPU's exp and tanh), so results agree to rounding,
-not bit for bit. The grid launch for the gated half, in one split; untimed.
+not bit for bit. The gated half runs the grid launch in one split or the persistent launch; untimed.
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ def _check_column_order(w_gate, w_up, hand_off: str) -> None:
 
 def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns, hand_off: str):
     """(gated launch's settings, down launch's settings, interpreted): `blocks` for both (the gated one
-    writing tiles; with hand_off="glu" in one split where `splits` is 0, automatic), or each projection's
-    `HopperMxfp4Blocks.for_backend` default. Both cut the same tiles: the defaults take their rows from the rows
-    per group alone, the same for both."""
+    writing tiles; with hand_off="glu" the grid launch in one split where `splits` is 0, automatic), or each
+    projection's `HopperMxfp4Blocks.for_backend` default. Both cut the same tiles: the defaults take their rows
+    from the rows per group alone, the same for both."""
     rows_per_group = lhs.shape[0] / w_gate.shape[0]
     up, interpreted = resolve_blocks(blocks, interpret, lhs.shape[-1], rows_per_group, 2)
     down, _ = resolve_blocks(blocks, interpret, w_down.shape[1], rows_per_group, 1)

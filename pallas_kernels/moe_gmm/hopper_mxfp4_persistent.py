@@ -17,7 +17,9 @@ item's first steps are in flight while the item before it is multiplied:
   accumulators.
 
 Takes the activations as slabs (`activations="slab"`) and sorted rows only (pairs keep the grid launch);
-the output is the grid launch's with one split, so `hopper_mxfp4` finishes both the same way.
+the output is the grid launch's with one split, so `hopper_mxfp4` finishes both the same way. With a `GluSpec`
+(gate and up weights) each compute warpgroup ends an item with the GLU epilogue instead
+(`hopper_mxfp4_step.write_glu_slab`), writing h's bf16 slabs for the down launch as the grid launch does.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.moe_gmm.activation import GluSpec
 from pallas_kernels.moe_gmm.hopper_mxfp4_step import (CODE_TRANSFORMS, COLUMNS, X_TRANSFORMS, copy_out_rows,
-                                                      multiply_step)
+                                                      multiply_step, write_glu_slab)
 from pallas_kernels.moe_gmm.mxfp4 import GROUP
 
 COMPUTE_WARPGROUPS = 2            # each takes 64 of an item's columns
@@ -56,15 +59,16 @@ def smem_bytes(rows: int, block_k: int, stages: int, n_weights: int, outputs: st
 
 
 def _kernel(sched_ref, count_ref, x_ref, *refs, n_weights: int, steps: int, column_blocks: int, programs: int,
-            blocks):
+            blocks, glu_spec: GluSpec | None = None):
     """sched_ref [4, tiles]: each tile's group, first and end row and the output row of its first row, the
     live tiles first; count_ref [1]: how many are live; x_ref [tiles, rows, K] bf16 slabs (inputs in
     `hopper_mxfp4.even_odd` order); refs: per weight packed [G, N, K/2] and scale [G, K/32, N], then the output
-    (fp32 [weights, 1, tiles, N, rows], or with `outputs="rows"` [1, rows out, weights, N]) and the scratch:
-    staged products [2, weights, 64, rows], their transposed copy [2, rows, weights, 64] (`outputs="rows"`),
-    the decoded operand [2, 64, inputs] (`a_operand="smem"`); the leading 2: the compute warpgroup."""
+    (fp32 [weights, 1, tiles, N, rows], or with `outputs="rows"` [1, rows out, weights, N], or with `glu_spec`
+    h's bf16 slabs [tiles, rows, N]) and the scratch: staged products [2, weights, 64, rows] (with `glu_spec`:
+    h's [2, rows, 64] bf16), their transposed copy [2, rows, weights, 64] (`outputs="rows"`), the decoded operand
+    [2, 64, inputs] (`a_operand="smem"`); the leading 2: the compute warpgroup."""
     w_refs, (out_ref, o_smem, *scratch) = refs[:2 * n_weights], refs[2 * n_weights:]
-    t_smem = scratch.pop(0) if blocks.outputs == "rows" else None
+    t_smem = scratch.pop(0) if blocks.outputs == "rows" and glu_spec is None else None   # glu: o_smem holds h
     a_smem = scratch.pop(0) if blocks.a_operand == "smem" else None
     program, wg = lax.axis_index("program"), lax.axis_index("wg")
     window = blocks.rows
@@ -92,6 +96,9 @@ def _kernel(sched_ref, count_ref, x_ref, *refs, n_weights: int, steps: int, colu
         tile, block = place(i)
         col = block * COMPUTE_WARPGROUPS + wg                  # this warpgroup's 64-column block of N
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)        # its copies of the item before have read o_smem
+        if glu_spec is not None:
+            write_glu_slab(*accs, o_smem.at[wg], out_ref.at[tile, :, pl.ds(col * COLUMNS, COLUMNS)], glu_spec)
+            return
         for w, acc in enumerate(accs):
             o_smem.at[wg, w][...] = acc
         plgpu.commit_smem()
@@ -130,17 +137,25 @@ def _kernel(sched_ref, count_ref, x_ref, *refs, n_weights: int, steps: int, colu
     pipeline(x_ref, *w_refs)
 
 
-def launch_persistent(sched, x, weights, rows_out: int, blocks, interpret: bool, programs: int):
+def launch_persistent(sched, x, weights, rows_out: int, blocks, interpret: bool, programs: int,
+                      glu_spec: GluSpec | None = None):
     """The persistent launch of `hopper_mxfp4.launch` for sorted rows in slabs: sched [4, T] (live tiles
     first), x [T, rows, K] bf16 -> fp32 [weights, 1, T, N, rows] (`outputs="tiles"`) or [1, rows_out,
-    weights, N] (`outputs="rows"`), `programs` programs."""
+    weights, N] (`outputs="rows"`), or with `glu_spec` (gate and up) h's bf16 slabs [T, rows, N] (tiles past
+    the live ones not written); `programs` programs."""
     tiles, k = sched.shape[1], x.shape[-1]
     n, n_weights, window = weights[0].shape[2], len(weights), blocks.rows
     count = jnp.sum(sched[1] < sched[2]).astype(jnp.int32)[None]
     kernel = functools.partial(_kernel, n_weights=n_weights, steps=k // blocks.block_k,
-                               column_blocks=n // BLOCK_COLUMNS, programs=programs, blocks=blocks)
-    by_rows = blocks.outputs == "rows"
-    scratch = [plgpu.SMEM((COMPUTE_WARPGROUPS, n_weights, COLUMNS, window), jnp.float32)]
+                               column_blocks=n // BLOCK_COLUMNS, programs=programs, blocks=blocks, glu_spec=glu_spec)
+    by_rows = blocks.outputs == "rows" and glu_spec is None
+    if glu_spec is not None:
+        out_type = jax.ShapeDtypeStruct((tiles, window, n), jnp.bfloat16)
+        scratch = [plgpu.SMEM((COMPUTE_WARPGROUPS, window, COLUMNS), jnp.bfloat16)]
+    else:
+        out_type = jax.ShapeDtypeStruct((1, rows_out, n_weights, n) if by_rows else (n_weights, 1, tiles, n, window),
+                                        jnp.float32)
+        scratch = [plgpu.SMEM((COMPUTE_WARPGROUPS, n_weights, COLUMNS, window), jnp.float32)]
     if by_rows:
         scratch.append(plgpu.SMEM((COMPUTE_WARPGROUPS, window, n_weights, COLUMNS), jnp.float32))
     if blocks.a_operand == "smem":
@@ -148,8 +163,7 @@ def launch_persistent(sched, x, weights, rows_out: int, blocks, interpret: bool,
                                   transforms=X_TRANSFORMS))
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((1, rows_out, n_weights, n) if by_rows
-                                      else (n_weights, 1, tiles, n, window), jnp.float32),
+        out_type=out_type,
         grid=(programs,),
         grid_names=("program",),
         num_threads=COMPUTE_WARPGROUPS + 1,

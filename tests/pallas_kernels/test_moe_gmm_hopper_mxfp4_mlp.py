@@ -12,9 +12,11 @@ import pytest
 from tolerances import assert_close
 
 from pallas_kernels.moe_gmm import GluSpec, Mxfp4Weight, grouped_glu_reference, grouped_matmul_reference
+from pallas_kernels.moe_gmm import hopper_mxfp4
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, grouped_glu_hopper_mxfp4,
                                                  grouped_matmul_hopper_mxfp4, to_columns)
 from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import HandOffColumns, grouped_mlp_hopper_mxfp4, hand_off_columns
+from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import launch_persistent
 from pallas_kernels.moe_gmm.mxfp4 import dequantize
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
@@ -107,21 +109,37 @@ def test_hand_off_columns_permute_whole_columns(rng):
     np.testing.assert_array_equal(np.asarray(moved.scale), np.asarray(w.scale)[:, :, order])
 
 
-def test_glu_hand_off_lowers_for_cuda_on_any_host():
+GLU_LOWERINGS = {"grid_8_rows": (GluSpec(), HopperMxfp4Blocks()), "grid_defaults_16_rows": (SITU, None),
+                 "persistent": (GluSpec(), HopperMxfp4Blocks(launch="persistent", outputs="rows"))}
+
+
+@pytest.mark.parametrize("form", list(GLU_LOWERINGS))
+def test_glu_hand_off_lowers_for_cuda_on_any_host(form, monkeypatch):
     """The gated launch with the GLU epilogue, then the down launch, lowered for CUDA (interpret mode runs the
-    epilogue's math, not its shared-memory layouts)."""
+    grid epilogue's math, not its shared-memory layouts, and cannot run the persistent launch). A persistent
+    setting takes both launches through the persistent kernel."""
     k, f, d = 512, 256, 128
     args = (jax.ShapeDtypeStruct((37, k), jnp.bfloat16), jax.ShapeDtypeStruct((4, f, k // 2), jnp.uint8),
             jax.ShapeDtypeStruct((4, k // 32, f), jnp.uint8), jax.ShapeDtypeStruct((4, d, f // 2), jnp.uint8),
             jax.ShapeDtypeStruct((4, f // 32, d), jnp.uint8), jax.ShapeDtypeStruct((4,), jnp.int32))
-    for spec, blocks in ((GluSpec(), HopperMxfp4Blocks()), (SITU, None)):      # 8-row tiles; the defaults: 16 rows
-        def mlp(x, p, s, p_down, s_down, sizes):
-            return grouped_mlp_hopper_mxfp4(x, HandOffColumns(p, s), HandOffColumns(p, s),
-                                            Mxfp4Columns(p_down, s_down), sizes, spec=spec, blocks=blocks,
-                                            interpret=False, hand_off="glu")
+    spec, blocks = GLU_LOWERINGS[form]
+    launched = []
 
-        module = jax.export.export(jax.jit(mlp), platforms=["cuda"])(*args).mlir_module()
-        assert module.count("mosaic_gpu") >= 2
+    def spy(sched, x, weights, *rest):
+        launched.append((len(weights), len(rest) == 5 and rest[4] is not None))          # (weights, GLU epilogue)
+        return launch_persistent(sched, x, weights, *rest)
+
+    monkeypatch.setattr(hopper_mxfp4, "launch_persistent", spy)
+    grouped_mlp_hopper_mxfp4.clear_cache()                      # traced anew, so through the spy
+
+    def mlp(x, p, s, p_down, s_down, sizes):
+        return grouped_mlp_hopper_mxfp4(x, HandOffColumns(p, s), HandOffColumns(p, s),
+                                        Mxfp4Columns(p_down, s_down), sizes, spec=spec, blocks=blocks,
+                                        interpret=False, hand_off="glu")
+
+    module = jax.export.export(jax.jit(mlp), platforms=["cuda"])(*args).mlir_module()
+    assert module.count("mosaic_gpu") >= 2
+    assert launched == ([(2, True), (1, False)] if blocks is not None and blocks.launch == "persistent" else [])
 
 
 def test_default_settings_equal_the_two_calls(rng, interpret):
@@ -151,9 +169,6 @@ def test_refuses_what_it_cannot_hand_off(rng):
     with pytest.raises(ValueError, match="GLU epilogue needs each tile's whole K in one program; got splits=2"):
         grouped_mlp_hopper_mxfp4(x, pg, pu, wd, sizes, interpret=True, hand_off="glu",
                                  blocks=HopperMxfp4Blocks(block_k=128, splits=2, decode="exact", a_operand="smem"))
-    with pytest.raises(ValueError, match="the GLU epilogue takes gate and up weights, slabs in and the grid launch"):
-        grouped_mlp_hopper_mxfp4(x, pg, pu, wd, sizes, interpret=False, hand_off="glu",
-                                 blocks=HopperMxfp4Blocks(launch="persistent", block_k=128))
     with pytest.raises(ValueError, match=r"w_down must be \[2, 128, D'\]"):
         grouped_mlp_hopper_mxfp4(x, wg, wu, wg, sizes, interpret=True)
     narrow = to_columns(_weight(rng, 2, 128, 192))             # D' = 192: not whole 128-column blocks
@@ -177,13 +192,16 @@ def test_compiled_hand_off_equals_the_two_calls(rng, blocks, sizes, m):
 
 
 @on_gpu
+@pytest.mark.parametrize("blocks", [None, HopperMxfp4Blocks(launch="persistent", outputs="rows"),
+                                    HopperMxfp4Blocks(launch="persistent", programs=5)],
+                         ids=["default", "persistent_rows_out", "persistent_5_programs"])
 @pytest.mark.parametrize("spec", [GluSpec(), SITU], ids=["silu", "situ"])
 @pytest.mark.parametrize("sizes,m", [([3, 0, 5, 3], 12), ([0, 19, 1, 0, 40, 7, 0, 30], 100)])
-def test_compiled_glu_hand_off_equals_the_products_hand_off(rng, spec, sizes, m):
+def test_compiled_glu_hand_off_equals_the_products_hand_off(rng, blocks, spec, sizes, m):
     x, scale, group_sizes, weights = _experts(rng, sizes, m, 1024, 256, 384)
     wg, wu, wd = (to_columns(w) for w in weights)
     out = grouped_mlp_hopper_mxfp4(x, hand_off_columns(wg), hand_off_columns(wu), wd, group_sizes, scale, spec=spec,
-                                   interpret=False, hand_off="glu")
+                                   blocks=blocks, interpret=False, hand_off="glu")
     products = grouped_mlp_hopper_mxfp4(x, wg, wu, wd, group_sizes, scale, spec=spec, interpret=False)
     assert_close("glu in the gated launch", out, products, dtype=jnp.bfloat16)
     assert_close("mlp", out, _reference(x, weights, group_sizes, scale, spec), dtype=jnp.bfloat16)
