@@ -159,8 +159,8 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
     HOPPER_SWEEP setting (those at the indices `pick`, default all); with `handoff`, after each setting that reads
     slabs two more rows, through `experts_mlp_handoff` ("handoff": "products") and `experts_mlp_handoff_glu`
     ("glu": the gate and up columns permuted once, outside the timed call, as the loader would; grid launches
-    without a K split only); above 8 tokens only. A setting that fails to compile or run (K not a multiple of its
-    block_k, say) is recorded with its error."""
+    with `splits` 0 or 1, and persistent ones); above 8 tokens only. A setting that fails to compile or run (K
+    not a multiple of its block_k, say) is recorded with its error."""
     chosen = HOPPER_SWEEP if pick is None else [HOPPER_SWEEP[i] for i in pick]
     settings = [None] + (chosen if sweep else [])
     if small:                        # interpret mode runs the exact decode through shared memory only

@@ -105,6 +105,13 @@ class Mxfp4Columns(NamedTuple):
         return 3
 
 
+class HandOffColumns(Mxfp4Columns):
+    """`Mxfp4Columns` whose output columns are in `even_odd` order (`hopper_mxfp4_mlp.hand_off_columns`): the
+    gate and up weights of `grouped_mlp_hopper_mxfp4(hand_off="glu")`, which every other entry point refuses."""
+
+    __slots__ = ()
+
+
 def to_columns(w: Mxfp4Weight) -> Mxfp4Columns:
     """`mxfp4.Mxfp4Weight` ([G, K/2, N] codes) -> the column-major codes this kernel streams."""
     validate_mxfp4(w)
@@ -507,13 +514,17 @@ def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4B
     return jnp.where(valid[None, :, None], out, 0.0)
 
 
-def check_operands(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks):
+def check_operands(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, permuted: bool = False):
     """Refuses weights, activations, group sizes (None: pairs, checked by `_check_pairs`) and settings
-    the kernel cannot take, in one line each."""
+    the kernel cannot take, in one line each. `permuted`: the weights may be `HandOffColumns` (the GLU
+    hand-off's gated launch); elsewhere their permuted columns would come out silently in the wrong order."""
     for w in weights:
         if not isinstance(w, Mxfp4Columns):
             raise ValueError(f"hopper MXFP4 matmul: weights must be Mxfp4Columns (`to_columns`), "
                              f"got {type(w).__name__}")
+        if isinstance(w, HandOffColumns) and not permuted:
+            raise ValueError("hopper MXFP4 matmul: weights from hand_off_columns (columns in even_odd order) are "
+                             "for grouped_mlp_hopper_mxfp4(hand_off='glu')'s gate and up only")
         _validated(w)
     g, k, n = weights[0].shape
     if any(w.shape != weights[0].shape for w in weights):

@@ -20,7 +20,8 @@ writes them in bf16 as the down launch's slabs ([T, rows, F], `hopper_mxfp4_step
 runs between the two launches. The slabs must be in `even_odd` order along F, and a program holds 64 consecutive
 columns, so the gate and up weights come with their columns in that order (`hand_off_columns`, once, where the
 weights are loaded): column j of the gated launch is then column even_odd(j) of h. The permuted weights carry
-their own type (`HandOffColumns`), so each hand-off refuses the other's weights instead of computing wrong rows.
+their own type (`HandOffColumns`), which every other operand and entry point refuses instead of computing wrong
+rows (the products hand-off, the down weight, the two calls, the pairs).
 Same math as the two calls for bf16 and fp32 activations (fp16 ones: the two calls round
 h to fp16 first); the GLU runs in the kernel (compiled: the GPU's exp and tanh), so results agree to rounding,
 not bit for bit. The gated half runs the grid launch in one split or the persistent launch; untimed.
@@ -35,17 +36,11 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
-from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, check_operands, even_odd, launch,
-                                                 products_by_row, resolve_blocks, sorted_inputs, sorted_schedule)
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HandOffColumns, HopperMxfp4Blocks, Mxfp4Columns, check_operands,
+                                                 even_odd, launch, products_by_row, resolve_blocks, sorted_inputs,
+                                                 sorted_schedule)
 
 HAND_OFFS = ("products", "glu")
-
-
-class HandOffColumns(Mxfp4Columns):
-    """`Mxfp4Columns` whose output columns are in `even_odd` order (`hand_off_columns`): what `hand_off="glu"`
-    takes for the gate and up weights, and the products hand-off refuses."""
-
-    __slots__ = ()
 
 
 def hand_off_columns(w: Mxfp4Columns) -> HandOffColumns:
@@ -57,8 +52,11 @@ def hand_off_columns(w: Mxfp4Columns) -> HandOffColumns:
     return HandOffColumns(w.packed[:, order], w.scale[:, :, order])
 
 
-def _check_column_order(w_gate, w_up, hand_off: str) -> None:
-    """The glu hand-off takes gate and up weights from `hand_off_columns`; the products one takes them as stored."""
+def _check_column_order(w_gate, w_up, w_down, hand_off: str) -> None:
+    """The glu hand-off takes gate and up weights from `hand_off_columns`; the products one takes them as stored,
+    and both the down weight."""
+    if isinstance(w_down, HandOffColumns):
+        raise ValueError("grouped_mlp_hopper_mxfp4: w_down goes in stored order, not from hand_off_columns")
     for name, w in (("w_gate", w_gate), ("w_up", w_up)):
         if isinstance(w, HandOffColumns) != (hand_off == "glu"):
             need = "from hand_off_columns" if hand_off == "glu" else "in stored order, not from hand_off_columns"
@@ -99,9 +97,9 @@ def grouped_mlp_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, w_do
     """
     if hand_off not in HAND_OFFS:
         raise ValueError(f"grouped_mlp_hopper_mxfp4: hand_off must be one of {HAND_OFFS}, got {hand_off!r}")
-    _check_column_order(w_gate, w_up, hand_off)
+    _check_column_order(w_gate, w_up, w_down, hand_off)
     up_blocks, down_blocks, interpreted = _settings(blocks, interpret, lhs, w_gate, w_down, hand_off)
-    check_operands(lhs, (w_gate, w_up), group_sizes, up_blocks)
+    check_operands(lhs, (w_gate, w_up), group_sizes, up_blocks, permuted=hand_off == "glu")
     g, f = w_gate.shape[0], w_gate.shape[2]
     if w_down.shape[:2] != (g, f):
         raise ValueError(f"grouped_mlp_hopper_mxfp4: w_down must be [{g}, {f}, D'] after w_gate {w_gate.shape}, got "

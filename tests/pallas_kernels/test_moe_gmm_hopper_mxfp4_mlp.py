@@ -166,6 +166,12 @@ def test_refuses_what_it_cannot_hand_off(rng):
         grouped_mlp_hopper_mxfp4(x, pg, wu, wd, sizes, interpret=True, hand_off="glu")
     with pytest.raises(ValueError, match="hand_off='products' takes w_gate in stored order"):
         grouped_mlp_hopper_mxfp4(x, pg, pu, wd, sizes, interpret=True)
+    with pytest.raises(ValueError, match="w_down goes in stored order"):
+        grouped_mlp_hopper_mxfp4(x, pg, pu, hand_off_columns(wd), sizes, interpret=True, hand_off="glu")
+    with pytest.raises(ValueError, match="weights from hand_off_columns .* are for grouped_mlp_hopper_mxfp4"):
+        grouped_glu_hopper_mxfp4(x, pg, pu, sizes, interpret=True)
+    with pytest.raises(ValueError, match="weights from hand_off_columns .* are for grouped_mlp_hopper_mxfp4"):
+        grouped_matmul_hopper_mxfp4(x, pg, sizes, interpret=True)
     with pytest.raises(ValueError, match="GLU epilogue needs each tile's whole K in one program; got splits=2"):
         grouped_mlp_hopper_mxfp4(x, pg, pu, wd, sizes, interpret=True, hand_off="glu",
                                  blocks=HopperMxfp4Blocks(block_k=128, splits=2, decode="exact", a_operand="smem"))
@@ -202,7 +208,7 @@ def test_compiled_glu_hand_off_equals_the_products_hand_off(rng, blocks, spec, s
     wg, wu, wd = (to_columns(w) for w in weights)
     out = grouped_mlp_hopper_mxfp4(x, hand_off_columns(wg), hand_off_columns(wu), wd, group_sizes, scale, spec=spec,
                                    blocks=blocks, interpret=False, hand_off="glu")
-    products = grouped_mlp_hopper_mxfp4(x, wg, wu, wd, group_sizes, scale, spec=spec, interpret=False)
+    products = grouped_mlp_hopper_mxfp4(x, wg, wu, wd, group_sizes, scale, spec=spec, blocks=blocks, interpret=False)
     assert_close("glu in the gated launch", out, products, dtype=jnp.bfloat16)
     assert_close("mlp", out, _reference(x, weights, group_sizes, scale, spec), dtype=jnp.bfloat16)
     assert not np.asarray(out[sum(sizes):]).any()
