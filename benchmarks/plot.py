@@ -20,6 +20,7 @@
     python benchmarks/plot.py kda-run31       # by kernel: the tile pairs launch's forms, fla (run 31, H200, H = 32)
     python benchmarks/plot.py run32           # KDA decode at B = 1 by launches a call; the MXFP4 call by kernel (H100)
     python benchmarks/plot.py run33           # KDA decode at B = 1 (60 layers) and 64; MXFP4 tiles / rows (H100, H200)
+    python benchmarks/plot.py run37           # MXFP4 experts: the two hand-offs, grid and persistent launches (H100)
     python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
@@ -847,12 +848,60 @@ def plot_load_processes(out: str) -> str:
     return _save(fig, os.path.join(out, "load_processes.png"))
 
 
+RUN37 = ("moe_mxfp4_run37a_65a3b0f.json", "moe_mxfp4_run37b_65a3b0f.json", "moe_mxfp4_run37c_65a3b0f.json")
+
+
+def plot_run37(out: str) -> str:
+    """Run 37 (H100). Left: Kimi-Linear's routed-expert call at 16-256 tokens, the two calls against both
+    hand-offs (each run's own default beside them). Right: at 64 tokens, the grid and persistent launches, each as
+    the two calls, the products hand-off and the GLU hand-off."""
+    import numpy as np
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2))
+    forms = [(False, "two calls"), ("products", "products hand-off"), ("glu", "GLU hand-off")]
+    cases = []                                       # (label, {form: ms}) per run and token count, default settings
+    for name in RUN37:
+        for tokens in sorted({r["tokens"] for r in _load(name, H100)["hopper"]}):
+            ms = {r["handoff"]: r["ms"] for r in _load(name, H100)["hopper"]
+                  if r["tokens"] == tokens and r["blocks"] == "None" and "ms" in r}
+            cases.append((f"{tokens} ({name[15]})", ms))
+    cases.sort(key=lambda c: int(c[0].split()[0]))
+    x = np.arange(len(cases))
+    for j, (form, label) in enumerate(forms):
+        left.bar(x + (j - 1) * 0.27, [c[1][form] for c in cases], 0.27, label=label, color=f"C{j}")
+    left.set_xticks(x, [c[0] for c in cases])
+    left.set_xlabel("tokens (run)")
+    left.set_ylabel("ms a call")
+    left.set_title("Kimi-Linear routed experts, MXFP4, default settings (H100)", fontsize=10)
+    left.legend(fontsize=8)
+    left.grid(axis="y", alpha=0.3)
+    rows = [r for r in _load(RUN37[0], H100)["hopper"] if r["tokens"] == 64 and "ms" in r]
+    settings = list(dict.fromkeys(r["blocks"] for r in rows))
+    names = {"None": "grid, default"}
+    for b in settings[1:]:
+        names[b] = ("persistent" if "persistent" in b else "grid") + (", rows out" if "outputs='rows'" in b
+                                                                     else ", tiles out")
+        names[b] += ", 4 stages" if "stages=4" in b else ""
+    x = np.arange(len(settings))
+    for j, (form, label) in enumerate(forms):
+        ms = [next((r["ms"] for r in rows if r["blocks"] == b and r["handoff"] == form), np.nan) for b in settings]
+        right.bar(x + (j - 1) * 0.27, ms, 0.27, label=label, color=f"C{j}")
+    right.set_xticks(x, [names[b] for b in settings], fontsize=7)
+    right.set_ylim(0.35, 0.5)
+    right.set_ylabel("ms a call")
+    right.set_title("64 tokens: grid and persistent launches (run 37a, H100)", fontsize=10)
+    right.legend(fontsize=8)
+    right.grid(axis="y", alpha=0.3)
+    return _save(fig, os.path.join(out, "run37.png"))
+
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
                                       "kda-sweep", "kda-run30", "kda-run31", "run32", "run33", "run34",
-                                      "run35", "run36", "kda-scaling",
+                                      "run35", "run36", "run37", "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
                                       "mla-merge", "mxfp4", "load-processes",
@@ -866,7 +915,7 @@ def main(argv=None) -> int:
                      ("kda-tile-solve", plot_kda_tile_solve), ("kda-handoff", plot_kda_handoff),
                      ("kda-sweep", plot_kda_sweep), ("kda-run30", plot_kda_run30), ("kda-run31", plot_kda_run31),
                      ("run32", plot_run32), ("run33", plot_run33), ("run34", plot_run34),
-                     ("run35", plot_run35), ("run36", plot_run36),
+                     ("run35", plot_run35), ("run36", plot_run36), ("run37", plot_run37),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
