@@ -861,8 +861,9 @@ def plot_run37(out: str) -> str:
     forms = [(False, "two calls"), ("products", "products hand-off"), ("glu", "GLU hand-off")]
     cases = []                                       # (label, {form: ms}) per run and token count, default settings
     for name in RUN37:
-        for tokens in sorted({r["tokens"] for r in _load(name, H100)["hopper"]}):
-            ms = {r["handoff"]: r["ms"] for r in _load(name, H100)["hopper"]
+        hopper = _load(name, H100)["hopper"]
+        for tokens in sorted({r["tokens"] for r in hopper}):
+            ms = {r["handoff"]: r["ms"] for r in hopper
                   if r["tokens"] == tokens and r["blocks"] == "None" and "ms" in r}
             cases.append((f"{tokens} ({name[15]})", ms))
     cases.sort(key=lambda c: int(c[0].split()[0]))
@@ -893,7 +894,6 @@ def plot_run37(out: str) -> str:
     right.legend(fontsize=8)
     right.grid(axis="y", alpha=0.3)
     return _save(fig, os.path.join(out, "run37.png"))
-
 
 
 def main(argv=None) -> int:

@@ -361,15 +361,13 @@ def launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpre
         if len(weights) != 2 or x.ndim != 3 or not sorted_rows:
             raise ValueError(f"hopper MXFP4: the GLU epilogue takes gate and up weights and sorted rows in slabs; "
                              f"got {len(weights)} weights, activations {x.shape}, sorted_rows={sorted_rows}")
-        if blocks.launch == "persistent":
-            return launch_persistent(sched, x, weights, rows_out, blocks, interpret,
-                                     blocks.programs or _multiprocessors(), glu_spec)
-        return _launch_grid(sched, x, weights, rows_out, blocks, interpret, glu_spec)
     if blocks.launch == "persistent" and sorted_rows:
         partial = launch_persistent(sched, x, weights, rows_out, blocks, interpret,
-                                    blocks.programs or _multiprocessors())
+                                    blocks.programs or _multiprocessors(), glu_spec)
     else:
-        partial = _launch_grid(sched, x, weights, rows_out, blocks, interpret)
+        partial = _launch_grid(sched, x, weights, rows_out, blocks, interpret, glu_spec)
+    if glu_spec is not None:                                   # h's slabs, whole
+        return partial
     if blocks.outputs == "rows":
         return jnp.moveaxis(jnp.sum(partial, axis=0), 1, 0)
     return jnp.sum(partial, axis=1)
@@ -516,8 +514,9 @@ def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4B
 
 def check_operands(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, permuted: bool = False):
     """Refuses weights, activations, group sizes (None: pairs, checked by `_check_pairs`) and settings
-    the kernel cannot take, in one line each. `permuted`: the weights may be `HandOffColumns` (the GLU
-    hand-off's gated launch); elsewhere their permuted columns would come out silently in the wrong order."""
+    the kernel cannot take, in one line each. `permuted`: the weights must be `HandOffColumns` (the GLU
+    hand-off's gated launch); else they must not be, as their permuted columns would come out silently in the
+    wrong order."""
     for w in weights:
         if not isinstance(w, Mxfp4Columns):
             raise ValueError(f"hopper MXFP4 matmul: weights must be Mxfp4Columns (`to_columns`), "
@@ -525,6 +524,9 @@ def check_operands(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, permute
         if isinstance(w, HandOffColumns) and not permuted:
             raise ValueError("hopper MXFP4 matmul: weights from hand_off_columns (columns in even_odd order) are "
                              "for grouped_mlp_hopper_mxfp4(hand_off='glu')'s gate and up only")
+        if permuted and not isinstance(w, HandOffColumns):
+            raise ValueError("hopper MXFP4 matmul: hand_off='glu' takes the gate and up weights from "
+                             f"hand_off_columns (columns in even_odd order), got {type(w).__name__}")
         _validated(w)
     g, k, n = weights[0].shape
     if any(w.shape != weights[0].shape for w in weights):

@@ -21,10 +21,10 @@ runs between the two launches. The slabs must be in `even_odd` order along F, an
 columns, so the gate and up weights come with their columns in that order (`hand_off_columns`, once, where the
 weights are loaded): column j of the gated launch is then column even_odd(j) of h. The permuted weights carry
 their own type (`HandOffColumns`), which every other operand and entry point refuses instead of computing wrong
-rows (the products hand-off, the down weight, the two calls, the pairs).
-Same math as the two calls for bf16 and fp32 activations (fp16 ones: the two calls round
-h to fp16 first); the GLU runs in the kernel (compiled: the GPU's exp and tanh), so results agree to rounding,
-not bit for bit. The gated half runs the grid launch in one split or the persistent launch; untimed.
+rows (the products hand-off, the down weight, the two calls, the pairs; `hopper_mxfp4.check_operands`). Same
+math as the two calls for bf16 and fp32 activations (fp16 ones: the two calls round h to fp16 first); the GLU
+runs in the kernel (compiled: the GPU's exp and tanh), so results agree to rounding, not bit for bit. The gated
+half runs the grid launch in one split or the persistent launch (timed: run 37 in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -50,17 +50,6 @@ def hand_off_columns(w: Mxfp4Columns) -> HandOffColumns:
         raise ValueError("hand_off_columns: the weight's columns are already in even_odd order")
     order = even_odd(jnp.arange(w.shape[2]))
     return HandOffColumns(w.packed[:, order], w.scale[:, :, order])
-
-
-def _check_column_order(w_gate, w_up, w_down, hand_off: str) -> None:
-    """The glu hand-off takes gate and up weights from `hand_off_columns`; the products one takes them as stored,
-    and both the down weight."""
-    if isinstance(w_down, HandOffColumns):
-        raise ValueError("grouped_mlp_hopper_mxfp4: w_down goes in stored order, not from hand_off_columns")
-    for name, w in (("w_gate", w_gate), ("w_up", w_up)):
-        if isinstance(w, HandOffColumns) != (hand_off == "glu"):
-            need = "from hand_off_columns" if hand_off == "glu" else "in stored order, not from hand_off_columns"
-            raise ValueError(f"grouped_mlp_hopper_mxfp4: hand_off={hand_off!r} takes {name} {need}")
 
 
 def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns, hand_off: str):
@@ -97,7 +86,6 @@ def grouped_mlp_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, w_do
     """
     if hand_off not in HAND_OFFS:
         raise ValueError(f"grouped_mlp_hopper_mxfp4: hand_off must be one of {HAND_OFFS}, got {hand_off!r}")
-    _check_column_order(w_gate, w_up, w_down, hand_off)
     up_blocks, down_blocks, interpreted = _settings(blocks, interpret, lhs, w_gate, w_down, hand_off)
     check_operands(lhs, (w_gate, w_up), group_sizes, up_blocks, permuted=hand_off == "glu")
     g, f = w_gate.shape[0], w_gate.shape[2]
