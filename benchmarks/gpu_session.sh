@@ -6,7 +6,7 @@
 #   tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-hopper-hlo hopper-sass
 #   moe-sweep gemv decode decode-fast decode-packed decode-ab decode-sweep decode-host host-costs chunk-calls
 #   decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu mla-ncu
-#   mla-ncu-source kda-decode-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep
+#   mla-ncu-source moe-ncu kda-decode-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep
 #   decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-ptxas mla-tests mla-layer-tests speculative
 #   speculative-tests speculative-verify speculative-e2e prefill-tests prefill server-load batch-job
 set -u
@@ -184,6 +184,12 @@ for step in "$@"; do
     mla-ncu-source) for impl in ${MLA_NCU_IMPLS:-hopper}; do
             ncu_profile mla_ncu_src_$impl mosaic python3 benchmarks/mla_decode_once.py --impl $impl \
                 --shape ${MLA_NCU_SHAPE:-96x64x4096}
+          done ;;
+    moe-ncu) # the MXFP4 Mosaic GPU launches at MOE_NCU_TOKENS of Kimi-Linear's experts, each in its own program (the
+          # second call's launch is the profiled one): metrics, then the warp-state samples per SASS line
+          for launch in ${MOE_NCU_LAUNCHES:-gate down}; do
+            ncu_profile moe_ncu_${launch}_t${MOE_NCU_TOKENS:-64} mosaic python3 benchmarks/moe_mxfp4_once.py \
+                --launch $launch --tokens ${MOE_NCU_TOKENS:-64} ${MOE_NCU_ARGS:-}
           done ;;
     kda-decode-ncu) ncu_profile kda_decode_ncu_b${KDA_NCU_BATCH:-64} kda_decode python3 benchmarks/kda_decode_once.py \
               --batch ${KDA_NCU_BATCH:-64} --warps ${KDA_NCU_WARPS:-4} --splits ${KDA_NCU_SPLITS:-1} ;;

@@ -88,6 +88,12 @@ HOPPER_SWEEP += [HopperMxfp4Blocks(launch="persistent", outputs="rows", stages=s
                  for st, bk in ((3, 256), (5, 256), (8, 128))] + [
     HopperMxfp4Blocks(launch="persistent", stages=4), HopperMxfp4Blocks(launch="persistent", outputs="rows",
                                                                         stages=4, mma_inputs=32)]
+# Entries 18-21: the default's settings (rows out) with fewer MMA calls (one a scale group, one a step) and the
+# scale folded into the decode's multiply ("scaled"). Nsight Compute at 64 tokens (run 38): both launches issue-bound
+# (74% / 82% of issue slots), about 18 instructions per four codes, of which the per-16-input MMA calls' descriptor
+# arithmetic and fences take about 4 and the separate scale multiplies 2.
+HOPPER_SWEEP += [HopperMxfp4Blocks(outputs="rows", decode=d, mma_inputs=mi)
+                 for d, mi in (("bits", 0), ("bits", 32), ("scaled", 16), ("scaled", 0))]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:

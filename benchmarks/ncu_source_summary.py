@@ -1,5 +1,6 @@
 """Summarises Nsight Compute's source page of one profiled kernel: the SASS instructions where its warps were
-most often sampled stalled, the samples summed by opcode, and the samples spent waiting on each mbarrier.
+most often sampled stalled, the samples summed by opcode, the instructions executed by opcode (what an issue-bound
+kernel spends its issue slots on) and the samples spent waiting on each mbarrier.
 
     ncu -k regex:mosaic --launch-skip 1 --launch-count 1 --section SourceCounters --section WarpStateStats \\
         -o rep -f python3 benchmarks/mla_decode_once.py --impl hopper
@@ -57,6 +58,8 @@ def read(text: str) -> tuple[list[dict], list[str]]:
     samples = _pick(header, "all samples")          # not "Not-issued Samples" ("stall" holds "all")
     samples = samples if samples is not None else _pick(header, "sampl")
     address = _pick(header, "address")
+    executed = next((i for i, name in enumerate(header) if name.lower() == "instructions executed"), None)
+    shared = _pick(header, "wavefronts shared excessive")
     stall_cols = [i for i, name in enumerate(header) if "stall" in name.lower() and "sampl" not in name.lower()]
     out = []
     for row in rows[h + 1:]:
@@ -69,7 +72,9 @@ def read(text: str) -> tuple[list[dict], list[str]]:
             continue
         stalls = {header[i]: v for i in stall_cols if (v := number(row[i]))}
         out.append({"address": row[address] if address is not None else str(len(out)),
-                    "source": row[source].strip(), "samples": n, "stalls": stalls})
+                    "source": row[source].strip(), "samples": n, "stalls": stalls,
+                    "executed": (number(row[executed]) or 0.0) if executed is not None else 0.0,
+                    "shared_excess": (number(row[shared]) or 0.0) if shared is not None else 0.0})
     return out, [header[i] for i in stall_cols]
 
 
@@ -119,14 +124,20 @@ def barrier_waits(instructions: list[dict]) -> list[dict]:
 
 def summarise(instructions: list[dict], top: int) -> dict:
     total = sum(i["samples"] for i in instructions) or 1.0
-    by_op = collections.Counter()
+    by_op, run_op = collections.Counter(), collections.Counter()
     for i in instructions:
         by_op[opcode(i["source"])] += i["samples"]
+        run_op[opcode(i["source"])] += i.get("executed", 0.0)
+    executed = sum(run_op.values())
     hot = sorted(instructions, key=lambda i: -i["samples"])[:top]
     return {"total_samples": total, "instructions": len(instructions),
             "top": [{**i, "pct": 100 * i["samples"] / total,
                      "stalls": dict(sorted(i["stalls"].items(), key=lambda kv: -kv[1])[:3])} for i in hot],
             "by_opcode": [{"opcode": k, "samples": v, "pct": 100 * v / total} for k, v in by_op.most_common(15)],
+            "executed": executed,
+            "executed_by_opcode": [{"opcode": k, "executed": v, "pct": 100 * v / executed}
+                                   for k, v in run_op.most_common(25)] if executed else [],
+            "shared_excess_wavefronts": sum(i.get("shared_excess", 0.0) for i in instructions),
             "barrier_waits": [{**w, "pct": 100 * w["samples"] / total} for w in barrier_waits(instructions)]}
 
 
@@ -138,6 +149,11 @@ def markdown(s: dict) -> str:
         lines.append(f"| {i['address']} | `{i['source'][:72]}` | {i['pct']:.1f} | {stalls} |")
     lines += ["", "| opcode | samples % |", "|---|---|"]
     lines += [f"| {o['opcode']} | {o['pct']:.1f} |" for o in s["by_opcode"]]
+    if s.get("executed_by_opcode"):
+        lines += ["", f"{s['executed']:.4g} warp instructions executed; shared-memory wavefronts in excess of ideal "
+                  f"(bank conflicts): {s['shared_excess_wavefronts']:.4g}", "",
+                  "| opcode | executed % |", "|---|---|"]
+        lines += [f"| {o['opcode']} | {o['pct']:.1f} |" for o in s["executed_by_opcode"]]
     if s.get("barrier_waits"):
         lines += ["", "| barrier wait at | barrier | samples % (with its retry loop) |", "|---|---|---|"]
         lines += [f"| {w['address']} | `{w['barrier']}` | {w['pct']:.1f} |" for w in s["barrier_waits"]]

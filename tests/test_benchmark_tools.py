@@ -45,6 +45,20 @@ def test_source_page_summary_takes_the_all_samples_column():
     by_op = {o["opcode"]: o["samples"] for o in s["by_opcode"]}
     assert by_op == {"SYNCS.PHASECHK.TRANS64.TRYWAIT": 1300, "HGMMA.64x64x16.F32.BF16": 497, "MOV": 3}
     assert opcode("@!UP0 BRA 0x40") == "BRA"
+    assert s["executed_by_opcode"] == []          # no "Instructions Executed" column in this page
+
+
+def test_source_page_summary_counts_executed_instructions_by_opcode():
+    """With ncu's "Instructions Executed" column: warp instructions summed by opcode (what an issue-bound kernel
+    spends its issue slots on), predicated ones under their opcode; shared-memory excess wavefronts summed."""
+    header = HEADER + ',"Instructions Executed","L1 Wavefronts Shared Excessive"'
+    extra = ['"10","0"', '"1,000","0"', '"600","8"', '"400","2"']
+    instructions, _ = read("\n".join([header, *(r + "," + e for r, e in zip(ROWS, extra))]) + "\n")
+    s = summarise(instructions, top=2)
+    assert s["executed"] == 2010 and s["shared_excess_wavefronts"] == 10
+    assert [(o["opcode"], o["executed"]) for o in s["executed_by_opcode"]] == [
+        ("SYNCS.PHASECHK.TRANS64.TRYWAIT", 1000), ("HGMMA.64x64x16.F32.BF16", 1000), ("MOV", 10)]
+    assert sum(o["pct"] for o in s["executed_by_opcode"]) == pytest.approx(100)
 
 
 def test_source_page_summary_refuses_what_it_cannot_read(tmp_path, capsys):

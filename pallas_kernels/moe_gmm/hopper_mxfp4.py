@@ -25,6 +25,9 @@ Decodes (`HopperMxfp4Blocks.decode`, in `hopper_mxfp4_decode`):
   (its value times 2^-126) and one exact multiply by 2^126: five instructions per four codes on the
   integer ALU instead of eight (two integer multiplies and two bf16 multiplies go to the multiply-add
   pipe); compiled only. On the H200 (run 31) 3%, 9% and 6% faster than "ptx" at 1, 8 and 64 tokens.
+* "scaled": "bits" with the group's scale folded into its multiply (by 2^126 x scale, one bf16 multiply per
+  pair where "bits" and the scale take two): exact for E8M0 scale bytes up to 128 (scales up to 2; larger
+  ones come out inf or NaN, loudly); compiled only.
 A operand (`HopperMxfp4Blocks.a_operand`): "registers" feeds the decoded weights to the MMA from
 registers; "smem" stores them to shared memory first (the form Mosaic GPU's interpret mode runs).
 
@@ -71,7 +74,7 @@ _SMEM_BYTES = 227 * 1024          # shared memory one H100 / H200 block may take
 _SMEM_OVERHEAD = 2048             # barriers and the alignment of swizzled buffers
 _SMS = 132                        # multiprocessors of an H100 / H200 (SXM)
 _SPLIT_TARGET = 2                 # programs per multiprocessor that `splits=0` reaches for
-DECODES = ("exact", "ptx", "bits")
+DECODES = ("exact", "ptx", "bits", "scaled")
 A_OPERANDS = ("registers", "smem")
 ACTIVATIONS = ("slab", "rows")
 OUTPUTS = ("tiles", "rows")

@@ -3,7 +3,8 @@
 
 `DECODERS` maps each `HopperMxfp4Blocks.decode` name to its function: "exact" (integer ops, runs in interpret
 mode too), "ptx" (byte tables read by `prmt`) and "bits" (bits placed where a bf16 holds them, one exact
-multiply); the last two are inline PTX and run compiled only.
+multiply); the last two are inline PTX and run compiled only. "scaled" (`decode_scaled`) is "bits" with the
+group's scale folded into that multiply, so it takes the scales too (E8M0 bytes up to `SCALED_MAX_SCALE`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,27 @@ fma.rn.bf16x2 $1, high, unit, zero;
 }
 """
 
+# "scaled": the "bits" decode with the group's scale in its multiply. In place of 2^126 each pair is multiplied by
+# $3, the bf16 pair (2^126 x scale, 2^126 x scale) = 2^(s - 1) for E8M0 s (bits (s + 126) << 7): exact for
+# s <= 128, the range bf16 holds, and one multiply per pair where "bits" and the kernel's scale took two.
+PTX_DECODE_SCALED = """
+{
+.reg .b32 pair, low, high, zero;
+prmt.b32 pair, $2, 0, 0x4140;
+and.b32 low, pair, 0x000F000F;
+and.b32 high, pair, 0x00F000F0;
+mul.lo.u32 low, low, 0x1040;
+mul.lo.u32 high, high, 0x0104;
+and.b32 low, low, 0x81C081C0;
+and.b32 high, high, 0x81C081C0;
+mov.b32 zero, 0x80008000;
+fma.rn.bf16x2 $0, low, $3, zero;
+fma.rn.bf16x2 $1, high, $3, zero;
+}
+"""
+# The largest E8M0 scale byte the "scaled" decode takes: 2^(128 - 127) = 2, weights up to 12 in magnitude.
+SCALED_MAX_SCALE = 128
+
 
 def decode_table_bits() -> np.ndarray:
     """The bf16 bit patterns the PTX tables hold for magnitude codes 0-7 (checked against
@@ -89,10 +111,11 @@ def decode_table_bits() -> np.ndarray:
     return (high.astype(np.uint16) << 8) | low
 
 
-def decode_ptx(codes, text: str = PTX_DECODE):
-    """`text` (`PTX_DECODE` or `PTX_DECODE_BITS`) on every register of `codes` (WGMMA layout: two bytes
-    per register, columns 2c and 2c + 1 of a row); the outputs keep the registers' places, so they are in
-    the WGMMA layout too."""
+def decode_ptx(codes, text: str = PTX_DECODE, factor=None):
+    """`text` (`PTX_DECODE` or `PTX_DECODE_BITS`; with `factor`, `PTX_DECODE_SCALED`) on every register of
+    `codes` (WGMMA layout: two bytes per register, columns 2c and 2c + 1 of a row); `factor`: bf16 [64, C] in the
+    same layout, each register the pair its codes are multiplied by. The outputs keep the registers' places, so
+    they are in the WGMMA layout too."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm
     from jax.experimental import mosaic as _  # noqa: F401  (registers the dialects)
@@ -101,21 +124,35 @@ def decode_ptx(codes, text: str = PTX_DECODE):
 
     out_type = plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, plgpu.Layout.WGMMA)
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,), return_type=(out_type, out_type))
-    def decode(_, array):
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * (1 if factor is None else 2),
+                       return_type=(out_type, out_type))
+    def decode(_, array, *scale):
         i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
         two_i32 = llvm.StructType.get_literal([i32, i32])
         low, high = np.empty_like(array.registers), np.empty_like(array.registers)
+        if scale and scale[0].registers.shape != array.registers.shape:
+            raise ValueError(f"MXFP4 decode: factor registers {scale[0].registers.shape} do not match the codes' "
+                             f"{array.registers.shape}")
         for idx, reg in np.ndenumerate(array.registers):
             chunk = arith.extui(i32, mgpu_utils.bitcast(reg, i16))
-            both = llvm.inline_asm(two_i32, [chunk], text, "=r,=r,r")
+            if scale:
+                both = llvm.inline_asm(two_i32, [chunk, mgpu_utils.bitcast(scale[0].registers[idx], i32)], text,
+                                       "=r,=r,r,r")
+            else:
+                both = llvm.inline_asm(two_i32, [chunk], text, "=r,=r,r")
             low[idx] = mgpu_utils.bitcast(llvm.extractvalue(i32, both, [0]), pair)
             high[idx] = mgpu_utils.bitcast(llvm.extractvalue(i32, both, [1]), pair)
         return (fa.FragmentedArray(_registers=low, _layout=array.layout, _is_signed=None),
                 fa.FragmentedArray(_registers=high, _layout=array.layout, _is_signed=None))
 
-    return decode(codes)
+    return decode(codes) if factor is None else decode(codes, factor)
+
+
+def decode_scaled(codes, factor):
+    """`PTX_DECODE_SCALED` on `codes` with `factor` (bf16 [64, C], WGMMA layout: 2^(s - 1) per row for the
+    group's E8M0 scale s <= SCALED_MAX_SCALE) -> (low nibbles, high nibbles) already scaled."""
+    return decode_ptx(codes, PTX_DECODE_SCALED, factor)
 
 
 DECODERS = {"exact": decode_exact, "ptx": decode_ptx,

@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe_gmm.activation import glu
-from pallas_kernels.moe_gmm.hopper_mxfp4_decode import DECODERS
+from pallas_kernels.moe_gmm.hopper_mxfp4_decode import DECODERS, decode_scaled
 from pallas_kernels.moe_gmm.mxfp4 import GROUP
 
 COLUMNS = 64                      # output columns of one warpgroup: the M side of its MMA
@@ -44,10 +44,17 @@ def multiply_step(x_smem, w_smem, acc_refs, *, block_k: int, decode: str, mma_in
         pieces, issued = [], 0   # piece 2j: group j's low nibbles (its even inputs), 2j + 1: its odd ones
         for j in range(groups):
             factor = plgpu.load(pick(s_smem.at[j]), layout=row_layout)            # [64] u8 E8M0
-            factor = lax.bitcast_convert_type(factor.astype(jnp.int16) << 7, jnp.bfloat16)
-            factor = lax.broadcast_in_dim(factor, (COLUMNS, PER_GROUP), [0])
-            lo, hi = DECODERS[decode](codes[:, PER_GROUP * j:PER_GROUP * (j + 1)])
-            pieces += [lo * factor, hi * factor]
+            group_codes = codes[:, PER_GROUP * j:PER_GROUP * (j + 1)]
+            if decode == "scaled":      # 2^126 x 2^(s - 127): bf16 exponent s + 126 (255, inf, past the range)
+                factor = jnp.minimum(factor.astype(jnp.int16) + 126, 255) << 7
+                factor = lax.broadcast_in_dim(lax.bitcast_convert_type(factor, jnp.bfloat16), (COLUMNS, PER_GROUP),
+                                              [0])
+                pieces += list(decode_scaled(group_codes, factor))
+            else:
+                factor = lax.bitcast_convert_type(factor.astype(jnp.int16) << 7, jnp.bfloat16)
+                factor = lax.broadcast_in_dim(factor, (COLUMNS, PER_GROUP), [0])
+                lo, hi = DECODERS[decode](group_codes)
+                pieces += [lo * factor, hi * factor]
             while len(pieces) - issued >= per_mma:     # x_smem's columns 16 p .. 16 p + 15: piece p's inputs
                 run = pieces[issued:issued + per_mma]
                 a = run[0] if per_mma == 1 else jnp.concatenate(run, axis=1)

@@ -25,13 +25,15 @@ from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns
                                                  grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4,
                                                  pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4, runs_here,
                                                  to_columns)
-from pallas_kernels.moe_gmm.hopper_mxfp4_decode import PTX_DECODE, PTX_DECODE_BITS, decode_exact, decode_table_bits
+from pallas_kernels.moe_gmm.hopper_mxfp4_decode import (PTX_DECODE, PTX_DECODE_BITS, PTX_DECODE_SCALED, SCALED_MAX_SCALE,
+                                                         decode_exact, decode_table_bits)
 from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import launch_persistent
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, dequantize, from_checkpoint_layout
 
 on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU kernels compile on a GPU only")
 FORMS = {"bits_registers": HopperMxfp4Blocks(), "exact_registers": HopperMxfp4Blocks(decode="exact"),
-         "ptx_registers": HopperMxfp4Blocks(decode="ptx"),
+         "ptx_registers": HopperMxfp4Blocks(decode="ptx"), "scaled_registers": HopperMxfp4Blocks(decode="scaled"),
+         "scaled_mma_step": HopperMxfp4Blocks(decode="scaled", mma_inputs=0),
          "ptx_smem": HopperMxfp4Blocks(decode="ptx", a_operand="smem"),
          "exact_smem": HopperMxfp4Blocks(decode="exact", a_operand="smem"),
          "rows16_k128_stages2": HopperMxfp4Blocks(rows=16, block_k=128, stages=2),
@@ -57,10 +59,15 @@ PERSISTENT = {"persistent_rows_out": HopperMxfp4Blocks(launch="persistent", outp
               "persistent_ptx_stages2": HopperMxfp4Blocks(launch="persistent", decode="ptx", stages=2, programs=7)}
 
 
-def _weight(rng, g, k, n) -> Mxfp4Weight:
-    """Every E2M1 code, scales around 2^0 (E8M0 124..130: no group's products dwarf the others')."""
+def _weight(rng, g, k, n, top: int = 130) -> Mxfp4Weight:
+    """Every E2M1 code, scales around 2^0 (E8M0 124..top: no group's products dwarf the others')."""
     return Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (g, k // 2, n), dtype=np.uint8)),
-                       jnp.asarray(rng.integers(124, 131, (g, k // 32, n), dtype=np.uint8)))
+                       jnp.asarray(rng.integers(124, top + 1, (g, k // 32, n), dtype=np.uint8)))
+
+
+def _top_scale(blocks: HopperMxfp4Blocks) -> int:
+    """The largest E8M0 byte the tests give `blocks`: decode="scaled" takes up to SCALED_MAX_SCALE."""
+    return SCALED_MAX_SCALE if blocks.decode == "scaled" else 130
 
 
 def _blocks(interpret: bool, **fields) -> HopperMxfp4Blocks:
@@ -295,6 +302,21 @@ def test_bits_decode_text_gives_every_code_pair_its_e2m1_value():
         np.testing.assert_array_equal(regs["$1"], table[nib[1]] | (table[nib[3]] << 16))
 
 
+def test_scaled_decode_text_gives_every_code_pair_its_value_times_its_scale():
+    """The bits decode with the scale in its multiply: all 65,536 chunks (junk above them too) times every
+    E8M0 scale it takes, 2^(s - 127) for s = 0 .. SCALED_MAX_SCALE, given as the pair 2^(s - 1), bit-exact."""
+    assert set(re.findall(r"^\s*([a-z0-9]+)\.", PTX_DECODE_SCALED, re.M)) <= {"and", "prmt", "mul", "mov", "fma"}
+    chunks = np.arange(1 << 16, dtype=np.int64) | 0x5A3C0000
+    values = np.asarray(E2M1, np.float64)
+    nib = [(chunks >> s) & 15 for s in (0, 4, 8, 12)]
+    for scale in (0, 1, 60, 117, 127, SCALED_MAX_SCALE):
+        pair = ((scale + 126) << 7) * 0x10001
+        regs = _run_ptx(PTX_DECODE_SCALED, {"$2": chunks, "$3": np.full_like(chunks, pair)})
+        want = [_bf16_bits(values[n] * 2.0 ** (scale - 127)) for n in nib]
+        np.testing.assert_array_equal(regs["$0"], want[0] | (want[2] << 16))
+        np.testing.assert_array_equal(regs["$1"], want[1] | (want[3] << 16))
+
+
 def test_ptx_tables_hold_the_bf16_magnitudes():
     np.testing.assert_array_equal(decode_table_bits().astype(np.int64), _bf16_bits(np.abs(E2M1[:8])))
 
@@ -318,7 +340,8 @@ def test_every_form_lowers_for_cuda_on_any_host(form):
     module = jax.export.export(jax.jit(glu), platforms=["cuda"])(*args).mlir_module()
     assert "mosaic_gpu" in module
     assert ("prmt.b32" in module) == (blocks.decode != "exact")    # the PTX decode is in the kernel it lowers
-    assert ("mul.lo.u32" in module) == (blocks.decode == "bits")
+    assert ("mul.lo.u32" in module) == (blocks.decode in ("bits", "scaled"))
+    assert ("0x7E807E80" in module) == (blocks.decode == "bits")      # "scaled" multiplies by the scale instead
 
     def pairs(x, p, s, group):
         return pair_glu_hopper_mxfp4(x, Mxfp4Columns(p, s), Mxfp4Columns(p, s), group, group >= 0, repeat=2,
@@ -424,7 +447,7 @@ def test_refuses_what_it_cannot_run(rng):
     with pytest.raises(ValueError, match="shared memory"):
         grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(rows=256, block_k=256, stages=4,
                                                                            decode="exact"))
-    for decode in ("ptx", "bits"):          # inline PTX: compiled only
+    for decode in ("ptx", "bits", "scaled"):          # inline PTX: compiled only
         with pytest.raises(ValueError, match=f"decode='{decode}' is inline PTX"):
             grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(decode=decode, a_operand="smem"),
                                         interpret=True)
@@ -446,10 +469,10 @@ def test_refuses_what_it_cannot_run(rng):
 @pytest.mark.parametrize("sizes,m", [([3, 0, 5, 3], 12), ([0, 19, 1, 0], 26), ([1] * 4, 4)])
 def test_compiled_forms_equal_the_reference(rng, form, sizes, m):
     g, k, f = len(sizes), 1024, 192
-    wg, wu = _weight(rng, g, k, f), _weight(rng, g, k, f)
+    blocks = FORMS[form]
+    wg, wu = _weight(rng, g, k, f, _top_scale(blocks)), _weight(rng, g, k, f, _top_scale(blocks))
     x = jnp.asarray(rng.standard_normal((m, k)) * 0.05, jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    blocks = FORMS[form]
     dg, du = dequantize(wg, jnp.float32), dequantize(wu, jnp.float32)
     out = grouped_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group_sizes, blocks=blocks, interpret=False)
     assert_close("glu", out, grouped_glu_reference(x.astype(jnp.float32), dg, du, group_sizes), dtype=jnp.bfloat16)
@@ -480,12 +503,12 @@ def test_compiled_persistent_forms_equal_the_reference(rng, form, sizes, m):
 
 
 @on_gpu
-@pytest.mark.parametrize("form", ["bits_registers", "ptx_registers", "exact_smem", "rows_in_place", "rows_in_place_out",
-                                  "rows_out"])
+@pytest.mark.parametrize("form", ["bits_registers", "ptx_registers", "scaled_registers", "exact_smem", "rows_in_place",
+                                  "rows_in_place_out", "rows_out"])
 def test_compiled_pairs_equal_the_reference(rng, form):
     """11 tokens: in place, the pairs of tokens 8-10 read their window from row 8."""
     g, k, f, tokens, repeat = 8, 1024, 128, 11, 4
-    wg, wu = _weight(rng, g, k, f), _weight(rng, g, k, f)
+    wg, wu = _weight(rng, g, k, f, _top_scale(FORMS[form])), _weight(rng, g, k, f, _top_scale(FORMS[form]))
     x = jnp.asarray(rng.standard_normal((tokens, k)) * 0.05, jnp.bfloat16)
     group = jnp.asarray(rng.integers(0, g, tokens * repeat), jnp.int32)
     valid = jnp.asarray(rng.uniform(size=tokens * repeat) < 0.8)
