@@ -86,6 +86,12 @@ LAUNCHES = ("grid", "persistent")
 # 34) "tiles" took 1.20x the time of "rows" for Kimi-Linear and 1.08x at K3's latent widths (1/8 of the experts);
 # at 8 tokens the two were level for both.
 ROWS_OUT_UP_TO = 8
+# Compiled decode tiles (at most ROWS_OUT_UP_TO rows) take one MMA call a step (`mma_inputs=0`). Nsight Compute at 64
+# tokens of Kimi-Linear (H100, run 38): both launches issue-bound (74% / 82% of issue slots) at about 18 instructions
+# per four codes, of which the per-16-input calls' B descriptor arithmetic and fences take about 4. One call a step
+# computes the descriptor once and advances it by a constant: the two launches 326.0 against 346.8 us, the call
+# 0.4153 against 0.4397 ms at 64 tokens (a second run: 0.4197 / 0.4177), 0.3087 / 0.3277 at 32, 0.4648 / 0.4899 at
+# 128. Larger tiles keep 16 (untimed with 0; their accumulators take more registers).
 
 
 class Mxfp4Columns(NamedTuple):
@@ -263,7 +269,8 @@ class HopperMxfp4Blocks:
         and the operand through shared memory. With `k_dim`, the deepest default step that divides it.
         Tiles take up to 64 rows as `rows_per_group` grows (prefill: fewer re-reads of each expert's
         weights), with fewer buffers in flight where shared memory would not hold them; decode tiles (at most
-        `ROWS_OUT_UP_TO` rows) write their own rows out (`outputs="rows"`)."""
+        `ROWS_OUT_UP_TO` rows) write their own rows out (`outputs="rows"`) and, compiled, take one MMA call a
+        step (`mma_inputs=0`)."""
         if interpreted:
             fields = {"decode": "exact", "a_operand": "smem", **fields}
         if k_dim is not None and "block_k" not in fields and k_dim % cls.block_k:
@@ -272,6 +279,8 @@ class HopperMxfp4Blocks:
             fields["rows"] = min(64, max(8, -(-int(np.ceil(rows_per_group)) // 8) * 8))
         if "outputs" not in fields and fields["rows"] <= ROWS_OUT_UP_TO:
             fields["outputs"] = "rows"
+        if "mma_inputs" not in fields and not interpreted and fields["rows"] <= ROWS_OUT_UP_TO:
+            fields["mma_inputs"] = 0            # one MMA call a step: fewer instructions for an issue-bound kernel
         blocks = cls(**fields)
         while blocks.smem_bytes(n_weights) > _SMEM_BYTES and blocks.stages > 2 and "stages" not in fields:
             blocks = dataclasses.replace(blocks, stages=blocks.stages - 1)
