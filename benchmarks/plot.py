@@ -21,6 +21,7 @@
     python benchmarks/plot.py run32           # KDA decode at B = 1 by launches a call; the MXFP4 call by kernel (H100)
     python benchmarks/plot.py run33           # KDA decode at B = 1 (60 layers) and 64; MXFP4 tiles / rows (H100, H200)
     python benchmarks/plot.py run37           # MXFP4 experts: the two hand-offs, grid and persistent launches (H100)
+    python benchmarks/plot.py run38           # MXFP4 experts: issue slots by kind, MMA calls, the scaled decode (H100)
     python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
@@ -896,12 +897,115 @@ def plot_run37(out: str) -> str:
     return _save(fig, os.path.join(out, "run37.png"))
 
 
+RUN38_SWEEPS = ("moe_mxfp4_run38c_f572b10.json", "moe_mxfp4_run38d_f572b10.json")
+RUN38_TOKENS = "moe_mxfp4_run38e_c9276b3.json"
+RUN38_SASS = (("moe_ncu_src_run38b_5f2b5de_gate_sass.csv.gz", "an MMA call a 16 inputs (38b)"),
+              ("moe_ncu_src_run38f_c9276b3_gate_sass.csv.gz", "one MMA call a step (38f)"))
+
+
+def _sass_per_step(path: str) -> dict:
+    """Warp instructions a pipeline step of the gated MXFP4 launch, by kind, from an ncu source page (gzipped CSV):
+    each SASS line's executed count over the loop's trip count (the most executed line's)."""
+    import csv
+    import gzip
+    import io
+
+    with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
+        rows = list(csv.reader(io.StringIO(f.read())))
+    h = next(i for i, r in enumerate(rows) if "Source" in r)
+    source, executed = rows[h].index("Source"), rows[h].index("Instructions Executed")
+    lines = [(r[source].strip(), float(r[executed].replace(",", "") or 0)) for r in rows[h + 1:]
+             if len(r) == len(rows[h])]
+    trips = max(e for _, e in lines)
+    kinds = {"E2M1 decode": 0.0, "scale multiplies": 0.0, "shared-memory loads": 0.0, "MMA, descriptors": 0.0,
+             "other": 0.0}
+    for text, e in lines:
+        op = text.split()[1] if text.startswith("@") else text.split()[0]
+        if op.startswith(("LOP3", "PRMT")) or op == "IMAD":
+            kind = "E2M1 decode"
+        elif op.startswith("HMUL2"):      # half x 2^126 (the decode's), half x the group's scale
+            kinds["E2M1 decode"] += e / trips / 2
+            kind = "scale multiplies"
+            e /= 2
+        elif op.startswith("LDS"):
+            kind = "shared-memory loads"
+        elif op.startswith(("HGMMA", "WARPGROUP", "U", "R2UR")):
+            kind = "MMA, descriptors"
+        else:
+            kind = "other"
+        kinds[kind] += e / trips
+    return kinds
+
+
+def plot_run38(out: str) -> str:
+    """Run 38 (H100). Left: warp instructions a pipeline step of the gated launch at 64 tokens by kind (Nsight
+    Compute), an MMA call a 16 inputs against one a step. Middle: the 64-token call by MMA calls and decode, two
+    runs. Right: the call at 16-256 tokens, run 37's default against run 38's (one MMA call a step), the GLU
+    hand-off and the scaled decode."""
+    import numpy as np
+
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(17, 4.4))
+    steps = [(_sass_per_step(os.path.join(H100, f)), label) for f, label in RUN38_SASS]
+    bottom = np.zeros(len(steps))
+    for j, kind in enumerate(steps[0][0]):
+        values = np.array([k[kind] for k, _ in steps])
+        left.bar(range(len(steps)), values, 0.5, bottom=bottom, label=kind, color=f"C{j}")
+        bottom += values
+    for i, total in enumerate(bottom):
+        left.text(i, total + 10, f"{total:.0f}", ha="center", fontsize=8)
+    _bar_axes(left, range(len(steps)), [label for _, label in steps], "warp instructions a step (2 x 64 x 256 codes)",
+              "Gated launch, 64 tokens: issue slots by kind", tick_size=8)
+    forms = [("bits", 16, "bits, a call a 16 (old default)"), ("bits", 32, "bits, a call a 32"),
+             ("bits", 0, "bits, a call a step"), ("scaled", 16, "scaled, a call a 16"),
+             ("scaled", 0, "scaled, a call a step")]
+
+    def ms_of(rows, decode, mma):
+        for r in rows:
+            b = r["blocks"]
+            if r["tokens"] != 64 or r.get("handoff") or "ms" not in r:
+                continue
+            if b == "None" and (decode, mma) == ("bits", 16):
+                return r["ms"]
+            if f"decode='{decode}'" in b and f"mma_inputs={mma}," in b and "outputs='rows'" in b:
+                return r["ms"]
+        return np.nan
+
+    x = np.arange(len(forms))
+    for j, name in enumerate(RUN38_SWEEPS):
+        rows = _load(name, H100)["hopper"]
+        mid.bar(x + (j - 0.5) * 0.38, [ms_of(rows, d, m) for d, m, _ in forms], 0.38, label="run " + name.split("_")[2][3:],
+                color=f"C{j}")
+    mid.set_ylim(0.38, 0.45)
+    _bar_axes(mid, x, [label for _, _, label in forms], "ms a call", "64 tokens: MMA calls and the decode",
+              tick_size=7)
+    plt.setp(mid.get_xticklabels(), rotation=15)
+    old = {}
+    for name in ("moe_mxfp4_run37b_65a3b0f.json", "moe_mxfp4_run37c_65a3b0f.json"):
+        for r in _load(name, H100)["hopper"]:
+            if r["blocks"] == "None" and not r["handoff"] and "ms" in r:
+                old.setdefault(r["tokens"], r["ms"])
+    new = _load(RUN38_TOKENS, H100)["hopper"]
+    tokens = sorted({r["tokens"] for r in new})
+    series = [("run 37 default", [old.get(t, np.nan) for t in tokens])]
+    for label, pick in (("run 38 default (a call a step)", lambda r: r["blocks"] == "None" and not r["handoff"]),
+                        ("... GLU hand-off", lambda r: r["blocks"] == "None" and r["handoff"] == "glu"),
+                        ("scaled, a call a 16", lambda r: "scaled" in r["blocks"] and not r["handoff"])):
+        series.append((label, [next((r["ms"] for r in new if r["tokens"] == t and pick(r)), np.nan) for t in tokens]))
+    x = np.arange(len(tokens))
+    for j, (label, ms) in enumerate(series):
+        right.bar(x + (j - 1.5) * 0.2, ms, 0.2, label=label, color=f"C{j}")
+    _bar_axes(right, x, [str(t) for t in tokens], "ms a call", "Kimi-Linear routed experts, MXFP4, by tokens")
+    right.set_xlabel("tokens")
+    fig.suptitle("Run 38, one H100: the MXFP4 routed-expert kernel issue-bound; one MMA call a step", fontsize=10)
+    return _save(fig, os.path.join(out, "run38.png"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
                                       "kda-sweep", "kda-run30", "kda-run31", "run32", "run33", "run34",
-                                      "run35", "run36", "run37", "kda-scaling",
+                                      "run35", "run36", "run37", "run38", "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
                                       "mla-merge", "mxfp4", "load-processes",
@@ -916,6 +1020,7 @@ def main(argv=None) -> int:
                      ("kda-sweep", plot_kda_sweep), ("kda-run30", plot_kda_run30), ("kda-run31", plot_kda_run31),
                      ("run32", plot_run32), ("run33", plot_run33), ("run34", plot_run34),
                      ("run35", plot_run35), ("run36", plot_run36), ("run37", plot_run37),
+                     ("run38", plot_run38),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
