@@ -897,7 +897,9 @@ def plot_run37(out: str) -> str:
     return _save(fig, os.path.join(out, "run37.png"))
 
 
-RUN38_SWEEPS = ("moe_mxfp4_run38c_f572b10.json", "moe_mxfp4_run38d_f572b10.json")
+# Each record with what its default call ("None") was: (decode, mma_inputs).
+RUN38_SWEEPS = (("moe_mxfp4_run38c_f572b10.json", ("bits", 16)), ("moe_mxfp4_run38d_f572b10.json", ("bits", 16)),
+                ("moe_mxfp4_run38g_aca5b6c.json", ("bits", 0)))
 RUN38_TOKENS = "moe_mxfp4_run38e_c9276b3.json"
 RUN38_SASS = (("moe_ncu_src_run38b_5f2b5de_gate_sass.csv.gz", "an MMA call a 16 inputs (38b)"),
               ("moe_ncu_src_run38f_c9276b3_gate_sass.csv.gz", "one MMA call a step (38f)"))
@@ -939,9 +941,10 @@ def _sass_per_step(path: str) -> dict:
 
 def plot_run38(out: str) -> str:
     """Run 38 (H100). Left: warp instructions a pipeline step of the gated launch at 64 tokens by kind (Nsight
-    Compute), an MMA call a 16 inputs against one a step. Middle: the 64-token call by MMA calls and decode, two
-    runs. Right: the call at 16-256 tokens, run 37's default against run 38's (one MMA call a step), the GLU
-    hand-off and the scaled decode."""
+    Compute), an MMA call a 16 inputs against one a step. Middle: the 64-token call by MMA calls and decode, three
+    runs (the same routing). Right: the call at 16-256 tokens as % of 4.3 TB/s (the runs' routings differ after their
+    first token count), run 37's default against run 38's (one MMA call a step), the GLU hand-off and the scaled
+    decode."""
     import numpy as np
 
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(17, 4.4))
@@ -959,22 +962,22 @@ def plot_run38(out: str) -> str:
              ("bits", 0, "bits, a call a step"), ("scaled", 16, "scaled, a call a 16"),
              ("scaled", 0, "scaled, a call a step")]
 
-    def ms_of(rows, decode, mma):
+    def ms_of(rows, default, decode, mma):
         for r in rows:
             b = r["blocks"]
             if r["tokens"] != 64 or r.get("handoff") or "ms" not in r:
                 continue
-            if b == "None" and (decode, mma) == ("bits", 16):
+            if b == "None" and (decode, mma) == default:
                 return r["ms"]
             if f"decode='{decode}'" in b and f"mma_inputs={mma}," in b and "outputs='rows'" in b:
                 return r["ms"]
         return np.nan
 
     x = np.arange(len(forms))
-    for j, name in enumerate(RUN38_SWEEPS):
+    for j, (name, default) in enumerate(RUN38_SWEEPS):
         rows = _load(name, H100)["hopper"]
-        mid.bar(x + (j - 0.5) * 0.38, [ms_of(rows, d, m) for d, m, _ in forms], 0.38, label="run " + name.split("_")[2][3:],
-                color=f"C{j}")
+        mid.bar(x + (j - 1) * 0.27, [ms_of(rows, default, d, m) for d, m, _ in forms], 0.27,
+                label="run " + name.split("_")[2][3:], color=f"C{j}")
     mid.set_ylim(0.38, 0.45)
     _bar_axes(mid, x, [label for _, _, label in forms], "ms a call", "64 tokens: MMA calls and the decode",
               tick_size=7)
@@ -983,18 +986,21 @@ def plot_run38(out: str) -> str:
     for name in ("moe_mxfp4_run37b_65a3b0f.json", "moe_mxfp4_run37c_65a3b0f.json"):
         for r in _load(name, H100)["hopper"]:
             if r["blocks"] == "None" and not r["handoff"] and "ms" in r:
-                old.setdefault(r["tokens"], r["ms"])
+                old.setdefault(r["tokens"], r["pct_4.3TB_s"])
     new = _load(RUN38_TOKENS, H100)["hopper"]
     tokens = sorted({r["tokens"] for r in new})
     series = [("run 37 default", [old.get(t, np.nan) for t in tokens])]
     for label, pick in (("run 38 default (a call a step)", lambda r: r["blocks"] == "None" and not r["handoff"]),
                         ("... GLU hand-off", lambda r: r["blocks"] == "None" and r["handoff"] == "glu"),
                         ("scaled, a call a 16", lambda r: "scaled" in r["blocks"] and not r["handoff"])):
-        series.append((label, [next((r["ms"] for r in new if r["tokens"] == t and pick(r)), np.nan) for t in tokens]))
+        series.append((label, [next((r["pct_4.3TB_s"] for r in new if r["tokens"] == t and pick(r)), np.nan)
+                               for t in tokens]))
     x = np.arange(len(tokens))
     for j, (label, ms) in enumerate(series):
         right.bar(x + (j - 1.5) * 0.2, ms, 0.2, label=label, color=f"C{j}")
-    _bar_axes(right, x, [str(t) for t in tokens], "ms a call", "Kimi-Linear routed experts, MXFP4, by tokens")
+    _bar_axes(right, x, [str(t) for t in tokens], "% of 4.3 TB/s (the touched experts' packed bytes)",
+              "Kimi-Linear routed experts, MXFP4, by tokens")
+    right.set_ylim(30, 55)
     right.set_xlabel("tokens")
     fig.suptitle("Run 38, one H100: the MXFP4 routed-expert kernel issue-bound; one MMA call a step", fontsize=10)
     return _save(fig, os.path.join(out, "run38.png"))
