@@ -23,7 +23,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-FORMS = {"default": {}, "ptx": {"decode": "ptx"}, "mma_step": {"mma_inputs": 0}, "smem": {"a_operand": "smem"}}
+FORMS = {"default": {}, "ptx": {"decode": "ptx"}, "mma_step": {"mma_inputs": 0}, "smem": {"a_operand": "smem"},
+         "scaled_mma_step": {"decode": "scaled", "mma_inputs": 0},
+         "words_scaled_mma_step": {"code_load": "words", "decode": "scaled", "mma_inputs": 0}}
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 KEY_OPS = ("HGMMA", "WARPGROUP", "PRMT", "LOP3", "HMUL2", "HFMA2", "LDS", "STS", "SHF", "BAR", "SYNCS", "UTMALDG")
 
@@ -94,7 +96,8 @@ def summarise(out_dir: str) -> str:
     for name in FORMS:
         where = os.path.join(out_dir, name)
         files = sorted(os.listdir(where)) if os.path.isdir(where) else []
-        lines += [f"## {name} ({FORMS[name] or 'the defaults'})", "", f"files: {', '.join(files) or 'none'}", ""]
+        fields = FORMS[name] or "HopperMxfp4Blocks' own field defaults"
+        lines += [f"## {name} ({fields})", "", f"files: {', '.join(files) or 'none'}", ""]
         for fname in files:
             text = open(os.path.join(where, fname), errors="replace").read()
             if fname.endswith(".ptxas"):

@@ -3,7 +3,8 @@
 top-k routing, rows sorted by expert as the model sorts them; the gated launch (gate and up, one launch) or the
 down launch alone.
 
-    python3 benchmarks/moe_mxfp4_once.py --launch gate --tokens 64 [--model kimi-linear] [--decode scaled] [--mma-inputs 0]
+    python3 benchmarks/moe_mxfp4_once.py --launch gate --tokens 64 [--model kimi-linear] [--decode scaled]
+        [--mma-inputs 0]
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks.moe_mxfp4 import MODELS, packed  # noqa: E402
 from k3jax.layers.moe_experts import sort_by_expert  # noqa: E402
-from pallas_kernels.moe_gmm.hopper_mxfp4 import (DECODES, HopperMxfp4Blocks, grouped_glu_hopper_mxfp4,  # noqa: E402
-                                                  grouped_matmul_hopper_mxfp4, to_columns)
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (CODE_LOADS, DECODES, HopperMxfp4Blocks,  # noqa: E402
+                                                  grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4, to_columns)
 
 SHAPES = {**MODELS, "tiny": (8, 128, 128, 2)}      # E, D, F, top-k; "tiny" for an interpret-mode smoke run
 
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="kimi-linear", choices=sorted(SHAPES))
     ap.add_argument("--decode", default=None, choices=DECODES, help="HopperMxfp4Blocks.decode (default: the kernel's)")
     ap.add_argument("--mma-inputs", type=int, default=None, help="HopperMxfp4Blocks.mma_inputs (16, 32 or 0)")
+    ap.add_argument("--code-load", default=None, choices=CODE_LOADS, help="HopperMxfp4Blocks.code_load")
     ap.add_argument("--interpret", action="store_true", help="interpret mode (a CPU smoke run, with --model tiny)")
     args = ap.parse_args(argv)
     if args.tokens < 1:
@@ -44,9 +46,15 @@ def main(argv=None) -> int:
     rows = args.tokens * k
     interpret = True if args.interpret else None
     fields = {**({"decode": args.decode} if args.decode else {}),
-              **({"mma_inputs": args.mma_inputs} if args.mma_inputs is not None else {})}
-    blocks = HopperMxfp4Blocks.for_backend(args.interpret, d if args.launch == "gate" else f, rows / e,
-                                           2 if args.launch == "gate" else 1, **fields)
+              **({"mma_inputs": args.mma_inputs} if args.mma_inputs is not None else {}),
+              **({"code_load": args.code_load} if args.code_load else {})}
+    try:
+        blocks = HopperMxfp4Blocks.for_backend(args.interpret, d if args.launch == "gate" else f, rows / e,
+                                               2 if args.launch == "gate" else 1, **fields)
+        if args.interpret and blocks.decode != "exact":
+            raise ValueError(f"decode={blocks.decode!r} is inline PTX, which runs compiled only")
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.launch == "gate":
         x = jax.random.normal(jax.random.key(1), (args.tokens, d), jnp.bfloat16)[order // k]
         w_gate, w_up = to_columns(packed(rng, e, d, f)), to_columns(packed(rng, e, d, f))

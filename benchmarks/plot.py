@@ -931,7 +931,7 @@ def _sass_per_step(path: str) -> dict:
             e /= 2
         elif op.startswith("LDS"):
             kind = "shared-memory loads"
-        elif op.startswith(("HGMMA", "WARPGROUP", "U", "R2UR")):
+        elif op.startswith(("HGMMA", "WARPGROUP", "U", "R2UR")) and not op.startswith(("UTMA", "USYNC")):
             kind = "MMA, descriptors"
         else:
             kind = "other"

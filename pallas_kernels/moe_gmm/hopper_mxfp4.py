@@ -64,6 +64,7 @@ from pallas_kernels._util import default_interpret
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import launch_persistent, persistent_takes
 from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import smem_bytes as persistent_smem_bytes
+from pallas_kernels.moe_gmm.hopper_mxfp4_decode import WORD_BYTES
 from pallas_kernels.moe_gmm.hopper_mxfp4_step import (ALIGN, CODE_TRANSFORMS, COLUMNS, PER_GROUP, X_TRANSFORMS,
                                                       copy_out_rows, multiply_step, write_glu_slab)
 from pallas_kernels.moe_gmm.mxfp4 import GROUP, Mxfp4Weight
@@ -79,6 +80,7 @@ A_OPERANDS = ("registers", "smem")
 ACTIVATIONS = ("slab", "rows")
 OUTPUTS = ("tiles", "rows")
 LAUNCHES = ("grid", "persistent")
+CODE_LOADS = ("pairs", "words")
 # Decode tiles (at most this many rows) write their own rows out (`outputs="rows"`): Kimi-Linear's experts
 # (benchmarks/RESULTS.md, run 33), 0.414 / 0.135 ms a call at 64 / 8 tokens against 0.424 / 0.145 with "tiles" on an
 # H100, 0.414 / 0.129 against 0.413 / 0.134 on an H200.
@@ -91,7 +93,9 @@ ROWS_OUT_UP_TO = 8
 # per four codes, of which the per-16-input calls' B descriptor arithmetic and fences take about 4. One call a step
 # computes the descriptor once and advances it by a constant: the two launches 326.0 against 346.8 us, the call
 # 0.4153 against 0.4397 ms at 64 tokens (a second run: 0.4197 / 0.4177), 0.3087 / 0.3277 at 32, 0.4648 / 0.4899 at
-# 128. Larger tiles keep 16 (untimed with 0; their accumulators take more registers).
+# 128. The pairs (1-8 tokens) take it too: on an H100 (run 30) one call a step with the automatic split was 4%
+# faster than a call per 16 inputs at 1 and 8 tokens. Larger tiles keep 16 (untimed with 0; their accumulators take
+# more registers).
 
 
 class Mxfp4Columns(NamedTuple):
@@ -183,8 +187,11 @@ class HopperMxfp4Blocks:
     so XLA gathers nothing. `launch`: "grid", a program per tile, 64-column block and split, or "persistent",
     one warp-specialized program per multiprocessor (or `programs` of them) walking its share of tiles x
     128-column blocks in one pipeline (`hopper_mxfp4_persistent`; sorted rows in slabs, no splits, N a
-    multiple of 128, compiled only; pairs keep the grid launch). `for_backend` picks what runs; `smem_bytes`
-    must stay within one block's shared memory."""
+    multiple of 128, compiled only; pairs keep the grid launch). `code_load`: "pairs", each thread loads its codes
+    two bytes at a time in the WGMMA layout and decodes four codes at a time; or "words", four bytes at a time
+    (Mosaic GPU's WGMMA_8BIT layout) decoded eight at a time with no `prmt` (`hopper_mxfp4_decode.decode_words`),
+    the activations then in `word_order`. `for_backend` picks what runs; `smem_bytes` must stay within one
+    block's shared memory."""
 
     rows: int = 8
     block_k: int = 256
@@ -197,6 +204,7 @@ class HopperMxfp4Blocks:
     outputs: str = "tiles"
     launch: str = "grid"
     programs: int = 0
+    code_load: str = "pairs"
 
     def __post_init__(self):
         if self.rows % 8 or not 8 <= self.rows <= 256:
@@ -207,6 +215,11 @@ class HopperMxfp4Blocks:
             raise ValueError(f"HopperMxfp4Blocks: outputs must be one of {OUTPUTS}, got {self.outputs!r}")
         if self.launch not in LAUNCHES:
             raise ValueError(f"HopperMxfp4Blocks: launch must be one of {LAUNCHES}, got {self.launch!r}")
+        if self.code_load not in CODE_LOADS:
+            raise ValueError(f"HopperMxfp4Blocks: code_load must be one of {CODE_LOADS}, got {self.code_load!r}")
+        if self.code_load == "words" and self.decode == "ptx":
+            raise ValueError("HopperMxfp4Blocks: code_load='words' decodes with the bit placing of 'bits' or "
+                             "'scaled' (or 'exact' in interpret mode), not decode='ptx'")
         if self.programs < 0:
             raise ValueError(f"HopperMxfp4Blocks: programs must be >= 0 (0: one a multiprocessor), got {self.programs}")
         if self.launch == "persistent" and (self.activations != "slab" or self.splits != 1):
@@ -319,7 +332,8 @@ def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bo
     def products(acc_refs):
         def step(idx, x_smem, *w_smem):
             multiply_step(x_smem, w_smem, acc_refs, block_k=blocks.block_k, decode=blocks.decode,
-                          mma_inputs=blocks.inputs_per_mma, a_smem=a_smem[0] if a_smem else None)
+                          mma_inputs=blocks.inputs_per_mma, a_smem=a_smem[0] if a_smem else None,
+                          code_load=blocks.code_load)
 
         x_spec = plgpu.BlockSpec((window, blocks.block_k), lambda kk: (0, first_step + kk),
                                  transforms=X_TRANSFORMS)
@@ -354,6 +368,20 @@ def even_odd(x):
     the order of the decoded pieces (low nibbles = even inputs, high nibbles = odd ones)."""
     *lead, k = x.shape
     return x.reshape(*lead, k // GROUP, PER_GROUP, 2).swapaxes(-1, -2).reshape(*lead, k)
+
+
+def word_order(x):
+    """[..., K] -> [..., K] in the order of `code_load="words"`'s pieces: `even_odd`, then each half of a group
+    (its 16 even inputs, its 16 odd ones) by `hopper_mxfp4_decode.WORD_BYTES`: the inputs of the group's even
+    bytes, then of its odd bytes."""
+    *lead, k = x.shape
+    halves = even_odd(x).reshape(*lead, k // PER_GROUP, PER_GROUP)
+    return halves[..., WORD_BYTES].reshape(*lead, k)
+
+
+def k_order(x, blocks: HopperMxfp4Blocks):
+    """The activations [..., K] in the order `blocks`' decoded pieces take them (`even_odd` or `word_order`)."""
+    return word_order(x) if blocks.code_load == "words" else even_odd(x)
 
 
 def launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool, sorted_rows: bool,
@@ -456,11 +484,11 @@ def _tile_rows(sched, rows: int):
 
 
 def sorted_inputs(lhs, sched, blocks: HopperMxfp4Blocks):
-    """The activations a launch over `sched` reads, bf16 in `even_odd` order: per tile its own slab
+    """The activations a launch over `sched` reads, bf16 in `k_order`: per tile its own slab
     [T, rows, K] (zeros past the tile's last row), or with `blocks.activations="rows"` the sorted rows in place;
     and the row of lhs each tile's output column 0 holds [T]."""
     m, tm = lhs.shape[0], blocks.rows
-    ordered = even_odd(lhs.astype(jnp.bfloat16))
+    ordered = k_order(lhs.astype(jnp.bfloat16), blocks)
     if blocks.activations == "rows":
         return _in_place_rows(ordered, tm), sched[1] // ALIGN * ALIGN
     rows, live = _tile_rows(sched, tm)
@@ -509,7 +537,7 @@ def _pair_products(lhs, weights, group, valid, repeat: int, blocks: HopperMxfp4B
     index = jnp.arange(pairs, dtype=jnp.int32)
     token = index // repeat
     sched = jnp.stack([jnp.where(valid, group, 0).astype(jnp.int32), token, token + valid.astype(jnp.int32), index])
-    ordered = even_odd(lhs.astype(jnp.bfloat16))           # before the repeat and the padding rows
+    ordered = k_order(lhs.astype(jnp.bfloat16), blocks)     # before the repeat and the padding rows
     if blocks.activations == "rows":
         out = launch(sched, _in_place_rows(ordered, blocks.rows), weights, pairs, blocks, interpret,
                      sorted_rows=False)
@@ -569,6 +597,9 @@ def resolve_blocks(blocks, interpret, k_dim: int, rows_per_group: float = 1.0, n
     if interpreted and blocks is not None and blocks.launch == "persistent":
         raise ValueError("HopperMxfp4Blocks: launch='persistent' runs compiled only (interpret mode cannot run its "
                          "accumulators through the item loop); interpret mode needs launch='grid'")
+    if not interpreted and blocks is not None and blocks.code_load == "words" and blocks.decode == "exact":
+        raise ValueError("HopperMxfp4Blocks: code_load='words' with decode='exact' runs in interpret mode only; "
+                         "compiled, the word decode is decode='bits' or 'scaled'")
     return (blocks or HopperMxfp4Blocks.for_backend(interpreted, k_dim, rows_per_group, n_weights)), interpreted
 
 

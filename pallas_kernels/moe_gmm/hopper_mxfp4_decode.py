@@ -103,6 +103,63 @@ fma.rn.bf16x2 $1, high, $3, zero;
 SCALED_MAX_SCALE = 128
 
 
+def scaled_factor_bits(scale):
+    """E8M0 scale bytes (uint8, a Mosaic GPU array or a jnp one) -> int16 bf16 bits of 2^126 x 2^(s - 127) =
+    2^(s - 1), the "scaled" decode's multiplier: exponent field s + 126, saturated at 255 (inf) past
+    SCALED_MAX_SCALE, so that larger scales come out inf or NaN instead of wrapping into the sign bit."""
+    return jnp.minimum(scale.astype(jnp.int16) + 126, 255) << 7
+
+
+def scaled_pair_bits(scale):
+    """The same as a uint32 bf16 pair (both halves 2^(s - 1)), as the word decode takes it: one multiply places
+    the exponent field s + 126 in bits 7-14 and 23-30."""
+    return (jnp.minimum(scale.astype(jnp.uint32), SCALED_MAX_SCALE + 1) + 126) * 0x00800080
+
+
+def word_ptx(scaled: bool) -> str:
+    """The bits decode on a whole 32-bit word of four code bytes [b0 b1 b2 b3] (`HopperMxfp4Blocks.code_load=
+    "words"`) -> $0 the bf16 pair of b0's and b2's low nibbles, $1 of b1's and b3's, $2 and $3 the same of the high
+    nibbles, each times $5 (`scaled`: the row's 2^(s - 1) pair) or 2^126. The pairs (b0, b2) sit in bits 0-7 and
+    16-23 already, so no `prmt` spreads them: b0's nibbles are copied by one multiply as in the chunk decode, and
+    b1's and b3's are first shifted down (by 2 for the low nibbles, by 6 for the high ones) to where the masked
+    nibble times 65 leaves the magnitude in bits 6-8 and the sign in bit 15. Per eight codes two shifts, eight
+    `and`, four integer multiplies and four bf16 multiplies, where the chunk decode took two `prmt` and twelve."""
+    factor = "$5" if scaled else "unit"
+    return f"""
+{{
+.reg .b32 a, b, c, d, v, u, zero{'' if scaled else ', unit'};
+mov.b32 zero, 0x80008000;
+{'' if scaled else 'mov.b32 unit, 0x7E807E80;'}
+and.b32 a, $4, 0x000F000F;
+and.b32 b, $4, 0x00F000F0;
+shr.b32 v, $4, 2;
+shr.b32 u, $4, 6;
+and.b32 c, v, 0x03C003C0;
+and.b32 d, u, 0x03C003C0;
+mul.lo.u32 a, a, 0x1040;
+mul.lo.u32 b, b, 0x0104;
+mul.lo.u32 c, c, 0x41;
+mul.lo.u32 d, d, 0x41;
+and.b32 a, a, 0x81C081C0;
+and.b32 b, b, 0x81C081C0;
+and.b32 c, c, 0x81C081C0;
+and.b32 d, d, 0x81C081C0;
+fma.rn.bf16x2 $0, a, {factor}, zero;
+fma.rn.bf16x2 $1, c, {factor}, zero;
+fma.rn.bf16x2 $2, b, {factor}, zero;
+fma.rn.bf16x2 $3, d, {factor}, zero;
+}}
+"""
+
+
+PTX_DECODE_WORD = word_ptx(scaled=False)
+PTX_DECODE_WORD_SCALED = word_ptx(scaled=True)
+# A scale group's 16 code bytes in the order the word decode's pieces take them (`word_bytes`): piece slot s of
+# thread quad t (slots 2t, 2t + 1 and 2t + 8, 2t + 9) holds byte 4t + s // 8 + 2 (s % 2), so the low-nibble piece
+# is the even bytes' low nibbles then the odd bytes'; with the activations in `word_order`.
+WORD_BYTES = np.concatenate([np.arange(0, 16, 2), np.arange(1, 16, 2)])
+
+
 def decode_table_bits() -> np.ndarray:
     """The bf16 bit patterns the PTX tables hold for magnitude codes 0-7 (checked against
     `mxfp4.E2M1` by the tests, since the PTX itself runs only on a GPU)."""
@@ -153,6 +210,56 @@ def decode_scaled(codes, factor):
     """`PTX_DECODE_SCALED` on `codes` with `factor` (bf16 [64, C], WGMMA layout: 2^(s - 1) per row for the
     group's E8M0 scale s <= SCALED_MAX_SCALE) -> (low nibbles, high nibbles) already scaled."""
     return decode_ptx(codes, PTX_DECODE_SCALED, factor)
+
+
+def decode_words(codes, factor=None):
+    """The word decode (`word_ptx`) on `codes` u8 [64, 16] (one scale group) in Mosaic GPU's WGMMA_8BIT layout (each
+    thread four consecutive bytes of its two rows), with `factor` u32 [64] in the WGMMA row layout (per row the
+    bf16 pair 2^(s - 1): the "scaled" decode) or None (times 2^126: the bits decode, scale still to apply) ->
+    (the low nibbles' piece, the high nibbles' piece), bf16 [64, 16] each in the WGMMA layout, their columns the
+    bytes in `WORD_BYTES` order. Thread registers: codes [h] (row r + 8h) -> pieces [c, h] (columns 8c + 2t..)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax.experimental import mosaic as _  # noqa: F401  (registers the dialects)
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    if codes.shape != (64, 16):
+        raise ValueError(f"MXFP4 word decode: one scale group's codes [64, 16] at a time, got {codes.shape}")
+    out_type = plgpu.ShapeDtypeStruct(codes.shape, jnp.bfloat16, plgpu.Layout.WGMMA)
+    text = PTX_DECODE_WORD if factor is None else PTX_DECODE_WORD_SCALED
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT,) + (() if factor is None else
+                                                              (plgpu.Layout.WGMMA.reduce(1),)),
+                       return_type=(out_type, out_type))
+    def decode(_, array, *scale):
+        i32 = ir.IntegerType.get_signless(32)
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+        four_i32 = llvm.StructType.get_literal([i32] * 4)
+        shape = fa.WGMMA_LAYOUT.registers_shape(codes.shape)           # [.., c, .., h, ..]: (1, 2, 1, 1, 2, ...)
+        if array.registers.shape != fa.WGMMA_LAYOUT_8BIT.registers_shape(codes.shape) or shape[1] != 2:
+            raise ValueError(f"MXFP4 word decode: unexpected registers {array.registers.shape} / {shape}")
+        low, high = np.empty(shape, object), np.empty(shape, object)
+        for h in range(2):
+            word = mgpu_utils.bitcast(array.registers[0, 0, 0, 0, h, 0, 0, 0, 0], i32)
+            args = [word] + ([mgpu_utils.bitcast(scale[0].registers[0, 0, h, 0, 0], i32)] if scale else [])
+            out = llvm.inline_asm(four_i32, args, text, "=r,=r,=r,=r,r" + (",r" if scale else ""))
+            for c in range(2):
+                at = (0, c, 0, 0, h, 0, 0, 0, 0)
+                low[at] = mgpu_utils.bitcast(llvm.extractvalue(i32, out, [c]), pair)
+                high[at] = mgpu_utils.bitcast(llvm.extractvalue(i32, out, [2 + c]), pair)
+        return (fa.FragmentedArray(_registers=low, _layout=fa.WGMMA_LAYOUT, _is_signed=None),
+                fa.FragmentedArray(_registers=high, _layout=fa.WGMMA_LAYOUT, _is_signed=None))
+
+    return decode(codes) if factor is None else decode(codes, factor)
+
+
+def decode_words_exact(codes):
+    """The word decode's pieces in interpret mode (or anywhere jnp runs): `decode_exact` on the group's bytes in
+    `WORD_BYTES` order (its even bytes, then its odd ones; a reshape, not a gather, which a kernel cannot close
+    over)."""
+    rows, width = codes.shape
+    return decode_exact(codes.reshape(rows, width // 2, 2).swapaxes(1, 2).reshape(rows, width))
 
 
 DECODERS = {"exact": decode_exact, "ptx": decode_ptx,

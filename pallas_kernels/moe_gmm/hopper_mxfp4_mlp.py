@@ -5,7 +5,7 @@ Run as two calls (`grouped_glu_hopper_mxfp4`, then `grouped_matmul_hopper_mxfp4`
 from the gated launch's products, applies the GLU, then gathers those rows again into the down launch's
 per-tile slabs. Both launches cut the same sorted rows into the same tiles, so here the gated launch writes
 each tile's [F, rows] products (`outputs="tiles"`) and one elementwise pass turns them into the down launch's
-slabs: act(gate, up), rounded to bf16, transposed to [rows, F] and put in `even_odd` order. No gather sits
+slabs: act(gate, up), rounded to bf16, transposed to [rows, F] and put in the down launch's `k_order`. No gather sits
 between the launches. Rows past a tile's last row are act(0, 0) = 0, as the slabs' padding is; tiles past
 the live ones are never read by either launch.
 
@@ -37,8 +37,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HandOffColumns, HopperMxfp4Blocks, Mxfp4Columns, check_operands,
-                                                 even_odd, launch, products_by_row, resolve_blocks, sorted_inputs,
-                                                 sorted_schedule)
+                                                 even_odd, k_order, launch, products_by_row, resolve_blocks,
+                                                 sorted_inputs, sorted_schedule)
 
 HAND_OFFS = ("products", "glu")
 
@@ -63,6 +63,9 @@ def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns
     if up.activations != "slab" or down.activations != "slab":
         raise ValueError(f"grouped_mlp_hopper_mxfp4: the hand-off builds slabs; activations must be 'slab', got "
                          f"{up.activations!r}")
+    if hand_off == "glu" and down.code_load != "pairs":
+        raise ValueError("grouped_mlp_hopper_mxfp4: hand_off='glu' writes h's slabs in even_odd order (the gate and "
+                         f"up columns from hand_off_columns), which code_load={down.code_load!r} does not read")
     up = dataclasses.replace(up, outputs="tiles", splits=1 if hand_off == "glu" and up.splits == 0 else up.splits)
     return up, down, interpreted
 
@@ -100,7 +103,7 @@ def grouped_mlp_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, w_do
         h = launch(sched, x, (w_gate, w_up), m, up_blocks, interpreted, sorted_rows=True, glu_spec=spec)
     else:
         gate, up = launch(sched, x, (w_gate, w_up), m, up_blocks, interpreted, sorted_rows=True)   # [T, F, rows]
-        h = even_odd(jnp.swapaxes(glu(gate, up, spec).astype(lhs.dtype).astype(jnp.bfloat16), 1, 2))
+        h = k_order(jnp.swapaxes(glu(gate, up, spec).astype(lhs.dtype).astype(jnp.bfloat16), 1, 2), down_blocks)
     out = launch(sched, h, (w_down,), m, down_blocks, interpreted, sorted_rows=True)
     out = products_by_row(out, sched, sched[1], group_sizes, m, down_blocks)[0]
     if row_scale is None:

@@ -62,7 +62,7 @@ def _kernel(sched_ref, count_ref, x_ref, *refs, n_weights: int, steps: int, colu
             blocks, glu_spec: GluSpec | None = None):
     """sched_ref [4, tiles]: each tile's group, first and end row and the output row of its first row, the
     live tiles first; count_ref [1]: how many are live; x_ref [tiles, rows, K] bf16 slabs (inputs in
-    `hopper_mxfp4.even_odd` order); refs: per weight packed [G, N, K/2] and scale [G, K/32, N], then the output
+    `hopper_mxfp4.k_order`); refs: per weight packed [G, N, K/2] and scale [G, K/32, N], then the output
     (fp32 [weights, 1, tiles, N, rows], or with `outputs="rows"` [1, rows out, weights, N], or with `glu_spec`
     h's bf16 slabs [tiles, rows, N]) and the scratch: staged products [2, weights, 64, rows] (with `glu_spec`:
     h's [2, rows, 64] bf16), their transposed copy [2, rows, weights, 64] (`outputs="rows"`), the decoded operand
@@ -117,7 +117,7 @@ def _kernel(sched_ref, count_ref, x_ref, *refs, n_weights: int, steps: int, colu
         def multiply(acc_refs):
             multiply_step(x_smem, w_smem, acc_refs, block_k=blocks.block_k, decode=blocks.decode,
                           mma_inputs=blocks.inputs_per_mma, a_smem=None if a_smem is None else a_smem.at[wg],
-                          columns=columns)
+                          columns=columns, code_load=blocks.code_load)
 
         accs = pl.run_state(multiply)(tuple(plgpu.ACC.init(acc) for acc in accs))
         last_step = kk == steps - 1

@@ -12,7 +12,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe_gmm.activation import glu
-from pallas_kernels.moe_gmm.hopper_mxfp4_decode import DECODERS, decode_scaled
+from pallas_kernels.moe_gmm.hopper_mxfp4_decode import (DECODERS, decode_scaled, decode_words, decode_words_exact,
+                                                         scaled_factor_bits, scaled_pair_bits)
 from pallas_kernels.moe_gmm.mxfp4 import GROUP
 
 COLUMNS = 64                      # output columns of one warpgroup: the M side of its MMA
@@ -23,11 +24,13 @@ CODE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 
 
 def multiply_step(x_smem, w_smem, acc_refs, *, block_k: int, decode: str, mma_inputs: int, a_smem=None,
-                  columns=None):
+                  columns=None, code_load: str = "pairs"):
     """One pipeline step of a warpgroup: for each weight w, acc_refs[w] [64, window] += its 64 columns' decoded
     weights [64, block_k] @ x_smem^T, then waits for the MMAs.
 
-    x_smem: [window, block_k] bf16, each scale group's inputs as its 16 even then its 16 odd ones.
+    x_smem: [window, block_k] bf16, each scale group's inputs as its 16 even then its 16 odd ones, or with
+      `code_load="words"` in `word_order` (the codes loaded four bytes a thread and decoded a word at a time:
+      `hopper_mxfp4_decode.decode_words`; in interpret mode, `decode="exact"`, the same order by a gather).
     w_smem: per weight the packed codes [C, block_k / 2] and the E8M0 scales [block_k / 32, C]; C = 64, or
       `columns` (a `pl.ds` of 64) picks the warpgroup's columns of a wider block.
     mma_inputs: inputs one MMA call takes (16, 32, or block_k). a_smem: [64, mma_inputs] bf16 to pass the
@@ -40,20 +43,27 @@ def multiply_step(x_smem, w_smem, acc_refs, *, block_k: int, decode: str, mma_in
     pick = (lambda ref: ref) if columns is None else (lambda ref: ref.at[columns])
     for w, acc_ref in enumerate(acc_refs):
         p_smem, s_smem = w_smem[2 * w], w_smem[2 * w + 1]
-        codes = plgpu.load(pick(p_smem), layout=layout)                          # [64, bk/2] u8
+        words = code_load == "words" and decode != "exact"
+        codes = plgpu.load(pick(p_smem), layout=plgpu.Layout.WGMMA_8BIT if words else layout)   # [64, bk/2] u8
         pieces, issued = [], 0   # piece 2j: group j's low nibbles (its even inputs), 2j + 1: its odd ones
         for j in range(groups):
             factor = plgpu.load(pick(s_smem.at[j]), layout=row_layout)            # [64] u8 E8M0
             group_codes = codes[:, PER_GROUP * j:PER_GROUP * (j + 1)]
-            if decode == "scaled":      # 2^126 x 2^(s - 127): bf16 exponent s + 126 (255, inf, past the range)
-                factor = jnp.minimum(factor.astype(jnp.int16) + 126, 255) << 7
-                factor = lax.broadcast_in_dim(lax.bitcast_convert_type(factor, jnp.bfloat16), (COLUMNS, PER_GROUP),
-                                              [0])
+            if words and decode == "scaled":    # the pair (2^(s - 1), 2^(s - 1)): bits (s + 126) << 7 twice
+                pieces += list(decode_words(group_codes, scaled_pair_bits(factor)))
+            elif words:                         # times 2^126, then the scale as the chunk decodes take it
+                factor = lax.bitcast_convert_type(factor.astype(jnp.int16) << 7, jnp.bfloat16)
+                factor = lax.broadcast_in_dim(factor, (COLUMNS, PER_GROUP), [0])
+                lo, hi = decode_words(group_codes)
+                pieces += [lo * factor, hi * factor]
+            elif decode == "scaled":      # 2^126 x 2^(s - 127): bf16 exponent s + 126 (255, inf, past the range)
+                factor = lax.broadcast_in_dim(lax.bitcast_convert_type(scaled_factor_bits(factor), jnp.bfloat16),
+                                              (COLUMNS, PER_GROUP), [0])
                 pieces += list(decode_scaled(group_codes, factor))
             else:
                 factor = lax.bitcast_convert_type(factor.astype(jnp.int16) << 7, jnp.bfloat16)
                 factor = lax.broadcast_in_dim(factor, (COLUMNS, PER_GROUP), [0])
-                lo, hi = DECODERS[decode](group_codes)
+                lo, hi = (decode_words_exact if code_load == "words" else DECODERS[decode])(group_codes)
                 pieces += [lo * factor, hi * factor]
             while len(pieces) - issued >= per_mma:     # x_smem's columns 16 p .. 16 p + 15: piece p's inputs
                 run = pieces[issued:issued + per_mma]

@@ -21,12 +21,14 @@ from tolerances import assert_close, kernel_dtype
 
 from pallas_kernels.moe_gmm import (GluSpec, Mxfp4Weight, grouped_glu, grouped_glu_reference, grouped_matmul_reference,
                                     hopper_mxfp4, pair_glu_reference, pair_matmul_reference)
-from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, from_checkpoint_columns,
-                                                 grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4,
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, even_odd, from_checkpoint_columns,
+                                                 grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4, k_order,
                                                  pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4, runs_here,
-                                                 to_columns)
-from pallas_kernels.moe_gmm.hopper_mxfp4_decode import (PTX_DECODE, PTX_DECODE_BITS, PTX_DECODE_SCALED, SCALED_MAX_SCALE,
-                                                         decode_exact, decode_table_bits)
+                                                 to_columns, word_order)
+from pallas_kernels.moe_gmm.hopper_mxfp4_decode import (PTX_DECODE, PTX_DECODE_BITS, PTX_DECODE_SCALED,
+                                                         PTX_DECODE_WORD, PTX_DECODE_WORD_SCALED, SCALED_MAX_SCALE,
+                                                         WORD_BYTES, decode_exact, decode_table_bits,
+                                                         scaled_factor_bits, scaled_pair_bits)
 from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import launch_persistent
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, dequantize, from_checkpoint_layout
 
@@ -34,6 +36,9 @@ on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU k
 FORMS = {"bits_registers": HopperMxfp4Blocks(), "exact_registers": HopperMxfp4Blocks(decode="exact"),
          "ptx_registers": HopperMxfp4Blocks(decode="ptx"), "scaled_registers": HopperMxfp4Blocks(decode="scaled"),
          "scaled_mma_step": HopperMxfp4Blocks(decode="scaled", mma_inputs=0),
+         "words_mma_step": HopperMxfp4Blocks(code_load="words", mma_inputs=0),
+         "words_scaled_rows_out": HopperMxfp4Blocks(code_load="words", decode="scaled", mma_inputs=0, outputs="rows"),
+         "words_scaled_group": HopperMxfp4Blocks(code_load="words", decode="scaled", mma_inputs=32),
          "ptx_smem": HopperMxfp4Blocks(decode="ptx", a_operand="smem"),
          "exact_smem": HopperMxfp4Blocks(decode="exact", a_operand="smem"),
          "rows16_k128_stages2": HopperMxfp4Blocks(rows=16, block_k=128, stages=2),
@@ -56,7 +61,9 @@ PERSISTENT = {"persistent_rows_out": HopperMxfp4Blocks(launch="persistent", outp
                                                                     stages=6),
               "persistent_rows16_mma_step": HopperMxfp4Blocks(launch="persistent", rows=16, mma_inputs=0,
                                                               programs=5),
-              "persistent_ptx_stages2": HopperMxfp4Blocks(launch="persistent", decode="ptx", stages=2, programs=7)}
+              "persistent_ptx_stages2": HopperMxfp4Blocks(launch="persistent", decode="ptx", stages=2, programs=7),
+              "persistent_words_scaled": HopperMxfp4Blocks(launch="persistent", code_load="words", decode="scaled",
+                                                           mma_inputs=0, programs=5)}
 
 
 def _weight(rng, g, k, n, top: int = 130) -> Mxfp4Weight:
@@ -105,6 +112,55 @@ def test_grouped_matmul_equals_the_reference(rng, interpret, sizes, m, rows, act
     assert scaled.dtype == jnp.float32
     assert_close("scaled", scaled, grouped_matmul_reference(x.astype(jnp.float32), dense, group_sizes, scale))
     assert not np.asarray(out[sum(sizes):]).any()
+
+
+@pytest.mark.parametrize("activations,outputs", [("slab", "rows"), ("rows", "tiles")])
+def test_word_loads_put_inputs_and_codes_in_one_order(rng, activations, outputs):
+    """code_load="words" in interpret mode (any host): the exact decode takes each group's bytes in WORD_BYTES
+    order and the activations come in `word_order`, the order the compiled word decode's pieces have; sorted rows
+    (gate and up together, and one projection), pairs and the products hand-off against the references."""
+    from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4
+
+    sizes, k, n = [3, 0, 9, 2], 128, 128
+    m = sum(sizes) + 2
+    blocks = HopperMxfp4Blocks(decode="exact", a_operand="smem", code_load="words", block_k=128,
+                               activations=activations, outputs=outputs)
+    wg, wu, wd = _weight(rng, 4, k, n), _weight(rng, 4, k, n), _weight(rng, 4, n, k)
+    dg, du, dd = (dequantize(w, jnp.float32) for w in (wg, wu, wd))
+    x = jnp.asarray(rng.standard_normal((m, k)) * 0.1, jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    xf = x.astype(jnp.float32)
+    h = grouped_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group_sizes, blocks=blocks, interpret=True)
+    assert_close("glu", h, grouped_glu_reference(xf, dg, du, group_sizes), dtype=jnp.bfloat16)
+    mm = grouped_matmul_hopper_mxfp4(x, to_columns(wg), group_sizes, blocks=blocks, interpret=True)
+    assert_close("matmul", mm, grouped_matmul_reference(xf, dg, group_sizes), dtype=jnp.bfloat16)
+    group = jnp.asarray(rng.integers(0, 4, 6), jnp.int32)
+    valid = jnp.asarray([True, True, False, True, True, True])
+    pairs = pair_matmul_hopper_mxfp4(x[:3], to_columns(wg), group, valid, repeat=2, blocks=blocks, interpret=True)
+    assert_close("pairs", pairs, pair_matmul_reference(xf[:3], dg, group, valid, repeat=2), dtype=jnp.bfloat16)
+    if activations == "slab":
+        y = grouped_mlp_hopper_mxfp4(x, to_columns(wg), to_columns(wu), to_columns(wd), group_sizes, blocks=blocks,
+                                     interpret=True)
+        hb = grouped_glu_reference(xf, dg, du, group_sizes).astype(jnp.bfloat16).astype(jnp.float32)
+        assert_close("mlp", y, grouped_matmul_reference(hb, dd, group_sizes), dtype=jnp.bfloat16)
+
+
+def test_word_loads_refuse_what_they_cannot_run(rng):
+    x = jnp.zeros((8, 128), jnp.bfloat16)
+    w = to_columns(_weight(rng, 2, 128, 64))
+    sizes = jnp.asarray([5, 3], jnp.int32)
+    with pytest.raises(ValueError, match="not decode='ptx'"):
+        HopperMxfp4Blocks(code_load="words", decode="ptx")
+    with pytest.raises(ValueError, match="code_load must be one of"):
+        HopperMxfp4Blocks(code_load="bytes")
+    with pytest.raises(ValueError, match="interpret mode only"):
+        grouped_matmul_hopper_mxfp4(x, w, sizes, blocks=HopperMxfp4Blocks(code_load="words", decode="exact"),
+                                    interpret=False)
+    from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4, hand_off_columns
+    with pytest.raises(ValueError, match="hand_off='glu' writes h's slabs in even_odd order"):
+        grouped_mlp_hopper_mxfp4(x, hand_off_columns(w), hand_off_columns(w), to_columns(_weight(rng, 2, 64, 128)),
+                                 sizes, blocks=HopperMxfp4Blocks(code_load="words", decode="exact", a_operand="smem",
+                                                                 block_k=128), interpret=True, hand_off="glu")
 
 
 @pytest.mark.parametrize("activations,outputs", IO_FORMS)
@@ -257,6 +313,8 @@ def _run_ptx(text: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             res = args[0] & args[1]
         elif op == "shl.b32":
             res = (args[0] << args[1]) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            res = (args[0] & 0xFFFFFFFF) >> args[1]
         elif op == "prmt.b32":
             res = _prmt(args[0], args[1], args[2])
         elif op == "lop3.b32":
@@ -269,7 +327,7 @@ def _run_ptx(text: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             res = _fma_bf16x2(*np.broadcast_arrays(*args))
         else:
             raise AssertionError(f"instruction the interpreter does not know: {op}")
-        regs[dst] = np.broadcast_to(res, inputs["$2"].shape).astype(np.int64)
+        regs[dst] = np.broadcast_to(res, next(iter(inputs.values())).shape).astype(np.int64)
     return regs
 
 
@@ -317,6 +375,58 @@ def test_scaled_decode_text_gives_every_code_pair_its_value_times_its_scale():
         np.testing.assert_array_equal(regs["$1"], want[1] | (want[3] << 16))
 
 
+def test_scaled_multipliers_are_the_scales_times_2_126_and_inf_past_the_range():
+    """The kernel's own expressions for the "scaled" multiplier over all 256 E8M0 bytes: 2^(s - 1) exactly up to
+    SCALED_MAX_SCALE, +inf above (loud: zero codes come out NaN, the rest inf), never a wrapped sign bit; the
+    word decode's pair is the same bits in both halves."""
+    s = jnp.arange(256, dtype=jnp.uint8)
+    bits = np.asarray(scaled_factor_bits(s)).astype(np.int64) & 0xFFFF
+    values = _bf16_values(bits)
+    fits = np.arange(256) <= SCALED_MAX_SCALE
+    np.testing.assert_array_equal(values[fits], 2.0 ** (np.arange(256)[fits] - 1.0))
+    assert np.all(np.isposinf(values[~fits]))
+    pair = np.asarray(scaled_pair_bits(s)).astype(np.int64)
+    np.testing.assert_array_equal(pair, bits | (bits << 16))
+
+
+def test_word_decode_texts_give_every_byte_pair_its_values():
+    """The word decode on 32-bit words of four code bytes: outputs 0 / 1 the low nibbles of bytes (0, 2) / (1, 3),
+    2 / 3 their high nibbles, each pair times 2^126 x 2^-126 (bits) or its scale (scaled), bit-exact. Every pair of
+    bytes 0 and 2 with random bytes 1 and 3, then every pair of bytes 1 and 3 with random bytes 0 and 2."""
+    rng = np.random.default_rng(21)
+    pairs = np.arange(1 << 16, dtype=np.int64)
+    noise = rng.integers(0, 1 << 16, pairs.shape, dtype=np.int64)
+    spread = lambda v: (v & 0xFF) | ((v >> 8) << 16)                    # bytes 0, 1 of v -> bytes 0 and 2
+    words = np.concatenate([spread(pairs) | (spread(noise) << 8), spread(noise) | (spread(pairs) << 8)])
+    values = np.asarray(E2M1, np.float64)
+    byte = [(words >> (8 * i)) & 0xFF for i in range(4)]
+    for text, scale in ((PTX_DECODE_WORD, 127), (PTX_DECODE_WORD_SCALED, 0), (PTX_DECODE_WORD_SCALED, 120),
+                        (PTX_DECODE_WORD_SCALED, SCALED_MAX_SCALE)):
+        assert set(re.findall(r"^\s*([a-z0-9]+)\.", text, re.M)) <= {"and", "shr", "mul", "mov", "fma"}
+        inputs = {"$4": words} | ({"$5": np.full_like(words, ((scale + 126) << 7) * 0x10001)} if "$5" in text else {})
+        regs = _run_ptx(text, inputs)
+
+        def want(nibble, a, b):
+            return (_bf16_bits(values[(byte[a] >> nibble) & 15] * 2.0 ** (scale - 127))
+                    | (_bf16_bits(values[(byte[b] >> nibble) & 15] * 2.0 ** (scale - 127)) << 16))
+
+        for out, (nibble, a, b) in enumerate(((0, 0, 2), (0, 1, 3), (4, 0, 2), (4, 1, 3))):
+            np.testing.assert_array_equal(regs[f"${out}"], want(nibble, a, b), err_msg=f"output {out}, scale {scale}")
+
+
+def test_word_order_puts_each_input_where_the_word_decode_takes_it():
+    """Piece slot s of a group's low / high piece holds byte WORD_BYTES[s]'s low / high nibble, input
+    2 WORD_BYTES[s] (+1): `word_order` lays the activations out the same way; a permutation of each group."""
+    k = 96
+    order = np.asarray(word_order(jnp.arange(k)))
+    for g in range(k // 32):
+        got = order[32 * g:32 * (g + 1)] - 32 * g
+        np.testing.assert_array_equal(got, np.concatenate([2 * WORD_BYTES, 2 * WORD_BYTES + 1]))
+    assert sorted(order.tolist()) == list(range(k))
+    assert np.asarray(k_order(jnp.arange(k), HopperMxfp4Blocks())).tolist() == np.asarray(even_odd(
+        jnp.arange(k))).tolist()
+
+
 def test_ptx_tables_hold_the_bf16_magnitudes():
     np.testing.assert_array_equal(decode_table_bits().astype(np.int64), _bf16_bits(np.abs(E2M1[:8])))
 
@@ -339,7 +449,9 @@ def test_every_form_lowers_for_cuda_on_any_host(form):
 
     module = jax.export.export(jax.jit(glu), platforms=["cuda"])(*args).mlir_module()
     assert "mosaic_gpu" in module
-    assert ("prmt.b32" in module) == (blocks.decode != "exact")    # the PTX decode is in the kernel it lowers
+    # the PTX decode is in the kernel it lowers: the chunk decodes spread each chunk by prmt, the word decode shifts
+    assert ("prmt.b32" in module) == (blocks.decode != "exact" and blocks.code_load == "pairs")
+    assert ("shr.b32" in module) == (blocks.code_load == "words")
     assert ("mul.lo.u32" in module) == (blocks.decode in ("bits", "scaled"))
     assert ("0x7E807E80" in module) == (blocks.decode == "bits")      # "scaled" multiplies by the scale instead
 
@@ -506,7 +618,7 @@ def test_compiled_persistent_forms_equal_the_reference(rng, form, sizes, m):
 
 @on_gpu
 @pytest.mark.parametrize("form", ["bits_registers", "ptx_registers", "scaled_registers", "exact_smem", "rows_in_place",
-                                  "rows_in_place_out", "rows_out"])
+                                  "rows_in_place_out", "rows_out", "mma_step", "words_scaled_rows_out"])
 def test_compiled_pairs_equal_the_reference(rng, form):
     """11 tokens: in place, the pairs of tokens 8-10 read their window from row 8."""
     g, k, f, tokens, repeat = 8, 1024, 128, 11, 4
