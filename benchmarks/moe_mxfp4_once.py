@@ -53,6 +53,8 @@ def main(argv=None) -> int:
                                                2 if args.launch == "gate" else 1, **fields)
         if args.interpret and blocks.decode != "exact":
             raise ValueError(f"decode={blocks.decode!r} is inline PTX, which runs compiled only")
+        if not args.interpret and blocks.code_load == "words" and blocks.decode == "exact":
+            raise ValueError("code_load='words' with decode='exact' runs in interpret mode only")
     except ValueError as exc:
         ap.error(str(exc))
     if args.launch == "gate":

@@ -306,8 +306,8 @@ class HopperMxfp4Blocks:
 
 def _kernel(sched_ref, x_ref, *refs, n_weights, steps, window: int, in_place: bool, blocks: HopperMxfp4Blocks,
             glu_spec: GluSpec | None = None):
-    """x_ref: activations with each scale group's 32 inputs as its 16 even then its 16 odd ones
-    (`even_odd`): a slab per tile [tiles, window, K], or (`in_place`) the rows themselves [M', K], each
+    """x_ref: activations in `k_order` (each scale group's 32 inputs as its 16 even then its 16 odd ones,
+    `even_odd`, or `word_order`): a slab per tile [tiles, window, K], or (`in_place`) the rows themselves [M', K], each
     tile reading `window` rows from its first row rounded down to a multiple of `ALIGN`;
     refs: per weight packed [G, N, K/2] and scale [G, K/32, N]; out fp32 [weights, splits, tiles, N, window],
     or with `outputs="rows"` [splits, rows out, weights, N], or with `glu_spec` (gate and up, one split) h's bf16
@@ -387,7 +387,7 @@ def k_order(x, blocks: HopperMxfp4Blocks):
 def launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool, sorted_rows: bool,
            glu_spec: GluSpec | None = None):
     """The kernel over `sched` [4, T] (group, first, end row per tile, first >= end: nothing to do; the
-    output row of its first row) with the activations in `even_odd` order, bf16: each tile's own slab `x`
+    output row of its first row) with the activations in `k_order(.., blocks)`, bf16: each tile's own slab `x`
     [T, rows, K], or the sorted rows `x` [M', K] read in place (`_in_place_rows`: M' >= the largest first row
     rounded down to 8, plus `blocks.window`, and a multiple of 8) -> fp32 products: per tile
     [weights, T, N, rows] (slabs) or [weights, T, N, window] (column c: the product of row first // 8 * 8 + c);

@@ -154,7 +154,7 @@ fma.rn.bf16x2 $3, d, {factor}, zero;
 
 PTX_DECODE_WORD = word_ptx(scaled=False)
 PTX_DECODE_WORD_SCALED = word_ptx(scaled=True)
-# A scale group's 16 code bytes in the order the word decode's pieces take them (`word_bytes`): piece slot s of
+# A scale group's 16 code bytes in the order the word decode's pieces take them (`decode_words`): piece slot s of
 # thread quad t (slots 2t, 2t + 1 and 2t + 8, 2t + 9) holds byte 4t + s // 8 + 2 (s % 2), so the low-nibble piece
 # is the even bytes' low nibbles then the odd bytes'; with the activations in `word_order`.
 WORD_BYTES = np.concatenate([np.arange(0, 16, 2), np.arange(1, 16, 2)])

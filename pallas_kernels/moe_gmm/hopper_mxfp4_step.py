@@ -30,7 +30,7 @@ def multiply_step(x_smem, w_smem, acc_refs, *, block_k: int, decode: str, mma_in
 
     x_smem: [window, block_k] bf16, each scale group's inputs as its 16 even then its 16 odd ones, or with
       `code_load="words"` in `word_order` (the codes loaded four bytes a thread and decoded a word at a time:
-      `hopper_mxfp4_decode.decode_words`; in interpret mode, `decode="exact"`, the same order by a gather).
+      `hopper_mxfp4_decode.decode_words`; in interpret mode, `decode="exact"`, the same order by a reshape).
     w_smem: per weight the packed codes [C, block_k / 2] and the E8M0 scales [block_k / 32, C]; C = 64, or
       `columns` (a `pl.ds` of 64) picks the warpgroup's columns of a wider block.
     mma_inputs: inputs one MMA call takes (16, 32, or block_k). a_smem: [64, mma_inputs] bf16 to pass the

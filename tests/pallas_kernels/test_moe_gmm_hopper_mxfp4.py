@@ -414,6 +414,56 @@ def test_word_decode_texts_give_every_byte_pair_its_values():
             np.testing.assert_array_equal(regs[f"${out}"], want(nibble, a, b), err_msg=f"output {out}, scale {scale}")
 
 
+def _layout_element(layout, shape, warp: int, lane: int, register: tuple, v: int) -> tuple:
+    """The element of a `shape` array in Mosaic GPU's tiled `layout` that `warp`, `lane` hold at `register`, vector
+    entry `v`: the offsets of the warp's, the lane's and the register's tile indices and the vector entry, summed
+    with the layout's tile strides and read back as an index of `shape`."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    tiled = layout.tiled_tiling_shape
+    strides = layout.tiling.tile_strides(tuple(int(s) for s in np.cumprod((shape[1:] + (1,))[::-1])[::-1]))
+    minor = strides[-layout.tiled_tiling_rank:]
+
+    def spread(index: int, dims) -> int:
+        sizes = [d.times if isinstance(d, fa.Replicated) else tiled[d] for d in dims]
+        offset = 0
+        for d, size, inner in zip(dims, sizes, [int(np.prod(sizes[i + 1:])) for i in range(len(sizes))]):
+            if not isinstance(d, fa.Replicated):
+                offset += (index // inner) % size * minor[d]
+        return offset
+
+    flat = spread(warp, layout.warp_dims) + spread(lane, layout.lane_dims) + v * minor[layout.vector_dim]
+    flat += sum(i * s for i, s in zip(register, strides))
+    return tuple(int(i) for i in np.unravel_index(flat, shape))
+
+
+def test_word_decode_registers_follow_mosaic_gpus_layouts():
+    """`decode_words` reads codes register [h] (WGMMA_8BIT) as row r + 8h, bytes 4t .. 4t + 3, writes piece register
+    [c, h] (WGMMA) as row r + 8h, columns 8c + 2t and + 1, and the row layout's register [h] is row r + 8h; with its
+    PTX ($c: the nibbles of word bytes c and c + 2) piece column s then holds group byte WORD_BYTES[s]. Checked for
+    every warp and lane against the layouts as this JAX defines them."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    shape = (64, 16)
+    assert fa.WGMMA_LAYOUT_8BIT.registers_shape(shape) == (1, 1, 1, 1, 2, 1, 1, 1, 1)
+    assert fa.WGMMA_LAYOUT.registers_shape(shape) == (1, 2, 1, 1, 2, 1, 1, 1, 1)
+    assert fa.WGMMA_LAYOUT.reduce([1]) == fa.WGMMA_ROW_LAYOUT
+    for warp in range(4):
+        for lane in range(32):
+            row, t = 16 * warp + lane // 4, lane % 4
+            for h in range(2):
+                word = [_layout_element(fa.WGMMA_LAYOUT_8BIT, shape, warp, lane, (0, 0, 0, 0, h, 0, 0, 0, 0), b)
+                        for b in range(4)]
+                assert word == [(row + 8 * h, 4 * t + b) for b in range(4)]
+                assert _layout_element(fa.WGMMA_ROW_LAYOUT, (64,), warp, lane, (0, 0, h, 0, 0), 0) == (row + 8 * h,)
+                for c in range(2):
+                    for v in range(2):
+                        at, column = _layout_element(fa.WGMMA_LAYOUT, shape, warp, lane, (0, c, 0, 0, h, 0, 0, 0, 0),
+                                                     v)
+                        assert at == row + 8 * h
+                        assert WORD_BYTES[column] == word[c + 2 * v][1]
+
+
 def test_word_order_puts_each_input_where_the_word_decode_takes_it():
     """Piece slot s of a group's low / high piece holds byte WORD_BYTES[s]'s low / high nibble, input
     2 WORD_BYTES[s] (+1): `word_order` lays the activations out the same way; a permutation of each group."""
@@ -602,11 +652,11 @@ def test_compiled_persistent_forms_equal_the_reference(rng, form, sizes, m):
     items for gate and up and 42 for the down projection, which the forms with 3, 5 or 7 programs walk several at
     a time (their accumulators cleared between items); with one program a multiprocessor each walks one."""
     g, k, f = len(sizes), 1024, 256
-    wg, wu = _weight(rng, g, k, f), _weight(rng, g, k, f)
-    wd = _weight(rng, g, f, 384)
+    blocks = PERSISTENT[form]
+    wg, wu = _weight(rng, g, k, f, _top_scale(blocks)), _weight(rng, g, k, f, _top_scale(blocks))
+    wd = _weight(rng, g, f, 384, _top_scale(blocks))
     x = jnp.asarray(rng.standard_normal((m, k)) * 0.05, jnp.bfloat16)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    blocks = PERSISTENT[form]
     dg, du, dd = (dequantize(w, jnp.float32) for w in (wg, wu, wd))
     h = grouped_glu_hopper_mxfp4(x, to_columns(wg), to_columns(wu), group_sizes, blocks=blocks, interpret=False)
     h_ref = grouped_glu_reference(x.astype(jnp.float32), dg, du, group_sizes)
