@@ -123,7 +123,9 @@ def word_ptx(scaled: bool) -> str:
     16-23 already, so no `prmt` spreads them: b0's nibbles are copied by one multiply as in the chunk decode, and
     b1's and b3's are first shifted down (by 2 for the low nibbles, by 6 for the high ones) to where the masked
     nibble times 65 leaves the magnitude in bits 6-8 and the sign in bit 15. Per eight codes two shifts, eight
-    `and`, four integer multiplies and four bf16 multiplies, where the chunk decode took two `prmt` and twelve."""
+    `and`, four integer multiplies and four bf16 multiplies: as many as two chunk decodes (whose two `prmt` the two
+    shifts replace). What the word form saves is half the code loads (one 32-bit load per eight codes), and with
+    `scaled` the pair multiplier built by one integer multiply."""
     factor = "$5" if scaled else "unit"
     return f"""
 {{
