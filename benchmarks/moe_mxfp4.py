@@ -178,7 +178,8 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
         settings = [HopperMxfp4Blocks.for_backend(True, block_k=128)]
     handoff = handoff and experts.shape[0] > 8              # up to 8 tokens the pairs run, with no hand-off
     forms = {experts_mlp_hopper: False, experts_mlp_handoff: "products", experts_mlp_handoff_glu: "glu"}
-    glu_takes = lambda b: b is None or b.launch == "persistent" or b.splits in (0, 1)   # the GLU epilogue's launches
+    glu_takes = lambda b: b is None or (b.code_load == "pairs"                        # the GLU epilogue's launches
+                                        and (b.launch == "persistent" or b.splits in (0, 1)))
     runs = [(mlp, b) for b in settings for mlp in forms
             if mlp is experts_mlp_hopper or (handoff and (b is None or b.activations == "slab")
                                              and (mlp is not experts_mlp_handoff_glu or glu_takes(b)))]
