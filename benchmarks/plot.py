@@ -908,16 +908,13 @@ RUN38_SASS = (("moe_ncu_src_run38b_5f2b5de_gate_sass.csv.gz", "an MMA call a 16 
 def _sass_per_step(path: str) -> dict:
     """Warp instructions a pipeline step of the gated MXFP4 launch, by kind, from an ncu source page (gzipped CSV):
     each SASS line's executed count over the loop's trip count (the most executed line's)."""
-    import csv
     import gzip
-    import io
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    from benchmarks.ncu_source_summary import read
 
     with gzip.open(path, "rt", encoding="utf-8", errors="replace") as f:
-        rows = list(csv.reader(io.StringIO(f.read())))
-    h = next(i for i, r in enumerate(rows) if "Source" in r)
-    source, executed = rows[h].index("Source"), rows[h].index("Instructions Executed")
-    lines = [(r[source].strip(), float(r[executed].replace(",", "") or 0)) for r in rows[h + 1:]
-             if len(r) == len(rows[h])]
+        lines = [(i["source"], i["executed"]) for i in read(f.read())[0]]
     trips = max(e for _, e in lines)
     kinds = {"E2M1 decode": 0.0, "scale multiplies": 0.0, "shared-memory loads": 0.0, "MMA, descriptors": 0.0,
              "other": 0.0}

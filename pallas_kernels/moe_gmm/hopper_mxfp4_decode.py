@@ -64,9 +64,14 @@ lop3.b32 $1, high_pair, spread, 0x80008000, 0xF8;
 # the second. Five instructions on the integer ALU (prmt, four and) where the tables take eight:
 # the multiplies issue to the multiply-add pipe, as do the two bf16 multiplies. Their addend is -0.0, so that
 # code 8 (-0) stays -0: (+0) + (-0) would round to +0.
-PTX_DECODE_BITS = """
-{
-.reg .b32 pair, low, high, unit, zero;
+def chunk_ptx(scaled: bool) -> str:
+    """The bits decode of one 16-bit chunk: times 2^126 ("bits"), or (`scaled`) times $3, the bf16 pair
+    (2^126 x scale, 2^126 x scale) = 2^(s - 1) for E8M0 s (bits (s + 126) << 7): exact for s <= 128, the range
+    bf16 holds, and one multiply per pair where "bits" and the kernel's scale take two ("scaled")."""
+    factor = "$3" if scaled else "unit"
+    return f"""
+{{
+.reg .b32 pair, low, high, {'' if scaled else 'unit, '}zero;
 prmt.b32 pair, $2, 0, 0x4140;
 and.b32 low, pair, 0x000F000F;
 and.b32 high, pair, 0x00F000F0;
@@ -74,31 +79,15 @@ mul.lo.u32 low, low, 0x1040;
 mul.lo.u32 high, high, 0x0104;
 and.b32 low, low, 0x81C081C0;
 and.b32 high, high, 0x81C081C0;
-mov.b32 unit, 0x7E807E80;
-mov.b32 zero, 0x80008000;
-fma.rn.bf16x2 $0, low, unit, zero;
-fma.rn.bf16x2 $1, high, unit, zero;
-}
+{'' if scaled else 'mov.b32 unit, 0x7E807E80;' + chr(10)}mov.b32 zero, 0x80008000;
+fma.rn.bf16x2 $0, low, {factor}, zero;
+fma.rn.bf16x2 $1, high, {factor}, zero;
+}}
 """
 
-# "scaled": the "bits" decode with the group's scale in its multiply. In place of 2^126 each pair is multiplied by
-# $3, the bf16 pair (2^126 x scale, 2^126 x scale) = 2^(s - 1) for E8M0 s (bits (s + 126) << 7): exact for
-# s <= 128, the range bf16 holds, and one multiply per pair where "bits" and the kernel's scale took two.
-PTX_DECODE_SCALED = """
-{
-.reg .b32 pair, low, high, zero;
-prmt.b32 pair, $2, 0, 0x4140;
-and.b32 low, pair, 0x000F000F;
-and.b32 high, pair, 0x00F000F0;
-mul.lo.u32 low, low, 0x1040;
-mul.lo.u32 high, high, 0x0104;
-and.b32 low, low, 0x81C081C0;
-and.b32 high, high, 0x81C081C0;
-mov.b32 zero, 0x80008000;
-fma.rn.bf16x2 $0, low, $3, zero;
-fma.rn.bf16x2 $1, high, $3, zero;
-}
-"""
+
+PTX_DECODE_BITS = chunk_ptx(scaled=False)
+PTX_DECODE_SCALED = chunk_ptx(scaled=True)
 # The largest E8M0 scale byte the "scaled" decode takes: 2^(128 - 127) = 2, weights up to 12 in magnitude.
 SCALED_MAX_SCALE = 128
 
