@@ -161,17 +161,24 @@ def profile(fn, args) -> dict:
         return {"failed": f"{type(exc).__name__}: {str(exc)[:200]}"}
     if not times:
         return {}
-    return {"span_us": round(span, 1), "kernels_us": {k: round(v, 1) for k, v in list(times.items())[:8]}}
+    mosaic = sum(v for k, v in times.items() if "mosaic" in k)
+    return {"span_us": round(span, 1), "kernels_us": {k: round(v, 1) for k, v in list(times.items())[:8]},
+            "kernel_names": len(times), "all_kernels_us": round(sum(times.values()), 1),
+            "mosaic_us": round(mosaic, 1), "glue_us": round(sum(times.values()) - mosaic, 1),
+            "idle_us": round(span - sum(times.values()), 1)}
 
 
 def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: bool, small: bool,
-                with_profile: bool = False, pick: list[int] | None = None, handoff: bool = False) -> list[dict]:
+                with_profile: bool = False, pick: list[int] | None = None, handoff: bool = False,
+                unrolled: bool = False) -> list[dict]:
     """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
     HOPPER_SWEEP setting (those at the indices `pick`, default all); with `handoff`, after each setting that reads
     slabs two more rows, through `experts_mlp_handoff` ("handoff": "products") and `experts_mlp_handoff_glu`
     ("glu": the gate and up columns permuted once, outside the timed call, as the loader would; grid launches
     with `splits` 0 or 1, and persistent ones); above 8 tokens only. A setting that fails to compile or run (K
-    not a multiple of its block_k, say) is recorded with its error."""
+    not a multiple of its block_k, say) is recorded with its error. `unrolled`: each row also timed with its 20
+    chained calls one after another in one program (`ms_unrolled`), as the layers of a decode step run, without the
+    device loop's per-iteration wait on the host."""
     chosen = HOPPER_SWEEP if pick is None else [HOPPER_SWEEP[i] for i in pick]
     settings = [None] + (chosen if sweep else [])
     if small:                        # interpret mode runs the exact decode through shared memory only
@@ -207,9 +214,18 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
                        hopper_vs_mxfp4=row["mxfp4_ms"] / (t * 1e3))
             if with_profile:
                 row["hopper_profile"] = profile(experts_mlp_hopper, (x, weights, experts, *columns))
-        print(f"  hopper {label}: {t * 1e3:.4f} ms, {pct:.1f}%, err {err:.2e}", flush=True)
+        extra = {}
+        if unrolled:
+            t_un = chained_time(lambda *a, b=blocks, f=mlp: f(*a, blocks=b), (x, weights, experts, *cols),
+                                reps=5 if small else 20, iters=2 if small else 10, unroll=True)
+            extra = {"ms_unrolled": t_un * 1e3, "pct_unrolled": nbytes / t_un / HBM_ACHIEVABLE * 100}
+            if (blocks is None or small) and mlp is experts_mlp_hopper:
+                row.update(hopper_ms_unrolled=extra["ms_unrolled"], hopper_pct_unrolled=extra["pct_unrolled"])
+        print(f"  hopper {label}: {t * 1e3:.4f} ms, {pct:.1f}%, err {err:.2e}"
+              + (f"; unrolled {extra['ms_unrolled']:.4f} ms, {extra['pct_unrolled']:.1f}%" if extra else ""),
+              flush=True)
         out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks), "ms": t * 1e3,
-                    "pct_4.3TB_s": pct, "err_vs_bf16": err, "handoff": forms[mlp]})
+                    "pct_4.3TB_s": pct, "err_vs_bf16": err, "handoff": forms[mlp], **extra})
         if with_profile and (blocks is not None or mlp is not experts_mlp_hopper) and not small:
             out[-1]["profile"] = profile(functools.partial(mlp, blocks=blocks), (x, weights, experts, *cols))
     return out
@@ -285,6 +301,9 @@ def main(argv=None) -> int:
                          "the down launch (grouped_mlp_hopper_mxfp4)")
     ap.add_argument("--hopper-pick", nargs="+", type=int,
                     help="only these indices of HOPPER_SWEEP (implies --hopper-sweep)")
+    ap.add_argument("--unrolled", action="store_true",
+                    help="also time each Mosaic GPU row with its chained calls unrolled in one program (no device "
+                         "loop, whose every iteration waits on the host)")
     ap.add_argument("--profile", action="store_true",
                     help="record the kernels of the MXFP4 (and with --hopper the Mosaic GPU) call per row")
     args = ap.parse_args(argv)
@@ -332,7 +351,8 @@ def main(argv=None) -> int:
             if args.hopper:
                 hopper_rows += time_hopper(row, x, weights, experts, columns, 3 * touched * d * f * (0.5 + 1 / 32),
                                            out["bf16"], args.hopper_sweep and tokens in args.sweep_tokens,
-                                           args.small, args.profile, args.hopper_pick, args.hopper_handoff)
+                                           args.small, args.profile, args.hopper_pick, args.hopper_handoff,
+                                           args.unrolled)
             if args.sweep and tokens in args.sweep_tokens:
                 best = None
                 for blocks in (SWEEP if tokens <= 8 else GROUPED_SWEEP):
@@ -358,7 +378,8 @@ def main(argv=None) -> int:
                        "mxfp4_pct_4.3TB_s", "err_vs_bf16"]))
     if args.hopper:
         print(table(rows, ["model", "tokens", "mxfp4_ms", "hopper_ms", "hopper_vs_mxfp4", "mxfp4_pct_4.3TB_s",
-                           "hopper_pct_4.3TB_s", "hopper_err_vs_bf16"]))
+                           "hopper_pct_4.3TB_s", "hopper_ms_unrolled", "hopper_pct_unrolled",
+                           "hopper_err_vs_bf16"]))
     if tokamax_rows:
         print(table(tokamax_rows, ["model", "tokens", "rows", "experts_touched", "ours_ms", "ours_pct", "tokamax_ms",
                                    "tokamax_pct", "tokamax_err"]))
