@@ -57,15 +57,50 @@ def experts_dense(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Act
     return jnp.einsum("ne,end->nd", combine_NE, y_END.astype(jnp.float32), precision=_HIGHEST)
 
 
-def sort_by_expert(experts_NX: jax.Array, num_local: int, offset=0):
-    """Orders token-expert pairs by expert. Pairs whose expert lies outside [offset, offset +
-    num_local) (another shard's) sort last and are excluded from the group sizes.
-    Returns (order [N*X], group_sizes [num_local] int32, local [N*X] bool in sorted order)."""
+# Up to this many token-expert pairs the order is counted (a [P, P] comparison XLA reduces in one fused pass: no
+# sort kernel, no scatter for the rank); above it, a stable sort.
+COUNTED_MAX_PAIRS = 2048
+
+
+def _counted_positions(key, num_keys: int):
+    """The sorted row of each pair [P] int32 for keys in [0, num_keys): the rows before its key's, plus the pairs
+    before it with its key (a stable sort's positions, by counting)."""
+    p = key.shape[0]
+    index = jnp.arange(p, dtype=jnp.int32)
+    counts = jnp.sum(key[None, :] == jnp.arange(num_keys, dtype=key.dtype)[:, None], axis=1, dtype=jnp.int32)
+    starts = jnp.cumsum(counts) - counts
+    earlier = jnp.sum((key[None, :] == key[:, None]) & (index[None, :] < index[:, None]), axis=1, dtype=jnp.int32)
+    return starts[key] + earlier, counts
+
+
+def _inverse(permutation):
+    """The inverse of a permutation [P] of 0..P-1: a [P, P] comparison reduced over its rows (no scatter) up to
+    COUNTED_MAX_PAIRS, a scatter above."""
+    p = permutation.shape[0]
+    index = jnp.arange(p, dtype=permutation.dtype)
+    if p > COUNTED_MAX_PAIRS:
+        return jnp.zeros_like(permutation).at[permutation].set(index, unique_indices=True)
+    return jnp.sum(jnp.where(permutation[None, :] == index[:, None], index[None, :], 0), axis=1,
+                   dtype=permutation.dtype)
+
+
+def sort_by_expert(experts_NX: jax.Array, num_local: int, offset=0, method: str = "auto"):
+    """Orders token-expert pairs by expert, stably (pairs of one expert in token order). Pairs whose expert lies
+    outside [offset, offset + num_local) (another shard's) sort last and are excluded from the group sizes.
+    Returns (order [N*X], group_sizes [num_local] int32, local [N*X] bool in sorted order). Up to
+    COUNTED_MAX_PAIRS pairs the order is counted, above it sorted: the same result (`method` "count" or "sort"
+    picks one)."""
+    if method not in ("auto", "count", "sort"):
+        raise ValueError(f"sort_by_expert: method must be 'auto', 'count' or 'sort', got {method!r}")
     flat = experts_NX.reshape(-1) - offset
     local = (flat >= 0) & (flat < num_local)
-    key = jnp.where(local, flat, num_local)
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.sum(jax.nn.one_hot(key, num_local, dtype=jnp.int32), axis=0)
+    key = jnp.where(local, flat, num_local).astype(jnp.int32)
+    if method == "sort" or (method == "auto" and key.shape[0] > COUNTED_MAX_PAIRS):
+        order = jnp.argsort(key, stable=True)
+        sizes = jnp.sum(jax.nn.one_hot(key, num_local, dtype=jnp.int32), axis=0)
+    else:
+        position, counts = _counted_positions(key, num_local + 1)
+        order, sizes = _inverse(position), counts[:num_local]
     return order, sizes, local[order]
 
 
@@ -85,9 +120,9 @@ def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
 
 def unsort_and_sum(y_PD, order, k: int) -> jax.Array:
     """Rows of token-expert pairs in sorted order ([N*X, D], `sort_by_expert`'s `order`) back in token order,
-    summed over each token's X = k pairs -> [N, D]. Pair p sits at sorted row rank[p]: a gather that XLA fuses
-    into the sum (no scatter-add into a zeroed copy)."""
-    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+    summed over each token's X = k pairs -> [N, D]. Pair p sits at sorted row rank[p] (`_inverse` of order): a
+    gather that XLA fuses into the sum (no scatter-add into a zeroed copy)."""
+    rank = _inverse(order)
     return jnp.sum(y_PD[rank].reshape(order.shape[0] // k, k, -1), axis=1)
 
 
