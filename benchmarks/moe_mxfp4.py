@@ -188,16 +188,21 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
         settings = [HopperMxfp4Blocks.for_backend(True, block_k=128)]
     handoff = handoff and experts.shape[0] > 8              # up to 8 tokens the pairs run, with no hand-off
     forms = {experts_mlp_hopper: False, experts_mlp_handoff: "products", experts_mlp_handoff_glu: "glu"}
-    glu_takes = lambda b: b is None or (b.code_load == "pairs"                        # the GLU epilogue's launches
-                                        and (b.launch == "persistent" or b.splits in (0, 1)))
+    glu_takes = lambda b: b is None or b.launch == "persistent" or b.splits in (0, 1)   # the GLU epilogue's launches
     runs = [(mlp, b) for b in settings for mlp in forms
             if mlp is experts_mlp_hopper or (handoff and (b is None or b.activations == "slab")
                                              and (mlp is not experts_mlp_handoff_glu or glu_takes(b)))]
-    glu_columns = (hand_off_columns(columns[0]), hand_off_columns(columns[1]), columns[2]) if handoff else None
+    glu_columns = {}                    # by the down launch's code_load: the gate and up columns in its k_order
     out = []
     for mlp, blocks in runs:
         label = f"{blocks}" + (f" handoff {forms[mlp]}" if forms[mlp] else "")
-        cols = glu_columns if mlp is experts_mlp_handoff_glu else columns
+        cols = columns
+        if mlp is experts_mlp_handoff_glu:
+            load = "pairs" if blocks is None else blocks.code_load
+            if load not in glu_columns:
+                glu_columns[load] = (hand_off_columns(columns[0], load), hand_off_columns(columns[1], load),
+                                     columns[2])
+            cols = glu_columns[load]
         try:
             y = jax.jit(mlp, static_argnames="blocks")(x, weights, experts, *cols, blocks=blocks)
             t = chained_time(lambda *a, b=blocks, f=mlp: f(*a, blocks=b), (x, weights, experts, *cols),

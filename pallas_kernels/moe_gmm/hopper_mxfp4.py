@@ -125,6 +125,13 @@ class HandOffColumns(Mxfp4Columns):
     __slots__ = ()
 
 
+class WordHandOffColumns(HandOffColumns):
+    """`HandOffColumns` in `word_order` instead (`hand_off_columns(.., code_load="words")`): for a down launch that
+    loads its codes a word at a time."""
+
+    __slots__ = ()
+
+
 def to_columns(w: Mxfp4Weight) -> Mxfp4Columns:
     """`mxfp4.Mxfp4Weight` ([G, K/2, N] codes) -> the column-major codes this kernel streams."""
     validate_mxfp4(w)

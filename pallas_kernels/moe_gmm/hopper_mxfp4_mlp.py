@@ -24,7 +24,9 @@ their own type (`HandOffColumns`), which every other operand and entry point ref
 rows (the products hand-off, the down weight, the two calls, the pairs; `hopper_mxfp4.check_operands`). Same
 math as the two calls for bf16 and fp32 activations (fp16 ones: the two calls round h to fp16 first); the GLU
 runs in the kernel (compiled: the GPU's exp and tanh), so results agree to rounding, not bit for bit. The gated
-half runs the grid launch in one split or the persistent launch (timed: run 37 in benchmarks/RESULTS.md).
+half runs the grid launch in one split or the persistent launch (timed: run 37 in benchmarks/RESULTS.md). A down
+launch that loads its codes a word at a time (`code_load="words"`) reads h in `word_order`: its gate and up columns
+come from `hand_off_columns(.., code_load="words")` (`WordHandOffColumns`).
 """
 
 from __future__ import annotations
@@ -36,20 +38,25 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
-from pallas_kernels.moe_gmm.hopper_mxfp4 import (HandOffColumns, HopperMxfp4Blocks, Mxfp4Columns, check_operands,
-                                                 even_odd, k_order, launch, products_by_row, resolve_blocks,
-                                                 sorted_inputs, sorted_schedule)
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HandOffColumns, HopperMxfp4Blocks, Mxfp4Columns,
+                                                 WordHandOffColumns, check_operands, k_order, launch, products_by_row,
+                                                 resolve_blocks, sorted_inputs, sorted_schedule)
 
 HAND_OFFS = ("products", "glu")
 
 
-def hand_off_columns(w: Mxfp4Columns) -> HandOffColumns:
-    """A gate or up weight [G, K, N] with its output columns in `even_odd` order, as `hand_off="glu"` takes
-    them: a permutation of whole columns (codes and scales), done once where the weights are loaded."""
+def hand_off_columns(w: Mxfp4Columns, code_load: str = "pairs") -> HandOffColumns:
+    """A gate or up weight [G, K, N] with its output columns in the order the down launch's decoded pieces take
+    h (`k_order`: `even_odd`, or `word_order` for a down launch with `code_load="words"`), as `hand_off="glu"`
+    takes them: a permutation of whole columns (codes and scales) within each 32, done once where the weights are
+    loaded."""
     if isinstance(w, HandOffColumns):
-        raise ValueError("hand_off_columns: the weight's columns are already in even_odd order")
-    order = even_odd(jnp.arange(w.shape[2]))
-    return HandOffColumns(w.packed[:, order], w.scale[:, :, order])
+        raise ValueError("hand_off_columns: the weight's columns are already in a hand-off order")
+    if code_load not in ("pairs", "words"):
+        raise ValueError(f"hand_off_columns: code_load must be 'pairs' or 'words', got {code_load!r}")
+    kind = WordHandOffColumns if code_load == "words" else HandOffColumns
+    order = k_order(jnp.arange(w.shape[2]), HopperMxfp4Blocks(code_load=code_load))
+    return kind(w.packed[:, order], w.scale[:, :, order])
 
 
 def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns, hand_off: str):
@@ -63,9 +70,12 @@ def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns
     if up.activations != "slab" or down.activations != "slab":
         raise ValueError(f"grouped_mlp_hopper_mxfp4: the hand-off builds slabs; activations must be 'slab', got "
                          f"{up.activations!r}")
-    if hand_off == "glu" and down.code_load != "pairs":
-        raise ValueError("grouped_mlp_hopper_mxfp4: hand_off='glu' writes h's slabs in even_odd order (the gate and "
-                         f"up columns from hand_off_columns), which code_load={down.code_load!r} does not read")
+    if hand_off == "glu" and isinstance(w_gate, HandOffColumns) and (
+            isinstance(w_gate, WordHandOffColumns) != (down.code_load == "words")):
+        made = "words" if isinstance(w_gate, WordHandOffColumns) else "pairs"
+        raise ValueError(f"grouped_mlp_hopper_mxfp4: hand_off='glu' writes h's slabs in the gate and up columns' "
+                         f"order (hand_off_columns(.., code_load={made!r})), which a down launch with "
+                         f"code_load={down.code_load!r} does not read")
     up = dataclasses.replace(up, outputs="tiles", splits=1 if hand_off == "glu" and up.splits == 0 else up.splits)
     return up, down, interpreted
 

@@ -5,6 +5,8 @@ Interpret mode on the CPU; compiled on a GPU, the persistent launch too."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +15,9 @@ from tolerances import assert_close
 
 from pallas_kernels.moe_gmm import GluSpec, Mxfp4Weight, grouped_glu_reference, grouped_matmul_reference
 from pallas_kernels.moe_gmm import hopper_mxfp4
-from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, grouped_glu_hopper_mxfp4,
-                                                 grouped_matmul_hopper_mxfp4, to_columns)
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, WordHandOffColumns,
+                                                 grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4, to_columns)
+from pallas_kernels.moe_gmm.hopper_mxfp4_decode import WORD_BYTES
 from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import HandOffColumns, grouped_mlp_hopper_mxfp4, hand_off_columns
 from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import launch_persistent
 from pallas_kernels.moe_gmm.mxfp4 import dequantize
@@ -79,18 +82,21 @@ def test_hand_off_equals_the_two_calls_and_the_reference(rng, interpret, sizes, 
 SITU = GluSpec("situ", situ_beta=4.0, situ_linear_beta=8.0)
 
 
-@pytest.mark.parametrize("sizes,m,rows,spec,dtype", [([3, 0, 5, 3], 12, 8, GluSpec(), jnp.bfloat16),
-                                                     ([0, 19, 1, 0, 4], 26, 16, SITU, jnp.float32)])
-def test_glu_in_the_gated_launch_equals_the_products_hand_off(rng, interpret, sizes, m, rows, spec, dtype):
-    """hand_off="glu" on gate and up weights with their columns in `even_odd` order: the products hand-off's
-    result (same kernels, the GLU moved into the gated launch) and the dense reference; rows past the groups zero.
-    (Without a row scale the two hand-offs share the code after the down launch: `test_hand_off_...` checks it.)"""
+@pytest.mark.parametrize("sizes,m,rows,spec,dtype,code_load", [
+    ([3, 0, 5, 3], 12, 8, GluSpec(), jnp.bfloat16, "pairs"), ([0, 19, 1, 0, 4], 26, 16, SITU, jnp.float32, "pairs"),
+    ([3, 0, 5, 3], 12, 8, SITU, jnp.bfloat16, "words")])
+def test_glu_in_the_gated_launch_equals_the_products_hand_off(rng, interpret, sizes, m, rows, spec, dtype,
+                                                              code_load):
+    """hand_off="glu" on gate and up weights with their columns in the down launch's `k_order` (`even_odd`, or
+    `word_order` for codes loaded a word at a time): the products hand-off's result (same kernels, the GLU moved
+    into the gated launch) and the dense reference; rows past the groups zero. (Without a row scale the two
+    hand-offs share the code after the down launch: `test_hand_off_...` checks it.)"""
     x, scale, group_sizes, weights = _experts(rng, sizes, m, 256, 256, 128, dtype)
     wg, wu, wd = (to_columns(w) for w in weights)
-    blocks = HopperMxfp4Blocks.for_backend(interpret, rows=rows, block_k=128)
+    blocks = dataclasses.replace(HopperMxfp4Blocks.for_backend(interpret, rows=rows, block_k=128), code_load=code_load)
     run = lambda hand_off, gate, up, scale: grouped_mlp_hopper_mxfp4(
         x, gate, up, wd, group_sizes, scale, spec=spec, blocks=blocks, interpret=interpret, hand_off=hand_off)
-    out = run("glu", hand_off_columns(wg), hand_off_columns(wu), scale)
+    out = run("glu", hand_off_columns(wg, code_load), hand_off_columns(wu, code_load), scale)
     assert out.dtype == jnp.float32
     assert_close("glu in the gated launch", out, run("products", wg, wu, scale), dtype=jnp.bfloat16)
     assert_close("mlp", out, _reference(x, weights, group_sizes, scale, spec), dtype=jnp.bfloat16)
@@ -98,19 +104,29 @@ def test_glu_in_the_gated_launch_equals_the_products_hand_off(rng, interpret, si
 
 
 def test_hand_off_columns_permute_whole_columns(rng):
-    """Column j of the permuted weight is column even_odd(j): codes and scales move together."""
+    """Column j of the permuted weight is column even_odd(j) (word_order(j) for a down launch loading words):
+    codes and scales move together."""
     w = to_columns(_weight(rng, 2, 64, 64))
     moved = hand_off_columns(w)
-    assert isinstance(moved, HandOffColumns) and moved.shape == w.shape
-    with pytest.raises(ValueError, match="already in even_odd order"):
+    assert type(moved) is HandOffColumns and moved.shape == w.shape
+    with pytest.raises(ValueError, match="already in a hand-off order"):
         hand_off_columns(moved)
+    with pytest.raises(ValueError, match="code_load must be 'pairs' or 'words'"):
+        hand_off_columns(w, "bytes")
     order = np.arange(64).reshape(2, 16, 2).swapaxes(1, 2).reshape(64)       # each 32: the even, then the odd
     np.testing.assert_array_equal(np.asarray(moved.packed), np.asarray(w.packed)[:, order])
     np.testing.assert_array_equal(np.asarray(moved.scale), np.asarray(w.scale)[:, :, order])
+    words = hand_off_columns(w, "words")
+    assert type(words) is WordHandOffColumns
+    # each half of a group (its 16 even inputs, its 16 odd ones) by the bytes a word decode takes in turn
+    word_order = order.reshape(4, 16)[:, list(WORD_BYTES)].reshape(64)
+    np.testing.assert_array_equal(np.asarray(words.packed), np.asarray(w.packed)[:, word_order])
+    np.testing.assert_array_equal(np.asarray(words.scale), np.asarray(w.scale)[:, :, word_order])
 
 
 GLU_LOWERINGS = {"grid_8_rows": (GluSpec(), HopperMxfp4Blocks()), "grid_defaults_16_rows": (SITU, None),
-                 "persistent": (GluSpec(), HopperMxfp4Blocks(launch="persistent", outputs="rows"))}
+                 "persistent": (GluSpec(), HopperMxfp4Blocks(launch="persistent", outputs="rows")),
+                 "grid_words_scaled": (GluSpec(), HopperMxfp4Blocks(mma_inputs=0, code_load="words", decode="scaled"))}
 
 
 @pytest.mark.parametrize("form", list(GLU_LOWERINGS))
@@ -132,8 +148,10 @@ def test_glu_hand_off_lowers_for_cuda_on_any_host(form, monkeypatch):
     monkeypatch.setattr(hopper_mxfp4, "launch_persistent", spy)
     grouped_mlp_hopper_mxfp4.clear_cache()                      # traced anew, so through the spy
 
+    kind = WordHandOffColumns if blocks is not None and blocks.code_load == "words" else HandOffColumns
+
     def mlp(x, p, s, p_down, s_down, sizes):
-        return grouped_mlp_hopper_mxfp4(x, HandOffColumns(p, s), HandOffColumns(p, s),
+        return grouped_mlp_hopper_mxfp4(x, kind(p, s), kind(p, s),
                                         Mxfp4Columns(p_down, s_down), sizes, spec=spec, blocks=blocks,
                                         interpret=False, hand_off="glu")
 
@@ -174,6 +192,13 @@ def test_refuses_what_it_cannot_hand_off(rng):
         grouped_glu_hopper_mxfp4(x, pg, pu, sizes, interpret=True)
     with pytest.raises(ValueError, match=only_glu):
         grouped_matmul_hopper_mxfp4(x, pg, sizes, interpret=True)
+    with pytest.raises(ValueError, match="code_load='words' does not read"):
+        grouped_mlp_hopper_mxfp4(x, pg, pu, wd, sizes, interpret=True, hand_off="glu",
+                                 blocks=HopperMxfp4Blocks(block_k=128, code_load="words", decode="exact",
+                                                          a_operand="smem"))
+    with pytest.raises(ValueError, match="code_load='pairs' does not read"):
+        grouped_mlp_hopper_mxfp4(x, hand_off_columns(wg, "words"), hand_off_columns(wu, "words"), wd, sizes,
+                                 interpret=True, hand_off="glu")
     with pytest.raises(ValueError, match="GLU epilogue needs each tile's whole K in one program; got splits=2"):
         grouped_mlp_hopper_mxfp4(x, pg, pu, wd, sizes, interpret=True, hand_off="glu",
                                  blocks=HopperMxfp4Blocks(block_k=128, splits=2, decode="exact", a_operand="smem"))
@@ -201,15 +226,17 @@ def test_compiled_hand_off_equals_the_two_calls(rng, blocks, sizes, m):
 
 @on_gpu
 @pytest.mark.parametrize("blocks", [None, HopperMxfp4Blocks(launch="persistent", outputs="rows"),
-                                    HopperMxfp4Blocks(launch="persistent", programs=5)],
-                         ids=["default", "persistent_rows_out", "persistent_5_programs"])
+                                    HopperMxfp4Blocks(launch="persistent", programs=5),
+                                    HopperMxfp4Blocks(mma_inputs=0, code_load="words", decode="scaled")],
+                         ids=["default", "persistent_rows_out", "persistent_5_programs", "words_scaled"])
 @pytest.mark.parametrize("spec", [GluSpec(), SITU], ids=["silu", "situ"])
 @pytest.mark.parametrize("sizes,m", [([3, 0, 5, 3], 12), ([0, 19, 1, 0, 40, 7, 0, 30], 100)])
 def test_compiled_glu_hand_off_equals_the_products_hand_off(rng, blocks, spec, sizes, m):
     x, scale, group_sizes, weights = _experts(rng, sizes, m, 1024, 256, 384)
     wg, wu, wd = (to_columns(w) for w in weights)
-    out = grouped_mlp_hopper_mxfp4(x, hand_off_columns(wg), hand_off_columns(wu), wd, group_sizes, scale, spec=spec,
-                                   blocks=blocks, interpret=False, hand_off="glu")
+    code_load = "pairs" if blocks is None else blocks.code_load
+    out = grouped_mlp_hopper_mxfp4(x, hand_off_columns(wg, code_load), hand_off_columns(wu, code_load), wd,
+                                   group_sizes, scale, spec=spec, blocks=blocks, interpret=False, hand_off="glu")
     products = grouped_mlp_hopper_mxfp4(x, wg, wu, wd, group_sizes, scale, spec=spec, blocks=blocks, interpret=False)
     assert_close("glu in the gated launch", out, products, dtype=jnp.bfloat16)
     assert_close("mlp", out, _reference(x, weights, group_sizes, scale, spec), dtype=jnp.bfloat16)
