@@ -47,8 +47,10 @@ EP_DISPATCHES: tuple[str, ...] = ("gather", "ragged")
 # How packed (MXFP4) routed experts lie on the device (MoEConfig.packed_layout): "rows" = codes
 # [E, in/2, out] (the Pallas-Triton kernels, pallas_kernels.moe_gmm.mxfp4.Mxfp4Weight); "columns" =
 # codes [E, out, in/2] as the checkpoint stores each expert (the Mosaic GPU kernel,
-# pallas_kernels.moe_gmm.hopper_mxfp4.Mxfp4Columns). Scales are [E, in/32, out] in both.
-PACKED_LAYOUTS: tuple[str, ...] = ("rows", "columns")
+# pallas_kernels.moe_gmm.hopper_mxfp4.Mxfp4Columns); "handoff" = "columns" with the gate and up weights' output
+# columns reordered within each 32 (`HandOffColumns`: the Mosaic GPU kernel's gated launch then writes h as the down
+# launch reads it, the GLU in its epilogue). Scales are [E, in/32, out] in all (in the same column order).
+PACKED_LAYOUTS: tuple[str, ...] = ("rows", "columns", "handoff")
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,8 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     unless `packed_experts=False` dequantises them to `dtype`; None = packed when the source is MXFP4.
     `expert_layout` (k3jax.config.PACKED_LAYOUTS) is the packed codes' device layout, fixed by the
     conversion: "rows" for the Pallas-Triton expert kernels, "columns" (the stored orientation, copied
-    as it is) for the Mosaic GPU kernel.
+    as it is) for the Mosaic GPU kernel, "handoff" ("columns" with the gate and up columns reordered within each
+    32) for the Mosaic GPU kernel with the GLU in its gated launch.
 
     An interrupted run of the same source and options resumes from `dst.partial`; one of another
     source or other options is refused unless `restart` discards it. Raises CheckpointError (one
@@ -351,8 +352,9 @@ def main(argv=None, prog: str = "convert") -> int:
                     help="write MXFP4 routed experts dequantised to --dtype (default: kept packed, a quarter of "
                          "bf16's bytes, decoded inside the expert kernels)")
     ap.add_argument("--expert-layout", choices=PACKED_LAYOUTS, default="rows",
-                    help="device layout of packed experts: rows (the Pallas-Triton kernels) or columns (the "
-                         "checkpoint's own orientation, for the Mosaic GPU kernel); fixed by the conversion")
+                    help="device layout of packed experts: rows (the Pallas-Triton kernels), columns (the "
+                         "checkpoint's own orientation, for the Mosaic GPU kernel) or handoff (columns with the gate "
+                         "and up columns in the order that kernel's GLU hand-off writes h); fixed by the conversion")
     args = ap.parse_args(argv)
     try:
         report = convert(args.src, args.dst, dtype=args.dtype, workers=args.workers, verify=args.verify,

@@ -111,9 +111,9 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
         of dequantising them to `dtype`. A converted checkpoint loads as it was written (`convert`
         keeps MXFP4 experts packed unless told to dequantise them).
       **impls: implementation choices by option name (kda=, kda_decode=, mla=, moe=, gmm=,
-        attn_res=, ...), as in `ModelConfig.with_impls`; expert_layout= ("rows" or "columns") places
-        packed experts' codes for their kernel (a converted checkpoint keeps the layout it was
-        converted with).
+        attn_res=, ...), as in `ModelConfig.with_impls`; expert_layout= ("rows", "columns" or "handoff",
+        k3jax.config.PACKED_LAYOUTS) places packed experts' codes for their kernel (a converted checkpoint keeps
+        the layout it was converted with).
       _check_finite: private, for benchmarks/checkpoint_read.py only: False skips the check that
         refuses NaN / Inf weights.
 

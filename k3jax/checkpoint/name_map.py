@@ -138,9 +138,13 @@ def _add_block(rules: dict, cfg: ModelConfig, prefix: str, root: tuple, mixer: s
             name = f"{prefix}block_sparse_moe.experts.{e}.{stored}."
             path = root + ("block_sparse_moe", "experts", param)
             if cfg.quantization == "mxfp4" and cfg.moe.packed_experts:     # kept packed: two parameters
-                codes = "copy_uint8" if cfg.moe.packed_layout == "columns" else "transpose_uint8"
+                layout = cfg.moe.packed_layout
+                codes = "copy_uint8" if layout in ("columns", "handoff") else "transpose_uint8"
+                scales = "transpose_uint8"
+                if layout == "handoff" and param in ("w1", "w3"):         # gate and up: columns in hand-off order
+                    codes, scales = "copy_uint8_hand_off", "transpose_uint8_hand_off"
                 rules[name + "weight_packed"] = TensorRule(path[:-1] + (param + "_packed",), codes, e)
-                rules[name + "weight_scale"] = TensorRule(path[:-1] + (param + "_scale",), "transpose_uint8", e)
+                rules[name + "weight_scale"] = TensorRule(path[:-1] + (param + "_scale",), scales, e)
             elif cfg.quantization == "mxfp4":
                 rules[name + "weight_packed"] = TensorRule(path, "mxfp4_packed", e, partner=name + "weight_scale")
                 rules[name + "weight_scale"] = TensorRule(path, "mxfp4_scale", e)

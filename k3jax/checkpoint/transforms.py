@@ -42,6 +42,34 @@ def _conv_box(box, stored):  # param [W, C] box -> stored [C, 1, W] or [C, W] bo
     return (c, slice(None), w) if len(stored) == 3 else (c, w)
 
 
+def hand_off_order(n: int) -> np.ndarray:
+    """[n]: row j of a hand-off parameter (gate and up codes, "handoff" layout) is stored output row order[j]:
+    each 32 outputs' 16 even ones, then their 16 odd ones (the order the Mosaic GPU kernel's decode takes h in)."""
+    return np.arange(n).reshape(n // GROUP, GROUP // 2, 2).swapaxes(1, 2).reshape(n)
+
+
+def _aligned(s: slice, n: int, what: str) -> None:
+    start, stop, _ = s.indices(n)
+    if start % GROUP or stop % GROUP:
+        raise ValueError(f"{what}: a shard of the hand-off layout must cover whole groups of {GROUP} outputs, "
+                         f"got outputs {start}:{stop}")
+
+
+def _hand_off_codes_box(box, stored):       # param [out, in/2] box -> the same stored box (whole groups of 32)
+    _aligned(box[0], stored[0], "expert codes")
+    return tuple(box)
+
+
+def _hand_off_scales_box(box, stored):      # param [in/32, out] box -> stored [out, in/32] box
+    _aligned(box[1], stored[0], "expert scales")
+    return tuple(box)[::-1]
+
+
+def _permute(a: np.ndarray, axis: int, inverse: bool = False) -> np.ndarray:
+    order = hand_off_order(a.shape[axis])
+    return np.take(a, np.argsort(order) if inverse else order, axis=axis)
+
+
 def _exact(expected):
     return lambda stored, shape: tuple(stored) == tuple(expected(shape))
 
@@ -82,6 +110,14 @@ HOOKS = {
                             lambda a, s: a.T, lambda p: p.T, "uint8", region=_reversed_box),
     # ... or the codes kept in the stored [out, in/2] orientation ("columns" layout: a plain copy of bytes).
     "copy_uint8": Hook("copy_uint8", tuple, _exact(tuple), lambda a, s: a, lambda p: p, "uint8", region=_same_box),
+    # ... or, for the gate and up weights of the "handoff" layout, with their output rows (codes) and columns
+    # (scales) reordered within each 32 (`hand_off_order`).
+    "copy_uint8_hand_off": Hook("copy_uint8_hand_off", tuple, _exact(tuple), lambda a, s: _permute(a, 0),
+                                lambda p: _permute(p, 0, inverse=True), "uint8", region=_hand_off_codes_box),
+    "transpose_uint8_hand_off": Hook("transpose_uint8_hand_off", lambda s: tuple(s[::-1]),
+                                     _exact(lambda s: tuple(s[::-1])), lambda a, s: _permute(a.T, 1),
+                                     lambda p: _permute(p, 1, inverse=True).T, "uint8",
+                                     region=_hand_off_scales_box),
     # MXFP4 experts dequantised at load: the packed codes carry the transform; the scales are read alongside them.
     "mxfp4_packed": Hook("mxfp4_packed", _mxfp4_packed_shape, _exact(_mxfp4_packed_shape), None, None, "uint8"),
     "mxfp4_scale": Hook("mxfp4_scale", _mxfp4_scale_shape, _exact(_mxfp4_scale_shape), None, None, "uint8"),

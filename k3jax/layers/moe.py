@@ -23,7 +23,7 @@ from k3jax.layers.norms import RMSNorm
 from k3jax.layers.params import normal, param, random_bytes, zeros
 from k3jax.layers.residual import SplitSum
 from pallas_kernels.moe_gmm.mxfp4 import GROUP as MXFP4_GROUP
-from pallas_kernels.moe_gmm.hopper_mxfp4 import Mxfp4Columns
+from pallas_kernels.moe_gmm.hopper_mxfp4 import HandOffColumns, Mxfp4Columns
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight
 from pallas_kernels.router import RouterSpec, route_topk
 from pallas_kernels.skinny import SkinnyImpl
@@ -131,13 +131,15 @@ class Experts(nnx.Module):
     With `cfg.packed_experts` each is kept as MXFP4 (`pallas_kernels.moe_gmm.mxfp4`): w1_packed
     uint8 [E, D/2, F] and w1_scale uint8 [E, D/32, F], likewise w3 and w2 ([E, F/2, D], [E, F/32, D]);
     with `cfg.packed_layout` "columns" the codes keep the checkpoint's orientation, w1_packed [E, F, D/2]
-    and w2_packed [E, D, F/2] (`pallas_kernels.moe_gmm.hopper_mxfp4.Mxfp4Columns`).
+    and w2_packed [E, D, F/2] (`pallas_kernels.moe_gmm.hopper_mxfp4.Mxfp4Columns`); "handoff" is "columns" with
+    w1's and w3's F columns (codes and scales) reordered within each 32 (`HandOffColumns`).
     Random packed weights draw every code with scales near 2^-6 (weights of about 0.02)."""
 
     def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
         e, d, f = cfg.num_experts, cfg.expert_input_size, cfg.expert_intermediate_size
         self.packed = cfg.packed_experts
-        self.columns = cfg.packed_experts and cfg.packed_layout == "columns"
+        self.columns = cfg.packed_experts and cfg.packed_layout in ("columns", "handoff")
+        self.hand_off = cfg.packed_experts and cfg.packed_layout == "handoff"
         shapes = {"w1": ((e, d, f), ("experts", "embed", "expert_mlp")),
                   "w3": ((e, d, f), ("experts", "embed", "expert_mlp")),
                   "w2": ((e, f, d), ("experts", "expert_mlp", "embed"))}
@@ -151,12 +153,14 @@ class Experts(nnx.Module):
                                                  axes))
 
     def weights(self) -> tuple:
-        """(w1, w3, w2): arrays, or `Mxfp4Weight`s (`Mxfp4Columns` in the "columns" layout) when packed."""
+        """(w1, w3, w2): arrays, or `Mxfp4Weight`s (`Mxfp4Columns` in the "columns" layout; in "handoff", w1 and
+        w3 as `HandOffColumns`) when packed."""
         if not self.packed:
             return self.w1[...], self.w3[...], self.w2[...]
         kind = Mxfp4Columns if self.columns else Mxfp4Weight
-        return tuple(kind(getattr(self, n + "_packed")[...], getattr(self, n + "_scale")[...])
-                     for n in ("w1", "w3", "w2"))
+        gated = HandOffColumns if self.hand_off else kind
+        return tuple(k(getattr(self, n + "_packed")[...], getattr(self, n + "_scale")[...])
+                     for n, k in (("w1", gated), ("w3", gated), ("w2", kind)))
 
 
 class MoE(nnx.Module):

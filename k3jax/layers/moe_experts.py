@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.activation import Activation, gated_activation
-from pallas_kernels.moe_gmm import (GmmImpl, dense_weight, grouped_glu, grouped_matmul, pair_glu, pair_matmul,
-                                    resolve_gmm_impl)
+from pallas_kernels.moe_gmm import GmmImpl, dense_weight, grouped_mlp, pair_glu, pair_matmul, resolve_gmm_impl
 from pallas_kernels.moe_gmm.hopper_mxfp4 import Mxfp4Columns
 
 # "dense": every expert on every token (the reference); "ragged": pairs sorted by expert, grouped
@@ -112,9 +111,10 @@ def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
     n, k = experts_NX.shape
     order, sizes, local = sort_by_expert(experts_NX, w1_EDF.shape[0], 0 if expert_offset is None else expert_offset)
     xs = x_ND[order // k]
-    h = grouped_glu(xs, w1_EDF, w3_EDF, sizes, spec=act.glu_spec, impl=gmm)
     scale = jnp.where(local, weights_NX.reshape(-1)[order], 0.0)
-    y = grouped_matmul(h, w2_EFD, sizes, scale, impl=gmm)  # [N*X, D] fp32, sorted; other shards' pairs are zero
+    # The gated half then the down projection ([N*X, D] fp32, sorted; other shards' pairs are zero): with
+    # hand-off weights (expert_layout="handoff") the gated launch hands h's slabs to the down launch.
+    y = grouped_mlp(xs, w1_EDF, w3_EDF, w2_EFD, sizes, scale, spec=act.glu_spec, impl=gmm)
     return unsort_and_sum(y, order, k)
 
 

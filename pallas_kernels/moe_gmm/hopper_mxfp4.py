@@ -391,6 +391,26 @@ def k_order(x, blocks: HopperMxfp4Blocks):
     return word_order(x) if blocks.code_load == "words" else even_odd(x)
 
 
+def hand_off_order(n: int, w: HandOffColumns) -> np.ndarray:
+    """[n] int: column j of a hand-off weight (or of the h its gated launch writes) is natural column order[j]."""
+    return np.asarray(k_order(np.arange(n), HopperMxfp4Blocks(
+        code_load="words" if isinstance(w, WordHandOffColumns) else "pairs")))
+
+
+def natural_order(h, w: HandOffColumns):
+    """h [..., N] whose columns follow `w`'s hand-off order -> the natural order (the inverse permutation)."""
+    return h[..., np.argsort(hand_off_order(h.shape[-1], w))]
+
+
+def natural_columns(w: Mxfp4Columns) -> Mxfp4Columns:
+    """A hand-off weight (`HandOffColumns`) with its columns put back in order, as a plain `Mxfp4Columns` (the
+    weight itself otherwise)."""
+    if not isinstance(w, HandOffColumns):
+        return w
+    inverse = np.argsort(hand_off_order(w.shape[2], w))
+    return Mxfp4Columns(w.packed[:, inverse], w.scale[:, :, inverse])
+
+
 def launch(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, interpret: bool, sorted_rows: bool,
            glu_spec: GluSpec | None = None):
     """The kernel over `sched` [4, T] (group, first, end row per tile, first >= end: nothing to do; the

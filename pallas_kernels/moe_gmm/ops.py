@@ -12,6 +12,11 @@ Pallas kernels decode them in registers; the other implementations dequantise th
 as `hopper_mxfp4.Mxfp4Columns` (the checkpoint's column-major codes) take the Mosaic GPU kernel
 (`hopper_mxfp4.py`) as their "pallas" implementation where it runs (a Hopper GPU or interpret mode, sides
 it tiles: `hopper_mxfp4.runs_here`); elsewhere, and in the other implementations, they are dequantised.
+Gate and up weights given as `HandOffColumns` (their columns in the down launch's order, permuted once at load)
+take `grouped_mlp` through the gated launch's GLU epilogue (`hopper_mxfp4_mlp`, hand_off="glu"); every other
+path puts their columns (or h's) back in order.
+
+    grouped_mlp(lhs, w_gate, w_up, w_down, sizes, row_scale, spec, impl=...)   the whole expert MLP
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ from pallas_kernels.moe_gmm.kernel import (grouped_glu_pallas, grouped_matmul_pa
                                            pair_matmul_pallas)
 from pallas_kernels.moe_gmm.reference import (grouped_glu_reference, grouped_matmul_reference, pair_glu_reference,
                                               pair_matmul_reference)
-from pallas_kernels.moe_gmm.hopper_mxfp4 import (Mxfp4Columns, grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4,
-                                                 pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4, runs_here,
-                                                 to_rows)
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HandOffColumns, Mxfp4Columns, grouped_glu_hopper_mxfp4,
+                                                 grouped_matmul_hopper_mxfp4, natural_columns, natural_order,
+                                                 pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4, runs_here, to_rows)
+from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4
 from pallas_kernels.moe_gmm.mxfp4 import Mxfp4Weight, dequantize
 from pallas_kernels.moe_gmm.tuning import GmmBlocks
 
@@ -70,7 +76,7 @@ def dense_weight(w, dtype):
     """A weight as an array: MXFP4 (`Mxfp4Weight` or `Mxfp4Columns`) dequantised to `dtype` (the paths
     without a kernel that decodes it), else as is."""
     if isinstance(w, Mxfp4Columns):
-        w = to_rows(w)
+        w = to_rows(natural_columns(w))
     return dequantize(w, dtype) if isinstance(w, Mxfp4Weight) else w
 
 
@@ -120,6 +126,9 @@ def grouped_glu(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), im
     _check(lhs, w_gate, group_sizes)
     impl = _impl(impl, w_gate)
     if impl == "pallas" and isinstance(w_gate, Mxfp4Columns):
+        if isinstance(w_gate, HandOffColumns):
+            gate, up = _plain_pair(w_gate, w_up)
+            return natural_order(grouped_glu_hopper_mxfp4(lhs, gate, up, group_sizes, spec=spec), w_gate)
         return grouped_glu_hopper_mxfp4(lhs, w_gate, w_up, group_sizes, spec=spec)
     if impl == "pallas":
         return grouped_glu_pallas(lhs, w_gate, w_up, group_sizes, spec=spec)
@@ -127,6 +136,29 @@ def grouped_glu(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), im
     if impl == "xla":
         return grouped_glu_reference(lhs, w_gate, w_up, group_sizes, spec=spec)
     return glu(_mgpu(lhs, w_gate, group_sizes, blocks), _mgpu(lhs, w_up, group_sizes, blocks), spec)
+
+
+def _plain_pair(w_gate: HandOffColumns, w_up) -> tuple[Mxfp4Columns, Mxfp4Columns]:
+    """Gate and up hand-off weights as plain `Mxfp4Columns` (the kernel then computes h in their column order)."""
+    if type(w_up) is not type(w_gate):
+        raise ValueError(f"grouped_glu: the gate and up weights must both be {type(w_gate).__name__}, got "
+                         f"{type(w_up).__name__} for up")
+    return Mxfp4Columns(*w_gate), Mxfp4Columns(*w_up)
+
+
+def grouped_mlp(lhs, w_gate, w_up, w_down, group_sizes, row_scale=None, *, spec: GluSpec = GluSpec(),
+                impl: GmmImpl = "auto"):
+    """act(lhs[r] @ w_gate[g(r)], lhs[r] @ w_up[g(r)]) @ w_down[g(r)] (times row_scale[r]) for rows sorted by
+    group: `grouped_glu` then `grouped_matmul`, or, with `HandOffColumns` gate and up weights where the Mosaic GPU
+    kernel runs, its two launches with the GLU in the gated one's epilogue (h written as the down launch's slabs).
+    Shapes as `grouped_glu` and `grouped_matmul`; -> [M, N] in lhs's dtype (fp32 with row_scale)."""
+    fused = (type(w_gate) is HandOffColumns and type(w_up) is HandOffColumns and type(w_down) is Mxfp4Columns
+             and _impl(impl, w_gate) == "pallas" and _impl(impl, w_down) == "pallas")
+    if fused:
+        _check(lhs, w_gate, group_sizes)
+        return grouped_mlp_hopper_mxfp4(lhs, w_gate, w_up, w_down, group_sizes, row_scale, spec=spec, hand_off="glu")
+    h = grouped_glu(lhs, w_gate, w_up, group_sizes, spec=spec, impl=impl)
+    return grouped_matmul(h, w_down, group_sizes, row_scale, impl=impl)
 
 
 def _pair_impl(impl: GmmImpl, w) -> str:
@@ -153,6 +185,9 @@ def pair_glu(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), repe
     if _pair_impl(impl, w_gate) == "pallas":
         if not isinstance(w_gate, Mxfp4Columns):
             return pair_glu_pallas(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat, extra=extra)
+        if extra is None and isinstance(w_gate, HandOffColumns):
+            gate, up = _plain_pair(w_gate, w_up)
+            return natural_order(pair_glu_hopper_mxfp4(lhs, gate, up, group, valid, spec=spec, repeat=repeat), w_gate)
         if extra is None:
             return pair_glu_hopper_mxfp4(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat)
     return pair_glu_reference(lhs, dense_weight(w_gate, lhs.dtype), dense_weight(w_up, lhs.dtype), group, valid,

@@ -16,11 +16,13 @@ from tolerances import assert_close
 import k3jax
 from k3jax.checkpoint.convert import convert
 from k3jax.checkpoint.safetensors_io import CheckpointError
+from k3jax.checkpoint.transforms import HOOKS
 from k3jax.checkpoint.writer import save_checkpoint
 from k3jax.config import tiny_k3
 from k3jax.errors import ConfigError
 from k3jax.memory_plan import plan_memory
 from k3jax.sharding import MeshSpec, make_mesh
+from pallas_kernels.moe_gmm import HandOffColumns, Mxfp4Columns, hand_off_columns
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,60 @@ def test_columns_layout_runs_the_mosaic_gpu_kernel_in_the_model(rng):
     for moe in ("pairs", "ragged"):
         assert_close(f"kernel {moe}", model.with_impls(gmm="pallas", moe=moe).logits(ids), expected,
                      dtype="bfloat16")
+
+
+def test_handoff_layout_reorders_the_gate_and_up_columns_and_keeps_the_model(mxfp4_dir, tmp_path, rng):
+    """expert_layout="handoff": "columns" with w1's and w3's outputs (codes and scales) reordered within each 32
+    as the GLU hand-off writes h (`hand_off_columns`), w2 as in "columns"; the same logits (on one device, over
+    experts, converted, and written back to a Hugging Face checkpoint that loads as the source does)."""
+    cols = k3jax.load(mxfp4_dir, dtype="float32", packed_experts=True, expert_layout="columns")
+    hand = k3jax.load(mxfp4_dir, dtype="float32", packed_experts=True, expert_layout="handoff")
+    assert hand.config.moe.packed_layout == "handoff"
+    experts, col_experts = _moe_layer(hand).block_sparse_moe.experts, _moe_layer(cols).block_sparse_moe.experts
+    for name in ("w1", "w3"):
+        want = hand_off_columns(Mxfp4Columns(getattr(col_experts, name + "_packed")[...],
+                                             getattr(col_experts, name + "_scale")[...]))
+        assert isinstance(experts.weights()[0], HandOffColumns)
+        np.testing.assert_array_equal(np.asarray(getattr(experts, name + "_packed")[...]), np.asarray(want.packed))
+        np.testing.assert_array_equal(np.asarray(getattr(experts, name + "_scale")[...]), np.asarray(want.scale))
+    np.testing.assert_array_equal(np.asarray(experts.w2_packed[...]), np.asarray(col_experts.w2_packed[...]))
+    ids = _ids(cols.config, rng, (4, 9))
+    expected = cols.logits(ids)
+    assert_close("handoff", hand.logits(ids), expected, dtype="float32")
+    sharded = k3jax.load(mxfp4_dir, dtype="float32", packed_experts=True, expert_layout="handoff",
+                         mesh=make_mesh(MeshSpec(data=2, expert=4)))
+    assert_close("handoff over experts", sharded.logits(ids), expected, dtype="float32")
+    convert(mxfp4_dir, tmp_path / "hand", dtype="float32", expert_layout="handoff", progress=False)
+    converted = k3jax.load(tmp_path / "hand")
+    assert converted.config.moe.packed_layout == "handoff"
+    assert_close("converted handoff", converted.logits(ids), expected, dtype="float32")
+    save_checkpoint(hand, tmp_path / "hf", shards=1)                     # the hooks' inverses
+    assert_close("written back", k3jax.load(tmp_path / "hf", dtype="float32", packed_experts=True).logits(ids),
+                 expected, dtype="float32")
+
+
+def test_handoff_layout_runs_the_glu_hand_off_in_the_model(rng):
+    """Widths the Mosaic GPU kernel takes: gmm="pallas" (interpret mode on the CPU) runs the GLU hand-off on the
+    sorted-rows path and the pair kernels with h put back in order, equal to the reference path, which puts the
+    weights' columns back in order before dequantising them."""
+    cfg = tiny_k3(num_layers=2, attn_res_block_size=2, num_mtp_layers=0)
+    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, latent_size=128, expert_intermediate_size=128,
+                                              packed_experts=True, packed_layout="handoff"))
+    model = k3jax.CausalLM.random(cfg, seed=2, dtype="bfloat16")
+    ids = _ids(cfg, rng, (2, 5))
+    expected = model.with_impls(gmm="xla").logits(ids)
+    for moe in ("pairs", "ragged"):
+        assert_close(f"hand-off {moe}", model.with_impls(gmm="pallas", moe=moe).logits(ids), expected,
+                     dtype="bfloat16")
+
+
+def test_handoff_layout_shards_whole_groups_of_outputs():
+    with pytest.raises(ValueError, match="whole groups of 32 outputs, got outputs 16:48"):
+        HOOKS["copy_uint8_hand_off"].region((slice(16, 48), slice(None)), (64, 32))
+    with pytest.raises(ValueError, match="whole groups of 32 outputs, got outputs 0:16"):
+        HOOKS["transpose_uint8_hand_off"].region((slice(None), slice(0, 16)), (64, 2))
+    assert HOOKS["copy_uint8_hand_off"].region((slice(32, 64), slice(None)), (64, 32)) == (slice(32, 64),
+                                                                                           slice(None))
 
 
 def test_packed_experts_sharded_over_experts_equal_one_device(mxfp4_dir, rng):

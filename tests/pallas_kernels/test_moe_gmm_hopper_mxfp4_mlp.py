@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from tolerances import assert_close
 
-from pallas_kernels.moe_gmm import GluSpec, Mxfp4Weight, grouped_glu_reference, grouped_matmul_reference
+from pallas_kernels.moe_gmm import (GluSpec, Mxfp4Weight, dense_weight, grouped_glu, grouped_glu_reference,
+                                    grouped_matmul_reference, grouped_mlp, pair_glu)
 from pallas_kernels.moe_gmm import hopper_mxfp4
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, WordHandOffColumns,
                                                  grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4, to_columns)
@@ -122,6 +123,28 @@ def test_hand_off_columns_permute_whole_columns(rng):
     word_order = order.reshape(4, 16)[:, list(WORD_BYTES)].reshape(64)
     np.testing.assert_array_equal(np.asarray(words.packed), np.asarray(w.packed)[:, word_order])
     np.testing.assert_array_equal(np.asarray(words.scale), np.asarray(w.scale)[:, :, word_order])
+
+
+@pytest.mark.parametrize("code_load", ["pairs", "words"])
+def test_ops_take_hand_off_weights_on_every_path(rng, code_load):
+    """The dispatch ops on hand-off gate and up weights: `grouped_mlp` (the GLU hand-off, or the two calls for
+    words), `grouped_glu` and `pair_glu` (h put back in order) through the kernel in interpret mode, and the
+    references (the columns put back in order first), all equal to the same ops on the plain columns."""
+    x, scale, group_sizes, weights = _experts(rng, [3, 0, 5, 3], 12, 256, 256, 128)
+    wg, wu, wd = (to_columns(w) for w in weights)
+    hg, hu = hand_off_columns(wg, code_load), hand_off_columns(wu, code_load)
+    np.testing.assert_array_equal(np.asarray(dense_weight(hg, jnp.float32)), np.asarray(dense_weight(wg, jnp.float32)))
+    for impl in ("pallas", "xla"):
+        assert_close(f"grouped_mlp {impl}", grouped_mlp(x, hg, hu, wd, group_sizes, scale, spec=SITU, impl=impl),
+                     grouped_mlp(x, wg, wu, wd, group_sizes, scale, spec=SITU, impl=impl), dtype=jnp.bfloat16)
+        assert_close(f"grouped_glu {impl}", grouped_glu(x, hg, hu, group_sizes, impl=impl),
+                     grouped_glu(x, wg, wu, group_sizes, impl=impl), dtype=jnp.bfloat16)
+        group = jnp.asarray(rng.integers(0, 4, (6,)), jnp.int32)
+        valid = jnp.asarray([True, True, False, True, True, True])
+        assert_close(f"pair_glu {impl}", pair_glu(x[:3], hg, hu, group, valid, repeat=2, impl=impl),
+                     pair_glu(x[:3], wg, wu, group, valid, repeat=2, impl=impl), dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="must both be"):
+        grouped_glu(x, hg, wu, group_sizes, impl="pallas")
 
 
 GLU_LOWERINGS = {"grid_8_rows": (GluSpec(), HopperMxfp4Blocks()), "grid_defaults_16_rows": (SITU, None),
