@@ -88,9 +88,10 @@ def add_build_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--norm", default=None, help="RMSNorm / residual-add implementation (k3jax option 'norm')")
     ap.add_argument("--shared", default=None, help="shared-expert path (k3jax option 'shared')")
     ap.add_argument("--mla-absorb", default=None, help="MLA W_UK/W_UV few-row kernels (k3jax option 'mla_absorb')")
-    ap.add_argument("--packed-experts", default=None, choices=["rows", "columns"],
+    ap.add_argument("--packed-experts", default=None, choices=["rows", "columns", "handoff"],
                     help="kimi-linear-48b: routed experts kept as MXFP4 on the device in this layout (random codes; "
-                         "'columns': the Mosaic GPU kernel, which gmm auto picks on a GPU): 25 GB of experts, not 94")
+                         "'columns': the Mosaic GPU kernel, which gmm auto picks on a GPU; 'handoff': with its GLU "
+                         "hand-off above 8 tokens): 25 GB of experts, not 94")
     ap.add_argument("--kernels", choices=["xla", "pallas"], default="xla",
                     help="pallas: KDA prefill and decode and MLA decode through the Pallas kernels")
     ap.add_argument("--mesh", default=None, help="run sharded over this many local devices, e.g. expert=2 or data=2 "
