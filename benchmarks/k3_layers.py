@@ -155,7 +155,8 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--expert-layout", choices=PACKED_LAYOUTS, default="rows",
-                    help="packed experts' layout: rows (Pallas-Triton kernels) or columns (the Mosaic GPU kernel)")
+                    help="packed experts' layout: rows (Pallas-Triton kernels), columns (the Mosaic GPU kernel) or "
+                         "handoff (the same with its GLU hand-off)")
     args = ap.parse_args(argv)
     if args.small:
         cfg = tiny_k3()

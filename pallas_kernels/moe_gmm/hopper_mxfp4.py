@@ -589,11 +589,11 @@ def check_operands(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, permute
             raise ValueError(f"hopper MXFP4 matmul: weights must be Mxfp4Columns (`to_columns`), "
                              f"got {type(w).__name__}")
         if isinstance(w, HandOffColumns) and not permuted:
-            raise ValueError("hopper MXFP4 matmul: weights from hand_off_columns (columns in even_odd order) are "
+            raise ValueError("hopper MXFP4 matmul: weights from hand_off_columns (columns in a hand-off order) are "
                              "for grouped_mlp_hopper_mxfp4(hand_off='glu')'s gate and up only")
         if permuted and not isinstance(w, HandOffColumns):
             raise ValueError("hopper MXFP4 matmul: hand_off='glu' takes the gate and up weights from "
-                             f"hand_off_columns (columns in even_odd order), got {type(w).__name__}")
+                             f"hand_off_columns (columns in a hand-off order), got {type(w).__name__}")
         _validated(w)
     g, k, n = weights[0].shape
     if any(w.shape != weights[0].shape for w in weights):

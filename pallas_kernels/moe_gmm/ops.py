@@ -127,7 +127,7 @@ def grouped_glu(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), im
     impl = _impl(impl, w_gate)
     if impl == "pallas" and isinstance(w_gate, Mxfp4Columns):
         if isinstance(w_gate, HandOffColumns):
-            gate, up = _plain_pair(w_gate, w_up)
+            gate, up = _plain_pair(w_gate, w_up, "grouped_glu")
             return natural_order(grouped_glu_hopper_mxfp4(lhs, gate, up, group_sizes, spec=spec), w_gate)
         return grouped_glu_hopper_mxfp4(lhs, w_gate, w_up, group_sizes, spec=spec)
     if impl == "pallas":
@@ -138,10 +138,10 @@ def grouped_glu(lhs, w_gate, w_up, group_sizes, *, spec: GluSpec = GluSpec(), im
     return glu(_mgpu(lhs, w_gate, group_sizes, blocks), _mgpu(lhs, w_up, group_sizes, blocks), spec)
 
 
-def _plain_pair(w_gate: HandOffColumns, w_up) -> tuple[Mxfp4Columns, Mxfp4Columns]:
+def _plain_pair(w_gate: HandOffColumns, w_up, op: str) -> tuple[Mxfp4Columns, Mxfp4Columns]:
     """Gate and up hand-off weights as plain `Mxfp4Columns` (the kernel then computes h in their column order)."""
     if type(w_up) is not type(w_gate):
-        raise ValueError(f"grouped_glu: the gate and up weights must both be {type(w_gate).__name__}, got "
+        raise ValueError(f"{op}: the gate and up weights must both be {type(w_gate).__name__}, got "
                          f"{type(w_up).__name__} for up")
     return Mxfp4Columns(*w_gate), Mxfp4Columns(*w_up)
 
@@ -186,7 +186,7 @@ def pair_glu(lhs, w_gate, w_up, group, valid, *, spec: GluSpec = GluSpec(), repe
         if not isinstance(w_gate, Mxfp4Columns):
             return pair_glu_pallas(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat, extra=extra)
         if extra is None and isinstance(w_gate, HandOffColumns):
-            gate, up = _plain_pair(w_gate, w_up)
+            gate, up = _plain_pair(w_gate, w_up, "pair_glu")
             return natural_order(pair_glu_hopper_mxfp4(lhs, gate, up, group, valid, spec=spec, repeat=repeat), w_gate)
         if extra is None:
             return pair_glu_hopper_mxfp4(lhs, w_gate, w_up, group, valid, spec=spec, repeat=repeat)

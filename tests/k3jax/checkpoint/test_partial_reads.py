@@ -116,6 +116,28 @@ def test_each_hook_reads_the_box_of_its_parameter(tmp_path):
                 assert ckpt.bytes_read - before == whole[box].size * ckpt.info("t").dtype.itemsize
 
 
+def test_hand_off_hooks_read_whole_groups_of_outputs(tmp_path):
+    """The "handoff" layout's gate and up hooks (outputs reordered within each 32): a box over whole groups of 32
+    outputs reads just its bytes and equals the whole parameter's box; apply then invert gives the stored bytes."""
+    rng = np.random.default_rng(4)
+    packed, scale = quantize_mxfp4(rng.standard_normal((64, 96)).astype(np.float32))      # [96, 32], [96, 2]
+    cases = [("copy_uint8_hand_off", packed, (96, 32), lambda outs, other: (outs, other)),
+             ("transpose_uint8_hand_off", scale, (2, 96), lambda outs, other: (other, outs))]
+    for case, (hook, stored, shape, box_of) in enumerate(cases):
+        directory = tmp_path / str(case)
+        directory.mkdir()
+        write_safetensors(directory / "model.safetensors", {"t": stored})
+        ckpt = SafetensorsCheckpoint(directory)
+        rule = TensorRule(path=("p",), hook=hook)
+        whole = read_param_slice(ckpt, "t", rule, shape)
+        np.testing.assert_array_equal(HOOKS[hook].invert(whole), stored)
+        for outs, other in [(slice(0, 32), slice(None)), (slice(32, 96), slice(1, 2)), (slice(64, 96), slice(0, 1))]:
+            box = box_of(outs, other)
+            before = ckpt.bytes_read
+            np.testing.assert_array_equal(read_param_slice(ckpt, "t", rule, shape, box), whole[box], err_msg=hook)
+            assert ckpt.bytes_read - before == whole[box].size
+
+
 def test_read_pieces_of_split_dimensions():
     assert read_chunk_shape((512, 64), stacked=False, split=(0,)) == (512 // READ_PIECES, 64)
     assert read_chunk_shape((64, 96), stacked=False, split=(1,)) == (64, 6)               # 96: 16 pieces
