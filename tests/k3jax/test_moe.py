@@ -16,7 +16,6 @@ from tolerances import assert_close
 from k3jax.config import ExpertParallel, MoEConfig
 from k3jax.layers.activation import Activation, gated_activation
 from k3jax.layers.moe import route
-from k3jax.layers import moe_experts
 from k3jax.layers.moe_experts import EXPERT_IMPLS, experts_dense, local_experts, sort_by_expert, unsort_and_sum
 from k3jax.layers.moe_parallel import emulated_ragged_all_to_all, expert_parallel
 from k3jax.sharding import MeshSpec, make_mesh
@@ -86,19 +85,17 @@ def test_expert_implementations_equal_dense_reference(rng, act):
     assert_close("dense vs loop", dense, ref)
 
 
-@pytest.mark.parametrize("counted", [True, False])
+@pytest.mark.parametrize("method", ["count", "sort"])
 @pytest.mark.parametrize("tokens,offset", [(64, 0), (37, 5), (300, 0)])
-def test_sort_by_expert_is_numpys_stable_sort(rng, monkeypatch, counted, tokens, offset):
-    """The counted order (and the sort above COUNTED_MAX_PAIRS) against numpy's stable argsort of the same keys,
-    another shard's pairs last; group sizes by bincount; unsort_and_sum (its scatter above COUNTED_MAX_PAIRS)
-    against a loop over tokens."""
-    if not counted:
-        monkeypatch.setattr(moe_experts, "COUNTED_MAX_PAIRS", 8)
+def test_sort_by_expert_is_numpys_stable_sort(rng, method, tokens, offset):
+    """Both methods (the counted order and XLA's sort) against numpy's stable argsort of the same keys, another
+    shard's pairs last; group sizes by bincount; unsort_and_sum against a loop over tokens."""
     with pytest.raises(ValueError, match="method must be"):
         sort_by_expert(jnp.zeros((2, 2), jnp.int32), 4, method="radix")
     e, local_e, k = 16, 8, 4
     experts = np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)]).astype(np.int32)
-    order, sizes, local = jax.jit(sort_by_expert, static_argnums=(1,))(jnp.asarray(experts), local_e, offset)
+    order, sizes, local = jax.jit(sort_by_expert, static_argnums=(1, 3))(jnp.asarray(experts), local_e, offset,
+                                                                         method)
     flat = experts.reshape(-1) - offset
     inside = (flat >= 0) & (flat < local_e)
     want = np.argsort(np.where(inside, flat, local_e), kind="stable")

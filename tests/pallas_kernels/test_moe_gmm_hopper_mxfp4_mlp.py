@@ -250,8 +250,8 @@ def test_compiled_hand_off_equals_the_two_calls(rng, blocks, sizes, m):
 @on_gpu
 @pytest.mark.parametrize("blocks", [None, HopperMxfp4Blocks(launch="persistent", outputs="rows"),
                                     HopperMxfp4Blocks(launch="persistent", programs=5),
-                                    HopperMxfp4Blocks(mma_inputs=0, code_load="words", decode="scaled")],
-                         ids=["default", "persistent_rows_out", "persistent_5_programs", "words_scaled"])
+                                    HopperMxfp4Blocks(mma_inputs=0, code_load="words")],
+                         ids=["default", "persistent_rows_out", "persistent_5_programs", "words"])
 @pytest.mark.parametrize("spec", [GluSpec(), SITU], ids=["silu", "situ"])
 @pytest.mark.parametrize("sizes,m", [([3, 0, 5, 3], 12), ([0, 19, 1, 0, 40, 7, 0, 30], 100)])
 def test_compiled_glu_hand_off_equals_the_products_hand_off(rng, blocks, spec, sizes, m):
