@@ -13,6 +13,7 @@ from typing import Callable
 import numpy as np
 
 from k3jax.checkpoint.mxfp4 import GROUP
+from pallas_kernels.moe_gmm.hopper_mxfp4 import hand_off_order
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,6 @@ def _conv_box(box, stored):  # param [W, C] box -> stored [C, 1, W] or [C, W] bo
     return (c, slice(None), w) if len(stored) == 3 else (c, w)
 
 
-def hand_off_order(n: int) -> np.ndarray:
-    """[n]: row j of a hand-off parameter (gate and up codes, "handoff" layout) is stored output row order[j]:
-    each 32 outputs' 16 even ones, then their 16 odd ones (the order the Mosaic GPU kernel's decode takes h in)."""
-    return np.arange(n).reshape(n // GROUP, GROUP // 2, 2).swapaxes(1, 2).reshape(n)
-
-
 def _aligned(s: slice, n: int, what: str) -> None:
     start, stop, _ = s.indices(n)
     if start % GROUP or stop % GROUP:
@@ -66,7 +61,7 @@ def _hand_off_scales_box(box, stored):      # param [in/32, out] box -> stored [
 
 
 def _permute(a: np.ndarray, axis: int, inverse: bool = False) -> np.ndarray:
-    order = hand_off_order(a.shape[axis])
+    order = hand_off_order(a.shape[axis])      # each 32 outputs' 16 even ones, then their 16 odd ones
     return np.take(a, np.argsort(order) if inverse else order, axis=axis)
 
 

@@ -391,15 +391,19 @@ def k_order(x, blocks: HopperMxfp4Blocks):
     return word_order(x) if blocks.code_load == "words" else even_odd(x)
 
 
-def hand_off_order(n: int, w: HandOffColumns) -> np.ndarray:
-    """[n] int: column j of a hand-off weight (or of the h its gated launch writes) is natural column order[j]."""
-    return np.asarray(k_order(np.arange(n), HopperMxfp4Blocks(
-        code_load="words" if isinstance(w, WordHandOffColumns) else "pairs")))
+def hand_off_order(n: int, code_load: str = "pairs") -> np.ndarray:
+    """[n] int: column j of a hand-off weight for a down launch with `code_load` (or of the h its gated launch
+    writes) is natural column order[j]: `k_order` of the columns."""
+    return np.asarray(k_order(np.arange(n), HopperMxfp4Blocks(code_load=code_load)))
+
+
+def _code_load(w: HandOffColumns) -> str:
+    return "words" if isinstance(w, WordHandOffColumns) else "pairs"
 
 
 def natural_order(h, w: HandOffColumns):
     """h [..., N] whose columns follow `w`'s hand-off order -> the natural order (the inverse permutation)."""
-    return h[..., np.argsort(hand_off_order(h.shape[-1], w))]
+    return h[..., np.argsort(hand_off_order(h.shape[-1], _code_load(w)))]
 
 
 def natural_columns(w: Mxfp4Columns) -> Mxfp4Columns:
@@ -407,7 +411,7 @@ def natural_columns(w: Mxfp4Columns) -> Mxfp4Columns:
     weight itself otherwise)."""
     if not isinstance(w, HandOffColumns):
         return w
-    inverse = np.argsort(hand_off_order(w.shape[2], w))
+    inverse = np.argsort(hand_off_order(w.shape[2], _code_load(w)))
     return Mxfp4Columns(w.packed[:, inverse], w.scale[:, :, inverse])
 
 

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HandOffColumns, HopperMxfp4Blocks, Mxfp4Columns,
-                                                 WordHandOffColumns, check_operands, k_order, launch, products_by_row,
-                                                 resolve_blocks, sorted_inputs, sorted_schedule)
+                                                 WordHandOffColumns, check_operands, hand_off_order, k_order, launch,
+                                                 products_by_row, resolve_blocks, sorted_inputs, sorted_schedule)
 
 HAND_OFFS = ("products", "glu")
 
@@ -55,7 +55,7 @@ def hand_off_columns(w: Mxfp4Columns, code_load: str = "pairs") -> HandOffColumn
     if code_load not in ("pairs", "words"):
         raise ValueError(f"hand_off_columns: code_load must be 'pairs' or 'words', got {code_load!r}")
     kind = WordHandOffColumns if code_load == "words" else HandOffColumns
-    order = k_order(jnp.arange(w.shape[2]), HopperMxfp4Blocks(code_load=code_load))
+    order = hand_off_order(w.shape[2], code_load)
     return kind(w.packed[:, order], w.scale[:, :, order])
 
 

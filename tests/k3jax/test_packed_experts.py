@@ -99,17 +99,20 @@ def test_columns_layout_needs_packed_experts_and_is_fixed_at_load(mxfp4_dir):
     assert packed.with_impls(expert_layout="rows", gmm="xla").config.moe.gmm_impl == "xla"
 
 
-def test_columns_layout_runs_the_mosaic_gpu_kernel_in_the_model(rng):
+@pytest.mark.parametrize("layout", ["columns", "handoff"])
+def test_column_layouts_run_the_mosaic_gpu_kernel_in_the_model(rng, layout):
     """Expert widths the Mosaic GPU kernel takes (multiples of 128): gmm="pallas" runs it (interpret mode
-    on the CPU) on the pairs and the sorted-rows paths, equal to the dequantising reference path."""
+    on the CPU) on the pairs and the sorted-rows paths, equal to the dequantising reference path. With "handoff"
+    the sorted rows run the GLU hand-off and the pair kernels put h back in order; the reference puts the
+    weights' columns back in order before dequantising them."""
     cfg = tiny_k3(num_layers=2, attn_res_block_size=2, num_mtp_layers=0)
     cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, latent_size=128, expert_intermediate_size=128,
-                                              packed_experts=True, packed_layout="columns"))
+                                              packed_experts=True, packed_layout=layout))
     model = k3jax.CausalLM.random(cfg, seed=2, dtype="bfloat16")
     ids = _ids(cfg, rng, (2, 5))
     expected = model.with_impls(gmm="xla").logits(ids)
     for moe in ("pairs", "ragged"):
-        assert_close(f"kernel {moe}", model.with_impls(gmm="pallas", moe=moe).logits(ids), expected,
+        assert_close(f"{layout} kernel {moe}", model.with_impls(gmm="pallas", moe=moe).logits(ids), expected,
                      dtype="bfloat16")
 
 
@@ -141,21 +144,6 @@ def test_handoff_layout_reorders_the_gate_and_up_columns_and_keeps_the_model(mxf
     save_checkpoint(hand, tmp_path / "hf", shards=1)                     # the hooks' inverses
     assert_close("written back", k3jax.load(tmp_path / "hf", dtype="float32", packed_experts=True).logits(ids),
                  expected, dtype="float32")
-
-
-def test_handoff_layout_runs_the_glu_hand_off_in_the_model(rng):
-    """Widths the Mosaic GPU kernel takes: gmm="pallas" (interpret mode on the CPU) runs the GLU hand-off on the
-    sorted-rows path and the pair kernels with h put back in order, equal to the reference path, which puts the
-    weights' columns back in order before dequantising them."""
-    cfg = tiny_k3(num_layers=2, attn_res_block_size=2, num_mtp_layers=0)
-    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, latent_size=128, expert_intermediate_size=128,
-                                              packed_experts=True, packed_layout="handoff"))
-    model = k3jax.CausalLM.random(cfg, seed=2, dtype="bfloat16")
-    ids = _ids(cfg, rng, (2, 5))
-    expected = model.with_impls(gmm="xla").logits(ids)
-    for moe in ("pairs", "ragged"):
-        assert_close(f"hand-off {moe}", model.with_impls(gmm="pallas", moe=moe).logits(ids), expected,
-                     dtype="bfloat16")
 
 
 def test_handoff_layout_shards_whole_groups_of_outputs():
