@@ -64,7 +64,6 @@ from pallas_kernels._util import default_interpret
 from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import launch_persistent, persistent_takes
 from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import smem_bytes as persistent_smem_bytes
-from pallas_kernels.moe_gmm.hopper_mxfp4_decode import WORD_BYTES
 from pallas_kernels.moe_gmm.hopper_mxfp4_step import (ALIGN, CODE_TRANSFORMS, COLUMNS, PER_GROUP, X_TRANSFORMS,
                                                       copy_out_rows, multiply_step, write_glu_slab)
 from pallas_kernels.moe_gmm.mxfp4 import GROUP, Mxfp4Weight
@@ -382,8 +381,10 @@ def word_order(x):
     (its 16 even inputs, its 16 odd ones) by `hopper_mxfp4_decode.WORD_BYTES`: the inputs of the group's even
     bytes, then of its odd bytes."""
     *lead, k = x.shape
-    halves = even_odd(x).reshape(*lead, k // PER_GROUP, PER_GROUP)
-    return halves[..., WORD_BYTES].reshape(*lead, k)
+    # Input 4b + 2p + n of a group (byte 2b + p, nibble n) goes to slot 16n + 8p + b: one transpose of the group
+    # as [b, p, n] (no gather by WORD_BYTES, which XLA ran as a second kernel of its own).
+    groups = x.reshape(*lead, k // GROUP, PER_GROUP // 2, 2, 2)
+    return jnp.swapaxes(groups, -1, -3).reshape(*lead, k)
 
 
 def k_order(x, blocks: HopperMxfp4Blocks):
