@@ -48,7 +48,9 @@ from pallas_kernels.moe_gmm import (grouped_glu_pallas, grouped_matmul_pallas, p
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, grouped_glu_hopper_mxfp4,  # noqa: E402
                                                   grouped_matmul_hopper_mxfp4, pair_glu_hopper_mxfp4,
                                                   pair_matmul_hopper_mxfp4, to_columns)
+from pallas_kernels.moe_gmm import hopper_mxfp4  # noqa: E402
 from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4, hand_off_columns  # noqa: E402
+from pallas_kernels.moe_gmm.schedule import tile_schedule  # noqa: E402
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize  # noqa: E402
 from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
@@ -108,16 +110,16 @@ def packed(rng, e, k, n) -> Mxfp4Weight:
                        jnp.asarray(rng.integers(118, 123, (e, k // 32, n), dtype=np.uint8)))
 
 
-# How the calls order the pairs by expert (`sort_by_expert`'s method; --routing): "settled" writes the group
-# sizes out before the kernels' schedule reads them (an optimization barrier), so that XLA does not fuse their
-# one-hot sum into the schedule's cumulative sum and recompute it per element.
+# How the calls order the pairs by expert (`sort_by_expert`'s method; --routing). "settled": the Mosaic GPU calls'
+# tile schedule with `tile_schedule(settled=True)`, the group sizes and cumulative sums written out before the
+# comparisons read them, so that XLA cannot fuse the one-hot sum into the cumulative sums and recompute it.
 ROUTING = {"method": "sort", "settled": False}
 
 
 def by_expert(experts, num_experts: int):
     """`sort_by_expert` as --routing asks: (order, group sizes)."""
     order, sizes, _ = sort_by_expert(experts, num_experts, method=ROUTING["method"])
-    return order, (jax.lax.optimization_barrier(sizes) if ROUTING["settled"] else sizes)
+    return order, sizes
 
 PALLAS_KERNELS = (pair_glu_pallas, pair_matmul_pallas, grouped_glu_pallas, grouped_matmul_pallas)
 HOPPER_KERNELS = (pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4, grouped_glu_hopper_mxfp4,
@@ -338,6 +340,8 @@ def main(argv=None) -> int:
         args.hopper_sweep = True
     args.hopper = args.hopper or args.hopper_sweep or args.hopper_handoff
     ROUTING.update(method=args.routing.removesuffix("-settled"), settled=args.routing.endswith("-settled"))
+    if ROUTING["settled"]:      # what the Mosaic GPU calls' `sorted_schedule` calls
+        hopper_mxfp4.tile_schedule = functools.partial(tile_schedule, settled=True)
     models = {"tiny": (8, 128, 128, 2)} if args.small else {m: MODELS[m] for m in (args.models or MODELS)}
     token_counts = args.tokens or ([1, 16] if args.small else [1, 8, 64, 256, 4096])
     rows, sweep_rows, tokamax_rows, hopper_rows = [], [], [], []
