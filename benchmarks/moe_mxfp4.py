@@ -48,9 +48,7 @@ from pallas_kernels.moe_gmm import (grouped_glu_pallas, grouped_matmul_pallas, p
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, grouped_glu_hopper_mxfp4,  # noqa: E402
                                                   grouped_matmul_hopper_mxfp4, pair_glu_hopper_mxfp4,
                                                   pair_matmul_hopper_mxfp4, to_columns)
-from pallas_kernels.moe_gmm import hopper_mxfp4  # noqa: E402
 from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4, hand_off_columns  # noqa: E402
-from pallas_kernels.moe_gmm.schedule import tile_schedule  # noqa: E402
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize  # noqa: E402
 from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
@@ -110,16 +108,8 @@ def packed(rng, e, k, n) -> Mxfp4Weight:
                        jnp.asarray(rng.integers(118, 123, (e, k // 32, n), dtype=np.uint8)))
 
 
-# How the calls order the pairs by expert (`sort_by_expert`'s method; --routing). "settled": the Mosaic GPU calls'
-# tile schedule with `tile_schedule(settled=True)`, the group sizes and cumulative sums written out before the
-# comparisons read them, so that XLA cannot fuse the one-hot sum into the cumulative sums and recompute it.
-ROUTING = {"method": "sort", "settled": False}
-
-
-def by_expert(experts, num_experts: int):
-    """`sort_by_expert` as --routing asks: (order, group sizes)."""
-    order, sizes, _ = sort_by_expert(experts, num_experts, method=ROUTING["method"])
-    return order, sizes
+# How the calls order the pairs by expert (`sort_by_expert`'s method; --routing).
+ROUTING = {"method": "sort"}
 
 PALLAS_KERNELS = (pair_glu_pallas, pair_matmul_pallas, grouped_glu_pallas, grouped_matmul_pallas)
 HOPPER_KERNELS = (pair_glu_hopper_mxfp4, pair_matmul_hopper_mxfp4, grouped_glu_hopper_mxfp4,
@@ -137,7 +127,7 @@ def experts_mlp(x, weights, experts, w1, w3, w2, blocks=None, kernels=PALLAS_KER
         h = pair_glu(x, w1, w3, group, valid, repeat=k, blocks=blocks)
         y = pair_matmul(h, w2, group, valid, weights.reshape(-1), blocks=blocks)
         return y.reshape(n, k, -1).sum(axis=1)
-    order, sizes = by_expert(experts, w1.shape[0])
+    order, sizes, _ = sort_by_expert(experts, w1.shape[0], method=ROUTING["method"])
     h = grouped_glu(x[order // k], w1, w3, sizes, blocks=blocks)
     y = grouped_matmul(h, w2, sizes, weights.reshape(-1)[order], blocks=blocks)
     return unsort_and_sum(y, order, k)   # as the model combines them (until run 31: a scatter-add, 12.9 us at 64)
@@ -155,7 +145,7 @@ def experts_mlp_handoff(x, weights, experts, c1, c3, c2, blocks=None, hand_off="
     n, k = experts.shape
     if n <= 8:
         return experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks)
-    order, sizes = by_expert(experts, c1.shape[0])
+    order, sizes, _ = sort_by_expert(experts, c1.shape[0], method=ROUTING["method"])
     y = grouped_mlp_hopper_mxfp4(x[order // k], c1, c3, c2, sizes, weights.reshape(-1)[order], blocks=blocks,
                                  hand_off=hand_off)
     return unsort_and_sum(y, order, k)
@@ -327,9 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--unrolled", action="store_true",
                     help="also time each Mosaic GPU row with its chained calls unrolled in one program (no device "
                          "loop, whose every iteration waits on the host)")
-    ap.add_argument("--routing", choices=("count", "sort", "sort-settled"), default="sort",
-                    help="how the calls order the pairs by expert (sort_by_expert's method; sort-settled: the sort "
-                         "with the group sizes written out before the kernels' schedule reads them)")
+    ap.add_argument("--routing", choices=("count", "sort"), default="sort",
+                    help="how the calls order the pairs by expert (sort_by_expert's method)")
     ap.add_argument("--profile", action="store_true",
                     help="record the kernels of the MXFP4 (and with --hopper the Mosaic GPU) call per row")
     args = ap.parse_args(argv)
@@ -339,9 +328,7 @@ def main(argv=None) -> int:
             ap.error(f"--hopper-pick: indices {bad} are outside HOPPER_SWEEP's 0..{len(HOPPER_SWEEP) - 1}")
         args.hopper_sweep = True
     args.hopper = args.hopper or args.hopper_sweep or args.hopper_handoff
-    ROUTING.update(method=args.routing.removesuffix("-settled"), settled=args.routing.endswith("-settled"))
-    if ROUTING["settled"]:      # what the Mosaic GPU calls' `sorted_schedule` calls
-        hopper_mxfp4.tile_schedule = functools.partial(tile_schedule, settled=True)
+    ROUTING["method"] = args.routing
     models = {"tiny": (8, 128, 128, 2)} if args.small else {m: MODELS[m] for m in (args.models or MODELS)}
     token_counts = args.tokens or ([1, 16] if args.small else [1, 8, 64, 256, 4096])
     rows, sweep_rows, tokamax_rows, hopper_rows = [], [], [], []

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 
 def max_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
@@ -19,23 +18,17 @@ def max_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
     return -(-num_rows // block_m) + min(num_groups, num_rows)
 
 
-def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int, settled: bool = False) -> jax.Array:
+def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
     """[3, T] int32: per tile its group, first row and end row (exclusive); empty tiles are (0, 0, 0).
 
     group_sizes: [G] int32 rows per group (their sum may be below num_rows).
-    settled: the sizes and both cumulative sums written out before the comparisons read them (an optimization
-      barrier), so that XLA cannot fuse their producers into the consumers and recompute them per element.
     """
     g_count = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
-    if settled:
-        sizes = lax.optimization_barrier(sizes)
     ends = jnp.cumsum(sizes)
+    starts = ends - sizes
     tiles = (sizes + block_m - 1) // block_m
     tile_end = jnp.cumsum(tiles)
-    if settled:
-        ends, tile_end = lax.optimization_barrier((ends, tile_end))
-    starts = ends - sizes
     tile_start = tile_end - tiles
     t = jnp.arange(max_tiles(num_rows, g_count, block_m), dtype=jnp.int32)
     # One comparison matrix [T, G] (a single fused kernel), not a scan of log2(G) small kernels.

@@ -73,15 +73,13 @@ def test_rows_poisoned_past_the_groups_never_leak(rng, interpret):
     assert_close("tiled", out, grouped_matmul_reference(clean, w, gs), dtype=kernel_dtype("float32", interpret))
 
 
-@pytest.mark.parametrize("settled", [False, True])
 @pytest.mark.parametrize("block_m", [1, 4, 16])
-def test_tile_schedule_covers_every_row_once(rng, block_m, settled):
-    schedule = jax.jit(tile_schedule, static_argnums=(1, 2, 3))        # compiled, as in the kernel
+def test_tile_schedule_covers_every_row_once(rng, block_m):
     for _ in range(20):
         g = int(rng.integers(1, 12))
         m = int(rng.integers(1, 60))
         sizes = _grouping(rng, m, g)
-        sched = np.asarray(schedule(sizes, m, block_m, settled))
+        sched = np.asarray(jax.jit(tile_schedule, static_argnums=(1, 2))(sizes, m, block_m))  # compiled, as in the kernel
         assert sched.shape == (3, max_tiles(m, g, block_m))
         owner = np.full(m, -1)
         for group, first, last in sched.T:
