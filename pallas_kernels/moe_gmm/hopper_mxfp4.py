@@ -527,13 +527,12 @@ def sorted_inputs(lhs, sched, blocks: HopperMxfp4Blocks):
     # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
     # reads start on a whole tile, as the copies into the tiled shared-memory buffers need. The rows are
     # reordered before the gather: the slabs (every tile padded to `rows`) can be several times larger.
-    # With outputs="rows" the reordered rows and each slab row's source are written out first (`_settled`):
-    # fused into the gather, XLA recomputed the row index and the schedule's cumulative sums for every
-    # element of the slabs (run 32, 64 tokens of Kimi-Linear: the gate/up and down slabs took 36 and 16 us
-    # there, 8 and 4 with "tiles", whose fused form is kept until the written-out one is timed against it).
+    # The reordered rows and each slab row's source are written out first (`_settled`): fused into the gather,
+    # XLA recomputed the row index and the schedule's cumulative sums for every element of the slabs (run 32,
+    # 64 tokens of Kimi-Linear with outputs="rows": the gate/up and down slabs 36 and 16 us; run 40, the model's
+    # decode at B = 16 with the GLU hand-off, whose gated launch writes tiles: 17 us a layer against 4).
     source = jnp.minimum(rows, m - 1)
-    if blocks.outputs == "rows":
-        ordered, source, live = _settled(ordered, source, live)
+    ordered, source, live = _settled(ordered, source, live)
     return jnp.where(live[..., None], ordered[source], 0), sched[1]
 
 
