@@ -23,6 +23,7 @@
     python benchmarks/plot.py run37           # MXFP4 experts: the two hand-offs, grid and persistent launches (H100)
     python benchmarks/plot.py run38           # MXFP4 experts: issue slots by kind, MMA calls, the scaled decode (H100)
     python benchmarks/plot.py run39           # MXFP4 experts: device time by part, word loads, the GLU hand-off (H100)
+    python benchmarks/plot.py run40           # MXFP4 experts: the glue by kernel; the model's decode by layout (H100)
     python benchmarks/plot.py kda-scaling  # prefill time against T, decode bandwidth against batch, beside fla
     python benchmarks/plot.py mla-merge    # the MLA split merge alone per launch setting (merge sweep 2)
     python benchmarks/plot.py mxfp4        # packed experts: share of the floor before / after the PTX decode
@@ -1052,12 +1053,66 @@ def plot_run39(out: str) -> str:
     return _save(fig, os.path.join(out, "run39.png"))
 
 
+RUN40 = ("moe_mxfp4_run40a_6d13f56.json", "decode_packed_columns_run40c_6d13f56.json",
+         "decode_packed_handoff_run40c_6d13f56.json")
+
+
+def plot_run40(out: str) -> str:
+    """Run 40 (H100). Left: the XLA glue of each 64-token call of Kimi-Linear's MXFP4 experts, by kernel (the slab
+    gather, XLA's sort, the combine, the rest). Right: the model's decode (48B shape, experts packed) in ms a token
+    with the experts in the "columns" and "handoff" layouts."""
+    import numpy as np
+
+    moe, columns, handoff = (_load(name, H100) for name in RUN40)
+    forms = []
+    for r in moe["hopper"]:
+        if r.get("handoff") == "products" or "ms" not in r:
+            continue
+        blocks = r["blocks"]
+        name = "default" if blocks == "None" else ("words" if "words" in blocks else "pairs") + (
+            ", scaled" if "scaled" in blocks else "")
+        profile = r.get("profile") or moe["rows"][0]["hopper_profile"]
+        forms.append((name + (", GLU" if r.get("handoff") == "glu" else ""), profile["kernels_us"]))
+    parts = (("selects (the slab gathers)", lambda k: k.startswith("loop_select_fusion")),
+             ("sort", lambda k: k.startswith("sort")), ("transposes", lambda k: "transpose" in k),
+             ("combine (gather and sum)", lambda k: k == "loop_reduce_fusion"),
+             ("the rest (1-3 us each)", lambda k: True))
+
+    def part(kernel: str) -> str:
+        return next(label for label, test in parts if test(kernel))
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.6))
+    x = np.arange(len(forms))
+    bottom = np.zeros(len(forms))
+    for j, (label, _) in enumerate(parts):
+        values = np.array([sum(v for k, v in kernels.items() if "mosaic" not in k and part(k) == label)
+                           for _, kernels in forms])
+        left.bar(x, values, 0.6, bottom=bottom, label=label, color=f"C{j}")
+        bottom += values
+    _bar_axes(left, x, [f for f, _ in forms], "us a call (device time)", "64 tokens: the XLA glue by kernel",
+              tick_size=7)
+    plt.setp(left.get_xticklabels(), rotation=20)
+    left.set_ylim(0, 80)
+    batches = [r["batch"] for r in columns["rows"]]
+    xb = np.arange(len(batches))
+    for j, (label, record) in enumerate((("columns", columns), ("handoff", handoff))):
+        tpot = {r["batch"]: r["tpot_ms"] for r in record["rows"]}
+        bars = right.bar(xb + (j - 0.5) * 0.35, [tpot[b] for b in batches], 0.35, label=f'expert_layout="{label}"',
+                         color=f"C{j}")
+        right.bar_label(bars, fmt="%.2f", fontsize=8)
+    _bar_axes(right, xb, [f"B = {b}" for b in batches], "ms a token (TPOT, median)",
+              "Kimi-Linear-48B shape, random weights, experts packed", tick_size=8)
+    fig.suptitle("Run 40, one H100: the MXFP4 experts' glue; the model's decode with both column layouts",
+                 fontsize=10)
+    return _save(fig, os.path.join(out, "run40.png"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
                                       "kda-sweep", "kda-run30", "kda-run31", "run32", "run33", "run34",
-                                      "run35", "run36", "run37", "run38", "run39", "kda-scaling",
+                                      "run35", "run36", "run37", "run38", "run39", "run40", "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
                                       "mla-merge", "mxfp4", "load-processes",
@@ -1072,7 +1127,7 @@ def main(argv=None) -> int:
                      ("kda-sweep", plot_kda_sweep), ("kda-run30", plot_kda_run30), ("kda-run31", plot_kda_run31),
                      ("run32", plot_run32), ("run33", plot_run33), ("run34", plot_run34),
                      ("run35", plot_run35), ("run36", plot_run36), ("run37", plot_run37),
-                     ("run38", plot_run38), ("run39", plot_run39),
+                     ("run38", plot_run38), ("run39", plot_run39), ("run40", plot_run40),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
