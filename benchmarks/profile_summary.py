@@ -6,7 +6,9 @@ Device events (GPU kernels, or XLA:CPU thunks on the CPU) carry the HLO instruct
 them (`hlo_op`); the optimized HLO dumped by XLA (`--xla_dump_to`) gives each instruction's
 `op_name`, which holds the model's named scopes (kda, mla, router, routed_experts, ...). A kernel's
 category is its scope, split into matmuls and the rest; "gaps" is the time the device sat idle
-between kernels inside the measured window.
+between kernels inside the measured window. Kernels whose events name no instruction of the dump
+(Pallas and Mosaic GPU launches) take the scope their name spells, else that of the kernel before
+them on their stream (`scoped_op_names`; counted as `stood_in_ops`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,30 @@ def _op_name(event: dict, op_names: dict[str, str]) -> str:
         if dotted in op_names:
             return op_names[dotted]
     return ""
+
+
+def _kernel_scope(kernel: str) -> str | None:
+    """A scope the kernel's own name spells as a word ("kda_decode" -> "kda", "add_rms_norm" -> "norm"), or None."""
+    words = re.split(r"[^a-z0-9]+", kernel.lower())
+    return next((s for s in SCOPES if s in words), None)
+
+
+def scoped_op_names(events: list[dict], op_names: dict[str, str]) -> tuple[list[str], int]:
+    """Each event's op_name, for kernels whose trace event names no HLO instruction of the dump (Pallas and
+    Mosaic GPU launches) a stand-in: the scope their name spells, else the op_name of the kernel before them on
+    their stream (the launches of a layer run between that layer's own XLA kernels). Returns (op_names in the
+    events' order, how many were stood in)."""
+    named = [_op_name(e, op_names) for e in events]
+    previous: dict[object, str] = {}
+    stood_in = 0
+    for i in sorted(range(len(events)), key=lambda j: events[j]["ts"]):
+        lane = (events[i].get("pid"), events[i].get("tid"))
+        if not named[i]:
+            scope = _kernel_scope(str(events[i]["name"]))
+            named[i] = scope if scope is not None else previous.get(lane, "")
+            stood_in += bool(named[i])
+        previous[lane] = named[i]
+    return named, stood_in
 
 
 def _category(op_name: str, kernel: str) -> str:
@@ -111,8 +137,8 @@ def summarize(trace_dir: str, dump_dir: str, module: str, steps: int) -> dict:
     by_cat = defaultdict(lambda: {"us": 0.0, "kernels": 0})
     by_kernel = defaultdict(lambda: {"us": 0.0, "count": 0, "category": ""})
     spans = []
-    for e in events:
-        op_name = _op_name(e, op_names)
+    named, stood_in = scoped_op_names(events, op_names)
+    for e, op_name in zip(events, named):
         cat = _category(op_name, e["name"])
         by_cat[cat]["us"] += e["dur"]
         by_cat[cat]["kernels"] += 1
@@ -144,7 +170,7 @@ def summarize(trace_dir: str, dump_dir: str, module: str, steps: int) -> dict:
                     "mean_idle_us": v["us"] / v["count"]} for n, v in idle_before.items()),
                   key=lambda r: -r["idle_us_per_step"])[:25]   # which launches the device waits for
     return {"steps": steps, "step_us": window / steps, "busy_us": busy / steps, "kernels_per_step": len(events) / steps,
-            "mapped_ops": sum(1 for e in events if _op_name(e, op_names)),
+            "mapped_ops": sum(1 for e in events if _op_name(e, op_names)), "stood_in_ops": stood_in,
             "events": len(events), "rows": rows, "top_kernels": top, "idle_before": gaps}
 
 

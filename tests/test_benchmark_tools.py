@@ -10,6 +10,7 @@ import pytest
 from benchmarks.decode import step_bytes
 from benchmarks.ncu_source_summary import main as ncu_source_main
 from benchmarks.ncu_source_summary import barrier_waits, opcode, read, summarise
+from benchmarks.profile_summary import scoped_op_names
 from k3jax.config import tiny_kimi_linear
 
 HEADER = ('"# Address","Source","Warp Stall Sampling (Not-issued Samples)","Warp Stall Sampling (All Samples)",'
@@ -134,3 +135,22 @@ def test_ptxas_register_counts_are_replaced_in_a_recorded_ptx():
     assert len(changed) == len(ptx)
     with pytest.raises(ValueError, match="no setmaxnreg"):
         with_registers(".version 8.0\n", 184, 160)
+
+
+def test_profile_summary_gives_unnamed_launches_a_scope():
+    """Kernels whose trace events name no HLO instruction (Pallas, Mosaic GPU) take the scope their name spells,
+    else the op_name of the kernel before them on their own stream; named ones keep theirs."""
+    op_names = {"fusion.1": "jit(step)/routed_experts/select_n", "fusion.2": "jit(step)/kda/dot_general"}
+    events = [  # listed out of time order, two streams
+        {"name": "anonymous_mosaic_gpu_kernel", "ts": 20, "pid": 1, "tid": 1, "args": {}},
+        {"name": "fusion_1", "ts": 10, "pid": 1, "tid": 1, "args": {"hlo_op": "fusion.1"}},
+        {"name": "anonymous_mosaic_gpu_kernel", "ts": 30, "pid": 1, "tid": 1, "args": {}},
+        {"name": "fusion_2", "ts": 40, "pid": 1, "tid": 1, "args": {"hlo_op": "fusion.2"}},
+        {"name": "add_rms_norm", "ts": 50, "pid": 1, "tid": 1, "args": {}},
+        {"name": "kda_decode", "ts": 60, "pid": 1, "tid": 1, "args": {}},
+        {"name": "anonymous_mosaic_gpu_kernel", "ts": 35, "pid": 1, "tid": 2, "args": {}},   # nothing before it
+    ]
+    named, stood_in = scoped_op_names(events, op_names)
+    assert named == [op_names["fusion.1"], op_names["fusion.1"], op_names["fusion.1"], op_names["fusion.2"], "norm",
+                     "kda", ""]
+    assert stood_in == 4
