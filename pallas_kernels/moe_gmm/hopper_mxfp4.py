@@ -384,7 +384,7 @@ def word_order(x):
     # Input 4b + 2p + n of a group (byte 2b + p, nibble n) goes to slot 16n + 8p + b: one transpose of the group
     # as [b, p, n] (no gather by WORD_BYTES, which XLA ran as a second kernel of its own).
     groups = x.reshape(*lead, k // GROUP, PER_GROUP // 2, 2, 2)
-    return jnp.swapaxes(groups, -1, -3).reshape(*lead, k)
+    return groups.swapaxes(-1, -3).reshape(*lead, k)
 
 
 def k_order(x, blocks: HopperMxfp4Blocks):

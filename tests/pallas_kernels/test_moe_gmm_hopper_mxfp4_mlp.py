@@ -134,6 +134,9 @@ def test_ops_take_hand_off_weights_on_every_path(rng, code_load):
     wg, wu, wd = (to_columns(w) for w in weights)
     hg, hu = hand_off_columns(wg, code_load), hand_off_columns(wu, code_load)
     np.testing.assert_array_equal(np.asarray(dense_weight(hg, jnp.float32)), np.asarray(dense_weight(wg, jnp.float32)))
+    # Under jit too (the hand-off order is a constant of the trace, not a traced value).
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda w: dense_weight(w, jnp.float32))(hg)),
+                                  np.asarray(dense_weight(wg, jnp.float32)))
     for impl in ("pallas", "xla"):
         assert_close(f"grouped_mlp {impl}", grouped_mlp(x, hg, hu, wd, group_sizes, scale, spec=SITU, impl=impl),
                      grouped_mlp(x, wg, wu, wd, group_sizes, scale, spec=SITU, impl=impl), dtype=jnp.bfloat16)
