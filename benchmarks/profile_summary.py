@@ -7,8 +7,8 @@ them (`hlo_op`); the optimized HLO dumped by XLA (`--xla_dump_to`) gives each in
 `op_name`, which holds the model's named scopes (kda, mla, router, routed_experts, ...). A kernel's
 category is its scope, split into matmuls and the rest; "gaps" is the time the device sat idle
 between kernels inside the measured window. Kernels whose events name no instruction of the dump
-(Pallas and Mosaic GPU launches) take the scope their name spells, else that of the kernel before
-them on their stream (`scoped_op_names`; counted as `stood_in_ops`).
+(Pallas and Mosaic GPU launches) take the scope their name spells, else the one the named kernels
+on either side of them on their stream share (`scoped_op_names`; counted as `stood_in_ops`).
 """
 
 from __future__ import annotations
@@ -57,33 +57,54 @@ def _op_name(event: dict, op_names: dict[str, str]) -> str:
     return ""
 
 
+def _scope(op_name: str) -> str | None:
+    """The most specific model scope in an op_name's path, or None."""
+    parts = op_name.split("/")
+    return next((s for s in SCOPES if s in parts), None)
+
+
 def _kernel_scope(kernel: str) -> str | None:
-    """A scope the kernel's own name spells as a word ("kda_decode" -> "kda", "add_rms_norm" -> "norm"), or None."""
-    words = re.split(r"[^a-z0-9]+", kernel.lower())
-    return next((s for s in SCOPES if s in words), None)
+    """A scope the kernel's own name spells ("kda_decode" -> "kda", "add_rms_norm" -> "norm",
+    "routed_experts_gmm" -> "routed_experts"), or None."""
+    name = kernel.lower()
+    words = re.split(r"[^a-z0-9]+", name)
+    return next((s for s in SCOPES if s in words or ("_" in s and re.search(rf"(^|[^a-z0-9]){s}([^a-z0-9]|$)", name))),
+                None)
 
 
 def scoped_op_names(events: list[dict], op_names: dict[str, str]) -> tuple[list[str], int]:
-    """Each event's op_name, for kernels whose trace event names no HLO instruction of the dump (Pallas and
-    Mosaic GPU launches) a stand-in: the scope their name spells, else the op_name of the kernel before them on
-    their stream (the launches of a layer run between that layer's own XLA kernels). Returns (op_names in the
-    events' order, how many were stood in)."""
+    """Each event's op_name; for kernels whose trace event names no HLO instruction of the dump (Pallas and
+    Mosaic GPU launches) a stand-in scope: the one their name spells, else the one the nearest kernels with an
+    op_name before and after them on their stream share (a launch between two kernels of the routed experts is
+    theirs; one between two layers' kernels stays unscoped). Returns (op_names in the events' order, how many
+    were stood in)."""
     named = [_op_name(e, op_names) for e in events]
-    previous: dict[object, str] = {}
-    stood_in = 0
+    lanes: dict[object, list[int]] = defaultdict(list)
     for i in sorted(range(len(events)), key=lambda j: events[j]["ts"]):
-        lane = (events[i].get("pid"), events[i].get("tid"))
-        if not named[i]:
-            scope = _kernel_scope(str(events[i]["name"]))
-            named[i] = scope if scope is not None else previous.get(lane, "")
-            stood_in += bool(named[i])
-        previous[lane] = named[i]
-    return named, stood_in
+        lanes[(events[i].get("pid"), events[i].get("tid"))].append(i)
+    stood: dict[int, str] = {}
+    for order in lanes.values():
+        scopes = [_scope(named[i]) if named[i] else None for i in order]
+        before, after = [None] * len(order), [None] * len(order)
+        for j in range(1, len(order)):                  # the scope of the nearest named kernel before j
+            before[j] = scopes[j - 1] if named[order[j - 1]] else before[j - 1]
+        for j in range(len(order) - 2, -1, -1):         # ... and after j
+            after[j] = scopes[j + 1] if named[order[j + 1]] else after[j + 1]
+        for j, i in enumerate(order):
+            if not named[i]:
+                scope = _kernel_scope(str(events[i]["name"]))
+                if scope is None and before[j] is not None and before[j] == after[j]:
+                    scope = before[j]
+                if scope is not None:
+                    stood[i] = scope
+    for i, scope in stood.items():
+        named[i] = scope
+    return named, len(stood)
 
 
 def _category(op_name: str, kernel: str) -> str:
     parts = op_name.split("/")
-    scope = next((s for s in SCOPES if s in parts), None)
+    scope = _scope(op_name)
     matmul = any(k in (parts[-1] if parts else "") for k in _MATMUL) or any(k in kernel.lower() for k in _MATMUL)
     if scope is None:
         return "unscoped matmul" if matmul else "unscoped other"

@@ -139,18 +139,24 @@ def test_ptxas_register_counts_are_replaced_in_a_recorded_ptx():
 
 def test_profile_summary_gives_unnamed_launches_a_scope():
     """Kernels whose trace events name no HLO instruction (Pallas, Mosaic GPU) take the scope their name spells,
-    else the op_name of the kernel before them on their own stream; named ones keep theirs."""
-    op_names = {"fusion.1": "jit(step)/routed_experts/select_n", "fusion.2": "jit(step)/kda/dot_general"}
+    else the one the named kernels on either side of them on their own stream share; nothing when those
+    differ or one is missing. Named kernels keep their op_name; a stand-in is a bare scope (no matmul split)."""
+    op_names = {"fusion.1": "jit(step)/routed_experts/select_n", "fusion.2": "jit(step)/routed_experts/reduce_sum",
+                "fusion.3": "jit(step)/kda/dot_general"}
+    lane = {"pid": 1, "tid": 1}
     events = [  # listed out of time order, two streams
-        {"name": "anonymous_mosaic_gpu_kernel", "ts": 20, "pid": 1, "tid": 1, "args": {}},
-        {"name": "fusion_1", "ts": 10, "pid": 1, "tid": 1, "args": {"hlo_op": "fusion.1"}},
-        {"name": "anonymous_mosaic_gpu_kernel", "ts": 30, "pid": 1, "tid": 1, "args": {}},
-        {"name": "fusion_2", "ts": 40, "pid": 1, "tid": 1, "args": {"hlo_op": "fusion.2"}},
-        {"name": "add_rms_norm", "ts": 50, "pid": 1, "tid": 1, "args": {}},
-        {"name": "kda_decode", "ts": 60, "pid": 1, "tid": 1, "args": {}},
-        {"name": "anonymous_mosaic_gpu_kernel", "ts": 35, "pid": 1, "tid": 2, "args": {}},   # nothing before it
+        {"name": "anonymous_mosaic_gpu_kernel", "ts": 20, **lane, "args": {}},
+        {"name": "fusion_1", "ts": 10, **lane, "args": {"hlo_op": "fusion.1"}},
+        {"name": "anonymous_mosaic_gpu_kernel", "ts": 30, **lane, "args": {}},
+        {"name": "fusion_2", "ts": 40, **lane, "args": {"hlo_op": "fusion.2"}},
+        {"name": "add_rms_norm", "ts": 50, **lane, "args": {}},
+        {"name": "fused_projections", "ts": 55, **lane, "args": {}},         # routed before, kda after: neither
+        {"name": "fusion_3", "ts": 58, **lane, "args": {"hlo_op": "fusion.3"}},
+        {"name": "kda_decode", "ts": 60, **lane, "args": {}},
+        {"name": "routed_experts_gmm", "ts": 70, **lane, "args": {}},
+        {"name": "anonymous_mosaic_gpu_kernel", "ts": 35, "pid": 1, "tid": 2, "args": {}},   # alone on its stream
     ]
     named, stood_in = scoped_op_names(events, op_names)
-    assert named == [op_names["fusion.1"], op_names["fusion.1"], op_names["fusion.1"], op_names["fusion.2"], "norm",
-                     "kda", ""]
-    assert stood_in == 4
+    assert named == ["routed_experts", op_names["fusion.1"], "routed_experts", op_names["fusion.2"], "norm", "",
+                     op_names["fusion.3"], "kda", "routed_experts", ""]
+    assert stood_in == 5
