@@ -106,10 +106,11 @@ for step in "$@"; do
               | quiet | tee "$W/decode.log" ;;
     decode-fast) OUT=$W timeout ${DECODE_LIMIT:-360} python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \
               --moe auto --batch ${DECODE_BATCH:-1 64} --new-tokens 32 --profile ${DECODE_ARGS:-} --name decode_fast 2>&1 | quiet | tee "$W/decode.log" ;;
-    decode-packed) for layout in ${PACKED_EXPERTS:-columns}; do   # e.g. PACKED_EXPERTS="columns handoff"
+    # decode-packed: one run per layout in PACKED_EXPERTS (e.g. "columns handoff"), each under DECODE_LIMIT.
+    decode-packed) for layout in ${PACKED_EXPERTS:-columns}; do
               OUT=$W timeout ${DECODE_LIMIT:-420} python3 benchmarks/decode.py --model kimi-linear-48b \
-              --dtype bfloat16 --kernels pallas --moe auto --packed-experts $layout \
-              --batch ${DECODE_BATCH:-1 64} --new-tokens 32 --profile ${DECODE_ARGS:-} --name decode_packed_$layout 2>&1 \
+              --dtype bfloat16 --kernels pallas --moe auto --packed-experts $layout --batch ${DECODE_BATCH:-1 64} \
+              --new-tokens 32 --profile ${DECODE_ARGS:-} --name decode_packed_$layout 2>&1 \
               | quiet | tee "$W/decode_packed_$layout.log"; done ;;
     decode-ab) OUT=$W timeout ${DECODE_LIMIT:-300} python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 \
               --kernels pallas --moe auto --batch ${DECODE_BATCH:-1} --new-tokens ${DECODE_TOKENS:-32} --repeats 1 \

@@ -1066,7 +1066,7 @@ def plot_run40(out: str) -> str:
     moe, columns, handoff = (_load(name, H100) for name in RUN40)
     forms = []
     for r in moe["hopper"]:
-        if r.get("handoff") == "products" or "ms" not in r:
+        if r.get("handoff") == "products" or "ms" not in r or r["tokens"] != 64:
             continue
         blocks = r["blocks"]
         name = "default" if blocks == "None" else ("words" if "words" in blocks else "pairs") + (
