@@ -174,7 +174,7 @@ def profile(fn, args) -> dict:
 
 def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: bool, small: bool,
                 with_profile: bool = False, pick: list[int] | None = None, handoff: bool = False,
-                unrolled: bool = False) -> list[dict]:
+                unrolled: bool = False, out: list | None = None, saved=None) -> list[dict]:
     """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
     HOPPER_SWEEP setting (those at the indices `pick`, default all); with `handoff`, after each setting that reads
     slabs two more rows, through `experts_mlp_handoff` ("handoff": "products") and `experts_mlp_handoff_glu`
@@ -182,7 +182,8 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
     with `splits` 0 or 1, and persistent ones); above 8 tokens only. A setting that fails to compile or run (K
     not a multiple of its block_k, say) is recorded with its error. `unrolled`: each row also timed with its 20
     chained calls one after another in one program (`ms_unrolled`), as the layers of a decode step run, without the
-    device loop's per-iteration wait on the host."""
+    device loop's per-iteration wait on the host. `out`: the list the rows are appended to (a new one by default);
+    `saved`: called after each row, so that a run stopped by its time limit keeps the rows it finished."""
     chosen = HOPPER_SWEEP if pick is None else [HOPPER_SWEEP[i] for i in pick]
     settings = [None] + (chosen if sweep else [])
     if small:                        # interpret mode runs the exact decode through shared memory only
@@ -194,7 +195,7 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
             if mlp is experts_mlp_hopper or (handoff and (b is None or b.activations == "slab")
                                              and (mlp is not experts_mlp_handoff_glu or glu_takes(b)))]
     glu_columns = {}                    # by the down launch's code_load: the gate and up columns in its k_order
-    out = []
+    out = [] if out is None else out
     for mlp, blocks in runs:
         label = f"{blocks}" + (f" handoff {forms[mlp]}" if forms[mlp] else "")
         cols = columns
@@ -214,6 +215,8 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
                 row["hopper_ms"] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
             out.append({"model": row["model"], "tokens": row["tokens"], "blocks": str(blocks),
                         "handoff": forms[mlp], "failed": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            if saved is not None:
+                saved()
             continue
         a, b = np.asarray(y, np.float64), np.asarray(reference, np.float64)
         err = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
@@ -241,6 +244,8 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
                     "pct_4.3TB_s": pct, "err_vs_bf16": err, "handoff": forms[mlp], **extra})
         if with_profile and (blocks is not None or mlp is not experts_mlp_hopper) and not small:
             out[-1]["profile"] = profile(functools.partial(mlp, blocks=blocks), (x, weights, experts, *cols))
+        if saved is not None:
+            saved()
     return out
 
 
@@ -365,10 +370,9 @@ def main(argv=None) -> int:
                 row["mxfp4_profile"] = profile(experts_mlp, (x, weights, experts, q1, q3, q2))
             row["err_vs_bf16"] = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
             if args.hopper:
-                hopper_rows += time_hopper(row, x, weights, experts, columns, 3 * touched * d * f * (0.5 + 1 / 32),
-                                           out["bf16"], args.hopper_sweep and tokens in args.sweep_tokens,
-                                           args.small, args.profile, args.hopper_pick, args.hopper_handoff,
-                                           args.unrolled)
+                time_hopper(row, x, weights, experts, columns, 3 * touched * d * f * (0.5 + 1 / 32), out["bf16"],
+                            args.hopper_sweep and tokens in args.sweep_tokens, args.small, args.profile,
+                            args.hopper_pick, args.hopper_handoff, args.unrolled, out=hopper_rows, saved=save)
             if args.sweep and tokens in args.sweep_tokens:
                 best = None
                 for blocks in (SWEEP if tokens <= 8 else GROUPED_SWEEP):
