@@ -67,9 +67,7 @@ def _kernel_scope(kernel: str) -> str | None:
     """A scope the kernel's own name spells ("kda_decode" -> "kda", "add_rms_norm" -> "norm",
     "routed_experts_gmm" -> "routed_experts"), or None."""
     name = kernel.lower()
-    words = re.split(r"[^a-z0-9]+", name)
-    return next((s for s in SCOPES if s in words or ("_" in s and re.search(rf"(^|[^a-z0-9]){s}([^a-z0-9]|$)", name))),
-                None)
+    return next((s for s in SCOPES if re.search(rf"(^|[^a-z0-9]){s}([^a-z0-9]|$)", name)), None)
 
 
 def scoped_op_names(events: list[dict], op_names: dict[str, str]) -> tuple[list[str], int]:
