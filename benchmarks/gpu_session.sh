@@ -94,7 +94,7 @@ for step in "$@"; do
     moe-hopper-hlo) rm -rf /tmp/hlo
           XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" OUT=$W timeout ${HLO_LIMIT:-150} \
               python3 benchmarks/moe_mxfp4.py --hopper --models kimi-linear --tokens ${HOPPER_TOKENS:-64} \
-              --profile 2>&1 | quiet | tail -6 | tee "$W/moe_hopper_hlo.log"
+              --profile ${HLO_ARGS:-} 2>&1 | quiet | tail -6 | tee "$W/moe_hopper_hlo.log"
           # the optimised modules that launch the Mosaic GPU kernel: which XLA fusions build its inputs and outputs
           mkdir -p "$W/hlo"; grep -l "mosaic_gpu" /tmp/hlo/*after_optimizations.txt 2>/dev/null \
               | xargs -r -I{} cp {} "$W/hlo/" ;;
