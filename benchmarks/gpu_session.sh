@@ -98,7 +98,8 @@ for step in "$@"; do
           # the optimised modules that launch the Mosaic GPU kernel: which XLA fusions build its inputs and outputs
           mkdir -p "$W/hlo"; grep -l "mosaic_gpu" /tmp/hlo/*after_optimizations.txt 2>/dev/null \
               | xargs -r -I{} cp {} "$W/hlo/" ;;
-    hopper-sass) OUT=$W timeout ${SASS_LIMIT:-120} python3 benchmarks/hopper_mxfp4_sass.py --out "$W/sass" 2>&1 | quiet \
+    hopper-sass) OUT=$W timeout ${SASS_LIMIT:-120} python3 benchmarks/hopper_mxfp4_sass.py --out "$W/sass" \
+              ${SASS_FORMS:+--forms} ${SASS_FORMS:-} 2>&1 | quiet \
               | grep -v "^    @" | tail -80 | tee "$W/hopper_sass.log" ;;
     moe-sweep) OUT=$W timeout 300 python3 benchmarks/moe.py --models kimi-linear --sweep 2>&1 | quiet | tee "$W/moe.log" ;;
     decode) OUT=$W timeout 420 python3 benchmarks/decode.py --model kimi-linear-48b --dtype bfloat16 --kernels pallas \

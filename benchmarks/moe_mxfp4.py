@@ -100,6 +100,14 @@ HOPPER_SWEEP += [HopperMxfp4Blocks(outputs="rows", decode=d, mma_inputs=mi)
 # default's 326.0.
 HOPPER_SWEEP += [HopperMxfp4Blocks(outputs="rows", decode=d, mma_inputs=0, code_load="words")
                  for d in ("bits", "scaled")]
+# Entries 24-27: four gated programs a multiprocessor instead of three (52 KB of shared memory each, not 73; the
+# down launch's seven, not five), where run 38 found the launches at 74% / 82% of their issue slots with three
+# (12 warps, 3 a scheduler): steps of 128 inputs in 4 stages with one MMA call a step (half the decoded operand's
+# registers of a 256-input step: ptxas must also come in at <= 128 registers a thread for four), in the bits,
+# scaled and scaled word forms; and 256-input steps in 2 stages with an MMA call a scale group.
+HOPPER_SWEEP += [HopperMxfp4Blocks(outputs="rows", mma_inputs=0, block_k=128, stages=4, decode=d, code_load=c)
+                 for d, c in (("bits", "pairs"), ("scaled", "pairs"), ("scaled", "words"))]
+HOPPER_SWEEP += [HopperMxfp4Blocks(outputs="rows", mma_inputs=32, stages=2, decode="scaled")]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:
@@ -174,12 +182,13 @@ def profile(fn, args) -> dict:
 
 def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: bool, small: bool,
                 with_profile: bool = False, pick: list[int] | None = None, handoff: bool = False,
-                unrolled: bool = False, out: list | None = None, saved=None) -> list[dict]:
+                unrolled: bool = False, out: list | None = None, saved=None,
+                handoff_forms: tuple[str, ...] = ("products", "glu")) -> list[dict]:
     """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
     HOPPER_SWEEP setting (those at the indices `pick`, default all); with `handoff`, after each setting that reads
     slabs two more rows, through `experts_mlp_handoff` ("handoff": "products") and `experts_mlp_handoff_glu`
     ("glu": the gate and up columns permuted once, outside the timed call, as the loader would; grid launches
-    with `splits` 0 or 1, and persistent ones); above 8 tokens only. A setting that fails to compile or run (K
+    with `splits` 0 or 1, and persistent ones); above 8 tokens only; `handoff_forms`: which of the two. A setting that fails to compile or run (K
     not a multiple of its block_k, say) is recorded with its error. `unrolled`: each row also timed with its 20
     chained calls one after another in one program (`ms_unrolled`), as the layers of a decode step run, without the
     device loop's per-iteration wait on the host. `out`: the list the rows are appended to (a new one by default);
@@ -192,7 +201,8 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
     forms = {experts_mlp_hopper: False, experts_mlp_handoff: "products", experts_mlp_handoff_glu: "glu"}
     glu_takes = lambda b: b is None or b.launch == "persistent" or b.splits in (0, 1)   # the GLU epilogue's launches
     runs = [(mlp, b) for b in settings for mlp in forms
-            if mlp is experts_mlp_hopper or (handoff and (b is None or b.activations == "slab")
+            if mlp is experts_mlp_hopper or (handoff and forms[mlp] in handoff_forms
+                                             and (b is None or b.activations == "slab")
                                              and (mlp is not experts_mlp_handoff_glu or glu_takes(b)))]
     glu_columns = {}                    # by the down launch's code_load: the gate and up columns in its k_order
     out = [] if out is None else out
@@ -317,6 +327,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hopper-handoff", action="store_true",
                     help="also each Mosaic GPU setting that reads slabs with the gated launch handing its tiles to "
                          "the down launch (grouped_mlp_hopper_mxfp4)")
+    ap.add_argument("--handoff-forms", nargs="+", choices=("products", "glu"), default=["products", "glu"],
+                    help="which hand-offs --hopper-handoff times (default both)")
     ap.add_argument("--hopper-pick", nargs="+", type=int,
                     help="only these indices of HOPPER_SWEEP (implies --hopper-sweep)")
     ap.add_argument("--unrolled", action="store_true",
@@ -372,7 +384,8 @@ def main(argv=None) -> int:
             if args.hopper:
                 time_hopper(row, x, weights, experts, columns, 3 * touched * d * f * (0.5 + 1 / 32), out["bf16"],
                             args.hopper_sweep and tokens in args.sweep_tokens, args.small, args.profile,
-                            args.hopper_pick, args.hopper_handoff, args.unrolled, out=hopper_rows, saved=save)
+                            args.hopper_pick, args.hopper_handoff, args.unrolled, out=hopper_rows, saved=save,
+                            handoff_forms=tuple(args.handoff_forms))
             if args.sweep and tokens in args.sweep_tokens:
                 best = None
                 for blocks in (SWEEP if tokens <= 8 else GROUPED_SWEEP):

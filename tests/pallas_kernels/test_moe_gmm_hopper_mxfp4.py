@@ -39,6 +39,8 @@ FORMS = {"bits_registers": HopperMxfp4Blocks(), "exact_registers": HopperMxfp4Bl
          "words_mma_step": HopperMxfp4Blocks(code_load="words", mma_inputs=0),
          "words_scaled_rows_out": HopperMxfp4Blocks(code_load="words", decode="scaled", mma_inputs=0, outputs="rows"),
          "words_scaled_group": HopperMxfp4Blocks(code_load="words", decode="scaled", mma_inputs=32),
+         "words_scaled_k128_stages4": HopperMxfp4Blocks(code_load="words", decode="scaled", mma_inputs=0, block_k=128,
+                                                        stages=4, outputs="rows"),
          "ptx_smem": HopperMxfp4Blocks(decode="ptx", a_operand="smem"),
          "exact_smem": HopperMxfp4Blocks(decode="exact", a_operand="smem"),
          "rows16_k128_stages2": HopperMxfp4Blocks(rows=16, block_k=128, stages=2),
