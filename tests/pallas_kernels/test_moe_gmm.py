@@ -73,12 +73,25 @@ def test_rows_poisoned_past_the_groups_never_leak(rng, interpret):
     assert_close("tiled", out, grouped_matmul_reference(clean, w, gs), dtype=kernel_dtype("float32", interpret))
 
 
-@pytest.mark.parametrize("block_m", [1, 4, 16])
+def _worst_groupings(block_m: int):
+    """(sizes, m) that take the most tiles `max_tiles` allows: every group one row past a whole tile, one row each,
+    or one group taking what the others leave; with and without rows past the groups."""
+    for g, per in ((5, block_m + 1), (7, 1), (3, 2 * block_m + 1)):
+        yield [per] * g, per * g
+        yield [per] * g, per * g + 3
+    yield [1] * 6 + [3 * block_m + 5], 6 + 3 * block_m + 5
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 8, 16])
 def test_tile_schedule_covers_every_row_once(rng, block_m):
-    for _ in range(20):
-        g = int(rng.integers(1, 12))
-        m = int(rng.integers(1, 60))
-        sizes = _grouping(rng, m, g)
+    worst = [(jnp.asarray(s, jnp.int32), m, len(s)) for s, m in _worst_groupings(block_m)]
+    for case in range(20 + len(worst)):
+        if case < len(worst):
+            sizes, m, g = worst[case]
+        else:
+            g = int(rng.integers(1, 12))
+            m = int(rng.integers(1, 60))
+            sizes = _grouping(rng, m, g)
         sched = np.asarray(jax.jit(tile_schedule, static_argnums=(1, 2))(sizes, m, block_m))  # compiled, as in the kernel
         assert sched.shape == (3, max_tiles(m, g, block_m))
         owner = np.full(m, -1)
@@ -90,6 +103,8 @@ def test_tile_schedule_covers_every_row_once(rng, block_m):
         expected = np.repeat(np.arange(g), np.asarray(sizes))
         np.testing.assert_array_equal(owner[:len(expected)], expected)
         assert (owner[len(expected):] == -1).all()
+        if case < len(worst) and len(expected) == m:      # the bound is reached: no tile to spare
+            assert int(np.sum(sched[2] > sched[1])) == sched.shape[1]
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
