@@ -31,7 +31,8 @@ FORMS = {"default": {}, "ptx": {"decode": "ptx"}, "mma_step": {"mma_inputs": 0},
          "k128_s4_scaled_mma_step": {"block_k": 128, "stages": 4, "mma_inputs": 0, "decode": "scaled"},
          "k128_s4_words_scaled_mma_step": {"block_k": 128, "stages": 4, "mma_inputs": 0, "decode": "scaled",
                                            "code_load": "words"},
-         "s2_scaled_mma32": {"stages": 2, "mma_inputs": 32, "decode": "scaled"}}
+         "s2_scaled_mma32": {"stages": 2, "mma_inputs": 32, "decode": "scaled"},
+         "k128_s3_scaled_mma32": {"block_k": 128, "stages": 3, "mma_inputs": 32, "decode": "scaled"}}
 OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 KEY_OPS = ("HGMMA", "WARPGROUP", "PRMT", "LOP3", "HMUL2", "HFMA2", "LDS", "STS", "SHF", "BAR", "SYNCS", "UTMALDG")
 

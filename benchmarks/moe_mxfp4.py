@@ -104,10 +104,12 @@ HOPPER_SWEEP += [HopperMxfp4Blocks(outputs="rows", decode=d, mma_inputs=0, code_
 # down launch's seven, not five), where run 38 found the launches at 74% / 82% of their issue slots with three
 # (12 warps, 3 a scheduler): steps of 128 inputs in 4 stages with one MMA call a step (half the decoded operand's
 # registers of a 256-input step: ptxas must also come in at <= 128 registers a thread for four), in the bits,
-# scaled and scaled word forms; and 256-input steps in 2 stages with an MMA call a scale group.
+# scaled and scaled word forms; and 256-input steps in 2 stages with an MMA call a scale group. Entry 28: five
+# (42 KB; a call a scale group holds a sixth of the decoded operand's registers), 128-input steps in 3 stages.
 HOPPER_SWEEP += [HopperMxfp4Blocks(outputs="rows", mma_inputs=0, block_k=128, stages=4, decode=d, code_load=c)
                  for d, c in (("bits", "pairs"), ("scaled", "pairs"), ("scaled", "words"))]
-HOPPER_SWEEP += [HopperMxfp4Blocks(outputs="rows", mma_inputs=32, stages=2, decode="scaled")]
+HOPPER_SWEEP += [HopperMxfp4Blocks(outputs="rows", mma_inputs=32, stages=2, decode="scaled"),
+                 HopperMxfp4Blocks(outputs="rows", mma_inputs=32, block_k=128, stages=3, decode="scaled")]
 
 
 def packed(rng, e, k, n) -> Mxfp4Weight:
