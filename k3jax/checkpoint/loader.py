@@ -32,6 +32,7 @@ from k3jax.hf_config import from_hf_config, load_hf_config
 from k3jax.memory_plan import check_weights_fit, device_capacity, mesh_spec_of
 from k3jax.model import abstract_model
 from k3jax.sharding import Placement, param_shardings
+from pallas_kernels.moe_gmm.hopper_mxfp4_decode import SCALED_MAX_SCALE
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
     bar.close()
     if _check_finite:
         _check_hf_finite(ckpt, plan, {p: v.get_value() for p, v in loaded})
+    _refuse_scales_past_the_decode(f"checkpoint {path}", {p: v.get_value() for p, v in loaded})
     report = LoadReport(tensors=sum(len(v) for v in wanted.values()), skipped=skipped, bytes_read=read)
     logger.info("loaded %s: %d tensors (%.1f MB, %d skipped) as %s", path, report.tensors, read / 1e6, skipped,
                 cfg.model_type)
@@ -227,6 +229,24 @@ def stack_experts(experts: dict[int, np.ndarray], shape: tuple, dtype, sharding)
     return jax.make_array_from_callback(shape, sharding, shard)
 
 
+def _refuse_scales_past_the_decode(where: str, values: dict) -> None:
+    """Refuses packed routed experts (uint8 `*_scale` parameters) holding an E8M0 scale byte past
+    SCALED_MAX_SCALE: the expert kernels' compiled decode folds each scale into one bf16 multiply, which is exact
+    for scales up to 2 (weights up to 12 in magnitude; real checkpoints' scales lie far below) and would make
+    inf or NaN past them. One reduction a parameter, on the devices that hold it."""
+    found = []
+    for p, v in values.items():
+        if v.dtype != jnp.uint8 or not str(p[-1]).endswith("_scale"):
+            continue
+        top = int(np.asarray(jnp.max(v).addressable_data(0)))     # replicated: every process holds the value
+        if top > SCALED_MAX_SCALE:
+            found.append(f"{param_name(p)} (byte {top})")
+    if found:
+        raise CheckpointError(f"{where}: packed expert scales past what the expert kernels decode exactly (E8M0 "
+                              f"bytes up to {SCALED_MAX_SCALE}, scales up to 2) in {listing(found)}; load with "
+                              "packed_experts=False to dequantise the experts instead")
+
+
 def _check_hf_finite(ckpt: SafetensorsCheckpoint, plan: dict, values: dict) -> None:
     """Refuses NaN / Inf in loaded parameters, naming the stored tensors they came from."""
     stacked = {p for p, entries in plan.items() if entries[0][1].expert is not None}
@@ -273,6 +293,7 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: boo
         stacked = {p for p in values if manifest["params"][param_name(p)]["stacked"]}
         bad = nonfinite(values, stacked)
         raise_nonfinite(f"checkpoint {path}", [param_name(p) + expert_label(e) for p, e in bad.items()])
+    _refuse_scales_past_the_decode(f"checkpoint {path}", values)
     loaded = [(p, var.replace(values[p])) for p, var in nnx.to_flat_state(state)]
     report = LoadReport(tensors=len(loaded), skipped=int(manifest.get("skipped_tensors", 0)), bytes_read=read)
     logger.info("restored %s: %d parameters (k3jax checkpoint)", path, report.tensors)

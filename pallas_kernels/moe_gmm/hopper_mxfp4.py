@@ -21,13 +21,14 @@ Decodes (`HopperMxfp4Blocks.decode`, in `hopper_mxfp4_decode`):
   and converted: runs everywhere, also in Mosaic GPU's interpret mode on the CPU;
 * "ptx": nine PTX instructions per four codes (two byte tables read by `prmt`, the signs placed by
   `lop3`) on the registers the codes are loaded in; compiled only;
-* "bits" (the compiled default): the same values by placing each code's bits where a bf16 holds them
-  (its value times 2^-126) and one exact multiply by 2^126: five instructions per four codes on the
+* "bits" (the compiled default of tiles past `ROWS_OUT_UP_TO` rows): the same values by placing each code's
+  bits where a bf16 holds them (its value times 2^-126) and one exact multiply by 2^126: five instructions per
+  four codes on the
   integer ALU instead of eight (two integer multiplies and two bf16 multiplies go to the multiply-add
   pipe); compiled only. On the H200 (run 31) 3%, 9% and 6% faster than "ptx" at 1, 8 and 64 tokens.
-* "scaled": "bits" with the group's scale folded into its multiply (by 2^126 x scale, one bf16 multiply per
-  pair where "bits" and the scale take two): exact for E8M0 scale bytes up to 128 (scales up to 2; larger
-  ones come out inf or NaN, loudly); compiled only.
+* "scaled" (the compiled default of decode tiles): "bits" with the group's scale folded into its multiply (by
+  2^126 x scale, one bf16 multiply per pair where "bits" and the scale take two): exact for E8M0 scale bytes up to
+  128 (scales up to 2; larger ones come out inf or NaN, loudly, and the loader refuses them); compiled only.
 A operand (`HopperMxfp4Blocks.a_operand`): "registers" feeds the decoded weights to the MMA from
 registers; "smem" stores them to shared memory first (the form Mosaic GPU's interpret mode runs).
 
@@ -95,6 +96,12 @@ ROWS_OUT_UP_TO = 8
 # 128. The pairs (1-8 tokens) take it too: on an H100 (run 30) one call a step with the automatic split was 4%
 # faster than a call per 16 inputs at 1 and 8 tokens. Larger tiles keep 16 (untimed with 0; their accumulators take
 # more registers).
+# Compiled decode tiles also take the "scaled" decode (the group's scale folded into the bits decode's multiply: 128
+# fewer instructions a step of 1087). On an H200 at 64 tokens (run 41) it cut the two launches from 304 to 293 us and
+# the call with the GLU hand-off to 0.3230-0.3445 ms (median of five 0.3276, 59.8% of 4.3 TB/s, unrolled) from
+# 0.3392-0.3498; on an H100 (runs 38-40), where the launches sit near that card's memory, it was level. It is exact
+# for E8M0 scale bytes up to SCALED_MAX_SCALE (scales up to 2, weights up to 12): the loader refuses packed experts
+# past that, and `decode="bits"` takes any scale.
 
 
 class Mxfp4Columns(NamedTuple):
@@ -289,7 +296,7 @@ class HopperMxfp4Blocks:
         Tiles take up to 64 rows as `rows_per_group` grows (prefill: fewer re-reads of each expert's
         weights), with fewer buffers in flight where shared memory would not hold them; decode tiles (at most
         `ROWS_OUT_UP_TO` rows) write their own rows out (`outputs="rows"`) and, compiled, take one MMA call a
-        step (`mma_inputs=0`)."""
+        step (`mma_inputs=0`) and the "scaled" decode (E8M0 scale bytes up to SCALED_MAX_SCALE)."""
         if interpreted:
             fields = {"decode": "exact", "a_operand": "smem", **fields}
         if k_dim is not None and "block_k" not in fields and k_dim % cls.block_k:
@@ -300,6 +307,8 @@ class HopperMxfp4Blocks:
             fields["outputs"] = "rows"
         if "mma_inputs" not in fields and not interpreted and fields["rows"] <= ROWS_OUT_UP_TO:
             fields["mma_inputs"] = 0            # one MMA call a step: fewer instructions for an issue-bound kernel
+        if "decode" not in fields and not interpreted and fields["rows"] <= ROWS_OUT_UP_TO:
+            fields["decode"] = "scaled"         # the scale in the decode's multiply (SCALED_MAX_SCALE)
         blocks = cls(**fields)
         while blocks.smem_bytes(n_weights) > _SMEM_BYTES and blocks.stages > 2 and "stages" not in fields:
             blocks = dataclasses.replace(blocks, stages=blocks.stages - 1)

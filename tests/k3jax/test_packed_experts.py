@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from checkpoints import snap_experts_to_mxfp4
+from checkpoints import rewrite_tensors, snap_experts_to_mxfp4
 from tolerances import assert_close
 
 import k3jax
@@ -23,6 +23,7 @@ from k3jax.errors import ConfigError
 from k3jax.memory_plan import plan_memory
 from k3jax.sharding import MeshSpec, make_mesh
 from pallas_kernels.moe_gmm import HandOffColumns, Mxfp4Columns, hand_off_columns
+from pallas_kernels.moe_gmm.hopper_mxfp4_decode import SCALED_MAX_SCALE
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +195,23 @@ def test_packed_experts_need_an_mxfp4_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match="multiples of 32"):
         tiny_k3().moe.__class__(**{**dataclasses.asdict(tiny_k3().moe), "expert_intermediate_size": 40,
                                    "packed_experts": True})
+
+
+def test_packed_experts_refuse_scales_past_the_compiled_decode(tmp_path, rng):
+    """The expert kernels' compiled decode folds each E8M0 scale into one bf16 multiply (exact up to byte 128):
+    a packed load refuses a checkpoint past that, naming the parameter; the dequantising load still takes it."""
+    cfg = dataclasses.replace(tiny_k3(num_layers=4, attn_res_block_size=2), quantization="mxfp4")
+    src = tmp_path / "big_scale"
+    save_checkpoint(snap_experts_to_mxfp4(k3jax.CausalLM.random(cfg, seed=3)), src, shards=1)
+
+    def bump(tensors):
+        name = sorted(n for n in tensors if n.endswith("weight_scale"))[0]
+        assert int(tensors[name].max()) <= SCALED_MAX_SCALE     # as written: real-sized weights
+        tensors[name].flat[3] = SCALED_MAX_SCALE + 1
+    rewrite_tensors(src, bump)
+    with pytest.raises(CheckpointError, match=rf"scales past .* \(byte {SCALED_MAX_SCALE + 1}\).*packed_experts=False"):
+        k3jax.load(src, packed_experts=True)
+    assert np.isfinite(np.asarray(k3jax.load(src).logits(_ids(cfg, rng)))).all()
+    convert(src, tmp_path / "converted", dtype="float32", progress=False)
+    with pytest.raises(CheckpointError, match=r"w[123]_scale \(byte 129\)"):
+        k3jax.load(tmp_path / "converted")

@@ -563,11 +563,12 @@ def test_persistent_launch_refuses_what_it_cannot_run(rng):
 def test_settings_follow_the_rows_and_shared_memory():
     decode = HopperMxfp4Blocks.for_backend(False, 3584)
     assert (decode.rows, decode.outputs, decode.mma_inputs) == (8, "rows", 0)       # decode tiles: rows, one MMA
+    assert decode.decode == "scaled" and HopperMxfp4Blocks.for_backend(False, 3584, decode="bits").decode == "bits"
     assert HopperMxfp4Blocks.for_backend(True, 3584).mma_inputs == 16                # interpret mode: per 16
     assert HopperMxfp4Blocks.for_backend(False, 3584, mma_inputs=32).mma_inputs == 32
     assert HopperMxfp4Blocks.for_backend(False, 3584, outputs="tiles").outputs == "tiles"
     wider = HopperMxfp4Blocks.for_backend(False, 3584, rows_per_group=20.5)
-    assert (wider.rows, wider.outputs, wider.mma_inputs) == (24, "tiles", 16)
+    assert (wider.rows, wider.outputs, wider.mma_inputs, wider.decode) == (24, "tiles", 16, "bits")
     prefill = HopperMxfp4Blocks.for_backend(False, 3584, rows_per_group=1170.0)       # 8K tokens x 16 / 112
     assert prefill.rows == 64 and prefill.outputs == "tiles" and prefill.smem_bytes(2) <= 227 * 1024
     assert HopperMxfp4Blocks.for_backend(False, 1152).block_k == 128                  # 1152 = 9 x 128

@@ -18,7 +18,7 @@ from pallas_kernels.moe_gmm import (GluSpec, Mxfp4Weight, dense_weight, grouped_
 from pallas_kernels.moe_gmm import hopper_mxfp4
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, Mxfp4Columns, WordHandOffColumns,
                                                  grouped_glu_hopper_mxfp4, grouped_matmul_hopper_mxfp4, to_columns)
-from pallas_kernels.moe_gmm.hopper_mxfp4_decode import WORD_BYTES
+from pallas_kernels.moe_gmm.hopper_mxfp4_decode import SCALED_MAX_SCALE, WORD_BYTES
 from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import HandOffColumns, grouped_mlp_hopper_mxfp4, hand_off_columns
 from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import launch_persistent
 from pallas_kernels.moe_gmm.mxfp4 import dequantize
@@ -27,9 +27,9 @@ on_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="Mosaic GPU k
 
 
 def _weight(rng, g, k, n) -> Mxfp4Weight:
-    """Every E2M1 code, scales around 2^0."""
+    """Every E2M1 code, scales around 2^0 up to 2, the largest the compiled default ("scaled") decodes exactly."""
     return Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (g, k // 2, n), dtype=np.uint8)),
-                       jnp.asarray(rng.integers(124, 131, (g, k // 32, n), dtype=np.uint8)))
+                       jnp.asarray(rng.integers(122, SCALED_MAX_SCALE + 1, (g, k // 32, n), dtype=np.uint8)))
 
 
 def _experts(rng, sizes, m, d, f, d_out, dtype=jnp.bfloat16):
