@@ -191,9 +191,9 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
     slabs two more rows, through `experts_mlp_handoff` ("handoff": "products") and `experts_mlp_handoff_glu`
     ("glu": the gate and up columns permuted once, outside the timed call, as the loader would; grid launches
     with `splits` 0 or 1, and persistent ones); above 8 tokens only; `handoff_forms`: which of the two. A setting
-    that fails to compile or run (K not a multiple of its block_k, say) is recorded with its error. `unrolled`: each row also timed with its 20
-    chained calls one after another in one program (`ms_unrolled`), as the layers of a decode step run, without the
-    device loop's per-iteration wait on the host. `out`: the list the rows are appended to (a new one by default);
+    that fails to compile or run (K not a multiple of its block_k, say) is recorded with its error. `unrolled`:
+    each row also timed with its 20 chained calls one after another in one program (`ms_unrolled`), as the layers of
+    a decode step run, without the device loop's per-iteration wait on the host. `out`: the list the rows are appended to (a new one by default);
     `saved`: called after each row, so that a run stopped by its time limit keeps the rows it finished."""
     chosen = HOPPER_SWEEP if pick is None else [HOPPER_SWEEP[i] for i in pick]
     settings = [None] + (chosen if sweep else [])
