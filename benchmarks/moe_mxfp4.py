@@ -193,8 +193,9 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
     with `splits` 0 or 1, and persistent ones); above 8 tokens only; `handoff_forms`: which of the two. A setting
     that fails to compile or run (K not a multiple of its block_k, say) is recorded with its error. `unrolled`:
     each row also timed with its 20 chained calls one after another in one program (`ms_unrolled`), as the layers of
-    a decode step run, without the device loop's per-iteration wait on the host. `out`: the list the rows are appended to (a new one by default);
-    `saved`: called after each row, so that a run stopped by its time limit keeps the rows it finished."""
+    a decode step run, without the device loop's per-iteration wait on the host. `out`: the list the rows are
+    appended to (a new one by default); `saved`: called after each row, so that a run stopped by its time limit
+    keeps the rows it finished."""
     chosen = HOPPER_SWEEP if pick is None else [HOPPER_SWEEP[i] for i in pick]
     settings = [None] + (chosen if sweep else [])
     if small:                        # interpret mode runs the exact decode through shared memory only
