@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import matplotlib
@@ -1107,12 +1108,71 @@ def plot_run40(out: str) -> str:
     return _save(fig, os.path.join(out, "run40.png"))
 
 
+RUN41 = ("moe_mxfp4_run41a_451c37c.json", "moe_mxfp4_run41b_451c37c.json", "moe_mxfp4_run41c1_451c37c.json",
+         "moe_mxfp4_run41c2_451c37c.json", "moe_mxfp4_run41c3_451c37c.json")
+
+
+def _run41_form(blocks: str) -> str:
+    """A short name of a run 41 setting: the default, else its step, stages, MMA inputs, decode and code load."""
+    if blocks == "None":
+        return "default (bits)"
+    fields = dict(re.findall(r"(\w+)='?(\w+)'?", blocks))
+    mma = {"0": "a call a step", "32": "a call a group", "16": "a call a 16"}[fields["mma_inputs"]]
+    return f"k{fields['block_k']} s{fields['stages']}, {mma}, {fields['decode']}" + (
+        ", words" if fields["code_load"] == "words" else "")
+
+
+def plot_run41(out: str) -> str:
+    """Run 41 (H200, 64 tokens of Kimi-Linear's MXFP4 experts). Left: each setting's call with the GLU hand-off, %
+    of 4.3 TB/s unrolled (bars: call a; dots: the repeats in b and c), against the issue's 60%. Right: the same
+    calls' device time by part (the two launches, the XLA glue, the idle gaps) from a's profiles."""
+    import numpy as np
+
+    records = [_load(name) for name in RUN41]
+    pct: dict[str, list[float]] = {}
+    parts: dict[str, tuple[float, float, float]] = {}
+    for i, record in enumerate(records):
+        for r in record["hopper"]:
+            if r.get("handoff") != "glu" or "pct_unrolled" not in r:
+                continue
+            name = _run41_form(r["blocks"])
+            pct.setdefault(name, []).append(r["pct_unrolled"])
+            if i == 0 and r.get("profile"):
+                p = r["profile"]
+                parts[name] = (p["mosaic_us"], p["glue_us"], p["idle_us"])
+    names = list(pct)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
+    x = np.arange(len(names))
+    bars = left.bar(x, [pct[n][0] for n in names], 0.6, color="C0", label="call a")
+    left.bar_label(bars, fmt="%.1f", fontsize=7)
+    repeated = [(j, n) for j, n in enumerate(names) if len(pct[n]) > 1]
+    for first, (j, n) in enumerate(repeated):
+        left.plot([j] * (len(pct[n]) - 1), pct[n][1:], "o", color="C3", ms=4,
+                  label="repeats (b, c)" if first == 0 else None)
+    left.axhline(60, color="k", ls="--", lw=1, label="issue 21: 60%")
+    _bar_axes(left, x, names, "% of 4.3 TB/s in packed bytes (unrolled)", "the call with the GLU hand-off",
+              tick_size=7)
+    plt.setp(left.get_xticklabels(), rotation=25, ha="right")
+    left.set_ylim(40, 65)
+    xs = np.arange(len(parts))
+    bottom = np.zeros(len(parts))
+    for j, label in enumerate(("the two launches", "XLA glue", "idle")):
+        values = np.array([parts[n][j] for n in parts])
+        right.bar(xs, values, 0.6, bottom=bottom, label=label, color=f"C{j}")
+        bottom += values
+    _bar_axes(right, xs, list(parts), "us a call (device span, call a's profile)", "where the call's time goes",
+              tick_size=7)
+    plt.setp(right.get_xticklabels(), rotation=25, ha="right")
+    fig.suptitle("Run 41, one H200: Kimi-Linear's MXFP4 experts at 64 tokens, 224 experts touched", fontsize=10)
+    return _save(fig, os.path.join(out, "run41.png"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
                                       "kda-sweep", "kda-run30", "kda-run31", "run32", "run33", "run34",
-                                      "run35", "run36", "run37", "run38", "run39", "run40", "kda-scaling",
+                                      "run35", "run36", "run37", "run38", "run39", "run40", "run41", "kda-scaling",
                                       "kda-stages",
                                       "kda-tiles",
                                       "mla-merge", "mxfp4", "load-processes",
@@ -1127,7 +1187,7 @@ def main(argv=None) -> int:
                      ("kda-sweep", plot_kda_sweep), ("kda-run30", plot_kda_run30), ("kda-run31", plot_kda_run31),
                      ("run32", plot_run32), ("run33", plot_run33), ("run34", plot_run34),
                      ("run35", plot_run35), ("run36", plot_run36), ("run37", plot_run37),
-                     ("run38", plot_run38), ("run39", plot_run39), ("run40", plot_run40),
+                     ("run38", plot_run38), ("run39", plot_run39), ("run40", plot_run40), ("run41", plot_run41),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
