@@ -68,8 +68,10 @@ GROUPED_SWEEP = [TileBlocks(64, 128, 128, 4, 3, e2m1=d) for d in ("table", "asm"
 # activations="rows": the tiles read the sorted rows in place instead of XLA's per-tile slabs (their gather
 # took 36 + 14 us of 462 at 64 tokens in run 30); outputs="rows": each program writes its own rows' products
 # into [M, N] rows, so XLA gathers nothing after the launch (both slower at 64 tokens in run 31: 0.517 / 0.490 ms
-# against 0.436 / 0.411 without). decode="bits" (five integer-ALU instructions per four codes instead of eight) is
-# the default since run 31 (3-9% faster at 1-64 tokens); entries 9-11 time the table decode ("ptx"). Run 33
+# against 0.436 / 0.411 without). decode="bits" (five integer-ALU instructions per four codes instead of eight) was
+# the default from run 31 (3-9% faster at 1-64 tokens) to run 41, and stays the dataclass's own; entries 9-11 time
+# the table decode ("ptx"). Since run 41 compiled decode tiles default to "scaled": the default row is entry 21's
+# settings, and entry 18 is the "bits" form of it. Run 33
 # (H100): with the slab gather's indices written out first, outputs="rows" 0.414 / 0.135 ms at 64 / 8 tokens
 # against 0.424 / 0.145 for "tiles", so `for_backend` picks "rows" for decode tiles since. The entries are built
 # with the dataclass, whose own default is still "tiles": entries 0-5 and 9 differ from the default call in their

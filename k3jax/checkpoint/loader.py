@@ -178,7 +178,8 @@ def load_causal_lm(path: str | os.PathLike, dtype="auto", *, a_log_policy: str |
     bar.close()
     if _check_finite:
         _check_hf_finite(ckpt, plan, {p: v.get_value() for p, v in loaded})
-    _refuse_scales_past_the_decode(f"checkpoint {path}", {p: v.get_value() for p, v in loaded})
+    _refuse_scales_past_the_decode(f"checkpoint {path}", cfg, {p: v.get_value() for p, v in loaded},
+                                   "load with packed_experts=False or expert_layout='rows'")
     report = LoadReport(tensors=sum(len(v) for v in wanted.values()), skipped=skipped, bytes_read=read)
     logger.info("loaded %s: %d tensors (%.1f MB, %d skipped) as %s", path, report.tensors, read / 1e6, skipped,
                 cfg.model_type)
@@ -229,11 +230,14 @@ def stack_experts(experts: dict[int, np.ndarray], shape: tuple, dtype, sharding)
     return jax.make_array_from_callback(shape, sharding, shard)
 
 
-def _refuse_scales_past_the_decode(where: str, values: dict) -> None:
-    """Refuses packed routed experts (uint8 `*_scale` parameters) holding an E8M0 scale byte past
-    SCALED_MAX_SCALE: the expert kernels' compiled decode folds each scale into one bf16 multiply, which is exact
-    for scales up to 2 (weights up to 12 in magnitude; real checkpoints' scales lie far below) and would make
-    inf or NaN past them. One reduction a parameter, on the devices that hold it."""
+def _refuse_scales_past_the_decode(where: str, cfg, values: dict, advice: str) -> None:
+    """Refuses packed routed experts in the column layouts (`expert_layout` "columns" or "handoff": the Mosaic GPU
+    kernel's) holding an E8M0 scale byte past SCALED_MAX_SCALE in a uint8 `*_scale` parameter: that kernel's
+    compiled decode folds each scale into one bf16 multiply, exact for scales up to 2 (weights up to 12 in
+    magnitude; real checkpoints' scales lie far below), inf or NaN past them. The "rows" layout's kernels take any
+    scale. One reduction a parameter, on the devices that hold it; `advice`: the way out the message names."""
+    if cfg.moe is None or not cfg.moe.packed_experts or cfg.moe.packed_layout not in ("columns", "handoff"):
+        return
     found = []
     for p, v in values.items():
         if v.dtype != jnp.uint8 or not str(p[-1]).endswith("_scale"):
@@ -242,9 +246,9 @@ def _refuse_scales_past_the_decode(where: str, values: dict) -> None:
         if top > SCALED_MAX_SCALE:
             found.append(f"{param_name(p)} (byte {top})")
     if found:
-        raise CheckpointError(f"{where}: packed expert scales past what the expert kernels decode exactly (E8M0 "
-                              f"bytes up to {SCALED_MAX_SCALE}, scales up to 2) in {listing(found)}; load with "
-                              "packed_experts=False to dequantise the experts instead")
+        raise CheckpointError(f"{where}: packed expert scales past what the expert_layout="
+                              f"{cfg.moe.packed_layout!r} kernel decodes exactly (E8M0 bytes up to {SCALED_MAX_SCALE}, "
+                              f"scales up to 2) in {listing(found)}; {advice}")
 
 
 def _check_hf_finite(ckpt: SafetensorsCheckpoint, plan: dict, values: dict) -> None:
@@ -293,7 +297,8 @@ def _load_converted(path, dt, impls: dict, a_log_policy, mesh, check_finite: boo
         stacked = {p for p in values if manifest["params"][param_name(p)]["stacked"]}
         bad = nonfinite(values, stacked)
         raise_nonfinite(f"checkpoint {path}", [param_name(p) + expert_label(e) for p, e in bad.items()])
-    _refuse_scales_past_the_decode(f"checkpoint {path}", values)
+    _refuse_scales_past_the_decode(f"checkpoint {path}", cfg, values,
+                                   "convert again with --dequantize-experts or --expert-layout rows")
     loaded = [(p, var.replace(values[p])) for p, var in nnx.to_flat_state(state)]
     report = LoadReport(tensors=len(loaded), skipped=int(manifest.get("skipped_tensors", 0)), bytes_read=read)
     logger.info("restored %s: %d parameters (k3jax checkpoint)", path, report.tensors)

@@ -100,8 +100,8 @@ ROWS_OUT_UP_TO = 8
 # fewer instructions a step of 1087). On an H200 at 64 tokens (run 41) it cut the two launches from 304 to 293 us and
 # the call with the GLU hand-off to 0.3230-0.3445 ms (median of five 0.3276, 59.8% of 4.3 TB/s, unrolled) from
 # 0.3392-0.3498; on an H100 (runs 38-40), where the launches sit near that card's memory, it was level. It is exact
-# for E8M0 scale bytes up to SCALED_MAX_SCALE (scales up to 2, weights up to 12): the loader refuses packed experts
-# past that, and `decode="bits"` takes any scale.
+# for E8M0 scale bytes up to SCALED_MAX_SCALE (scales up to 2, weights up to 12): a load into the column layouts
+# refuses packed experts past that, and `decode="bits"` takes any scale.
 
 
 class Mxfp4Columns(NamedTuple):

@@ -197,9 +197,10 @@ def test_packed_experts_need_an_mxfp4_checkpoint(tmp_path):
                                    "packed_experts": True})
 
 
-def test_packed_experts_refuse_scales_past_the_compiled_decode(tmp_path, rng):
-    """The expert kernels' compiled decode folds each E8M0 scale into one bf16 multiply (exact up to byte 128):
-    a packed load refuses a checkpoint past that, naming the parameter; the dequantising load still takes it."""
+def test_column_layouts_refuse_scales_past_the_compiled_decode(tmp_path, rng):
+    """The Mosaic GPU expert kernel's compiled decode folds each E8M0 scale into one bf16 multiply (exact up to byte
+    128): a load into its layouts refuses a checkpoint past that, naming the parameter and the way out; the "rows"
+    layout (the Pallas-Triton kernels, any scale) and the dequantising load still take it."""
     cfg = dataclasses.replace(tiny_k3(num_layers=4, attn_res_block_size=2), quantization="mxfp4")
     src = tmp_path / "big_scale"
     save_checkpoint(snap_experts_to_mxfp4(k3jax.CausalLM.random(cfg, seed=3)), src, shards=1)
@@ -209,9 +210,13 @@ def test_packed_experts_refuse_scales_past_the_compiled_decode(tmp_path, rng):
         assert int(tensors[name].max()) <= SCALED_MAX_SCALE     # as written: real-sized weights
         tensors[name].flat[3] = SCALED_MAX_SCALE + 1
     rewrite_tensors(src, bump)
-    with pytest.raises(CheckpointError, match=rf"scales past .* \(byte {SCALED_MAX_SCALE + 1}\).*packed_experts=False"):
-        k3jax.load(src, packed_experts=True)
-    assert np.isfinite(np.asarray(k3jax.load(src).logits(_ids(cfg, rng)))).all()
-    convert(src, tmp_path / "converted", dtype="float32", progress=False)
-    with pytest.raises(CheckpointError, match=r"w[123]_scale \(byte 129\)"):
+    for layout in ("columns", "handoff"):
+        with pytest.raises(CheckpointError, match=rf"expert_layout='{layout}' kernel .* \(byte {SCALED_MAX_SCALE + 1}"
+                                                  r"\); load with packed_experts=False or expert_layout='rows'"):
+            k3jax.load(src, packed_experts=True, expert_layout=layout)
+    ids = _ids(cfg, rng)
+    assert_close("rows layout", k3jax.load(src, dtype="float32", packed_experts=True).logits(ids),
+                 k3jax.load(src, dtype="float32").logits(ids), dtype="float32")
+    convert(src, tmp_path / "converted", dtype="float32", expert_layout="handoff", progress=False)
+    with pytest.raises(CheckpointError, match=r"w[123]_scale \(byte 129\); convert again with --dequantize-experts"):
         k3jax.load(tmp_path / "converted")

@@ -68,8 +68,9 @@ PERSISTENT = {"persistent_rows_out": HopperMxfp4Blocks(launch="persistent", outp
                                                            mma_inputs=0, programs=5)}
 
 
-def _weight(rng, g, k, n, top: int = 130) -> Mxfp4Weight:
-    """Every E2M1 code, scales around 2^0 (E8M0 124..top: no group's products dwarf the others')."""
+def _weight(rng, g, k, n, top: int = SCALED_MAX_SCALE) -> Mxfp4Weight:
+    """Every E2M1 code, scales around 2^0 (E8M0 124..top: no group's products dwarf the others'); by default up to
+    the largest the compiled default decode of 8-row tiles ("scaled") takes exactly."""
     return Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (g, k // 2, n), dtype=np.uint8)),
                        jnp.asarray(rng.integers(124, top + 1, (g, k // 32, n), dtype=np.uint8)))
 
