@@ -23,12 +23,12 @@ Decodes (`HopperMxfp4Blocks.decode`, in `hopper_mxfp4_decode`):
   `lop3`) on the registers the codes are loaded in; compiled only;
 * "bits" (the compiled default of tiles past `ROWS_OUT_UP_TO` rows): the same values by placing each code's
   bits where a bf16 holds them (its value times 2^-126) and one exact multiply by 2^126: five instructions per
-  four codes on the
-  integer ALU instead of eight (two integer multiplies and two bf16 multiplies go to the multiply-add
-  pipe); compiled only. On the H200 (run 31) 3%, 9% and 6% faster than "ptx" at 1, 8 and 64 tokens.
+  four codes on the integer ALU instead of eight (two integer multiplies and two bf16 multiplies go to the
+  multiply-add pipe); compiled only. On the H200 (run 31) 3%, 9% and 6% faster than "ptx" at 1, 8 and 64 tokens.
 * "scaled" (the compiled default of decode tiles): "bits" with the group's scale folded into its multiply (by
   2^126 x scale, one bf16 multiply per pair where "bits" and the scale take two): exact for E8M0 scale bytes up to
-  128 (scales up to 2; larger ones come out inf or NaN, loudly, and the loader refuses them); compiled only.
+  128 (scales up to 2; larger ones come out inf or NaN, loudly, and a load into the column layouts refuses
+  them); compiled only.
 A operand (`HopperMxfp4Blocks.a_operand`): "registers" feeds the decoded weights to the MMA from
 registers; "smem" stores them to shared memory first (the form Mosaic GPU's interpret mode runs).
 
