@@ -85,6 +85,7 @@ def _worst_groupings(block_m: int):
 @pytest.mark.parametrize("block_m", [1, 4, 8, 16])
 def test_tile_schedule_covers_every_row_once(rng, block_m):
     worst = [(jnp.asarray(s, jnp.int32), m, len(s)) for s, m in _worst_groupings(block_m)]
+    schedule = jax.jit(tile_schedule, static_argnums=(1, 2))            # compiled, as in the kernel
     for case in range(20 + len(worst)):
         if case < len(worst):
             sizes, m, g = worst[case]
@@ -92,7 +93,7 @@ def test_tile_schedule_covers_every_row_once(rng, block_m):
             g = int(rng.integers(1, 12))
             m = int(rng.integers(1, 60))
             sizes = _grouping(rng, m, g)
-        sched = np.asarray(jax.jit(tile_schedule, static_argnums=(1, 2))(sizes, m, block_m))  # compiled, as in the kernel
+        sched = np.asarray(schedule(sizes, m, block_m))
         assert sched.shape == (3, max_tiles(m, g, block_m))
         owner = np.full(m, -1)
         for group, first, last in sched.T:
