@@ -23,8 +23,9 @@ values, bf16 per-32 scales: its sm90 kernel reads 4-bit values and scales the de
 up to 8 tokens, sorted rows above), beside the Pallas-Triton MXFP4 kernels of the same run
 (`hopper_vs_mxfp4` > 1: the Mosaic GPU kernel is faster); `--hopper-sweep` also over HOPPER_SWEEP;
 `--hopper-handoff` also each setting that reads slabs with the gated launch handing its tiles to the down launch
-(`hopper_mxfp4_mlp.grouped_mlp_hopper_mxfp4`), rows marked "handoff": "products"; and with the GLU in the gated
-launch's epilogue, "handoff": "glu".
+(`hopper_mxfp4_mlp.grouped_mlp_hopper_mxfp4`), rows marked "handoff": "products"; with the GLU in the gated
+launch's epilogue, "handoff": "glu"; and (`--handoff-forms routed`) the GLU hand-off from the unsorted pairs
+(`hopper_mxfp4_routed.routed_mlp_hopper_mxfp4`, the model's path), "handoff": "routed".
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from pallas_kernels.moe_gmm.hopper_mxfp4 import (HopperMxfp4Blocks, grouped_glu_
                                                   grouped_matmul_hopper_mxfp4, pair_glu_hopper_mxfp4,
                                                   pair_matmul_hopper_mxfp4, to_columns)
 from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4, hand_off_columns  # noqa: E402
+from pallas_kernels.moe_gmm.hopper_mxfp4_routed import routed_mlp_hopper_mxfp4  # noqa: E402
 from pallas_kernels.moe_gmm.mxfp4 import E2M1, GROUP, Mxfp4Weight, dequantize  # noqa: E402
 from pallas_kernels.moe_gmm.tuning import TileBlocks  # noqa: E402
 
@@ -168,6 +170,14 @@ def experts_mlp_handoff_glu(x, weights, experts, c1, c3, c2, blocks=None):
     return experts_mlp_handoff(x, weights, experts, c1, c3, c2, blocks, hand_off="glu")
 
 
+def experts_mlp_routed(x, weights, experts, c1, c3, c2, blocks=None):
+    """The GLU hand-off from the unsorted pairs (`routed_mlp_hopper_mxfp4`: its own sort, slabs and combine, as the
+    model runs it) above 8 tokens; c1, c3 as `hand_off_columns` gives them."""
+    if experts.shape[0] <= 8:
+        return experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks)
+    return routed_mlp_hopper_mxfp4(x, weights, experts, c1, c3, c2, blocks=blocks)
+
+
 def profile(fn, args) -> dict:
     """The device microseconds of each kernel one call launches (every one, longest first) and the call's device
     span (kernels plus the gaps between them); {} off a GPU, the error where the trace fails."""
@@ -190,9 +200,10 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
                 handoff_forms: tuple[str, ...] = ("products", "glu")) -> list[dict]:
     """Adds the Mosaic GPU kernel's time (default settings) to `row`; with `sweep`, returns one row per
     HOPPER_SWEEP setting (those at the indices `pick`, default all); with `handoff`, after each setting that reads
-    slabs two more rows, through `experts_mlp_handoff` ("handoff": "products") and `experts_mlp_handoff_glu`
-    ("glu": the gate and up columns permuted once, outside the timed call, as the loader would; grid launches
-    with `splits` 0 or 1, and persistent ones); above 8 tokens only; `handoff_forms`: which of the two. A setting
+    slabs more rows, through `experts_mlp_handoff` ("handoff": "products"), `experts_mlp_handoff_glu` ("glu": the
+    gate and up columns permuted once, outside the timed call, as the loader would; grid launches with `splits` 0
+    or 1, and persistent ones) and `experts_mlp_routed` ("routed": the same columns and launches); above 8 tokens
+    only; `handoff_forms`: which of them. A setting
     that fails to compile or run (K not a multiple of its block_k, say) is recorded with its error. `unrolled`:
     each row also timed with its 20 chained calls one after another in one program (`ms_unrolled`), as the layers of
     a decode step run, without the device loop's per-iteration wait on the host. `out`: the list the rows are
@@ -203,18 +214,19 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
     if small:                        # interpret mode runs the exact decode through shared memory only
         settings = [HopperMxfp4Blocks.for_backend(True, block_k=128)]
     handoff = handoff and experts.shape[0] > 8              # up to 8 tokens the pairs run, with no hand-off
-    forms = {experts_mlp_hopper: False, experts_mlp_handoff: "products", experts_mlp_handoff_glu: "glu"}
+    forms = {experts_mlp_hopper: False, experts_mlp_handoff: "products", experts_mlp_handoff_glu: "glu",
+             experts_mlp_routed: "routed"}
     glu_takes = lambda b: b is None or b.launch == "persistent" or b.splits in (0, 1)   # the GLU epilogue's launches
     runs = [(mlp, b) for b in settings for mlp in forms
             if mlp is experts_mlp_hopper or (handoff and forms[mlp] in handoff_forms
                                              and (b is None or b.activations == "slab")
-                                             and (mlp is not experts_mlp_handoff_glu or glu_takes(b)))]
+                                             and (forms[mlp] == "products" or glu_takes(b)))]
     glu_columns = {}                    # by the down launch's code_load: the gate and up columns in its k_order
     out = [] if out is None else out
     for mlp, blocks in runs:
         label = f"{blocks}" + (f" handoff {forms[mlp]}" if forms[mlp] else "")
         cols = columns
-        if mlp is experts_mlp_handoff_glu:
+        if forms[mlp] in ("glu", "routed"):
             load = "pairs" if blocks is None else blocks.code_load
             if load not in glu_columns:
                 glu_columns[load] = (hand_off_columns(columns[0], load), hand_off_columns(columns[1], load),
@@ -332,8 +344,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hopper-handoff", action="store_true",
                     help="also each Mosaic GPU setting that reads slabs with the gated launch handing its tiles to "
                          "the down launch (grouped_mlp_hopper_mxfp4)")
-    ap.add_argument("--handoff-forms", nargs="+", choices=("products", "glu"), default=["products", "glu"],
-                    help="which hand-offs --hopper-handoff times (default both)")
+    ap.add_argument("--handoff-forms", nargs="+", choices=("products", "glu", "routed"), default=["products", "glu"],
+                    help="which hand-offs --hopper-handoff times (default products and glu)")
     ap.add_argument("--hopper-pick", nargs="+", type=int,
                     help="only these indices of HOPPER_SWEEP (implies --hopper-sweep)")
     ap.add_argument("--unrolled", action="store_true",

@@ -43,6 +43,7 @@ from k3jax.config import PACKED_LAYOUTS
 from k3jax.hf_config import from_hf_config
 from k3jax.model import abstract_model
 from k3jax.sharding import split_dims
+from pallas_kernels.moe_gmm.hopper_mxfp4_decode import SCALED_MAX_SCALE
 
 logger = logging.getLogger(__name__)
 
@@ -207,10 +208,11 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     resumed = sum(len(group) for _, group in files if all(name in done for name, _ in group))
     start = time.perf_counter()
     try:
-        read = _convert_tensors(ckpt, plan, params, splits, files, work, done, workers, progress)
+        scale_layout = expert_layout if packed_experts and expert_layout in ("columns", "handoff") else None
+        read = _convert_tensors(ckpt, plan, params, splits, files, work, done, workers, progress, scale_layout)
         _write_metadata(work.path, source, plan, params, done, own_embedding, pdtype, skipped, packed_experts,
                         layout_key)
-    except NonFiniteError:  # the source cannot be converted: nothing is kept
+    except (NonFiniteError, ScaleRangeError):  # the source cannot be converted (as asked): nothing is kept
         work.remove()
         raise
     except BaseException:  # a crash, Ctrl-C, an unreadable file, a full disk: finished tensors are kept
@@ -232,10 +234,17 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
                          seconds=time.perf_counter() - start, resumed=resumed)
 
 
-def _convert_tensors(ckpt, plan, params, splits, files, work: WorkDir, done: dict, workers: int, progress) -> int:
+class ScaleRangeError(CheckpointError):
+    """An MXFP4 scale the asked expert layout's kernel does not decode exactly: the conversion keeps nothing."""
+
+
+def _convert_tensors(ckpt, plan, params, splits, files, work: WorkDir, done: dict, workers: int, progress,
+                     scale_layout: str | None = None) -> int:
     """Reads, checks, transforms and writes every file (`files`: (parameter, its tensors in the file), from
     `_file_groups`) holding a tensor `done` lacks, journalling its tensors at once. Returns the bytes
-    this call read from the source."""
+    this call read from the source. `scale_layout`: the packed experts' column layout ("columns" or "handoff"),
+    whose Mosaic GPU kernel decodes E8M0 scale bytes up to SCALED_MAX_SCALE only (as the load checks): a scale
+    tensor past that is refused as it is read."""
     journal = work.journal()
     lock = threading.Lock()
     writers = {p: ArrayWriter(os.path.join(work.path, PARAMS_DIR), p, shape, dt,
@@ -254,6 +263,13 @@ def _convert_tensors(ckpt, plan, params, splits, files, work: WorkDir, done: dic
         if not np.isfinite(value).all():
             raise NonFiniteError(f"{ckpt.info(name).file}: tensor {name!r} holds non-finite values (NaN or Inf) "
                                   f"as {dt.name}; refusing to convert it")
+        if scale_layout and dt == np.uint8 and str(p[-1]).endswith("_scale") and value.size:
+            top = int(value.max())
+            if top > SCALED_MAX_SCALE:
+                raise ScaleRangeError(f"{ckpt.info(name).file}: tensor {name!r} holds E8M0 scale byte {top}, past "
+                                      f"what the expert_layout={scale_layout!r} kernel decodes exactly (bytes up to "
+                                      f"{SCALED_MAX_SCALE}, scales up to 2); convert with --dequantize-experts or "
+                                      f"--expert-layout rows")
         return value
 
     def run(task):

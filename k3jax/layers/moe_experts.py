@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.activation import Activation, gated_activation
-from pallas_kernels.moe_gmm import GmmImpl, dense_weight, grouped_mlp, pair_glu, pair_matmul, resolve_gmm_impl
+from pallas_kernels.moe_gmm import (GmmImpl, dense_weight, grouped_mlp, hand_off_runs, pair_glu, pair_matmul,
+                                    resolve_gmm_impl, routed_mlp_hopper_mxfp4)
 from pallas_kernels.moe_gmm.hopper_mxfp4 import Mxfp4Columns
 
 # "dense": every expert on every token (the reference); "ragged": pairs sorted by expert, grouped
@@ -99,13 +100,19 @@ def experts_ragged(x_ND, weights_NX, experts_NX, w1_EDF, w3_EDF, w2_EFD, act: Ac
                    gmm: GmmImpl = "auto", expert_offset=None) -> jax.Array:
     """Token-expert pairs sorted by expert; the gated half (gate and up in one grouped op) and the
     down projection (routing weight in its epilogue) as grouped matmuls; pairs put back in token
-    order and summed over the X choices. -> [N, D] fp32."""
+    order and summed over the X choices. Hand-off weights (expert_layout="handoff") where the Mosaic GPU kernel
+    runs take `routed_mlp_hopper_mxfp4`: the gated launch hands h's slabs to the down launch. -> [N, D] fp32."""
     n, k = experts_NX.shape
+    if hand_off_runs(w1_EDF, w3_EDF, w2_EFD, gmm):
+        # The Mosaic GPU kernel's GLU hand-off from the unsorted pairs: its own sort, slabs and combine (less glue
+        # than the sort and unsort here around `grouped_mlp`, the same math).
+        index, inside = _local_index(experts_NX, w1_EDF.shape[0], expert_offset)
+        return routed_mlp_hopper_mxfp4(x_ND, weights_NX, jnp.where(inside, index, -1), w1_EDF, w3_EDF, w2_EFD,
+                                       spec=act.glu_spec)
     order, sizes, local = sort_by_expert(experts_NX, w1_EDF.shape[0], 0 if expert_offset is None else expert_offset)
     xs = x_ND[order // k]
     scale = jnp.where(local, weights_NX.reshape(-1)[order], 0.0)
-    # The gated half then the down projection ([N*X, D] fp32, sorted; other shards' pairs are zero): with
-    # hand-off weights (expert_layout="handoff") the gated launch hands h's slabs to the down launch.
+    # The gated half then the down projection ([N*X, D] fp32, sorted; other shards' pairs are zero).
     y = grouped_mlp(xs, w1_EDF, w3_EDF, w2_EFD, sizes, scale, spec=act.glu_spec, impl=gmm)
     return unsort_and_sum(y, order, k)
 

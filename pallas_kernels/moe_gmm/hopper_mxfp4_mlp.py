@@ -59,7 +59,7 @@ def hand_off_columns(w: Mxfp4Columns, code_load: str = "pairs") -> HandOffColumn
     return kind(w.packed[:, order], w.scale[:, :, order])
 
 
-def _settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns, hand_off: str):
+def hand_off_settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns, hand_off: str):
     """(gated launch's settings, down launch's settings, interpreted): `blocks` for both (the gated one
     writing tiles; with hand_off="glu" the grid launch in one split where `splits` is 0, automatic), or each
     projection's `HopperMxfp4Blocks.for_backend` default. Both cut the same tiles: the defaults take their rows
@@ -99,7 +99,7 @@ def grouped_mlp_hopper_mxfp4(lhs, w_gate: Mxfp4Columns, w_up: Mxfp4Columns, w_do
     """
     if hand_off not in HAND_OFFS:
         raise ValueError(f"grouped_mlp_hopper_mxfp4: hand_off must be one of {HAND_OFFS}, got {hand_off!r}")
-    up_blocks, down_blocks, interpreted = _settings(blocks, interpret, lhs, w_gate, w_down, hand_off)
+    up_blocks, down_blocks, interpreted = hand_off_settings(blocks, interpret, lhs, w_gate, w_down, hand_off)
     check_operands(lhs, (w_gate, w_up), group_sizes, up_blocks, permuted=hand_off == "glu")
     g, f = w_gate.shape[0], w_gate.shape[2]
     if w_down.shape[:2] != (g, f):

@@ -17,6 +17,7 @@ take `grouped_mlp` through the gated launch's GLU epilogue (`hopper_mxfp4_mlp`, 
 path puts their columns (or h's) back in order.
 
     grouped_mlp(lhs, w_gate, w_up, w_down, sizes, row_scale, spec, impl=...)   the whole expert MLP
+    hand_off_runs(w_gate, w_up, w_down, impl)                                  whether it hands off (GLU epilogue)
 """
 
 from __future__ import annotations
@@ -146,15 +147,21 @@ def _plain_pair(w_gate: HandOffColumns, w_up, op: str) -> tuple[Mxfp4Columns, Mx
     return Mxfp4Columns(*w_gate), Mxfp4Columns(*w_up)
 
 
+def hand_off_runs(w_gate, w_up, w_down, impl: GmmImpl = "auto") -> bool:
+    """Whether `grouped_mlp` on these weights runs the Mosaic GPU kernel's GLU hand-off: `HandOffColumns` gate and
+    up weights, plain `Mxfp4Columns` down, and the kernel the implementation for both sides (where the unsorted
+    pairs may take `hopper_mxfp4_routed.routed_mlp_hopper_mxfp4`, the same launches with less glue)."""
+    return (type(w_gate) is HandOffColumns and type(w_up) is HandOffColumns and type(w_down) is Mxfp4Columns
+            and _impl(impl, w_gate) == "pallas" and _impl(impl, w_down) == "pallas")
+
+
 def grouped_mlp(lhs, w_gate, w_up, w_down, group_sizes, row_scale=None, *, spec: GluSpec = GluSpec(),
                 impl: GmmImpl = "auto"):
     """act(lhs[r] @ w_gate[g(r)], lhs[r] @ w_up[g(r)]) @ w_down[g(r)] (times row_scale[r]) for rows sorted by
     group: `grouped_glu` then `grouped_matmul`, or, with `HandOffColumns` gate and up weights where the Mosaic GPU
     kernel runs, its two launches with the GLU in the gated one's epilogue (h written as the down launch's slabs).
     Shapes as `grouped_glu` and `grouped_matmul`; -> [M, N] in lhs's dtype (fp32 with row_scale)."""
-    fused = (type(w_gate) is HandOffColumns and type(w_up) is HandOffColumns and type(w_down) is Mxfp4Columns
-             and _impl(impl, w_gate) == "pallas" and _impl(impl, w_down) == "pallas")
-    if fused:
+    if hand_off_runs(w_gate, w_up, w_down, impl):
         _check(lhs, w_gate, group_sizes)
         return grouped_mlp_hopper_mxfp4(lhs, w_gate, w_up, w_down, group_sizes, row_scale, spec=spec, hand_off="glu")
     h = grouped_glu(lhs, w_gate, w_up, group_sizes, spec=spec, impl=impl)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from checkpoints import rewrite_tensors, snap_experts_to_mxfp4
 from tolerances import assert_close
 
 import k3jax
+from k3jax.checkpoint import convert as convert_module
 from k3jax.checkpoint.convert import convert
 from k3jax.checkpoint.safetensors_io import CheckpointError
 from k3jax.checkpoint.transforms import HOOKS
@@ -22,7 +22,10 @@ from k3jax.config import tiny_k3
 from k3jax.errors import ConfigError
 from k3jax.memory_plan import plan_memory
 from k3jax.sharding import MeshSpec, make_mesh
-from pallas_kernels.moe_gmm import HandOffColumns, Mxfp4Columns, hand_off_columns
+from k3jax.layers.activation import Activation
+from k3jax.layers import moe_experts
+from k3jax.layers.moe_experts import local_experts
+from pallas_kernels.moe_gmm import HandOffColumns, Mxfp4Columns, Mxfp4Weight, hand_off_columns, to_columns
 from pallas_kernels.moe_gmm.hopper_mxfp4_decode import SCALED_MAX_SCALE
 
 
@@ -117,6 +120,30 @@ def test_column_layouts_run_the_mosaic_gpu_kernel_in_the_model(rng, layout):
                      dtype="bfloat16")
 
 
+def test_handoff_shards_of_experts_sum_to_the_whole_through_the_kernel(rng, monkeypatch):
+    """The sorted-rows path on hand-off weights (`routed_mlp_hopper_mxfp4`, interpret mode) per shard of the
+    experts (expert_offset; pairs of the other shard add nothing): the shares sum to the dequantised reference."""
+    e, d, f = 6, 128, 128
+    packed = [Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (e, k // 2, n), dtype=np.uint8)),
+                          jnp.asarray(rng.integers(122, SCALED_MAX_SCALE + 1, (e, k // 32, n), dtype=np.uint8)))
+              for k, n in ((d, f), (d, f), (f, d))]
+    w1, w3, w2 = (to_columns(w) for w in packed)
+    w1, w3 = hand_off_columns(w1), hand_off_columns(w3)
+    x = jnp.asarray(rng.standard_normal((11, d)) * 0.05, jnp.bfloat16)
+    experts = jnp.asarray(np.stack([rng.permutation(e)[:3] for _ in range(11)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (11, 3)), jnp.float32)
+    act = Activation("silu")
+    whole = local_experts("dense", x, weights, experts, w1, w3, w2, act)
+    calls = []
+    routed = moe_experts.routed_mlp_hopper_mxfp4
+    monkeypatch.setattr(moe_experts, "routed_mlp_hopper_mxfp4", lambda *a, **k: calls.append(1) or routed(*a, **k))
+    shard = lambda w, o: type(w)(w.packed[o:o + 3], w.scale[o:o + 3])
+    parts = [local_experts("ragged", x, weights, experts, shard(w1, o), shard(w3, o), shard(w2, o), act,
+                           gmm="pallas", expert_offset=o) for o in (0, 3)]
+    assert len(calls) == 2
+    assert_close("sum of shards (routed hand-off)", parts[0] + parts[1], whole, dtype="bfloat16")
+
+
 def test_handoff_layout_reorders_the_gate_and_up_columns_and_keeps_the_model(mxfp4_dir, tmp_path, rng):
     """expert_layout="handoff": "columns" with w1's and w3's outputs (codes and scales) reordered within each 32
     as the GLU hand-off writes h (`hand_off_columns`), w2 as in "columns"; the same logits (on one device, over
@@ -197,10 +224,11 @@ def test_packed_experts_need_an_mxfp4_checkpoint(tmp_path):
                                    "packed_experts": True})
 
 
-def test_column_layouts_refuse_scales_past_the_compiled_decode(tmp_path, rng):
+def test_column_layouts_refuse_scales_past_the_compiled_decode(tmp_path, rng, monkeypatch):
     """The Mosaic GPU expert kernel's compiled decode folds each E8M0 scale into one bf16 multiply (exact up to byte
-    128): a load into its layouts refuses a checkpoint past that, naming the parameter and the way out; the "rows"
-    layout (the Pallas-Triton kernels, any scale) and the dequantising load still take it."""
+    128): a load into its layouts refuses a checkpoint past that, naming the parameter and the way out, and so does a
+    conversion into them (nothing kept); the "rows" layout (the Pallas-Triton kernels, any scale) and the
+    dequantising load still take it."""
     cfg = dataclasses.replace(tiny_k3(num_layers=4, attn_res_block_size=2), quantization="mxfp4")
     src = tmp_path / "big_scale"
     save_checkpoint(snap_experts_to_mxfp4(k3jax.CausalLM.random(cfg, seed=3)), src, shards=1)
@@ -217,6 +245,16 @@ def test_column_layouts_refuse_scales_past_the_compiled_decode(tmp_path, rng):
     ids = _ids(cfg, rng)
     assert_close("rows layout", k3jax.load(src, dtype="float32", packed_experts=True).logits(ids),
                  k3jax.load(src, dtype="float32").logits(ids), dtype="float32")
+    for layout in ("columns", "handoff"):           # the conversion refuses it as it reads it, keeping nothing
+        with pytest.raises(CheckpointError, match=rf"scale byte {SCALED_MAX_SCALE + 1}, past what the expert_layout="
+                                                  rf"'{layout}' kernel .*; convert with --dequantize-experts"):
+            convert(src, tmp_path / layout, dtype="float32", expert_layout=layout, progress=False)
+        assert not (tmp_path / layout).exists() and not (tmp_path / f"{layout}.partial").exists()
+    convert(src, tmp_path / "rows", dtype="float32", progress=False)        # the "rows" layout takes any scale
+    assert k3jax.load(tmp_path / "rows").config.moe.packed_layout == "rows"
+    # A converted checkpoint that holds such a byte anyway (an older converter's, here one whose check is moved
+    # past the byte) is refused at load.
+    monkeypatch.setattr(convert_module, "SCALED_MAX_SCALE", 255)
     convert(src, tmp_path / "converted", dtype="float32", expert_layout="handoff", progress=False)
     with pytest.raises(CheckpointError, match=r"w[123]_scale \(byte 129\); convert again with --dequantize-experts"):
         k3jax.load(tmp_path / "converted")

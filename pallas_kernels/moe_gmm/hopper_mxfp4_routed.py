@@ -1,0 +1,100 @@
+"""The routed experts' whole output from unsorted token-expert pairs through the GLU hand-off
+(`routed_mlp_hopper_mxfp4`), with the glue around the two Mosaic GPU launches cut to what the data flow needs.
+
+`grouped_mlp_hopper_mxfp4` takes rows already sorted by expert. Around it, a caller gathers x's rows into sorted
+order, gathers the routing weights into sorted order, and afterwards puts the rows back in token order and sums
+each token's. Inside it, the sorted rows are put in `k_order` and gathered again into slabs, and rows past the
+groups are masked to zero. Here instead:
+
+- the pairs are ordered by one single-operand sort of (expert, pair) packed into one int32 key
+  (`routing_order`; XLA's stable argsort sorts two operands);
+- x's inputs are put in `k_order` on its N token rows, not the N*X sorted ones, and each slab row is gathered
+  straight from x through the sort (sorted row r is token order[r] // X): one gather builds the slabs;
+- the down launch's products are read back per pair in token order (pair p at sorted row rank[p]) and summed
+  with the routing weights in one fusion: no sorted weights, no masked [N*X, D'] rows in between.
+
+Same math as `sort_by_expert`, `grouped_mlp_hopper_mxfp4(.., hand_off="glu")` and `unsort_and_sum` with the same
+settings (tests/pallas_kernels/test_moe_gmm_hopper_mxfp4_routed.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.moe_gmm.activation import GluSpec
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HandOffColumns, Mxfp4Columns, check_operands, k_order, launch,
+                                                 products_by_row, sorted_schedule)
+from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import hand_off_settings
+
+_INT32_MAX = 2 ** 31 - 1
+
+
+def routing_order(key, num_keys: int):
+    """(order [P]: the pairs sorted by key, ties in pair order; rank [P]: pair p's sorted row, order's inverse)
+    for keys [P] int32 in [0, num_keys). One single-operand sort of key * P + p (unique values, so the order is
+    stable) where that fits in int32, else XLA's stable argsort of the keys."""
+    p = key.shape[0]
+    index = jnp.arange(p, dtype=jnp.int32)
+    if num_keys * p <= _INT32_MAX:
+        order = lax.sort(key.astype(jnp.int32) * p + index) % p
+    else:
+        order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    rank = jnp.zeros_like(order).at[order].set(index, unique_indices=True)
+    return order, rank
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret"))
+def routed_mlp_hopper_mxfp4(x, weights, experts, w_gate: HandOffColumns, w_up: HandOffColumns, w_down: Mxfp4Columns,
+                            *, spec: GluSpec = GluSpec(), blocks=None, interpret: bool | None = None):
+    """y[n] = sum_j weights[n, j] * act(x[n] @ W_gate[e], x[n] @ W_up[e]) @ W_down[e], e = experts[n, j], over the
+    pairs whose expert is one of this call's [0, G); the others (another shard's experts) add nothing.
+
+    Args:
+      x: [N, D] (rounded to bf16 for the MMA). weights: [N, X] routing weights. experts: [N, X] int, the expert of
+        each pair; a value outside [0, G) marks a pair this call does not hold.
+      w_gate, w_up: `HandOffColumns` of [G, D, F] (`hand_off_columns`); w_down: `Mxfp4Columns` of [G, F, D'].
+      spec: the GLU. blocks: both launches' settings as `grouped_mlp_hopper_mxfp4` takes them (default each
+        projection's `HopperMxfp4Blocks.for_backend` for N*X rows). interpret: default off the GPU.
+    Returns:
+      [N, D'] fp32.
+    """
+    n, k = experts.shape
+    g, p = w_gate.shape[0], experts.size
+    if x.ndim != 2 or x.shape[0] != n or weights.shape != experts.shape:
+        raise ValueError(f"routed_mlp_hopper_mxfp4: expected x [N, D] with weights and experts [N, X]; got x "
+                         f"{x.shape}, weights {weights.shape}, experts {experts.shape}")
+    rows = jax.ShapeDtypeStruct((p, x.shape[1]), x.dtype)          # the sorted rows the launches take
+    up_blocks, down_blocks, interpreted = hand_off_settings(blocks, interpret, rows, w_gate, w_down, "glu")
+    sizes_like = jax.ShapeDtypeStruct((g,), jnp.int32)
+    check_operands(rows, (w_gate, w_up), sizes_like, up_blocks, permuted=True)
+    f = w_gate.shape[2]
+    if w_down.shape[:2] != (g, f) or isinstance(w_down, HandOffColumns):
+        raise ValueError(f"routed_mlp_hopper_mxfp4: w_down must be plain Mxfp4Columns of [{g}, {f}, D'] after w_gate "
+                         f"{w_gate.shape}, got {type(w_down).__name__} of {w_down.shape}")
+    check_operands(jax.ShapeDtypeStruct((p, f), jnp.bfloat16), (w_down,), sizes_like, down_blocks)
+
+    flat = experts.reshape(-1)
+    local = (flat >= 0) & (flat < g)
+    key = jnp.where(local, flat, g).astype(jnp.int32)                  # other shards' pairs sort last
+    order, rank = routing_order(key, g + 1)
+    sizes = jnp.sum(key[None, :] == jnp.arange(g, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
+    sched = sorted_schedule(sizes, p, up_blocks.rows)
+    # Each tile's slab straight from x: slab row i of tile t is sorted row first_t + i, token order[..] // X.
+    # The slab rows' tokens and liveness are written out first (XLA would otherwise recompute the schedule for
+    # every element of the slabs); x's inputs are reordered on its N rows, inside the gather.
+    slab_rows = sched[1][:, None] + jnp.arange(up_blocks.rows, dtype=jnp.int32)[None, :]
+    token, live = lax.optimization_barrier((order[jnp.minimum(slab_rows, p - 1)] // k, slab_rows < sched[2][:, None]))
+    slabs = jnp.where(live[..., None], k_order(x.astype(jnp.bfloat16), up_blocks)[token], 0)    # [T, rows, D]
+    h = launch(sched, slabs, (w_gate, w_up), p, up_blocks, interpreted, sorted_rows=True, glu_spec=spec)
+    out = launch(sched, h, (w_down,), p, down_blocks, interpreted, sorted_rows=True)
+    if down_blocks.outputs == "rows":
+        by_row = out[0]          # [P, D']: row r the products of sorted row r (rows of no tile: never read)
+    else:
+        by_row = products_by_row(out, sched, sched[1], sizes, p, down_blocks)[0]
+    # Pair p's products sit at sorted row rank[p]; pairs of other shards (past the live rows) add nothing.
+    picked = jnp.where(local[:, None], by_row[rank] * weights.reshape(-1, 1).astype(jnp.float32), 0.0)
+    return jnp.sum(picked.reshape(n, k, -1), axis=1)
