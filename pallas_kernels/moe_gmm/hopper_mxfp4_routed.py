@@ -9,7 +9,7 @@ groups are masked to zero. Here instead:
 - the pairs are ordered by one single-operand sort of (expert, pair) packed into one int32 key
   (`routing_order`; XLA's stable argsort sorts two operands);
 - x's inputs are put in `k_order` on its N token rows, not the N*X sorted ones, and each slab row is gathered
-  straight from x through the sort (sorted row r is token order[r] // X): one gather builds the slabs;
+  straight from them through the sort (sorted row r is token order[r] // X): one gather builds the slabs;
 - the down launch's products are read back per pair in token order (pair p at sorted row rank[p]) and summed
   with the routing weights in one fusion: no sorted weights, no masked [N*X, D'] rows in between.
 
@@ -85,10 +85,12 @@ def routed_mlp_hopper_mxfp4(x, weights, experts, w_gate: HandOffColumns, w_up: H
     sched = sorted_schedule(sizes, p, up_blocks.rows)
     # Each tile's slab straight from x: slab row i of tile t is sorted row first_t + i, token order[..] // X.
     # The slab rows' tokens and liveness are written out first (XLA would otherwise recompute the schedule for
-    # every element of the slabs); x's inputs are reordered on its N rows, inside the gather.
+    # every element of the slabs), and so are x's inputs in `k_order` (on its N rows, not the N*X sorted ones):
+    # the gather then copies whole contiguous rows, as `sorted_inputs`' does.
     slab_rows = sched[1][:, None] + jnp.arange(up_blocks.rows, dtype=jnp.int32)[None, :]
-    token, live = lax.optimization_barrier((order[jnp.minimum(slab_rows, p - 1)] // k, slab_rows < sched[2][:, None]))
-    slabs = jnp.where(live[..., None], k_order(x.astype(jnp.bfloat16), up_blocks)[token], 0)    # [T, rows, D]
+    token, live = order[jnp.minimum(slab_rows, p - 1)] // k, slab_rows < sched[2][:, None]
+    ordered, token, live = lax.optimization_barrier((k_order(x.astype(jnp.bfloat16), up_blocks), token, live))
+    slabs = jnp.where(live[..., None], ordered[token], 0)                                  # [T, rows, D]
     h = launch(sched, slabs, (w_gate, w_up), p, up_blocks, interpreted, sorted_rows=True, glu_spec=spec)
     out = launch(sched, h, (w_down,), p, down_blocks, interpreted, sorted_rows=True)
     if down_blocks.outputs == "rows":
