@@ -352,7 +352,8 @@ def main(argv=None) -> int:
                     help="also time each Mosaic GPU row with its chained calls unrolled in one program (no device "
                          "loop, whose every iteration waits on the host)")
     ap.add_argument("--routing", choices=("count", "sort"), default="sort",
-                    help="how the calls order the pairs by expert (sort_by_expert's method)")
+                    help="how the calls order the pairs by expert (sort_by_expert's method; the 'routed' hand-off "
+                         "rows sort packed keys themselves)")
     ap.add_argument("--profile", action="store_true",
                     help="record the kernels of the MXFP4 (and with --hopper the Mosaic GPU) call per row")
     args = ap.parse_args(argv)

@@ -12,6 +12,7 @@ from benchmarks.ncu_source_summary import main as ncu_source_main
 from benchmarks.ncu_source_summary import barrier_waits, opcode, read, summarise
 from benchmarks.profile_summary import scoped_op_names
 from k3jax.config import tiny_kimi_linear
+from pallas_kernels.moe_gmm.hopper_mxfp4_step import launch_name
 
 HEADER = ('"# Address","Source","Warp Stall Sampling (Not-issued Samples)","Warp Stall Sampling (All Samples)",'
           '"stall_long_sb","stall_barrier"')
@@ -155,8 +156,11 @@ def test_profile_summary_gives_unnamed_launches_a_scope():
         {"name": "kda_decode", "ts": 60, **lane, "args": {}},
         {"name": "routed_experts_gmm", "ts": 70, **lane, "args": {}},
         {"name": "anonymous_mosaic_gpu_kernel", "ts": 35, "pid": 1, "tid": 2, "args": {}},   # alone on its stream
+        # the MXFP4 kernel's down launch between the routed and the shared experts' kernels: its name tells
+        {"name": launch_name(1, False) + "_mosaic_gpu_kernel", "ts": 75, **lane, "args": {}},
+        {"name": "fusion_3", "ts": 80, **lane, "args": {"hlo_op": "fusion.3"}},
     ]
     named, stood_in = scoped_op_names(events, op_names)
     assert named == ["routed_experts", op_names["fusion.1"], "routed_experts", op_names["fusion.2"], "norm", "",
-                     op_names["fusion.3"], "kda", "routed_experts", ""]
-    assert stood_in == 5
+                     op_names["fusion.3"], "kda", "routed_experts", "", "routed_experts", op_names["fusion.3"]]
+    assert stood_in == 6

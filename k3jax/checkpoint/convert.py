@@ -188,6 +188,9 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
         raise ValueError(f"--expert-layout {expert_layout} needs packed experts: an MXFP4 source converted "
                          "without --dequantize-experts")
     layout_key = {"packed_layout": expert_layout} if expert_layout != "rows" else {}
+    # The column layouts' scale check (`_convert_tensors`) is part of what a resumed run must have run on every
+    # tensor it reuses: an interrupted run of a converter without it counts as one with other options.
+    scale_key = {"scale_max": SCALED_MAX_SCALE} if expert_layout in ("columns", "handoff") else {}
     pdtype = _param_dtype(dtype, ckpt)
     params, splits = _abstract_params(cfg, pdtype)
     plan, skipped = plan_tensors(cfg, ckpt, {p: s for p, (s, _) in params.items()})
@@ -199,7 +202,7 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
         if os.path.lexists(dst):  # committed by the run that held the lock before us
             raise FileExistsError(f"{dst} already exists; remove it or choose another destination")
         done = work.resume({**_identity(source, pdtype, sum(len(v) for v in plan.values()), packed_experts, layout),
-                            **layout_key}, restart)
+                            **layout_key, **scale_key}, restart)
     except BaseException:
         work.remove() if work.created else work.release()  # a refused resume keeps everything
         raise

@@ -66,7 +66,7 @@ from pallas_kernels.moe_gmm.activation import GluSpec, glu
 from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import launch_persistent, persistent_takes
 from pallas_kernels.moe_gmm.hopper_mxfp4_persistent import smem_bytes as persistent_smem_bytes
 from pallas_kernels.moe_gmm.hopper_mxfp4_step import (ALIGN, CODE_TRANSFORMS, COLUMNS, PER_GROUP, X_TRANSFORMS,
-                                                      copy_out_rows, multiply_step, write_glu_slab)
+                                                      copy_out_rows, launch_name, multiply_step, write_glu_slab)
 from pallas_kernels.moe_gmm.mxfp4 import GROUP, Mxfp4Weight
 from pallas_kernels.moe_gmm.mxfp4 import validate as validate_mxfp4
 from pallas_kernels.moe_gmm.schedule import tile_schedule
@@ -126,7 +126,8 @@ class Mxfp4Columns(NamedTuple):
 
 class HandOffColumns(Mxfp4Columns):
     """`Mxfp4Columns` whose output columns are in `even_odd` order (`hopper_mxfp4_mlp.hand_off_columns`): the
-    gate and up weights of `grouped_mlp_hopper_mxfp4(hand_off="glu")`, which every other entry point refuses."""
+    gate and up weights of `grouped_mlp_hopper_mxfp4(hand_off="glu")` and `routed_mlp_hopper_mxfp4`, which every
+    other entry point refuses."""
 
     __slots__ = ()
 
@@ -484,6 +485,7 @@ def _launch_grid(sched, x, weights, rows_out: int, blocks: HopperMxfp4Blocks, in
         out_type=out_type,
         grid=(tiles, n // COLUMNS, splits),
         grid_names=("tile", "col", "split"),
+        kernel_name=launch_name(n_weights, glu_spec is not None),
         scratch_types=[plgpu.SMEM((window, COLUMNS), jnp.bfloat16) if glu_spec is not None
                        else plgpu.SMEM((n_weights, COLUMNS, window), jnp.float32)]
         + ([plgpu.SMEM((window, n_weights, COLUMNS), jnp.float32)] if by_rows else [])
@@ -603,7 +605,8 @@ def check_operands(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, permute
                              f"got {type(w).__name__}")
         if isinstance(w, HandOffColumns) and not permuted:
             raise ValueError("hopper MXFP4 matmul: weights from hand_off_columns (columns in a hand-off order) are "
-                             "for grouped_mlp_hopper_mxfp4(hand_off='glu')'s gate and up only")
+                             "for the gate and up of grouped_mlp_hopper_mxfp4(hand_off='glu') and "
+                             "routed_mlp_hopper_mxfp4 only")
         if permuted and not isinstance(w, HandOffColumns):
             raise ValueError("hopper MXFP4 matmul: hand_off='glu' takes the gate and up weights from "
                              f"hand_off_columns (columns in a hand-off order), got {type(w).__name__}")

@@ -20,8 +20,9 @@ writes them in bf16 as the down launch's slabs ([T, rows, F], `hopper_mxfp4_step
 runs between the two launches. The slabs must be in `even_odd` order along F, and a program holds 64 consecutive
 columns, so the gate and up weights come with their columns in that order (`hand_off_columns`, once, where the
 weights are loaded): column j of the gated launch is then column even_odd(j) of h. The permuted weights carry
-their own type (`HandOffColumns`), which every other operand and entry point refuses instead of computing wrong
-rows (the products hand-off, the down weight, the two calls, the pairs; `hopper_mxfp4.check_operands`). Same
+their own type (`HandOffColumns`), which every other operand and entry point (but `hopper_mxfp4_routed`'s, the
+same launches from unsorted pairs) refuses instead of computing wrong rows (the products hand-off, the down weight,
+the two calls, the pairs; `hopper_mxfp4.check_operands`). Same
 math as the two calls for bf16 and fp32 activations (fp16 ones: the two calls round h to fp16 first); the GLU
 runs in the kernel (compiled: the GPU's exp and tanh), so results agree to rounding, not bit for bit. The gated
 half runs the grid launch in one split or the persistent launch (timed: run 37 in benchmarks/RESULTS.md). A down
@@ -59,21 +60,22 @@ def hand_off_columns(w: Mxfp4Columns, code_load: str = "pairs") -> HandOffColumn
     return kind(w.packed[:, order], w.scale[:, :, order])
 
 
-def hand_off_settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns, hand_off: str):
+def hand_off_settings(blocks, interpret, lhs, w_gate: Mxfp4Columns, w_down: Mxfp4Columns, hand_off: str,
+                      caller: str = "grouped_mlp_hopper_mxfp4"):
     """(gated launch's settings, down launch's settings, interpreted): `blocks` for both (the gated one
     writing tiles; with hand_off="glu" the grid launch in one split where `splits` is 0, automatic), or each
     projection's `HopperMxfp4Blocks.for_backend` default. Both cut the same tiles: the defaults take their rows
-    from the rows per group alone, the same for both."""
+    from the rows per group alone, the same for both. `caller`: the entry point the errors name."""
     rows_per_group = lhs.shape[0] / w_gate.shape[0]
     up, interpreted = resolve_blocks(blocks, interpret, lhs.shape[-1], rows_per_group, 2)
     down, _ = resolve_blocks(blocks, interpret, w_down.shape[1], rows_per_group, 1)
     if up.activations != "slab" or down.activations != "slab":
-        raise ValueError(f"grouped_mlp_hopper_mxfp4: the hand-off builds slabs; activations must be 'slab', got "
-                         f"{up.activations!r}")
+        raise ValueError(f"{caller}: the hand-off builds slabs; activations must be 'slab', got "
+                         f"{(up if up.activations != 'slab' else down).activations!r}")
     if hand_off == "glu" and isinstance(w_gate, HandOffColumns) and (
             isinstance(w_gate, WordHandOffColumns) != (down.code_load == "words")):
         made = "words" if isinstance(w_gate, WordHandOffColumns) else "pairs"
-        raise ValueError(f"grouped_mlp_hopper_mxfp4: hand_off='glu' writes h's slabs in the gate and up columns' "
+        raise ValueError(f"{caller}: hand_off='glu' writes h's slabs in the gate and up columns' "
                          f"order (hand_off_columns(.., code_load={made!r})), which a down launch with "
                          f"code_load={down.code_load!r} does not read")
     up = dataclasses.replace(up, outputs="tiles", splits=1 if hand_off == "glu" and up.splits == 0 else up.splits)

@@ -34,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe_gmm.activation import GluSpec
 from pallas_kernels.moe_gmm.hopper_mxfp4_step import (CODE_TRANSFORMS, COLUMNS, X_TRANSFORMS, copy_out_rows,
-                                                      multiply_step, write_glu_slab)
+                                                      launch_name, multiply_step, write_glu_slab)
 from pallas_kernels.moe_gmm.mxfp4 import GROUP
 
 COMPUTE_WARPGROUPS = 2            # each takes 64 of an item's columns
@@ -168,6 +168,7 @@ def launch_persistent(sched, x, weights, rows_out: int, blocks, interpret: bool,
         grid_names=("program",),
         num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name="wg",
+        kernel_name=launch_name(n_weights, glu_spec is not None, persistent=True),
         scratch_types=scratch,
         interpret=plgpu.InterpretGPUParams() if interpret else False,
     )(sched, count, x, *(part for w in weights for part in (w.packed, w.scale)))

@@ -8,6 +8,8 @@ groups are masked to zero. Here instead:
 
 - the pairs are ordered by one single-operand sort of (expert, pair) packed into one int32 key
   (`routing_order`; XLA's stable argsort sorts two operands);
+- the tiles are counted from the experts themselves (`schedule.tile_schedule_of_keys`): no group sizes and no
+  cumulative sums;
 - x's inputs are put in `k_order` on its N token rows, not the N*X sorted ones, and each slab row is gathered
   straight from them through the sort (sorted row r is token order[r] // X): one gather builds the slabs;
 - the down launch's products are read back per pair in token order (pair p at sorted row rank[p]) and summed
@@ -27,8 +29,9 @@ from jax import lax
 
 from pallas_kernels.moe_gmm.activation import GluSpec
 from pallas_kernels.moe_gmm.hopper_mxfp4 import (HandOffColumns, Mxfp4Columns, check_operands, k_order, launch,
-                                                 products_by_row, sorted_schedule)
+                                                 products_by_row)
 from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import hand_off_settings
+from pallas_kernels.moe_gmm.schedule import tile_schedule_of_keys
 
 _INT32_MAX = 2 ** 31 - 1
 
@@ -62,13 +65,14 @@ def routed_mlp_hopper_mxfp4(x, weights, experts, w_gate: HandOffColumns, w_up: H
     Returns:
       [N, D'] fp32.
     """
-    n, k = experts.shape
-    g, p = w_gate.shape[0], experts.size
-    if x.ndim != 2 or x.shape[0] != n or weights.shape != experts.shape:
+    if x.ndim != 2 or experts.ndim != 2 or x.shape[0] != experts.shape[0] or weights.shape != experts.shape:
         raise ValueError(f"routed_mlp_hopper_mxfp4: expected x [N, D] with weights and experts [N, X]; got x "
                          f"{x.shape}, weights {weights.shape}, experts {experts.shape}")
+    n, k = experts.shape
+    g, p = w_gate.shape[0], experts.size
     rows = jax.ShapeDtypeStruct((p, x.shape[1]), x.dtype)          # the sorted rows the launches take
-    up_blocks, down_blocks, interpreted = hand_off_settings(blocks, interpret, rows, w_gate, w_down, "glu")
+    up_blocks, down_blocks, interpreted = hand_off_settings(blocks, interpret, rows, w_gate, w_down, "glu",
+                                                            "routed_mlp_hopper_mxfp4")
     sizes_like = jax.ShapeDtypeStruct((g,), jnp.int32)
     check_operands(rows, (w_gate, w_up), sizes_like, up_blocks, permuted=True)
     f = w_gate.shape[2]
@@ -81,8 +85,8 @@ def routed_mlp_hopper_mxfp4(x, weights, experts, w_gate: HandOffColumns, w_up: H
     local = (flat >= 0) & (flat < g)
     key = jnp.where(local, flat, g).astype(jnp.int32)                  # other shards' pairs sort last
     order, rank = routing_order(key, g + 1)
-    sizes = jnp.sum(key[None, :] == jnp.arange(g, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
-    sched = sorted_schedule(sizes, p, up_blocks.rows)
+    tiles = tile_schedule_of_keys(key, g, up_blocks.rows)
+    sched = jnp.concatenate([tiles, tiles[1:2]])            # `sorted_schedule`'s [4, T]: a tile's rows are its own
     # Each tile's slab straight from x: slab row i of tile t is sorted row first_t + i, token order[..] // X.
     # The slab rows' tokens and liveness are written out first (XLA would otherwise recompute the schedule for
     # every element of the slabs), and so are x's inputs in `k_order` (on its N rows, not the N*X sorted ones):
@@ -96,6 +100,7 @@ def routed_mlp_hopper_mxfp4(x, weights, experts, w_gate: HandOffColumns, w_up: H
     if down_blocks.outputs == "rows":
         by_row = out[0]          # [P, D']: row r the products of sorted row r (rows of no tile: never read)
     else:
+        sizes = jnp.sum(key[None, :] == jnp.arange(g, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
         by_row = products_by_row(out, sched, sched[1], sizes, p, down_blocks)[0]
     # Pair p's products sit at sorted row rank[p]; pairs of other shards (past the live rows) add nothing.
     picked = jnp.where(local[:, None], by_row[rank] * weights.reshape(-1, 1).astype(jnp.float32), 0.0)

@@ -23,6 +23,14 @@ X_TRANSFORMS = (plgpu.TilingTransform((8, PER_GROUP)), plgpu.SwizzleTransform(32
 CODE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 
 
+def launch_name(n_weights: int, glu: bool, persistent: bool = False) -> str:
+    """A launch's kernel name, as profiles show it (with Mosaic GPU's "_mosaic_gpu_kernel" after it):
+    "routed_experts_mxfp4_" then "glu" (gate and up with the GLU epilogue), "gate_up" or "matmul" (one weight),
+    and "_persistent" for the persistent launch. Profiles tell the launches apart by it."""
+    kind = "glu" if glu else "gate_up" if n_weights == 2 else "matmul"
+    return f"routed_experts_mxfp4_{kind}" + ("_persistent" if persistent else "")
+
+
 def multiply_step(x_smem, w_smem, acc_refs, *, block_k: int, decode: str, mma_inputs: int, a_smem=None,
                   columns=None, code_load: str = "pairs"):
     """One pipeline step of a warpgroup: for each weight w, acc_refs[w] [64, window] += its 64 columns' decoded

@@ -27,12 +27,29 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Ar
 
     group_sizes: [G] int32 rows per group (their sum may be below num_rows).
     """
-    g_count = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
-    starts = ends - sizes
     tiles = (sizes + block_m - 1) // block_m
-    tile_end = jnp.cumsum(tiles)
+    return _tiles(ends - sizes, ends, tiles, jnp.cumsum(tiles), num_rows, block_m)
+
+
+def tile_schedule_of_keys(key: jax.Array, num_groups: int, block_m: int) -> jax.Array:
+    """`tile_schedule` of the rows `key` [M] int32 (in [0, G]; G: a row of no group) puts in order, counted from the
+    keys themselves: each group's first and end row as the keys below and up to it ([G, M] comparisons, one
+    fusion), the tiles before each group's end by a [G, G] triangle. No group sizes and no cumulative sums (XLA's
+    reduce-window, a kernel each) on the way. The same [3, T] for T = `max_tiles(M, G, block_m)`."""
+    g = jnp.arange(num_groups, dtype=jnp.int32)
+    key = key.astype(jnp.int32)
+    starts = jnp.sum(key[None, :] < g[:, None], axis=1, dtype=jnp.int32)
+    ends = jnp.sum(key[None, :] <= g[:, None], axis=1, dtype=jnp.int32)
+    tiles = (ends - starts + block_m - 1) // block_m
+    tile_end = jnp.sum(jnp.where(g[None, :] <= g[:, None], tiles[None, :], 0), axis=1, dtype=jnp.int32)
+    return _tiles(starts, ends, tiles, tile_end, key.shape[0], block_m)
+
+
+def _tiles(starts, ends, tiles, tile_end, num_rows: int, block_m: int) -> jax.Array:
+    """`tile_schedule`'s [3, T] from each group's first and end row, its tiles and the tiles up to its end."""
+    g_count = starts.shape[0]
     tile_start = tile_end - tiles
     t = jnp.arange(max_tiles(num_rows, g_count, block_m), dtype=jnp.int32)
     # One comparison matrix [T, G] (a single fused kernel), not a scan of log2(G) small kernels.

@@ -20,11 +20,11 @@ from k3jax.checkpoint.transforms import HOOKS
 from k3jax.checkpoint.writer import save_checkpoint
 from k3jax.config import tiny_k3
 from k3jax.errors import ConfigError
+from k3jax.layers import moe_experts
+from k3jax.layers.activation import Activation
+from k3jax.layers.moe_experts import local_experts
 from k3jax.memory_plan import plan_memory
 from k3jax.sharding import MeshSpec, make_mesh
-from k3jax.layers.activation import Activation
-from k3jax.layers import moe_experts
-from k3jax.layers.moe_experts import local_experts
 from pallas_kernels.moe_gmm import HandOffColumns, Mxfp4Columns, Mxfp4Weight, hand_off_columns, to_columns
 from pallas_kernels.moe_gmm.hopper_mxfp4_decode import SCALED_MAX_SCALE
 
@@ -121,8 +121,9 @@ def test_column_layouts_run_the_mosaic_gpu_kernel_in_the_model(rng, layout):
 
 
 def test_handoff_shards_of_experts_sum_to_the_whole_through_the_kernel(rng, monkeypatch):
-    """The sorted-rows path on hand-off weights (`routed_mlp_hopper_mxfp4`, interpret mode) per shard of the
-    experts (expert_offset; pairs of the other shard add nothing): the shares sum to the dequantised reference."""
+    """The sorted-rows path on hand-off weights (`routed_mlp_hopper_mxfp4`, interpret mode), whole and per shard of
+    the experts (expert_offset; pairs of the other shard add nothing): bit for bit the path it replaced (the sort,
+    `grouped_mlp`'s hand-off and the unsort), and the shares sum to the dequantised reference."""
     e, d, f = 6, 128, 128
     packed = [Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (e, k // 2, n), dtype=np.uint8)),
                           jnp.asarray(rng.integers(122, SCALED_MAX_SCALE + 1, (e, k // 32, n), dtype=np.uint8)))
@@ -137,11 +138,18 @@ def test_handoff_shards_of_experts_sum_to_the_whole_through_the_kernel(rng, monk
     calls = []
     routed = moe_experts.routed_mlp_hopper_mxfp4
     monkeypatch.setattr(moe_experts, "routed_mlp_hopper_mxfp4", lambda *a, **k: calls.append(1) or routed(*a, **k))
-    shard = lambda w, o: type(w)(w.packed[o:o + 3], w.scale[o:o + 3])
-    parts = [local_experts("ragged", x, weights, experts, shard(w1, o), shard(w3, o), shard(w2, o), act,
-                           gmm="pallas", expert_offset=o) for o in (0, 3)]
-    assert len(calls) == 2
-    assert_close("sum of shards (routed hand-off)", parts[0] + parts[1], whole, dtype="bfloat16")
+    shard = lambda w, o, n=3: type(w)(w.packed[o:o + n], w.scale[o:o + n])
+    run = lambda o, n: local_experts("ragged", x, weights, experts, shard(w1, o, n), shard(w3, o, n), shard(w2, o, n),
+                                     act, gmm="pallas", expert_offset=None if n == e else o)
+    shares = [(0, e), (0, 3), (3, 3)]
+    routed = [run(o, n) for o, n in shares]
+    assert len(calls) == 3
+    monkeypatch.setattr(moe_experts, "hand_off_runs", lambda *a: False)      # the sort, grouped_mlp, the unsort
+    for (o, n), out in zip(shares, routed):
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(run(o, n)), err_msg=f"experts {o}..{o + n - 1}")
+    assert len(calls) == 3
+    assert_close("whole (routed hand-off)", routed[0], whole, dtype="bfloat16")
+    assert_close("sum of shards (routed hand-off)", routed[1] + routed[2], whole, dtype="bfloat16")
 
 
 def test_handoff_layout_reorders_the_gate_and_up_columns_and_keeps_the_model(mxfp4_dir, tmp_path, rng):
@@ -252,6 +260,26 @@ def test_column_layouts_refuse_scales_past_the_compiled_decode(tmp_path, rng, mo
         assert not (tmp_path / layout).exists() and not (tmp_path / f"{layout}.partial").exists()
     convert(src, tmp_path / "rows", dtype="float32", progress=False)        # the "rows" layout takes any scale
     assert k3jax.load(tmp_path / "rows").config.moe.packed_layout == "rows"
+    # An interrupted conversion of a converter without the check (here one whose check is moved past the byte) is
+    # not resumed by this one: the tensors it wrote were never checked.
+    with monkeypatch.context() as patch:
+        patch.setattr(convert_module, "SCALED_MAX_SCALE", 255)
+        read, calls = convert_module.read_param_slice, []
+
+        def read_then_stop(*args):                                   # Ctrl-C after six tensors
+            calls.append(1)
+            if len(calls) > 6:
+                raise KeyboardInterrupt
+            return read(*args)
+        patch.setattr(convert_module, "read_param_slice", read_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            convert(src, tmp_path / "resumed", dtype="float32", expert_layout="handoff", progress=False)
+    assert (tmp_path / "resumed.partial").exists()
+    with pytest.raises(CheckpointError, match=r"interrupted conversion .*scale_max.*--restart"):
+        convert(src, tmp_path / "resumed", dtype="float32", expert_layout="handoff", progress=False)
+    with pytest.raises(CheckpointError, match=f"scale byte {SCALED_MAX_SCALE + 1}"):
+        convert(src, tmp_path / "resumed", dtype="float32", expert_layout="handoff", progress=False, restart=True)
+    assert not (tmp_path / "resumed").exists() and not (tmp_path / "resumed.partial").exists()
     # A converted checkpoint that holds such a byte anyway (an older converter's, here one whose check is moved
     # past the byte) is refused at load.
     monkeypatch.setattr(convert_module, "SCALED_MAX_SCALE", 255)

@@ -13,6 +13,7 @@ from pallas_kernels.moe_gmm import (GluSpec, GmmBlocks, TileBlocks, glu, grouped
                                     grouped_glu_reference, grouped_matmul, grouped_matmul_pallas,
                                     grouped_matmul_reference, max_tiles, pair_glu_pallas, pair_glu_reference,
                                     pair_matmul_pallas, pair_matmul_reference, tile_schedule)
+from pallas_kernels.moe_gmm.schedule import tile_schedule_of_keys
 
 SPECS = [GluSpec(), GluSpec("situ", 4.0, 25.0), GluSpec("situ", 2.0, None)]
 
@@ -84,8 +85,10 @@ def _worst_groupings(block_m: int):
 
 @pytest.mark.parametrize("block_m", [1, 4, 8, 16])
 def test_tile_schedule_covers_every_row_once(rng, block_m):
+    """Worst groupings and random ones; `tile_schedule_of_keys` gives the same schedule from the rows' keys."""
     worst = [(jnp.asarray(s, jnp.int32), m, len(s)) for s, m in _worst_groupings(block_m)]
     schedule = jax.jit(tile_schedule, static_argnums=(1, 2))            # compiled, as in the kernel
+    of_keys = jax.jit(tile_schedule_of_keys, static_argnums=(1, 2))
     for case in range(20 + len(worst)):
         if case < len(worst):
             sizes, m, g = worst[case]
@@ -106,6 +109,11 @@ def test_tile_schedule_covers_every_row_once(rng, block_m):
         assert (owner[len(expected):] == -1).all()
         if case < len(worst) and len(expected) == m:      # the bound is reached: no tile to spare
             assert int(np.sum(sched[2] > sched[1])) == sched.shape[1]
+        # The same schedule counted from the rows' keys (shuffled: the order they come in does not matter; rows
+        # past the groups keyed G), as the routed hand-off computes it.
+        key = rng.permutation(np.concatenate([np.repeat(np.arange(g), np.asarray(sizes)),
+                                              np.full(m - len(expected), g)])).astype(np.int32)
+        np.testing.assert_array_equal(np.asarray(of_keys(jnp.asarray(key), g, block_m)), sched)
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

@@ -205,7 +205,7 @@ def test_refuses_what_it_cannot_hand_off(rng):
         grouped_mlp_hopper_mxfp4(x, wg, wu, wd, sizes, interpret=True, hand_off="rows")
     pg, pu = hand_off_columns(wg), hand_off_columns(wu)
     taken_by_glu = "hand_off='glu' takes the gate and up weights from hand_off_columns .*, got Mxfp4Columns"
-    only_glu = "weights from hand_off_columns .* are for grouped_mlp_hopper_mxfp4"
+    only_glu = "weights from hand_off_columns .* are for the gate and up of grouped_mlp_hopper_mxfp4"
     with pytest.raises(ValueError, match=taken_by_glu):
         grouped_mlp_hopper_mxfp4(x, wg, wu, wd, sizes, interpret=True, hand_off="glu")
     with pytest.raises(ValueError, match=taken_by_glu):

@@ -28,13 +28,13 @@ def _weight(rng, g, k, n) -> Mxfp4Weight:
 
 
 def _problem(rng, n, k, g, d, f, d_out, dtype, outside: int, crowded: int):
-    """x [n, d], routing weights [n, k] and experts [n, k] (each token's k distinct, `outside` pairs set to an
-    expert of another shard: -1 or g + 3; expert 0 chosen by the first `crowded` tokens), packed weights."""
+    """x [n, d], routing weights [n, k] and experts [n, k] (`outside` pairs set to an expert of another shard: -1,
+    g or g + 3; expert 0 chosen by the first `crowded` tokens), packed weights."""
     experts = np.stack([rng.permutation(g)[:k] for _ in range(n)])
     experts[:crowded, 0] = 0
     experts[:crowded, 1:] = np.where(experts[:crowded, 1:] == 0, 1 + experts[:crowded, :1], experts[:crowded, 1:])
     flat = experts.reshape(-1)
-    flat[rng.choice(flat.size, outside, replace=False)] = rng.choice([-1, g + 3], outside)
+    flat[rng.choice(flat.size, outside, replace=False)] = rng.choice([-1, g, g + 3], outside)
     weights = rng.uniform(0.1, 1.0, (n, k))
     x = jnp.asarray(rng.standard_normal((n, d)) * 0.05, dtype)
     packed = (_weight(rng, g, d, f), _weight(rng, g, d, f), _weight(rng, g, f, d_out))
@@ -72,9 +72,10 @@ def _pairs_reference(x, weights, experts, packed, spec):
 
 
 # (tokens, pairs a token, experts, tile rows, GLU, activations' dtype, other shards' pairs, tokens on expert 0):
-# a group longer than a tile (expert 0), experts no pair chose, pairs of other shards.
+# a group longer than a tile (expert 0), experts no pair chose, pairs of other shards, every pair another shard's
+# (no tile, no row of the down launch written: the output is zeros).
 CASES = [(12, 2, 5, 8, GluSpec(), jnp.bfloat16, 3, 10), (9, 3, 6, 16, SITU, jnp.float32, 4, 0),
-         (5, 2, 8, 8, GluSpec(), jnp.bfloat16, 0, 0)]
+         (5, 2, 8, 8, GluSpec(), jnp.bfloat16, 0, 0), (4, 2, 4, 8, GluSpec(), jnp.bfloat16, 8, 0)]
 
 
 @pytest.mark.parametrize("n,k,g,rows,spec,dtype,outside,crowded", CASES)
@@ -89,6 +90,8 @@ def test_routed_equals_the_sorted_call_and_each_pairs_mlp(rng, interpret, n, k, 
     np.testing.assert_array_equal(np.asarray(out), np.asarray(_sorted_call(x, weights, experts, columns, spec,
                                                                            blocks, interpret)))
     assert_close("routed", out, _pairs_reference(x, weights, experts, packed, spec), dtype=jnp.bfloat16)
+    if outside == n * k:
+        assert not np.asarray(out).any()
 
 
 def test_routed_defaults(rng, interpret):
@@ -138,3 +141,5 @@ def test_routed_lowers_for_cuda_on_any_host(tokens):
 
     module = jax.export.export(jax.jit(mlp), platforms=["cuda"])(*args).mlir_module()
     assert module.count("mosaic_gpu") >= 2
+    # named for profiles: the gated launch with the GLU, the down launch (the model's scope in their names)
+    assert "routed_experts_mxfp4_glu_mosaic_gpu" in module and "routed_experts_mxfp4_matmul_mosaic_gpu" in module
