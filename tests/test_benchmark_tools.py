@@ -156,7 +156,7 @@ def test_profile_summary_gives_unnamed_launches_a_scope():
         {"name": "kda_decode", "ts": 60, **lane, "args": {}},
         {"name": "routed_experts_gmm", "ts": 70, **lane, "args": {}},
         {"name": "anonymous_mosaic_gpu_kernel", "ts": 35, "pid": 1, "tid": 2, "args": {}},   # alone on its stream
-        # the MXFP4 kernel's down launch between the routed and the shared experts' kernels: its name tells
+        # the MXFP4 kernel's down launch between two kda kernels: the neighbours would say kda, its name tells
         {"name": launch_name(1, False) + "_mosaic_gpu_kernel", "ts": 75, **lane, "args": {}},
         {"name": "fusion_3", "ts": 80, **lane, "args": {"hlo_op": "fusion.3"}},
     ]

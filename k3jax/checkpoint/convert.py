@@ -189,8 +189,10 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
                          "without --dequantize-experts")
     layout_key = {"packed_layout": expert_layout} if expert_layout != "rows" else {}
     # The column layouts' scale check (`_convert_tensors`) is part of what a resumed run must have run on every
-    # tensor it reuses: an interrupted run of a converter without it counts as one with other options.
-    scale_key = {"scale_max": SCALED_MAX_SCALE} if expert_layout in ("columns", "handoff") else {}
+    # tensor it reuses: an interrupted run recorded without this key (or with another bound) counts as one with
+    # other options. (Other layouts take any scale: their identity is unchanged.)
+    scale_layout = expert_layout if packed_experts and expert_layout in ("columns", "handoff") else None
+    scale_key = {"scale_max": SCALED_MAX_SCALE} if scale_layout else {}
     pdtype = _param_dtype(dtype, ckpt)
     params, splits = _abstract_params(cfg, pdtype)
     plan, skipped = plan_tensors(cfg, ckpt, {p: s for p, (s, _) in params.items()})
@@ -211,7 +213,6 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     resumed = sum(len(group) for _, group in files if all(name in done for name, _ in group))
     start = time.perf_counter()
     try:
-        scale_layout = expert_layout if packed_experts and expert_layout in ("columns", "handoff") else None
         read = _convert_tensors(ckpt, plan, params, splits, files, work, done, workers, progress, scale_layout)
         _write_metadata(work.path, source, plan, params, done, own_embedding, pdtype, skipped, packed_experts,
                         layout_key)

@@ -100,8 +100,8 @@ def routed_mlp_hopper_mxfp4(x, weights, experts, w_gate: HandOffColumns, w_up: H
     if down_blocks.outputs == "rows":
         by_row = out[0]          # [P, D']: row r the products of sorted row r (rows of no tile: never read)
     else:
-        sizes = jnp.sum(key[None, :] == jnp.arange(g, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
-        by_row = products_by_row(out, sched, sched[1], sizes, p, down_blocks)[0]
+        # (products_by_row masks the rows past the groups' by their total: the local pairs)
+        by_row = products_by_row(out, sched, sched[1], jnp.sum(local, dtype=jnp.int32)[None], p, down_blocks)[0]
     # Pair p's products sit at sorted row rank[p]; pairs of other shards (past the live rows) add nothing.
     picked = jnp.where(local[:, None], by_row[rank] * weights.reshape(-1, 1).astype(jnp.float32), 0.0)
     return jnp.sum(picked.reshape(n, k, -1), axis=1)

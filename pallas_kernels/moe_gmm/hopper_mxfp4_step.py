@@ -26,7 +26,9 @@ CODE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(64))
 def launch_name(n_weights: int, glu: bool, persistent: bool = False) -> str:
     """A launch's kernel name, as profiles show it (with Mosaic GPU's "_mosaic_gpu_kernel" after it):
     "routed_experts_mxfp4_" then "glu" (gate and up with the GLU epilogue), "gate_up" or "matmul" (one weight),
-    and "_persistent" for the persistent launch. Profiles tell the launches apart by it."""
+    and "_persistent" for the persistent launch. Profiles tell the launches apart by it, and file them under the
+    model's "routed_experts" scope (benchmarks/profile_summary.py), where this kernel is the routed experts' only
+    (shared experts given to the pair ops run the reference)."""
     kind = "glu" if glu else "gate_up" if n_weights == 2 else "matmul"
     return f"routed_experts_mxfp4_{kind}" + ("_persistent" if persistent else "")
 

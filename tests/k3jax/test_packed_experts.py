@@ -136,20 +136,20 @@ def test_handoff_shards_of_experts_sum_to_the_whole_through_the_kernel(rng, monk
     act = Activation("silu")
     whole = local_experts("dense", x, weights, experts, w1, w3, w2, act)
     calls = []
-    routed = moe_experts.routed_mlp_hopper_mxfp4
-    monkeypatch.setattr(moe_experts, "routed_mlp_hopper_mxfp4", lambda *a, **k: calls.append(1) or routed(*a, **k))
+    original = moe_experts.routed_mlp_hopper_mxfp4
+    monkeypatch.setattr(moe_experts, "routed_mlp_hopper_mxfp4", lambda *a, **k: calls.append(1) or original(*a, **k))
     shard = lambda w, o, n=3: type(w)(w.packed[o:o + n], w.scale[o:o + n])
     run = lambda o, n: local_experts("ragged", x, weights, experts, shard(w1, o, n), shard(w3, o, n), shard(w2, o, n),
                                      act, gmm="pallas", expert_offset=None if n == e else o)
     shares = [(0, e), (0, 3), (3, 3)]
-    routed = [run(o, n) for o, n in shares]
+    outs = [run(o, n) for o, n in shares]
     assert len(calls) == 3
     monkeypatch.setattr(moe_experts, "hand_off_runs", lambda *a: False)      # the sort, grouped_mlp, the unsort
-    for (o, n), out in zip(shares, routed):
+    for (o, n), out in zip(shares, outs):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(run(o, n)), err_msg=f"experts {o}..{o + n - 1}")
     assert len(calls) == 3
-    assert_close("whole (routed hand-off)", routed[0], whole, dtype="bfloat16")
-    assert_close("sum of shards (routed hand-off)", routed[1] + routed[2], whole, dtype="bfloat16")
+    assert_close("whole (routed hand-off)", outs[0], whole, dtype="bfloat16")
+    assert_close("sum of shards (routed hand-off)", outs[1] + outs[2], whole, dtype="bfloat16")
 
 
 def test_handoff_layout_reorders_the_gate_and_up_columns_and_keeps_the_model(mxfp4_dir, tmp_path, rng):

@@ -76,11 +76,12 @@ def test_rows_poisoned_past_the_groups_never_leak(rng, interpret):
 
 def _worst_groupings(block_m: int):
     """(sizes, m) that take the most tiles `max_tiles` allows: every group one row past a whole tile, one row each,
-    or one group taking what the others leave; with and without rows past the groups."""
+    or one group taking what the others leave; with and without rows past the groups. And no row in any group."""
     for g, per in ((5, block_m + 1), (7, 1), (3, 2 * block_m + 1)):
         yield [per] * g, per * g
         yield [per] * g, per * g + 3
     yield [1] * 6 + [3 * block_m + 5], 6 + 3 * block_m + 5
+    yield [0] * 4, 5                                        # no row in any group: no tile
 
 
 @pytest.mark.parametrize("block_m", [1, 4, 8, 16])

@@ -123,6 +123,16 @@ def test_refuses_what_it_cannot_route(rng):
         routed_mlp_hopper_mxfp4(x, weights, experts, wg, wu, wd, interpret=True)
     with pytest.raises(ValueError, match="w_down must be plain Mxfp4Columns"):
         routed_mlp_hopper_mxfp4(x, weights, experts, hg, hu, hand_off_columns(wd), interpret=True)
+    with pytest.raises(ValueError, match=r"expected x \[N, D\] with weights and experts \[N, X\]"):
+        routed_mlp_hopper_mxfp4(x, weights.reshape(-1), experts.reshape(-1), hg, hu, wd, interpret=True)
+    exact = dict(decode="exact", a_operand="smem", block_k=128)
+    with pytest.raises(ValueError, match="routed_mlp_hopper_mxfp4: the hand-off builds slabs; .* got 'rows'"):
+        routed_mlp_hopper_mxfp4(x, weights, experts, hg, hu, wd, interpret=True,
+                                blocks=HopperMxfp4Blocks(activations="rows", **exact))
+    with pytest.raises(ValueError, match="routed_mlp_hopper_mxfp4: hand_off='glu' writes h's slabs .* "
+                                         "code_load='words' does not read"):
+        routed_mlp_hopper_mxfp4(x, weights, experts, hg, hu, wd, interpret=True,
+                                blocks=HopperMxfp4Blocks(code_load="words", **exact))
 
 
 @pytest.mark.parametrize("tokens", [64, 13])
