@@ -3,8 +3,8 @@
 # under its own time limit; logs and JSON land in $OUT/work and come back as $OUT/results.tgz.
 #   bash benchmarks/gpu_session.sh tests moe decode
 # Steps:
-#   tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-hopper-hlo hopper-sass
-#   moe-sweep gemv decode decode-fast decode-packed decode-ab decode-sweep decode-host host-costs chunk-calls
+#   tests skinny-tests skinny pair-tiles ttft glue-tests moe moe-mxfp4 moe-hopper moe-hopper-repeat moe-hopper-hlo
+#   hopper-sass moe-sweep gemv decode decode-fast decode-packed decode-ab decode-sweep decode-host host-costs chunk-calls
 #   decode-overhead decode-before checkpoint-read kda kda-prefill kda-bench kda-scaling kda-ncu mla-ncu
 #   mla-ncu-source moe-ncu kda-decode-ncu kda-varlen kda-hopper kda-split skinny-sweep kda-state k3-layers moe-ep
 #   decode-ep2 multiprocess mla mla-merge mla-step small-launches mla-ptxas mla-tests mla-layer-tests speculative
@@ -91,6 +91,14 @@ for step in "$@"; do
               | grep -E "passed|failed|FAILED|Interrupt|Error" | tail -30 | tee "$W/moe_hopper_tests.log"
           OUT=$W timeout ${HOPPER_LIMIT:-300} python3 benchmarks/moe_mxfp4.py ${HOPPER_FLAGS:---hopper-sweep} --tokens ${HOPPER_TOKENS:-1 8 64} \
               ${HOPPER_ARGS:-} 2>&1 | quiet | tee "$W/moe_hopper.log" ;;
+    # moe-hopper-repeat: HOPPER_REPEATS (5) runs of the routed experts through the Mosaic GPU kernel (HOPPER_TOKENS,
+    # HOPPER_ARGS, each under HOPPER_LIMIT), then the median of each setting over them (benchmarks/median_runs.py).
+    moe-hopper-repeat) for i in $(seq ${HOPPER_REPEATS:-5}); do mkdir -p "$W/repeat$i"
+              OUT=$W/repeat$i timeout ${HOPPER_LIMIT:-150} python3 benchmarks/moe_mxfp4.py --hopper --models kimi-linear \
+              --tokens ${HOPPER_TOKENS:-64} ${HOPPER_ARGS:-} 2>&1 | quiet | grep "hopper " | tee "$W/moe_hopper_repeat$i.log"
+          done
+          python3 benchmarks/median_runs.py "$W"/repeat*/moe_mxfp4.json --json "$W/moe_hopper_median.json" \
+              | tee "$W/moe_hopper_median.md" ;;
     moe-hopper-hlo) rm -rf /tmp/hlo
           XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" OUT=$W timeout ${HLO_LIMIT:-150} \
               python3 benchmarks/moe_mxfp4.py --hopper --models kimi-linear --tokens ${HOPPER_TOKENS:-64} \

@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 from benchmarks.decode import step_bytes
+from benchmarks.median_runs import main as median_main
+from benchmarks.median_runs import median_rows
 from benchmarks.ncu_source_summary import main as ncu_source_main
 from benchmarks.ncu_source_summary import barrier_waits, opcode, read, summarise
 from benchmarks.profile_summary import scoped_op_names
@@ -164,3 +167,27 @@ def test_profile_summary_gives_unnamed_launches_a_scope():
     assert named == ["routed_experts", op_names["fusion.1"], "routed_experts", op_names["fusion.2"], "norm", "",
                      op_names["fusion.3"], "kda", "routed_experts", "", "routed_experts", op_names["fusion.3"]]
     assert stood_in == 6
+
+
+def test_median_runs_takes_each_settings_median_over_the_runs(tmp_path, capsys):
+    """Rows matched by model, tokens, blocks and hand-off across runs; a setting a run failed or lacks counts as
+    missing there, not as zero; the median over the runs that have it."""
+    row = lambda handoff, ms, **extra: {"model": "kimi-linear", "tokens": 64, "blocks": "None", "handoff": handoff,
+                                        "ms": ms, "pct_4.3TB_s": 100 / ms, "ms_unrolled": ms - 0.02,
+                                        "pct_unrolled": 100 / (ms - 0.02), **extra}
+    runs = [{"hopper": [row("glu", 0.35), row("routed", 0.34)]},
+            {"hopper": [row("glu", 0.37), {"model": "kimi-linear", "tokens": 64, "blocks": "None",
+                                           "handoff": "routed", "failed": "XlaRuntimeError: ..."}]},
+            {"hopper": [row("glu", 0.36), row("routed", 0.32)]}]
+    rows = median_rows(runs)
+    assert [(r["handoff"], r["runs"]) for r in rows] == [("glu", 3), ("routed", 2)]
+    assert rows[0]["ms_median"] == 0.36 and abs(rows[0]["ms_unrolled_median"] - 0.34) < 1e-12
+    assert rows[1]["ms_each"] == [0.34, None, 0.32] and abs(rows[1]["ms_median"] - 0.33) < 1e-12
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    assert median_main([str(p) for p in paths] + ["--json", str(tmp_path / "median.json")]) == 0
+    assert "| kimi-linear | 64 | default | routed | 2 | 0.3200, , 0.3000 |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "median.json").read_text())["rows"] == rows
+    assert median_main([str(tmp_path / "missing.json")]) == 1
