@@ -95,7 +95,8 @@ for step in "$@"; do
     # HOPPER_ARGS, each under HOPPER_LIMIT), then the median of each setting over them (benchmarks/median_runs.py).
     moe-hopper-repeat) for i in $(seq ${HOPPER_REPEATS:-5}); do mkdir -p "$W/repeat$i"
               OUT=$W/repeat$i timeout ${HOPPER_LIMIT:-150} python3 benchmarks/moe_mxfp4.py --hopper --models kimi-linear \
-              --tokens ${HOPPER_TOKENS:-64} ${HOPPER_ARGS:-} 2>&1 | quiet | grep "hopper " | tee "$W/moe_hopper_repeat$i.log"
+              --tokens ${HOPPER_TOKENS:-64} ${HOPPER_ARGS:-} 2>&1 | quiet | tee "$W/moe_hopper_repeat$i.log" \
+              | grep -E "hopper |Error|Traceback"
           done
           python3 benchmarks/median_runs.py "$W"/repeat*/moe_mxfp4.json --json "$W/moe_hopper_median.json" \
               | tee "$W/moe_hopper_median.md" ;;
