@@ -51,6 +51,7 @@ EP_DISPATCHES: tuple[str, ...] = ("gather", "ragged")
 # columns reordered within each 32 (`HandOffColumns`: the Mosaic GPU kernel's gated launch then writes h as the down
 # launch reads it, the GLU in its epilogue). Scales are [E, in/32, out] in all (in the same column order).
 PACKED_LAYOUTS: tuple[str, ...] = ("rows", "columns", "handoff")
+COLUMN_LAYOUTS: tuple[str, ...] = ("columns", "handoff")      # the Mosaic GPU kernel's (codes [E, out, in/2])
 
 
 @dataclass(frozen=True)

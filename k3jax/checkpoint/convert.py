@@ -39,7 +39,7 @@ from k3jax.checkpoint.plan import plan_tensors, progress_bar, read_param_slice, 
 from k3jax.checkpoint.safetensors_io import FLOAT_DTYPES, CheckpointError, SafetensorsCheckpoint, open_regular
 from k3jax.checkpoint.verify import verify_checkpoint
 from k3jax.checkpoint.workdir import WorkDir
-from k3jax.config import PACKED_LAYOUTS
+from k3jax.config import COLUMN_LAYOUTS, PACKED_LAYOUTS
 from k3jax.hf_config import from_hf_config
 from k3jax.model import abstract_model
 from k3jax.sharding import split_dims
@@ -191,7 +191,7 @@ def convert(src, dst, *, dtype: str = "bfloat16", workers: int = 1, verify: bool
     # The column layouts' scale check (`_convert_tensors`) is part of what a resumed run must have run on every
     # tensor it reuses: an interrupted run recorded without this key (or with another bound) counts as one with
     # other options. (Other layouts take any scale: their identity is unchanged.)
-    scale_layout = expert_layout if packed_experts and expert_layout in ("columns", "handoff") else None
+    scale_layout = expert_layout if packed_experts and expert_layout in COLUMN_LAYOUTS else None
     scale_key = {"scale_max": SCALED_MAX_SCALE} if scale_layout else {}
     pdtype = _param_dtype(dtype, ckpt)
     params, splits = _abstract_params(cfg, pdtype)

@@ -28,6 +28,7 @@ from k3jax.checkpoint.orbax_format import (file_bytes_read, is_k3jax_checkpoint,
 from k3jax.checkpoint.plan import (listing, plan_tensors, progress_bar, read_param_slice, stored_nbytes,
                                    with_packed_experts)
 from k3jax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
+from k3jax.config import COLUMN_LAYOUTS
 from k3jax.hf_config import from_hf_config, load_hf_config
 from k3jax.memory_plan import check_weights_fit, device_capacity, mesh_spec_of
 from k3jax.model import abstract_model
@@ -236,7 +237,7 @@ def _refuse_scales_past_the_decode(where: str, cfg, values: dict, advice: str) -
     compiled decode folds each scale into one bf16 multiply, exact for scales up to 2 (weights up to 12 in
     magnitude; real checkpoints' scales lie far below), inf or NaN past them. The "rows" layout's kernels take any
     scale. One reduction a parameter, on the devices that hold it; `advice`: the way out the message names."""
-    if cfg.moe is None or not cfg.moe.packed_experts or cfg.moe.packed_layout not in ("columns", "handoff"):
+    if cfg.moe is None or not cfg.moe.packed_experts or cfg.moe.packed_layout not in COLUMN_LAYOUTS:
         return
     found = []
     for p, v in values.items():

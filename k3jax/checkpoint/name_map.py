@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from k3jax.config import ModelConfig
+from k3jax.config import COLUMN_LAYOUTS, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def _add_block(rules: dict, cfg: ModelConfig, prefix: str, root: tuple, mixer: s
             path = root + ("block_sparse_moe", "experts", param)
             if cfg.quantization == "mxfp4" and cfg.moe.packed_experts:     # kept packed: two parameters
                 layout = cfg.moe.packed_layout
-                codes = "copy_uint8" if layout in ("columns", "handoff") else "transpose_uint8"
+                codes = "copy_uint8" if layout in COLUMN_LAYOUTS else "transpose_uint8"
                 scales = "transpose_uint8"
                 if layout == "handoff" and param in ("w1", "w3"):         # gate and up: columns in hand-off order
                     codes, scales = "copy_uint8_hand_off", "transpose_uint8_hand_off"

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.config import MoEConfig
+from k3jax.config import COLUMN_LAYOUTS, MoEConfig
 from k3jax.layers.activation import gated_activation
 from k3jax.layers.linear import Linear, linears, takes_fused_kernel
 from k3jax.layers.mlp import MLP
@@ -138,7 +138,7 @@ class Experts(nnx.Module):
     def __init__(self, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
         e, d, f = cfg.num_experts, cfg.expert_input_size, cfg.expert_intermediate_size
         self.packed = cfg.packed_experts
-        self.columns = cfg.packed_experts and cfg.packed_layout in ("columns", "handoff")
+        self.columns = cfg.packed_experts and cfg.packed_layout in COLUMN_LAYOUTS
         self.hand_off = cfg.packed_experts and cfg.packed_layout == "handoff"
         shapes = {"w1": ((e, d, f), ("experts", "embed", "expert_mlp")),
                   "w3": ((e, d, f), ("experts", "embed", "expert_mlp")),

@@ -526,13 +526,16 @@ def _tile_rows(sched, rows: int):
     return index, index < sched[2][:, None]
 
 
-def sorted_inputs(lhs, sched, blocks: HopperMxfp4Blocks):
+def sorted_inputs(lhs, sched, blocks: HopperMxfp4Blocks, row_source=None):
     """The activations a launch over `sched` reads, bf16 in `k_order`: per tile its own slab
     [T, rows, K] (zeros past the tile's last row), or with `blocks.activations="rows"` the sorted rows in place;
-    and the row of lhs each tile's output column 0 holds [T]."""
-    m, tm = lhs.shape[0], blocks.rows
+    and the row of lhs each tile's output column 0 holds [T]. `row_source`: optional [M] int, the row of lhs that
+    sorted row r is (lhs then unsorted: its rows are reordered and gathered once, straight into the slabs);
+    default lhs's rows are the sorted rows."""
+    m, tm = lhs.shape[0] if row_source is None else row_source.shape[0], blocks.rows
     ordered = k_order(lhs.astype(jnp.bfloat16), blocks)
     if blocks.activations == "rows":
+        ordered = ordered if row_source is None else ordered[row_source]
         return _in_place_rows(ordered, tm), sched[1] // ALIGN * ALIGN
     rows, live = _tile_rows(sched, tm)
     # Each tile's rows as its own slab (zeros past the tile's last row): the activations a program
@@ -543,6 +546,7 @@ def sorted_inputs(lhs, sched, blocks: HopperMxfp4Blocks):
     # 64 tokens of Kimi-Linear with outputs="rows": the gate/up and down slabs 36 and 16 us; run 40, the model's
     # decode at B = 16 with the GLU hand-off, whose gated launch writes tiles: 17 us a layer against 4).
     source = jnp.minimum(rows, m - 1)
+    source = source if row_source is None else row_source[source]
     ordered, source, live = _settled(ordered, source, live)
     return jnp.where(live[..., None], ordered[source], 0), sched[1]
 

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.moe_gmm.activation import GluSpec
-from pallas_kernels.moe_gmm.hopper_mxfp4 import (HandOffColumns, Mxfp4Columns, check_operands, k_order, launch,
-                                                 products_by_row)
+from pallas_kernels.moe_gmm.hopper_mxfp4 import (HandOffColumns, Mxfp4Columns, check_operands, launch,
+                                                 products_by_row, sorted_inputs)
 from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import hand_off_settings
 from pallas_kernels.moe_gmm.schedule import tile_schedule_of_keys
 
@@ -87,14 +87,9 @@ def routed_mlp_hopper_mxfp4(x, weights, experts, w_gate: HandOffColumns, w_up: H
     order, rank = routing_order(key, g + 1)
     tiles = tile_schedule_of_keys(key, g, up_blocks.rows)
     sched = jnp.concatenate([tiles, tiles[1:2]])            # `sorted_schedule`'s [4, T]: a tile's rows are its own
-    # Each tile's slab straight from x: slab row i of tile t is sorted row first_t + i, token order[..] // X.
-    # The slab rows' tokens and liveness are written out first (XLA would otherwise recompute the schedule for
-    # every element of the slabs), and so are x's inputs in `k_order` (on its N rows, not the N*X sorted ones):
-    # the gather then copies whole contiguous rows, as `sorted_inputs`' does.
-    slab_rows = sched[1][:, None] + jnp.arange(up_blocks.rows, dtype=jnp.int32)[None, :]
-    token, live = order[jnp.minimum(slab_rows, p - 1)] // k, slab_rows < sched[2][:, None]
-    ordered, token, live = lax.optimization_barrier((k_order(x.astype(jnp.bfloat16), up_blocks), token, live))
-    slabs = jnp.where(live[..., None], ordered[token], 0)                                  # [T, rows, D]
+    # Each tile's slab straight from x (x's inputs put in `k_order` on its N rows, not the N*X sorted ones): sorted
+    # row r is token order[r] // X.
+    slabs, _ = sorted_inputs(x, sched, up_blocks, row_source=order // k)                 # [T, rows, D]
     h = launch(sched, slabs, (w_gate, w_up), p, up_blocks, interpreted, sorted_rows=True, glu_spec=spec)
     out = launch(sched, h, (w_down,), p, down_blocks, interpreted, sorted_rows=True)
     if down_blocks.outputs == "rows":
