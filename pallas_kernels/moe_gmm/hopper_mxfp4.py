@@ -615,6 +615,10 @@ def check_operands(lhs, weights, group_sizes, blocks: HopperMxfp4Blocks, permute
             raise ValueError("hopper MXFP4 matmul: hand_off='glu' takes the gate and up weights from "
                              f"hand_off_columns (columns in a hand-off order), got {type(w).__name__}")
         _validated(w)
+    if permuted and len({type(w) for w in weights}) > 1:
+        raise ValueError("hopper MXFP4 matmul: the gate and up weights are in different hand-off orders ("
+                         f"{', '.join(type(w).__name__ for w in weights)}); give both the same "
+                         "hand_off_columns(.., code_load=...)")
     g, k, n = weights[0].shape
     if any(w.shape != weights[0].shape for w in weights):
         raise ValueError(f"hopper MXFP4 matmul: gate and up weights differ: {[w.shape for w in weights]}")

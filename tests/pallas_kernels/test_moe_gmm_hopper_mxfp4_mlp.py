@@ -225,6 +225,9 @@ def test_refuses_what_it_cannot_hand_off(rng):
     with pytest.raises(ValueError, match="code_load='pairs' does not read"):
         grouped_mlp_hopper_mxfp4(x, hand_off_columns(wg, "words"), hand_off_columns(wu, "words"), wd, sizes,
                                  interpret=True, hand_off="glu")
+    mixed = r"different hand-off orders \(HandOffColumns, WordHandOffColumns\)"
+    with pytest.raises(ValueError, match=mixed):
+        grouped_mlp_hopper_mxfp4(x, pg, hand_off_columns(wu, "words"), wd, sizes, interpret=True, hand_off="glu")
     with pytest.raises(ValueError, match="GLU epilogue needs each tile's whole K in one program; got splits=2"):
         grouped_mlp_hopper_mxfp4(x, pg, pu, wd, sizes, interpret=True, hand_off="glu",
                                  blocks=HopperMxfp4Blocks(block_k=128, splits=2, decode="exact", a_operand="smem"))

@@ -121,6 +121,8 @@ def test_refuses_what_it_cannot_route(rng):
         routed_mlp_hopper_mxfp4(x[:3], weights, experts, hg, hu, wd, interpret=True)
     with pytest.raises(ValueError, match="hand_off='glu' takes the gate and up weights from hand_off_columns"):
         routed_mlp_hopper_mxfp4(x, weights, experts, wg, wu, wd, interpret=True)
+    with pytest.raises(ValueError, match=r"different hand-off orders \(HandOffColumns, WordHandOffColumns\)"):
+        routed_mlp_hopper_mxfp4(x, weights, experts, hg, hand_off_columns(wu, "words"), wd, interpret=True)
     with pytest.raises(ValueError, match="w_down must be plain Mxfp4Columns"):
         routed_mlp_hopper_mxfp4(x, weights, experts, hg, hu, hand_off_columns(wd), interpret=True)
     with pytest.raises(ValueError, match=r"expected x \[N, D\] with weights and experts \[N, X\]"):
