@@ -25,7 +25,8 @@ up to 8 tokens, sorted rows above), beside the Pallas-Triton MXFP4 kernels of th
 `--hopper-handoff` also each setting that reads slabs with the gated launch handing its tiles to the down launch
 (`hopper_mxfp4_mlp.grouped_mlp_hopper_mxfp4`), rows marked "handoff": "products"; with the GLU in the gated
 launch's epilogue, "handoff": "glu"; and (`--handoff-forms routed`) the GLU hand-off from the unsorted pairs
-(`hopper_mxfp4_routed.routed_mlp_hopper_mxfp4`, the model's path), "handoff": "routed".
+(`hopper_mxfp4_routed.routed_mlp_hopper_mxfp4`, the model's path), "handoff": "routed"; `routed_sort`: the same
+with the pairs ordered by its sort (the reference) instead of counting.
 """
 
 from __future__ import annotations
@@ -178,6 +179,14 @@ def experts_mlp_routed(x, weights, experts, c1, c3, c2, blocks=None):
     return routed_mlp_hopper_mxfp4(x, weights, experts, c1, c3, c2, blocks=blocks)
 
 
+def experts_mlp_routed_sort(x, weights, experts, c1, c3, c2, blocks=None):
+    """`experts_mlp_routed` with the pairs put in expert order by the packed-key sort (`order_by="sort"`, the
+    reference) instead of counting."""
+    if experts.shape[0] <= 8:
+        return experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks)
+    return routed_mlp_hopper_mxfp4(x, weights, experts, c1, c3, c2, blocks=blocks, order_by="sort")
+
+
 def profile(fn, args) -> dict:
     """The device microseconds of each kernel one call launches (every one, longest first) and the call's device
     span (kernels plus the gaps between them); {} off a GPU, the error where the trace fails."""
@@ -202,7 +211,8 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
     HOPPER_SWEEP setting (those at the indices `pick`, default all); with `handoff`, after each setting that reads
     slabs more rows, through `experts_mlp_handoff` ("handoff": "products"), `experts_mlp_handoff_glu` ("glu": the
     gate and up columns permuted once, outside the timed call, as the loader would; grid launches with `splits` 0
-    or 1, and persistent ones) and `experts_mlp_routed` ("routed": the same columns and launches); above 8 tokens
+    or 1, and persistent ones), `experts_mlp_routed` ("routed": the same columns and launches) and
+    `experts_mlp_routed_sort` ("routed_sort": it with the pairs ordered by a sort); above 8 tokens
     only; `handoff_forms`: which of them. A setting
     that fails to compile or run (K not a multiple of its block_k, say) is recorded with its error. `unrolled`:
     each row also timed with its 20 chained calls one after another in one program (`ms_unrolled`), as the layers of
@@ -215,7 +225,7 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
         settings = [HopperMxfp4Blocks.for_backend(True, block_k=128)]
     handoff = handoff and experts.shape[0] > 8              # up to 8 tokens the pairs run, with no hand-off
     forms = {experts_mlp_hopper: False, experts_mlp_handoff: "products", experts_mlp_handoff_glu: "glu",
-             experts_mlp_routed: "routed"}
+             experts_mlp_routed: "routed", experts_mlp_routed_sort: "routed_sort"}
     glu_takes = lambda b: b is None or b.launch == "persistent" or b.splits in (0, 1)   # the GLU epilogue's launches
     runs = [(mlp, b) for b in settings for mlp in forms
             if mlp is experts_mlp_hopper or (handoff and forms[mlp] in handoff_forms
@@ -226,7 +236,7 @@ def time_hopper(row, x, weights, experts, columns, nbytes, reference, sweep: boo
     for mlp, blocks in runs:
         label = f"{blocks}" + (f" handoff {forms[mlp]}" if forms[mlp] else "")
         cols = columns
-        if forms[mlp] in ("glu", "routed"):
+        if forms[mlp] in ("glu", "routed", "routed_sort"):
             load = "pairs" if blocks is None else blocks.code_load
             if load not in glu_columns:
                 glu_columns[load] = (hand_off_columns(columns[0], load), hand_off_columns(columns[1], load),
@@ -344,7 +354,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hopper-handoff", action="store_true",
                     help="also each Mosaic GPU setting that reads slabs with the gated launch handing its tiles to "
                          "the down launch (grouped_mlp_hopper_mxfp4)")
-    ap.add_argument("--handoff-forms", nargs="+", choices=("products", "glu", "routed"), default=["products", "glu"],
+    ap.add_argument("--handoff-forms", nargs="+", choices=("products", "glu", "routed", "routed_sort"), default=["products", "glu"],
                     help="which hand-offs --hopper-handoff times (default products and glu)")
     ap.add_argument("--hopper-pick", nargs="+", type=int,
                     help="only these indices of HOPPER_SWEEP (implies --hopper-sweep)")

@@ -6,8 +6,10 @@ order, gathers the routing weights into sorted order, and afterwards puts the ro
 each token's. Inside it, the sorted rows are put in `k_order` and gathered again into slabs, and rows past the
 groups are masked to zero. Here instead:
 
-- the pairs are ordered by one single-operand sort of (expert, pair) packed into one int32 key
-  (`routing_order`; XLA's stable argsort sorts two operands);
+- the pairs are ordered (`routing_order`) by counting, for each pair, the pairs before it in (expert, pair)
+  order: one [P, P] comparison reduced in one fusion, for up to `COUNT_MAX_PAIRS` pairs (decode). Past that, by
+  one single-operand sort of (expert, pair) packed into one int32 key (XLA's stable argsort sorts two operands;
+  its sort of 512 keys took 5 us on an H100, in five kernels with the packing and unpacking around it);
 - the tiles are counted from the experts themselves (`schedule.tile_schedule_of_keys`): no group sizes and no
   cumulative sums;
 - x's inputs are put in `k_order` on its N token rows, not the N*X sorted ones, and each slab row is gathered
@@ -34,25 +36,41 @@ from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import hand_off_settings
 from pallas_kernels.moe_gmm.schedule import tile_schedule_of_keys
 
 _INT32_MAX = 2 ** 31 - 1
+COUNT_MAX_PAIRS = 1024          # `routing_order`'s "auto": count up to this many pairs ([P, P] comparisons), else sort
+ORDER_METHODS = ("auto", "count", "sort")
 
 
-def routing_order(key, num_keys: int):
+def routing_order(key, num_keys: int, method: str = "auto"):
     """(order [P]: the pairs sorted by key, ties in pair order; rank [P]: pair p's sorted row, order's inverse)
-    for keys [P] int32 in [0, num_keys). One single-operand sort of key * P + p (unique values, so the order is
-    stable) where that fits in int32, else XLA's stable argsort of the keys."""
+    for keys [P] int32 in [0, num_keys).
+
+    method: "count": rank[p] is the number of pairs before p in (key, pair) order, one [P, P] comparison reduced in
+    one fusion, and order its inverse by a scatter; "sort" (the reference): one single-operand sort of key * P + p
+    (unique values, so the order is stable) where that fits in int32, else XLA's stable argsort of the keys, and
+    rank its inverse by a scatter; "auto": "count" up to `COUNT_MAX_PAIRS` pairs, else "sort"."""
+    if method not in ORDER_METHODS:
+        raise ValueError(f"routing_order: method must be one of {ORDER_METHODS}, got {method!r}")
     p = key.shape[0]
+    key = key.astype(jnp.int32)
     index = jnp.arange(p, dtype=jnp.int32)
+    if method == "count" or (method == "auto" and p <= COUNT_MAX_PAIRS):
+        mine, theirs = key[:, None], key[None, :]
+        before = (theirs < mine) | ((theirs == mine) & (index[None, :] < index[:, None]))
+        rank = jnp.sum(before, axis=1, dtype=jnp.int32)
+        order = jnp.zeros_like(rank).at[rank].set(index, unique_indices=True)
+        return order, rank
     if num_keys * p <= _INT32_MAX:
-        order = lax.sort(key.astype(jnp.int32) * p + index) % p
+        order = lax.sort(key * p + index) % p
     else:
         order = jnp.argsort(key, stable=True).astype(jnp.int32)
     rank = jnp.zeros_like(order).at[order].set(index, unique_indices=True)
     return order, rank
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret", "order_by"))
 def routed_mlp_hopper_mxfp4(x, weights, experts, w_gate: HandOffColumns, w_up: HandOffColumns, w_down: Mxfp4Columns,
-                            *, spec: GluSpec = GluSpec(), blocks=None, interpret: bool | None = None):
+                            *, spec: GluSpec = GluSpec(), blocks=None, interpret: bool | None = None,
+                            order_by: str = "auto"):
     """y[n] = sum_j weights[n, j] * act(x[n] @ W_gate[e], x[n] @ W_up[e]) @ W_down[e], e = experts[n, j], over the
     pairs whose expert is one of this call's [0, G); the others (another shard's experts) add nothing.
 
@@ -62,6 +80,7 @@ def routed_mlp_hopper_mxfp4(x, weights, experts, w_gate: HandOffColumns, w_up: H
       w_gate, w_up: `HandOffColumns` of [G, D, F] (`hand_off_columns`); w_down: `Mxfp4Columns` of [G, F, D'].
       spec: the GLU. blocks: both launches' settings as `grouped_mlp_hopper_mxfp4` takes them (default each
         projection's `HopperMxfp4Blocks.for_backend` for N*X rows). interpret: default off the GPU.
+      order_by: how the pairs are put in expert order (`routing_order`'s method: "auto", "count", "sort").
     Returns:
       [N, D'] fp32.
     """
@@ -84,7 +103,7 @@ def routed_mlp_hopper_mxfp4(x, weights, experts, w_gate: HandOffColumns, w_up: H
     flat = experts.reshape(-1)
     local = (flat >= 0) & (flat < g)
     key = jnp.where(local, flat, g).astype(jnp.int32)                  # other shards' pairs sort last
-    order, rank = routing_order(key, g + 1)
+    order, rank = routing_order(key, g + 1, order_by)
     tiles = tile_schedule_of_keys(key, g, up_blocks.rows)
     sched = jnp.concatenate([tiles, tiles[1:2]])            # `sorted_schedule`'s [4, T]: a tile's rows are its own
     # Each tile's slab straight from x (x's inputs put in `k_order` on its N rows, not the N*X sorted ones): sorted

@@ -35,13 +35,14 @@ def tile_schedule(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Ar
 
 def tile_schedule_of_keys(key: jax.Array, num_groups: int, block_m: int) -> jax.Array:
     """`tile_schedule` of the rows `key` [M] int32 (in [0, G]; G: a row of no group) puts in order, counted from the
-    keys themselves: each group's first and end row as the keys below and up to it ([G, M] comparisons, one
-    fusion), the tiles before each group's end by a [G, G] triangle. No group sizes and no cumulative sums (XLA's
-    reduce-window, a kernel each) on the way. The same [3, T] for T = `max_tiles(M, G, block_m)`."""
-    g = jnp.arange(num_groups, dtype=jnp.int32)
+    keys themselves: the keys below each g in [0, G] ([G + 1, M] comparisons reduced in one fusion) are group g's
+    first row and group g - 1's end row; the tiles before each group's end by a [G, G] triangle. No group sizes
+    and no cumulative sums (XLA's reduce-window, a kernel each) on the way. The same [3, T] for
+    T = `max_tiles(M, G, block_m)`."""
     key = key.astype(jnp.int32)
-    starts = jnp.sum(key[None, :] < g[:, None], axis=1, dtype=jnp.int32)
-    ends = jnp.sum(key[None, :] <= g[:, None], axis=1, dtype=jnp.int32)
+    below = jnp.sum(key[None, :] < jnp.arange(num_groups + 1, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
+    starts, ends = below[:-1], below[1:]
+    g = jnp.arange(num_groups, dtype=jnp.int32)
     tiles = (ends - starts + block_m - 1) // block_m
     tile_end = jnp.sum(jnp.where(g[None, :] <= g[:, None], tiles[None, :], 0), axis=1, dtype=jnp.int32)
     return _tiles(starts, ends, tiles, tile_end, key.shape[0], block_m)

@@ -15,7 +15,7 @@ from pallas_kernels.moe_gmm import GluSpec, Mxfp4Weight, glu
 from pallas_kernels.moe_gmm.hopper_mxfp4 import HandOffColumns, HopperMxfp4Blocks, Mxfp4Columns, to_columns
 from pallas_kernels.moe_gmm.hopper_mxfp4_decode import SCALED_MAX_SCALE
 from pallas_kernels.moe_gmm.hopper_mxfp4_mlp import grouped_mlp_hopper_mxfp4, hand_off_columns
-from pallas_kernels.moe_gmm.hopper_mxfp4_routed import routed_mlp_hopper_mxfp4, routing_order
+from pallas_kernels.moe_gmm.hopper_mxfp4_routed import COUNT_MAX_PAIRS, routed_mlp_hopper_mxfp4, routing_order
 from pallas_kernels.moe_gmm.mxfp4 import dequantize
 
 SITU = GluSpec("situ", situ_beta=4.0, situ_linear_beta=8.0)
@@ -104,13 +104,22 @@ def test_routed_defaults(rng, interpret):
                                                                            None, interpret)))
 
 
-@pytest.mark.parametrize("num_keys", [9, 2 ** 28])
-def test_routing_order_is_a_stable_sort_and_its_inverse(rng, num_keys):
-    """The packed single-operand sort (keys that fit) and the argsort past int32: numpy's stable order."""
+@pytest.mark.parametrize("num_keys, method", [(9, "count"), (9, "sort"), (2 ** 28, "sort"), (9, "auto")])
+def test_routing_order_is_a_stable_sort_and_its_inverse(rng, num_keys, method):
+    """Counting, the packed single-operand sort (keys that fit) and the argsort past int32: numpy's stable order."""
     key = rng.integers(0, 9, (300,)).astype(np.int32)
-    order, rank = jax.jit(routing_order, static_argnums=1)(jnp.asarray(key), num_keys)
+    order, rank = jax.jit(routing_order, static_argnums=(1, 2))(jnp.asarray(key), num_keys, method)
     np.testing.assert_array_equal(np.asarray(order), np.argsort(key, kind="stable"))
     np.testing.assert_array_equal(np.asarray(rank), np.argsort(np.argsort(key, kind="stable")))
+
+
+def test_routing_order_counts_up_to_its_bound_and_sorts_past_it():
+    """"auto" lowers to [P, P] comparisons (no sort) up to COUNT_MAX_PAIRS pairs and to one sort past them."""
+    for pairs, sorts in ((COUNT_MAX_PAIRS, False), (COUNT_MAX_PAIRS + 8, True)):
+        text = jax.jit(routing_order, static_argnums=1).lower(jnp.zeros((pairs,), jnp.int32), 9).as_text()
+        assert ("stablehlo.sort" in text) == sorts, (pairs, sorts)
+    with pytest.raises(ValueError, match="routing_order: method must be one of"):
+        routing_order(jnp.zeros((4,), jnp.int32), 9, "radix")
 
 
 def test_refuses_what_it_cannot_route(rng):
