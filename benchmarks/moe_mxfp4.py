@@ -354,7 +354,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hopper-handoff", action="store_true",
                     help="also each Mosaic GPU setting that reads slabs with the gated launch handing its tiles to "
                          "the down launch (grouped_mlp_hopper_mxfp4)")
-    ap.add_argument("--handoff-forms", nargs="+", choices=("products", "glu", "routed", "routed_sort"), default=["products", "glu"],
+    ap.add_argument("--handoff-forms", nargs="+", choices=("products", "glu", "routed", "routed_sort"),
+                    default=["products", "glu"],
                     help="which hand-offs --hopper-handoff times (default products and glu)")
     ap.add_argument("--hopper-pick", nargs="+", type=int,
                     help="only these indices of HOPPER_SWEEP (implies --hopper-sweep)")

@@ -1167,13 +1167,70 @@ def plot_run41(out: str) -> str:
     return _save(fig, os.path.join(out, "run41.png"))
 
 
+RUN42_MEDIANS = "moe_hopper_median_run42a_0933548.json"
+RUN42_PROFILE = "moe_mxfp4_run42b_0933548.json"
+# The routed call's XLA kernels in run 42b's profile by what they do (names from its optimised HLO).
+RUN42_ROLES = {"ordering (sort)": ("sort", "loop_add_broadcast_fusion", "MemcpyD2D", "loop_compare_select_fusion",
+                                   "input_scatter_fusion"),
+               "tile schedule": ("loop_compare_fusion", "input_reduce_fusion", "loop_select_fusion_1",
+                                 "input_concatenate_fusion", "loop_compare_gather_fusion"),
+               "slabs": ("loop_transpose_fusion", "loop_select_fusion"),
+               "combine": ("loop_reduce_fusion",)}
+
+
+def _run42_role(kernel: str) -> str:
+    for role, names in RUN42_ROLES.items():
+        if any(kernel == n or (n in ("sort", "input_reduce_fusion") and kernel.startswith(n)) for n in names):
+            return role
+    return "other"
+
+
+def plot_run42(out: str) -> str:
+    """Run 42 (H100, 64 tokens of Kimi-Linear's MXFP4 experts). Left: each form's call, % of 4.3 TB/s unrolled in
+    five runs (dots) and their median (bars). Right: the routed call's XLA kernels (its glue) from 42b's profile,
+    coloured by what they do."""
+    import numpy as np
+
+    rows = _load(RUN42_MEDIANS, H100)["rows"]
+    names = {"none": "sorted rows,\nno hand-off", "glu": "GLU hand-off", "routed": "routed (sort)"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
+    x = np.arange(len(rows))
+    bars = left.bar(x, [r["pct_unrolled_median"] for r in rows], 0.6, color="C0", label="median of five")
+    left.bar_label(bars, fmt="%.1f", fontsize=8)
+    for j, r in enumerate(rows):
+        left.plot([j] * len(r["pct_unrolled_each"]), r["pct_unrolled_each"], "o", color="C3", ms=4,
+                  label="each run" if j == 0 else None)
+    _bar_axes(left, x, [names.get(r["handoff"], r["handoff"]) for r in rows],
+              "% of 4.3 TB/s in packed bytes (unrolled)", "the call, five runs (42a)")
+    left.set_ylim(45, 60)
+    profile = next(r["profile"] for r in _load(RUN42_PROFILE, H100)["hopper"] if r.get("handoff") == "routed")
+    glue = sorted(((k, v) for k, v in profile["kernels_us"].items() if "mosaic" not in k),
+                  key=lambda kv: (list(RUN42_ROLES).index(_run42_role(kv[0])) if _run42_role(kv[0]) in RUN42_ROLES
+                                  else len(RUN42_ROLES), -kv[1]))
+    roles = list(RUN42_ROLES) + ["other"]
+    colors = [f"C{roles.index(_run42_role(k))}" for k, _ in glue]
+    y = np.arange(len(glue))
+    right.barh(y, [v for _, v in glue], color=colors)
+    right.set_yticks(y, [k for k, _ in glue], fontsize=7)
+    right.invert_yaxis()
+    for i, role in enumerate(roles):
+        if any(_run42_role(k) == role for k, _ in glue):
+            right.barh([0], [0], color=f"C{i}", label=role)
+    right.legend(fontsize=8)
+    right.set_xlabel("us a call")
+    right.set_title(f"the routed call's glue: {profile['glue_us']} us in {len(glue)} kernel names, idle "
+                    f"{profile['idle_us']} us (42b)", fontsize=10)
+    fig.suptitle("Run 42, one H100: Kimi-Linear's MXFP4 experts at 64 tokens, 224 experts touched", fontsize=10)
+    return _save(fig, os.path.join(out, "run42.png"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["decode", "moe", "speculative", "prefill", "mla", "mla-step", "kda-intra",
                                       "kda-kernels", "kda-diagonal", "kda-band", "kda-tile-solve", "kda-handoff",
                                       "kda-sweep", "kda-run30", "kda-run31", "run32", "run33", "run34",
-                                      "run35", "run36", "run37", "run38", "run39", "run40", "run41", "kda-scaling",
-                                      "kda-stages",
+                                      "run35", "run36", "run37", "run38", "run39", "run40", "run41", "run42",
+                                      "kda-scaling", "kda-stages",
                                       "kda-tiles",
                                       "mla-merge", "mxfp4", "load-processes",
                                       "server", "all"])
@@ -1188,6 +1245,7 @@ def main(argv=None) -> int:
                      ("run32", plot_run32), ("run33", plot_run33), ("run34", plot_run34),
                      ("run35", plot_run35), ("run36", plot_run36), ("run37", plot_run37),
                      ("run38", plot_run38), ("run39", plot_run39), ("run40", plot_run40), ("run41", plot_run41),
+                     ("run42", plot_run42),
                      ("kda-scaling", plot_kda_scaling),
                      ("kda-stages", plot_kda_stages), ("kda-tiles", plot_kda_tiles), ("mla-merge", plot_mla_merge),
                      ("mxfp4", plot_mxfp4), ("load-processes", plot_load_processes)):
