@@ -172,7 +172,7 @@ def experts_mlp_handoff_glu(x, weights, experts, c1, c3, c2, blocks=None):
 
 
 def experts_mlp_routed(x, weights, experts, c1, c3, c2, blocks=None):
-    """The GLU hand-off from the unsorted pairs (`routed_mlp_hopper_mxfp4`: its own sort, slabs and combine, as the
+    """The GLU hand-off from the unsorted pairs (`routed_mlp_hopper_mxfp4`: its own ordering, slabs and combine, as the
     model runs it) above 8 tokens; c1, c3 as `hand_off_columns` gives them."""
     if experts.shape[0] <= 8:
         return experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks)

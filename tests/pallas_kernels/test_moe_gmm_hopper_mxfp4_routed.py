@@ -94,12 +94,14 @@ def test_routed_equals_the_sorted_call_and_each_pairs_mlp(rng, interpret, n, k, 
         assert not np.asarray(out).any()
 
 
-def test_routed_defaults(rng, interpret):
-    """No settings given: the hand-off's defaults for N*X sorted rows (the down launch writing rows on a GPU)."""
+@pytest.mark.parametrize("order_by", ["auto", "sort"])
+def test_routed_defaults(rng, interpret, order_by):
+    """No settings given: the hand-off's defaults for N*X sorted rows (the down launch writing rows on a GPU), the
+    pairs put in order by counting ("auto" at 20 pairs) and by the sort."""
     x, weights, experts, packed = _problem(rng, 10, 2, 4, 256, 256, 128, jnp.bfloat16, 2, 6)
     wg, wu, wd = (to_columns(w) for w in packed)
     columns = (hand_off_columns(wg), hand_off_columns(wu), wd)
-    out = routed_mlp_hopper_mxfp4(x, weights, experts, *columns, interpret=interpret)
+    out = routed_mlp_hopper_mxfp4(x, weights, experts, *columns, interpret=interpret, order_by=order_by)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(_sorted_call(x, weights, experts, columns, GluSpec(),
                                                                            None, interpret)))
 
@@ -146,10 +148,10 @@ def test_refuses_what_it_cannot_route(rng):
                                 blocks=HopperMxfp4Blocks(code_load="words", **exact))
 
 
-@pytest.mark.parametrize("tokens", [64, 13])
-def test_routed_lowers_for_cuda_on_any_host(tokens):
+@pytest.mark.parametrize("tokens, order_by", [(64, "auto"), (13, "auto"), (64, "sort")])
+def test_routed_lowers_for_cuda_on_any_host(tokens, order_by):
     """The compiled defaults (8-row decode tiles at 64 tokens of 8 pairs over 16 experts; 16-row ones at 13 tokens
-    of 8 over 4), lowered for CUDA: both Mosaic GPU launches in the module."""
+    of 8 over 4), lowered for CUDA: both Mosaic GPU launches in the module, a sort only where asked for."""
     k, f, d, g = 512, 256, 128, 16 if tokens == 64 else 4
     args = (jax.ShapeDtypeStruct((tokens, k), jnp.bfloat16), jax.ShapeDtypeStruct((tokens, 8), jnp.float32),
             jax.ShapeDtypeStruct((tokens, 8), jnp.int32), jax.ShapeDtypeStruct((g, f, k // 2), jnp.uint8),
@@ -158,9 +160,10 @@ def test_routed_lowers_for_cuda_on_any_host(tokens):
 
     def mlp(x, weights, experts, p, s, p_down, s_down):
         return routed_mlp_hopper_mxfp4(x, weights, experts, HandOffColumns(p, s), HandOffColumns(p, s),
-                                       Mxfp4Columns(p_down, s_down), interpret=False)
+                                       Mxfp4Columns(p_down, s_down), interpret=False, order_by=order_by)
 
     module = jax.export.export(jax.jit(mlp), platforms=["cuda"])(*args).mlir_module()
     assert module.count("mosaic_gpu") >= 2
+    assert ("stablehlo.sort" in module) == (order_by == "sort")
     # named for profiles: the gated launch with the GLU, the down launch (the model's scope in their names)
     assert "routed_experts_mxfp4_glu_mosaic_gpu" in module and "routed_experts_mxfp4_matmul_mosaic_gpu" in module
