@@ -100,12 +100,13 @@ for step in "$@"; do
           done
           python3 benchmarks/median_runs.py "$W"/repeat*/moe_mxfp4.json --json "$W/moe_hopper_median.json" \
               | tee "$W/moe_hopper_median.md" ;;
-    moe-hopper-hlo) rm -rf /tmp/hlo
-          XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" OUT=$W timeout ${HLO_LIMIT:-150} \
+    # (its JSON in $W/hlo, beside the modules: not over a moe-hopper step's $W/moe_mxfp4.json)
+    moe-hopper-hlo) rm -rf /tmp/hlo; mkdir -p "$W/hlo"
+          XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" OUT=$W/hlo timeout ${HLO_LIMIT:-150} \
               python3 benchmarks/moe_mxfp4.py --hopper --models kimi-linear --tokens ${HOPPER_TOKENS:-64} \
               --profile ${HLO_ARGS:-} 2>&1 | quiet | tail -6 | tee "$W/moe_hopper_hlo.log"
           # the optimised modules that launch the Mosaic GPU kernel: which XLA fusions build its inputs and outputs
-          mkdir -p "$W/hlo"; grep -l "mosaic_gpu" /tmp/hlo/*after_optimizations.txt 2>/dev/null \
+          grep -l "mosaic_gpu" /tmp/hlo/*after_optimizations.txt 2>/dev/null \
               | xargs -r -I{} cp {} "$W/hlo/" ;;
     hopper-sass) OUT=$W timeout ${SASS_LIMIT:-120} python3 benchmarks/hopper_mxfp4_sass.py --out "$W/sass" \
               ${SASS_FORMS:+--forms} ${SASS_FORMS:-} 2>&1 | quiet \
