@@ -171,20 +171,16 @@ def experts_mlp_handoff_glu(x, weights, experts, c1, c3, c2, blocks=None):
     return experts_mlp_handoff(x, weights, experts, c1, c3, c2, blocks, hand_off="glu")
 
 
-def experts_mlp_routed(x, weights, experts, c1, c3, c2, blocks=None):
-    """The GLU hand-off from the unsorted pairs (`routed_mlp_hopper_mxfp4`: its own ordering, slabs and combine, as the
-    model runs it) above 8 tokens; c1, c3 as `hand_off_columns` gives them."""
+def experts_mlp_routed(x, weights, experts, c1, c3, c2, blocks=None, order_by="auto"):
+    """The GLU hand-off from the unsorted pairs (`routed_mlp_hopper_mxfp4`: its own ordering, slabs and combine, as
+    the model runs it) above 8 tokens; c1, c3 as `hand_off_columns` gives them. order_by: `routing_order`'s method."""
     if experts.shape[0] <= 8:
         return experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks)
-    return routed_mlp_hopper_mxfp4(x, weights, experts, c1, c3, c2, blocks=blocks)
+    return routed_mlp_hopper_mxfp4(x, weights, experts, c1, c3, c2, blocks=blocks, order_by=order_by)
 
 
-def experts_mlp_routed_sort(x, weights, experts, c1, c3, c2, blocks=None):
-    """`experts_mlp_routed` with the pairs put in expert order by the packed-key sort (`order_by="sort"`, the
-    reference) instead of counting."""
-    if experts.shape[0] <= 8:
-        return experts_mlp_hopper(x, weights, experts, c1, c3, c2, blocks)
-    return routed_mlp_hopper_mxfp4(x, weights, experts, c1, c3, c2, blocks=blocks, order_by="sort")
+# the same with the pairs put in expert order by the packed-key sort (the reference) instead of counting
+experts_mlp_routed_sort = functools.partial(experts_mlp_routed, order_by="sort")
 
 
 def profile(fn, args) -> dict:

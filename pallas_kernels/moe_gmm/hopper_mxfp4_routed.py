@@ -7,7 +7,7 @@ each token's. Inside it, the sorted rows are put in `k_order` and gathered again
 groups are masked to zero. Here instead:
 
 - the pairs are ordered (`routing_order`) by counting, for each pair, the pairs before it in (expert, pair)
-  order: one [P, P] comparison reduced in one fusion, for up to `COUNT_MAX_PAIRS` pairs (decode). Past that, by
+  order: one [P, P] comparison reduced (one fusion expected), for up to `COUNT_MAX_PAIRS` pairs (decode). Past that, by
   one single-operand sort of (expert, pair) packed into one int32 key (XLA's stable argsort sorts two operands;
   its sort of 512 keys took 5 us on an H100, in five kernels with the packing and unpacking around it);
 - the tiles are counted from the experts themselves (`schedule.tile_schedule_of_keys`): no group sizes and no
@@ -44,8 +44,8 @@ def routing_order(key, num_keys: int, method: str = "auto"):
     """(order [P]: the pairs sorted by key, ties in pair order; rank [P]: pair p's sorted row, order's inverse)
     for keys [P] int32 in [0, num_keys).
 
-    method: "count": rank[p] is the number of pairs before p in (key, pair) order, one [P, P] comparison reduced in
-    one fusion, and order its inverse by a scatter; "sort" (the reference): one single-operand sort of key * P + p
+    method: "count": rank[p] is the number of pairs before p in (key, pair) order, one [P, P] comparison reduced (one
+    fusion expected), and order its inverse by a scatter; "sort" (the reference): one single-operand sort of key * P + p
     (unique values, so the order is stable) where that fits in int32, else XLA's stable argsort of the keys, and
     rank its inverse by a scatter; "auto": "count" up to `COUNT_MAX_PAIRS` pairs, else "sort"."""
     if method not in ORDER_METHODS:
@@ -53,18 +53,20 @@ def routing_order(key, num_keys: int, method: str = "auto"):
     p = key.shape[0]
     key = key.astype(jnp.int32)
     index = jnp.arange(p, dtype=jnp.int32)
+
+    def inverse(perm):                                    # the permutation q with q[perm[i]] = i
+        return jnp.zeros_like(perm).at[perm].set(index, unique_indices=True)
+
     if method == "count" or (method == "auto" and p <= COUNT_MAX_PAIRS):
         mine, theirs = key[:, None], key[None, :]
-        before = (theirs < mine) | ((theirs == mine) & (index[None, :] < index[:, None]))
-        rank = jnp.sum(before, axis=1, dtype=jnp.int32)
-        order = jnp.zeros_like(rank).at[rank].set(index, unique_indices=True)
-        return order, rank
+        rank = jnp.sum((theirs < mine) | ((theirs == mine) & (index[None, :] < index[:, None])), axis=1,
+                       dtype=jnp.int32)
+        return inverse(rank), rank
     if num_keys * p <= _INT32_MAX:
         order = lax.sort(key * p + index) % p
     else:
         order = jnp.argsort(key, stable=True).astype(jnp.int32)
-    rank = jnp.zeros_like(order).at[order].set(index, unique_indices=True)
-    return order, rank
+    return order, inverse(order)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "blocks", "interpret", "order_by"))
